@@ -1,0 +1,5 @@
+import sys
+
+from aidaptiv_ds.cli import main
+
+sys.exit(main())

@@ -1,0 +1,41 @@
+"""The ``aidaptiv-ds`` command: one subcommand per job, each in its own module.
+
+Each subcommand module offers ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported
+only when their subcommand is built, and heavy imports (torch, deepspeed) happen inside ``run``.
+"""
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "train": ("aidaptiv_ds.train", "fine-tune a causal LM with DeepSpeed ZeRO-3 (and our NVMe swapper)"),
+    "io-bench": ("aidaptiv_ds.harness.io_bench", "measure NVMe read/write bandwidth of the I/O engines"),
+    "sweep": ("aidaptiv_ds.harness.sweep", "run a batch x sequence x GPU grid against the baselines"),
+    "report": ("aidaptiv_ds.harness.report", "make tables and plots from a sweep's results.jsonl"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aidaptiv-ds",
+        description="Fine-tune language models larger than GPU memory by streaming state through NVMe.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        doc = (module.__doc__ or help_text).strip()
+        p = sub.add_parser(name, help=help_text, description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up everything aidaptiv-ds needs on a fresh Debian/Ubuntu machine, and is cheap to re-run:
+#   system packages (liburing-dev for our engine, libaio-dev for DeepSpeed's baseline handle, fio for
+#   io-bench), a virtual environment in .venv (override with AIDAPTIV_VENV), torch 2.13.0, DeepSpeed
+#   0.19.8 built against that torch, the pinned Python packages, and aidaptiv_ds with its C++ engine.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+venv=${AIDAPTIV_VENV:-.venv}
+python=${PYTHON:-python3}
+
+missing=()
+for pkg in liburing-dev libaio-dev fio; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+  echo "setup: installing system packages: ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# torch first and alone: 2.13.0 is a local CPU build here; any other version pulls CUDA packages.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -r requirements.txt
+# DeepSpeed ships only an sdist; build it against the torch installed above.
+"${pip[@]}" --no-build-isolation deepspeed==0.19.8
+"${pip[@]}" --no-build-isolation --no-deps .
+echo "setup: ready ($venv/bin/aidaptiv-ds)"

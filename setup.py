@@ -1,0 +1,68 @@
+"""Build of aidaptiv-ds and its C++ engine, aidaptiv_ds._C.
+
+Build with the torch already installed (``pip install --no-build-isolation .``): the engine is a torch
+extension and must match that torch's ABI. liburing is linked statically from the distribution's
+liburing-dev (2.3) or from ``LIBURING_PREFIX`` (a folder with include/liburing.h and lib/liburing.a).
+The CUDA copy path is compiled only when the installed torch has CUDA.
+"""
+import glob
+import os
+import sysconfig
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def find_liburing():
+    """Return (include_dir, static_library) for liburing, or stop the build with what to install."""
+    prefix = os.environ.get("LIBURING_PREFIX")
+    prefixes = [prefix] if prefix else ["/usr", "/usr/local"]
+    multiarch = sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu"
+    for root in prefixes:
+        include = os.path.join(root, "include")
+        if not os.path.exists(os.path.join(include, "liburing.h")):
+            continue
+        for libdir in ("lib", os.path.join("lib", multiarch), "lib64"):
+            archive = os.path.join(root, libdir, "liburing.a")
+            if os.path.exists(archive):
+                return include, archive
+    where = f"LIBURING_PREFIX={prefix}" if prefix else "/usr and /usr/local"
+    raise SystemExit(
+        f"liburing was not found in {where} (need include/liburing.h and lib/liburing.a): install the "
+        "distribution package (apt-get install liburing-dev) or set LIBURING_PREFIX to a folder that has them"
+    )
+
+
+def engine_extension():
+    uring_include, uring_archive = find_liburing()
+    sources = sorted(glob.glob("csrc/src/*.cpp")) + ["csrc/bindings.cpp"]
+    with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    define_macros = [("AIDAPTIV_WITH_CUDA", "1")] if with_cuda else []
+    if with_cuda:
+        sources += sorted(glob.glob("csrc/src/cuda/*.cpp"))
+    kind = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
+    return kind(
+        name="aidaptiv_ds._C",
+        sources=sources,
+        include_dirs=[os.path.join(HERE, "csrc", "include"), uring_include],
+        define_macros=define_macros,
+        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]},
+        extra_objects=[uring_archive],
+    )
+
+
+setup(
+    name="aidaptiv-ds",
+    version="0.1.0",
+    description="Fine-tune language models larger than GPU memory: a DeepSpeed ZeRO-3 NVMe swapper on io_uring",
+    packages=find_packages(include=["aidaptiv_ds", "aidaptiv_ds.*"]),
+    package_data={"aidaptiv_ds": ["data/*.jsonl"]},
+    python_requires=">=3.10",
+    ext_modules=[engine_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    entry_points={"console_scripts": ["aidaptiv-ds=aidaptiv_ds.cli:main"]},
+)
