@@ -50,7 +50,7 @@ def engine_extension():
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc", "include"), uring_include],
         define_macros=define_macros,
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20", "-Wall", "-Wextra", "-Wno-unused-parameter"]},
         extra_objects=[uring_archive],
     )
 

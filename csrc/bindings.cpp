@@ -1,0 +1,106 @@
+// aidaptiv_ds._C: the Python API of the engine, declared. The logic lives in csrc/src; the Python face
+// (lifetimes, settings, documentation) in aidaptiv_ds/io.py. Everything that can block releases the GIL.
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "aidaptiv/engine.hpp"
+#include "aidaptiv/error.hpp"
+#include "aidaptiv/pinned_pool.hpp"
+
+namespace py = pybind11;
+using namespace aidaptiv;
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "aidaptiv-ds I/O engine: io_uring / POSIX O_DIRECT reads and writes, pinned pool";
+
+  // SystemError -> OSError(errno, message, filename): Python picks FileNotFoundError, PermissionError,
+  // ... from the errno. InvalidArgument -> ValueError, OutOfPinnedMemory -> MemoryError.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const SystemError& e) {
+      py::object filename = e.path().empty() ? py::none() : py::object(py::str(e.path()));
+      py::object exc = py::handle(PyExc_OSError)(e.error_code(), e.what(), filename);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const OutOfPinnedMemory& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
+    }
+  });
+
+  m.attr("ALIGNMENT") = kAlignment;
+#ifdef AIDAPTIV_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+
+  py::class_<PoolStats>(m, "PoolStats")
+      .def_readonly("capacity", &PoolStats::capacity)
+      .def_readonly("in_use", &PoolStats::in_use)
+      .def_readonly("high_water", &PoolStats::high_water)
+      .def_readonly("blocks", &PoolStats::blocks)
+      .def_readonly("locked", &PoolStats::locked)
+      .def_readonly("lock_method", &PoolStats::lock_method)
+      .def_readonly("lock_note", &PoolStats::lock_note);
+
+  py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool")
+      .def(py::init(&PinnedPool::create), py::arg("capacity_bytes"), release_gil())
+      .def("allocate", &PinnedPool::allocate, py::arg("numel"), py::arg("dtype"), release_gil())
+      .def("contains", &PinnedPool::contains, py::arg("address"), py::arg("nbytes"))
+      .def("stats", &PinnedPool::stats)
+      .def_property_readonly("address", [](const PinnedPool& p) { return reinterpret_cast<uintptr_t>(p.base()); })
+      .def_property_readonly("capacity", &PinnedPool::capacity);
+
+  py::enum_<BackendKind>(m, "BackendKind")
+      .value("IO_URING", BackendKind::IoUring)
+      .value("POSIX", BackendKind::Posix)
+      .value("AUTO", BackendKind::Auto);
+
+  py::class_<EngineOptions>(m, "EngineOptions")
+      .def(py::init<>())
+      .def_readwrite("backend", &EngineOptions::backend)
+      .def_readwrite("block_size", &EngineOptions::block_size)
+      .def_readwrite("queue_depth", &EngineOptions::queue_depth)
+      .def_readwrite("threads", &EngineOptions::threads)
+      .def_readwrite("sqpoll", &EngineOptions::sqpoll);
+
+  py::class_<EngineStats>(m, "EngineStats")
+      .def_readonly("bytes_read", &EngineStats::bytes_read)
+      .def_readonly("bytes_written", &EngineStats::bytes_written)
+      .def_readonly("reads", &EngineStats::reads)
+      .def_readonly("writes", &EngineStats::writes)
+      .def_readonly("errors", &EngineStats::errors)
+      .def_readonly("in_flight", &EngineStats::in_flight)
+      .def_readonly("wait_seconds", &EngineStats::wait_seconds);
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<const EngineOptions&, std::shared_ptr<PinnedPool>>(), py::arg("options"),
+           py::arg("pool") = nullptr, release_gil())
+      .def_property_readonly("backend", &Engine::backend)
+      .def_property_readonly("backend_name", &Engine::backend_name)
+      .def_property_readonly("fallback_reason", &Engine::fallback_reason)
+      .def_property_readonly("fixed_buffers", &Engine::fixed_buffers)
+      .def_property_readonly("fixed_buffers_note", &Engine::fixed_buffers_note)
+      .def_property_readonly("setup_note", &Engine::setup_note)
+      .def("open", &Engine::open, py::arg("path"), py::arg("create") = false, py::arg("exclusive") = false,
+           release_gil())
+      .def("close", &Engine::close, py::arg("file_id"), release_gil())
+      .def("read_async", &Engine::read_async, py::arg("buffer"), py::arg("file"), py::arg("offset") = 0,
+           release_gil())
+      .def("write_async", &Engine::write_async, py::arg("buffer"), py::arg("file"), py::arg("offset") = 0,
+           release_gil())
+      .def("wait", &Engine::wait, py::arg("handle"), release_gil())
+      .def("poll", &Engine::poll, py::arg("handle"))
+      .def("wait_all", &Engine::wait_all, release_gil())
+      .def("shutdown", &Engine::shutdown, release_gil())
+#ifdef AIDAPTIV_WITH_CUDA
+      .def("read_to_device", &Engine::read_to_device, py::arg("dst"), py::arg("file"), py::arg("offset"),
+           py::arg("staging"), release_gil())
+      .def("write_from_device", &Engine::write_from_device, py::arg("src"), py::arg("file"), py::arg("offset"),
+           py::arg("staging"), release_gil())
+#endif
+      .def("stats", &Engine::stats);
+}

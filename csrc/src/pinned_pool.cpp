@@ -1,0 +1,151 @@
+#include "aidaptiv/pinned_pool.hpp"
+
+#include <ATen/ATen.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "aidaptiv/detail/host_register.hpp"
+#include "aidaptiv/error.hpp"
+
+namespace aidaptiv {
+
+namespace {
+
+uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+
+std::string memlock_limit_text() {
+  struct rlimit lim;
+  if (getrlimit(RLIMIT_MEMLOCK, &lim) != 0) return "unknown";
+  if (lim.rlim_cur == RLIM_INFINITY) return "unlimited";
+  return std::to_string(lim.rlim_cur / 1024) + " KiB";
+}
+
+}  // namespace
+
+std::shared_ptr<PinnedPool> PinnedPool::create(uint64_t capacity_bytes) {
+  // make_shared cannot reach the private constructor.
+  return std::shared_ptr<PinnedPool>(new PinnedPool(capacity_bytes));
+}
+
+PinnedPool::PinnedPool(uint64_t capacity_bytes) {
+  AIDAPTIV_EXPECT(capacity_bytes > 0, "PinnedPool capacity_bytes is 0: give the pool's size in bytes (> 0)");
+  capacity_ = round_up(capacity_bytes, kAlignment);
+  // mmap gives page (4 KiB) alignment; MAP_POPULATE pre-faults every page so that neither the first
+  // I/O nor the page-locking below pays for page faults later.
+  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    throw SystemError(err, "",
+                      "allocating a pinned pool of " + std::to_string(capacity_) + " bytes failed: " +
+                          errno_text(err) + ": free host memory or ask for a smaller pool");
+  }
+  base_ = static_cast<char*>(p);
+  free_[0] = capacity_;
+
+  std::string cuda_note;
+  if (detail::cuda_host_register(base_, capacity_, &cuda_note)) {
+    locked_ = true;
+    lock_method_ = "cudaHostRegister";
+  } else if (mlock(base_, capacity_) == 0) {
+    locked_ = true;
+    lock_method_ = "mlock";
+  } else {
+    const int err = errno;
+    lock_note_ = "page-locking the pinned pool of " + std::to_string(capacity_) + " bytes failed: " +
+                 errno_text(err) + (cuda_note.empty() ? "" : " (CUDA: " + cuda_note + ")") +
+                 ": the pool works unlocked, but host<->GPU copies are slower and pages may be swapped "
+                 "out; raise the locked-memory limit (ulimit -l, now " +
+                 memlock_limit_text() + ") to at least the pool size";
+  }
+}
+
+PinnedPool::~PinnedPool() {
+  if (lock_method_ == "cudaHostRegister") {
+    detail::cuda_host_unregister(base_);
+  }
+  // munmap also drops an mlock.
+  if (base_) munmap(base_, capacity_);
+}
+
+void* PinnedPool::allocate_bytes(uint64_t nbytes) {
+  const uint64_t want = round_up(nbytes == 0 ? 1 : nbytes, kAlignment);
+  std::lock_guard<std::mutex> lock(mu_);
+  // First fit over the free list, which is kept coalesced and ordered by offset.
+  uint64_t largest = 0;
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second >= want) {
+      const uint64_t offset = it->first;
+      const uint64_t rest = it->second - want;
+      free_.erase(it);
+      if (rest) free_[offset + want] = rest;
+      used_[offset] = want;
+      in_use_ += want;
+      if (in_use_ > high_water_) high_water_ = in_use_;
+      return base_ + offset;
+    }
+    if (it->second > largest) largest = it->second;
+  }
+  std::ostringstream msg;
+  msg << "pinned pool cannot hand out " << want << " bytes: " << in_use_ << " of its " << capacity_
+      << " bytes are in use and the largest free block is " << largest
+      << " bytes; free tensors taken from this pool or create a larger PinnedPool";
+  throw OutOfPinnedMemory(msg.str());
+}
+
+void PinnedPool::release(void* ptr) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t offset = static_cast<uint64_t>(static_cast<char*>(ptr) - base_);
+  auto used = used_.find(offset);
+  if (used == used_.end()) return;  // not ours: nothing to give back (cannot happen via allocate)
+  uint64_t start = offset, length = used->second;
+  in_use_ -= length;
+  used_.erase(used);
+  // Coalesce with the neighbours on both sides.
+  auto next = free_.lower_bound(start);
+  if (next != free_.end() && start + length == next->first) {
+    length += next->second;
+    next = free_.erase(next);
+  }
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      length += prev->second;
+      free_.erase(prev);
+    }
+  }
+  free_[start] = length;
+}
+
+at::Tensor PinnedPool::allocate(int64_t numel, at::ScalarType dtype) {
+  AIDAPTIV_EXPECT(numel >= 0, "PinnedPool.allocate numel is " << numel << ": expected a count >= 0");
+  const uint64_t nbytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
+  void* ptr = allocate_bytes(nbytes);
+  // The deleter keeps the pool alive until the last tensor from it is gone, and returns the block.
+  auto self = shared_from_this();
+  return at::from_blob(
+      ptr, {numel}, [self](void* p) { self->release(p); }, at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+bool PinnedPool::contains(const void* ptr, uint64_t nbytes) const {
+  const char* p = static_cast<const char*>(ptr);
+  return p >= base_ && nbytes <= capacity_ && p - base_ <= static_cast<ptrdiff_t>(capacity_ - nbytes);
+}
+
+PoolStats PinnedPool::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  PoolStats s;
+  s.capacity = capacity_;
+  s.in_use = in_use_;
+  s.high_water = high_water_;
+  s.blocks = used_.size();
+  s.locked = locked_;
+  s.lock_method = lock_method_;
+  s.lock_note = lock_note_;
+  return s;
+}
+
+}  // namespace aidaptiv
