@@ -21,6 +21,7 @@ AIDAPTIV_QUEUE_DEPTH.
 """
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import os
@@ -177,13 +178,15 @@ class IORequest:
             if not self._finished:
                 try:
                     self._result = self._engine._engine.wait(self._handle)
-                except Exception as e:  # kept, and raised again on every later wait()
-                    self._error = e
+                except Exception as e:  # kept without its traceback, raised as a copy on every wait()
+                    self._error = e.with_traceback(None)
                 self._finished = True
                 self._tensor = None
                 self._engine._forget(self._handle)
         if self._error is not None:
-            raise self._error
+            # A copy: raising the kept exception itself would tie it, through its traceback, to this
+            # request and to the caller's frames (and their buffers) until the garbage collector runs.
+            raise copy.copy(self._error)
         return self._result
 
     def done(self) -> bool:

@@ -130,9 +130,9 @@ at::Tensor PinnedPool::allocate(int64_t numel, at::ScalarType dtype) {
       ptr, {numel}, [self](void* p) { self->release(p); }, at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
-bool PinnedPool::contains(const void* ptr, uint64_t nbytes) const {
-  const char* p = static_cast<const char*>(ptr);
-  return p >= base_ && nbytes <= capacity_ && p - base_ <= static_cast<ptrdiff_t>(capacity_ - nbytes);
+bool PinnedPool::contains(uintptr_t address, uint64_t nbytes) const {
+  const auto base = reinterpret_cast<uintptr_t>(base_);
+  return address >= base && nbytes <= capacity_ && address - base <= capacity_ - nbytes;
 }
 
 PoolStats PinnedPool::stats() const {

@@ -40,8 +40,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
 
   // A 1-D tensor of numel elements of dtype, 4 KiB aligned; throws OutOfPinnedMemory past the budget.
   at::Tensor allocate(int64_t numel, at::ScalarType dtype);
-  // Whether [ptr, ptr + nbytes) lies inside this pool's allocation.
-  bool contains(const void* ptr, uint64_t nbytes) const;
+  // Whether [address, address + nbytes) lies inside this pool's allocation.
+  bool contains(uintptr_t address, uint64_t nbytes) const;
   PoolStats stats() const;
 
   char* base() const { return base_; }
