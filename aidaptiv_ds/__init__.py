@@ -1,8 +1,22 @@
 """aidaptiv-ds: fine-tune language models larger than GPU memory by streaming model state through NVMe.
 
-The C++ engine (``aidaptiv_ds._C``) moves bytes between pinned host memory and files with io_uring;
-``aidaptiv_ds.io`` is its Python face. Everything that touches DeepSpeed internals lives in
-``aidaptiv_ds.zero3``.
+Add an ``"aidaptiv"`` block to a DeepSpeed ZeRO-3 config and use :func:`initialize` (same signature and
+returns as ``deepspeed.initialize``) and, to build large models directly into the swap space,
+:func:`zero_init` (a ``deepspeed.zero.Init`` for that config). The C++ engine (``aidaptiv_ds._C``) moves
+bytes between pinned host memory and files with io_uring; ``aidaptiv_ds.io`` is its Python face.
+Everything that touches DeepSpeed internals lives in ``aidaptiv_ds.zero3``.
 """
 
 __version__ = "0.1.0"
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` that honours the config's ``"aidaptiv"`` block (see aidaptiv_ds.zero3)."""
+    from aidaptiv_ds.zero3.initialize import initialize as _initialize
+    return _initialize(*args, **kwargs)
+
+
+def zero_init(config, **kwargs):
+    """``deepspeed.zero.Init(config_dict_or_path=config, **kwargs)`` that honours the ``"aidaptiv"`` block."""
+    from aidaptiv_ds.zero3.initialize import zero_init as _zero_init
+    return _zero_init(config, **kwargs)

@@ -1,0 +1,306 @@
+"""The ``"aidaptiv"`` block of a DeepSpeed JSON config: its model, validation, and translation.
+
+A user enables our swapper by adding a top-level block to an ordinary DeepSpeed ZeRO-3 config::
+
+    "aidaptiv": {"enabled": true, "nvme_path": "/mnt/nvme/swap", "host_memory_budget": "25%"}
+
+:func:`validate` checks the block and the parts of the DeepSpeed config it depends on, and reports every
+problem at once, before any file is opened. :func:`to_deepspeed_config` then writes the offload settings
+DeepSpeed needs to take its NVMe code paths (where our swappers are plugged in); the user never sets
+buffer counts or buffer sizes. DeepSpeed itself ignores unknown top-level keys, so the block stays in the
+config that DeepSpeed sees and our swappers read it back from ``DeepSpeedConfig._param_dict``.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import os
+import re
+import shutil
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+BLOCK = "aidaptiv"
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+class Backend(str, enum.Enum):
+    """Which I/O backend the engine uses."""
+
+    io_uring = "io_uring"
+    posix = "posix"
+    auto = "auto"
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "ki": KiB, "m": 10**6, "mb": 10**6, "mib": MiB,
+          "mi": MiB, "g": 10**9, "gb": 10**9, "gib": GiB, "gi": GiB, "t": 10**12, "tb": 10**12, "tib": 1024 * GiB,
+          "ti": 1024 * GiB}
+
+
+def parse_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional[float]]:
+    """Return (bytes, fraction_of_ram): an int is bytes, a float in (0, 1) or "N%" is a fraction of RAM,
+    a string with a unit ("512MiB", "4GB") is bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected bytes, a fraction of RAM or a size string, got a boolean")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"a byte budget must be positive, got {value}")
+        return value, None
+    if isinstance(value, float):
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"a fraction of RAM must be between 0 and 1 (exclusive), got {value}")
+        return None, value
+    text = str(value).strip()
+    if text.endswith("%"):
+        pct = float(text[:-1])
+        if not 0.0 < pct < 100.0:
+            raise ValueError(f"a percentage of RAM must be between 0 and 100 (exclusive), got {text}")
+        return None, pct / 100.0
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"'{text}' is not a size: use bytes (268435456), a unit (256MiB, 4GB) or a share of RAM (25%)")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"a byte budget must be positive, got {text}")
+    return nbytes, None
+
+
+def total_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class AidaptivConfig(BaseModel):
+    """Settings of the aidaptiv NVMe swapper (the ``"aidaptiv"`` block of a DeepSpeed config)."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+
+    enabled: bool = Field(False, description="Turn the swapper on. When false the block is ignored and DeepSpeed "
+                                             "runs exactly as configured.")
+    nvme_path: Optional[str] = Field(None, description="Directory for the swap space (one subfolder per rank). It must "
+                                                        "exist, be writable and sit on a filesystem that supports "
+                                                        "O_DIRECT (not tmpfs).")
+    backend: Backend = Field(Backend.auto, description="I/O backend: io_uring, posix (thread pool) or auto (io_uring, "
+                                                       "falling back to posix with a message).")
+    block_size: int = Field(1 * MiB, ge=4 * KiB, le=64 * MiB, description="Bytes per I/O piece; a larger transfer is "
+                                                                           "split into pieces of this size.")
+    queue_depth: int = Field(32, ge=1, le=4096, description="I/O pieces in flight per engine.")
+    io_threads: int = Field(4, ge=1, le=256, description="Threads of the posix backend.")
+    register_buffers: bool = Field(True, description="Register the pinned pool with io_uring as fixed buffers "
+                                                     "(falls back to plain buffers when the memlock limit refuses).")
+    sqpoll: bool = Field(False, description="Use an io_uring submission-queue polling thread (costs a core).")
+    host_memory_budget: Union[int, float, str] = Field(
+        "25%", description="Host RAM for pinned staging buffers and the RAM cache tier, together: bytes (int), a "
+                           "fraction of RAM (float in (0,1) or '25%') or a size string ('4GiB'). The pool is sized "
+                           "from the model and never exceeds this.")
+    layer_group_size: int = Field(4, ge=1, le=1024, description="Transformer layers per group: the unit of "
+                                                               "prefetch, contiguous on disk.")
+    prefetch_depth: int = Field(1, ge=0, le=16, description="Layer groups read ahead of the one computing.")
+    retain_groups: Union[int, str] = Field("auto", description="Layer groups kept in host RAM across the "
+                                                              "forward/backward turn ('auto': as many as the budget "
+                                                              "allows after staging, at most two).")
+    optimizer_chunk_numel: Union[int, str] = Field(
+        "auto", description="Elements per optimizer sub-group (DeepSpeed's sub_group_size): the unit of optimizer "
+                            "read-ahead and write-behind. 'auto' sizes it from the host budget.")
+    cache_optimizer_state: bool = Field(True, description="Keep optimizer sub-groups resident in the host budget's "
+                                                          "leftover (after staging); they then skip NVMe each step.")
+    keep_swap_files: bool = Field(False, description="Leave the swap files in place at exit (they are removed "
+                                                     "otherwise). Checkpoints never depend on them.")
+
+    @field_validator("host_memory_budget")
+    @classmethod
+    def _check_budget(cls, value):
+        parse_budget(value)
+        return value
+
+    @field_validator("retain_groups", "optimizer_chunk_numel")
+    @classmethod
+    def _check_auto_or_int(cls, value, info):
+        if isinstance(value, str):
+            if value != "auto":
+                raise ValueError(f"expected 'auto' or an integer, got '{value}'")
+            return value
+        if isinstance(value, bool) or value < 0:
+            raise ValueError(f"expected 'auto' or a non-negative integer, got {value}")
+        if info.field_name == "optimizer_chunk_numel" and value < 1024:
+            raise ValueError(f"expected 'auto' or at least 1024 elements, got {value}")
+        return value
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block(cls, value):
+        if value % (4 * KiB):
+            raise ValueError(f"block_size must be a multiple of 4096 bytes (O_DIRECT), got {value}")
+        return value
+
+    def host_budget_bytes(self) -> int:
+        nbytes, fraction = parse_budget(self.host_memory_budget)
+        return nbytes if nbytes is not None else int(fraction * total_ram_bytes())
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, reported together."""
+
+    def __init__(self, problems: List[str], source: str = "DeepSpeed config"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the {source}:\n{lines}")
+
+
+def _pydantic_problems(err: ValidationError) -> List[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        where = f"{BLOCK}.{loc}" if loc else BLOCK
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            fields = ", ".join(sorted(AidaptivConfig.model_fields))
+            msg = f"unknown setting (known: {fields})"
+        out.append(f"{where}: {msg}")
+    return out
+
+
+def block_of(ds_config) -> Optional[Dict[str, Any]]:
+    """The block from a config dict or from DeepSpeed's parsed config object (which keeps the raw dict)."""
+    if not isinstance(ds_config, dict):
+        ds_config = getattr(ds_config, "_param_dict", None)
+    return ds_config.get(BLOCK) if isinstance(ds_config, dict) else None
+
+
+def is_enabled(ds_config: Dict[str, Any]) -> bool:
+    block = block_of(ds_config)
+    return isinstance(block, dict) and bool(block.get("enabled", False))
+
+
+def _check_nvme_path(path: str, needed_bytes: Optional[int]) -> List[str]:
+    problems = []
+    if not os.path.isdir(path):
+        problems.append(f"{BLOCK}.nvme_path {path} does not exist: create it on an NVMe filesystem you own "
+                        f"(mkdir -p {path}) or point nvme_path at one")
+        return problems
+    if not os.access(path, os.W_OK | os.X_OK):
+        problems.append(f"{BLOCK}.nvme_path {path} is not writable (EACCES): choose a directory you own or fix its "
+                        "permissions")
+        return problems
+    try:
+        import subprocess
+        fstype = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except Exception:  # stat missing: the engine will report O_DIRECT failures with the file name
+        fstype = ""
+    if fstype in ("tmpfs", "ramfs"):
+        problems.append(f"{BLOCK}.nvme_path {path} is on {fstype}, which is RAM and does not support O_DIRECT: "
+                        "choose a directory on an NVMe (or other block-device) filesystem")
+    if needed_bytes is not None:
+        free = shutil.disk_usage(path).free
+        if free < needed_bytes:
+            problems.append(f"{BLOCK}.nvme_path {path} has {free / GiB:.2f} GiB free but the model state needs "
+                            f"{needed_bytes / GiB:.2f} GiB on this rank: free space or choose a larger disk")
+    return problems
+
+
+def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
+             check_paths: bool = True) -> Optional[AidaptivConfig]:
+    """Validate the aidaptiv block and what it needs from the rest of the config.
+
+    Returns the parsed block, or None when there is no enabled block. Raises :class:`ConfigError` listing
+    every problem. ``needed_bytes`` (swap bytes of this rank's model state), when known, is checked against
+    the free space of ``nvme_path``.
+    """
+    block = block_of(ds_config)
+    if block is None:
+        return None
+    problems: List[str] = []
+    if not isinstance(block, dict):
+        raise ConfigError([f"{BLOCK} must be an object, got {type(block).__name__}"])
+    try:
+        cfg = AidaptivConfig.model_validate(block)
+    except ValidationError as err:
+        problems.extend(_pydantic_problems(err))
+        cfg = None
+    if cfg is not None and not cfg.enabled:
+        if problems:
+            raise ConfigError(problems)
+        return None
+
+    zero = ds_config.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage != 3:
+        problems.append(f"zero_optimization.stage is {stage} but aidaptiv swaps ZeRO-3 partitions: set "
+                        "\"zero_optimization\": {\"stage\": 3}")
+    for section in ("offload_param", "offload_optimizer"):
+        sub = zero.get(section)
+        if sub is None:
+            continue
+        device = (sub or {}).get("device", "none")
+        if device not in ("nvme", "none", None):
+            problems.append(f"zero_optimization.{section}.device is '{device}' but aidaptiv manages offload to NVMe "
+                            f"itself: remove zero_optimization.{section} (or set its device to \"nvme\")")
+    if zero.get("offload_param", {}) and zero.get("offload_param", {}).get("device") == "nvme" \
+            and cfg is not None and cfg.nvme_path and zero["offload_param"].get("nvme_path") not in (None, cfg.nvme_path):
+        problems.append(f"zero_optimization.offload_param.nvme_path ({zero['offload_param']['nvme_path']}) differs "
+                        f"from {BLOCK}.nvme_path ({cfg.nvme_path}): keep one, the aidaptiv one is used")
+    for key in ("fp16",):
+        if (ds_config.get(key) or {}).get("enabled"):
+            problems.append(f"{key}.enabled is true: aidaptiv supports fp32 and bf16 training; use \"bf16\": "
+                            "{\"enabled\": true} for mixed precision")
+
+    if cfg is not None:
+        if not cfg.nvme_path:
+            problems.append(f"{BLOCK}.nvme_path is required when {BLOCK}.enabled is true: a directory on NVMe")
+        elif check_paths:
+            problems.extend(_check_nvme_path(cfg.nvme_path, needed_bytes))
+        budget = cfg.host_budget_bytes()
+        ram = total_ram_bytes()
+        if budget > ram:
+            problems.append(f"{BLOCK}.host_memory_budget is {budget / GiB:.2f} GiB but this machine has "
+                            f"{ram / GiB:.2f} GiB of RAM: lower it (for example \"25%\")")
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_deepspeed_config(ds_config: Dict[str, Any], cfg: AidaptivConfig) -> Dict[str, Any]:
+    """Return a copy of ``ds_config`` with the ZeRO-3 settings that route DeepSpeed through our swappers.
+
+    DeepSpeed takes its NVMe code paths only when offload devices say "nvme"; our classes replace the
+    swappers behind those paths, so DeepSpeed's own buffer_count/buffer_size/max_in_cpu values below are
+    placeholders it validates but we do not use.
+    """
+    out = copy.deepcopy(ds_config)
+    zero = out.setdefault("zero_optimization", {})
+    zero["stage"] = 3
+    zero["offload_param"] = {"device": "nvme", "nvme_path": cfg.nvme_path, "pin_memory": False,
+                             "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 0}
+    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": cfg.nvme_path, "pin_memory": False,
+                                 "pipeline_read": False, "pipeline_write": False, "fast_init": False,
+                                 "buffer_count": 4}
+    # Small parameters are swapped like the rest (DeepSpeed keeps those under its persistence threshold
+    # in memory and re-gathers them every step); they travel inside their layer group.
+    zero.setdefault("stage3_param_persistence_threshold", 0)
+    # DeepSpeed's own NVMe prefetch is replaced by our layer-group prefetch; its all-gather prefetch of
+    # partitions already in memory stays.
+    zero["sub_group_size"] = optimizer_chunk_numel(cfg)
+    out[BLOCK] = cfg.model_dump(mode="json")
+    return out
+
+
+# 'auto' optimizer sub-groups: about 1/8 of the host budget holds one sub-group's 16 bytes per element
+# (master, two moments, gradient), so read-ahead, update and write-behind fit with room for caching.
+AUTO_CHUNK_MIN = 1 << 20
+AUTO_CHUNK_MAX = 1 << 28
+
+
+def optimizer_chunk_numel(cfg: AidaptivConfig) -> int:
+    if isinstance(cfg.optimizer_chunk_numel, int):
+        return cfg.optimizer_chunk_numel
+    return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, cfg.host_budget_bytes() // (16 * 8)))
+
+
+def swap_bytes_per_param(param_dtype_bytes: int) -> int:
+    """NVMe bytes one parameter's state takes: its partition, fp32 master, two Adam moments, fp32 gradient."""
+    return param_dtype_bytes + 4 + 4 + 4 + 4

@@ -1,0 +1,344 @@
+"""Swap space: a few large preallocated files per rank, extents inside them, and the host memory that
+stages or caches their contents.
+
+- :class:`SwapSpace` owns the per-rank directory and its files and enforces the privacy rules: directory
+  0700, files 0600 created with O_EXCL, no symlinks followed, no reuse of files another user owns, nothing
+  written outside the configured path, files removed at close unless kept.
+- :class:`SwapFile` is one such file with a bump allocator of 4 KiB-aligned extents; the file grows with
+  ``posix_fallocate`` as extents are handed out, so running out of disk is reported at allocation time
+  with the number of bytes that were needed.
+- :class:`HostMemory` hands out 4 KiB-aligned host buffers from the engine's pinned pool, never more than
+  the budget; when the pool is full it asks registered reclaimers (write-behind completions, retained
+  layer groups) to give memory back before it gives up with an error that says what to change.
+- :class:`SwapStore` puts them together and tracks read-after-write and write-after-read hazards between
+  requests that overlap on disk, so a read never sees a half-written extent and a write-behind never races
+  the read-ahead of the same bytes.
+
+Nothing here knows about DeepSpeed; :mod:`aidaptiv_ds.zero3` decides what goes where.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from aidaptiv_ds.io import IOEngine, IORequest, PinnedPool
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+# The file grows in steps of this size (or the extent, if larger), so that allocating many small
+# extents does not call posix_fallocate for each of them.
+GROW_STEP = 256 * 1024 * 1024
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class HostBudgetError(MemoryError):
+    """The host memory budget cannot hold what a step needs, even after reclaiming."""
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A 4 KiB-aligned range of a swap file: ``nbytes`` of payload in ``reserved`` bytes on disk."""
+
+    file: "SwapFile"
+    offset: int
+    nbytes: int
+
+    @property
+    def reserved(self) -> int:
+        return align_up(self.nbytes)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.reserved
+
+
+class SwapSpace:
+    """The swap directory of one rank: ``<nvme_path>/aidaptiv-swap/rank<r>``."""
+
+    def __init__(self, nvme_path: str, rank: int, keep_files: bool = False):
+        self.nvme_path = os.path.realpath(nvme_path)
+        self.rank = rank
+        self.keep_files = keep_files
+        self.path = os.path.join(self.nvme_path, "aidaptiv-swap", f"rank{rank}")
+        self.files: List[SwapFile] = []
+        self._make_private_dir(os.path.dirname(self.path))
+        self._make_private_dir(self.path)
+
+    @staticmethod
+    def _make_private_dir(path: str) -> None:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                raise PermissionError(errno.ELOOP, f"swap directory {path} is a symbolic link: aidaptiv does not "
+                                      "follow links in its swap space; remove the link or choose another nvme_path",
+                                      path) from None
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, f"swap directory {path} exists and is not a directory: "
+                                         "remove it or choose another nvme_path", path) from None
+            if st.st_uid != os.geteuid():
+                raise PermissionError(errno.EPERM, f"swap directory {path} belongs to uid {st.st_uid}, not to you "
+                                      f"(uid {os.geteuid()}): choose an nvme_path of your own", path) from None
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                os.chmod(path, 0o700)
+
+    def create_file(self, name: str, engine: IOEngine) -> "SwapFile":
+        """Create ``name`` fresh (0600, O_EXCL). A stale file of ours from an earlier run is removed first."""
+        path = os.path.join(self.path, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+                raise PermissionError(errno.EPERM, f"swap file {path} exists and is not a regular file: remove it",
+                                      path)
+            if st.st_uid != os.geteuid():
+                raise PermissionError(errno.EPERM, f"swap file {path} belongs to uid {st.st_uid}: aidaptiv never "
+                                      "reuses another user's files; remove it or choose another nvme_path", path)
+            log.info("removing stale swap file %s from an earlier run", path)
+            os.unlink(path)
+        handle = engine.open(path, create=True, exclusive=True)
+        f = SwapFile(path, handle, engine)
+        self.files.append(f)
+        return f
+
+    def close(self) -> List[str]:
+        """Close every file; remove them unless ``keep_files``. Returns the paths kept."""
+        kept = []
+        for f in self.files:
+            f.close()
+            if self.keep_files:
+                kept.append(f.path)
+            else:
+                try:
+                    os.unlink(f.path)
+                except FileNotFoundError:
+                    pass
+        self.files = []
+        if not self.keep_files:
+            for d in (self.path, os.path.dirname(self.path)):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass  # not empty: another rank's folder, or kept files
+        return kept
+
+
+class SwapFile:
+    """One preallocated swap file with a bump allocator of aligned extents and a free list."""
+
+    def __init__(self, path: str, handle, engine: IOEngine):
+        self.path = path
+        self.handle = handle
+        self.engine = engine
+        self.allocated = 0   # bytes handed out (high-water of the bump pointer)
+        self.size = 0        # bytes preallocated on disk
+        self._free: List[Tuple[int, int]] = []  # (offset, reserved) of released extents
+        self._lock = threading.Lock()
+        self._fd: Optional[int] = None
+
+    def _grow(self, new_end: int) -> None:
+        if new_end <= self.size:
+            return
+        target = max(new_end, min(self.size + GROW_STEP, align_up(new_end, GROW_STEP)))
+        if self._fd is None:
+            # A second descriptor just for posix_fallocate: the engine's is O_DIRECT and owned by C++.
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.posix_fallocate(self._fd, self.size, target - self.size)
+        except OSError as e:
+            need = target - self.size
+            free = os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize
+            raise OSError(e.errno, f"cannot grow swap file {self.path} by {need / 2**30:.2f} GiB (to "
+                                   f"{target / 2**30:.2f} GiB): {os.strerror(e.errno)}; the filesystem has "
+                                   f"{free / 2**30:.2f} GiB free: free space or choose a larger nvme_path",
+                          self.path) from None
+        self.size = target
+
+    def allocate(self, nbytes: int) -> Extent:
+        reserved = align_up(max(nbytes, 1))
+        with self._lock:
+            for i, (off, size) in enumerate(self._free):
+                if size >= reserved:
+                    if size == reserved:
+                        self._free.pop(i)
+                    else:
+                        self._free[i] = (off + reserved, size - reserved)
+                    return Extent(self, off, nbytes)
+            off = self.allocated
+            self._grow(off + reserved)
+            self.allocated = off + reserved
+            return Extent(self, off, nbytes)
+
+    def release(self, extent: Extent) -> None:
+        with self._lock:
+            self._free.append((extent.offset, extent.reserved))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self.handle is not None:
+            self.engine.close(self.handle)
+            self.handle = None
+
+
+class HostMemory:
+    """Aligned host buffers from one pinned pool, bounded by its capacity (the host budget).
+
+    ``take`` never blocks on its own: when the pool is full it runs the reclaimers, most recently
+    registered last, each of which frees something it owns (finishing a write-behind, dropping a
+    retained group) and returns True if it did. Only when nothing is left to reclaim does it fail.
+    """
+
+    def __init__(self, pool: PinnedPool):
+        self.pool = pool
+        self._reclaimers: List[Tuple[str, Callable[[], bool]]] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.stats()["capacity"]
+
+    def add_reclaimer(self, name: str, fn: Callable[[], bool]) -> None:
+        self._reclaimers.append((name, fn))
+
+    def try_take(self, nbytes: int) -> Optional[torch.Tensor]:
+        try:
+            return self.pool.allocate(align_up(nbytes), torch.uint8)[:nbytes]
+        except MemoryError:
+            return None
+
+    def take(self, nbytes: int, what: str) -> torch.Tensor:
+        buf = self.try_take(nbytes)
+        while buf is None:
+            freed = False
+            for _, fn in self._reclaimers:
+                if fn():
+                    freed = True
+                    buf = self.try_take(nbytes)
+                    if buf is not None:
+                        break
+            if buf is None and not freed:
+                s = self.pool.stats()
+                raise HostBudgetError(
+                    f"host memory budget exhausted: {what} needs {nbytes / 2**20:.1f} MiB but "
+                    f"{s['in_use'] / 2**20:.1f} of {s['capacity'] / 2**20:.1f} MiB are in use and nothing can be "
+                    "reclaimed: raise aidaptiv.host_memory_budget, or lower aidaptiv.layer_group_size, "
+                    "prefetch_depth or optimizer_chunk_numel")
+        return buf
+
+    def stats(self) -> dict:
+        return self.pool.stats()
+
+
+@dataclass
+class Ticket:
+    """One or more engine requests that belong together (a span, or its pieces)."""
+
+    requests: List[IORequest] = field(default_factory=list)
+    what: str = ""
+
+    def done(self) -> bool:
+        return all(r.done() for r in self.requests)
+
+    def wait(self) -> int:
+        total = 0
+        first_error = None
+        for r in self.requests:
+            try:
+                total += r.wait()
+            except OSError as e:  # drain the rest before raising: their buffers must not be reused early
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return total
+
+
+class SwapStore:
+    """Reads and writes of extents, with hazard tracking and statistics.
+
+    A *span* is a contiguous byte range of one file, read into or written from one host buffer. Callers
+    lay out related tensors contiguously (a layer group, an optimizer sub-group) so one span moves them
+    all in a single large request.
+    """
+
+    def __init__(self, engine: IOEngine, space: SwapSpace):
+        self.engine = engine
+        self.space = space
+        self._inflight: Dict[int, List[Tuple[int, int, bool, Ticket]]] = {}  # id(file) -> (start, end, is_write, t)
+        self._lock = threading.Lock()
+        self.io_wait_s = 0.0
+
+    def _conflicts(self, file: SwapFile, start: int, end: int, is_write: bool) -> List[Ticket]:
+        entries = self._inflight.get(id(file), [])
+        live = [e for e in entries if not e[3].done()]
+        self._inflight[id(file)] = live
+        # A read must wait for overlapping writes; a write for overlapping reads and writes.
+        return [t for (s, e, w, t) in live if s < end and start < e and (w or is_write)]
+
+    def _submit(self, file: SwapFile, offset: int, buf: torch.Tensor, is_write: bool, what: str) -> Ticket:
+        if offset % ALIGN:
+            raise ValueError(f"span offset {offset} in {file.path} is not 4096-aligned")
+        end = offset + buf.numel()
+        with self._lock:
+            blockers = self._conflicts(file, offset, end, is_write)
+        for t in blockers:
+            self.wait(t)
+        submit = self.engine.write_async if is_write else self.engine.read_async
+        ticket = Ticket([submit(buf, file.handle, offset)], what)
+        with self._lock:
+            self._inflight.setdefault(id(file), []).append((offset, end, is_write, ticket))
+        return ticket
+
+    def read_span(self, file: SwapFile, offset: int, buf: torch.Tensor, what: str = "") -> Ticket:
+        """Start reading ``buf.numel()`` bytes (``buf`` is uint8, aligned) at ``offset``."""
+        return self._submit(file, offset, buf, False, what)
+
+    def write_span(self, file: SwapFile, offset: int, buf: torch.Tensor, what: str = "") -> Ticket:
+        """Start writing ``buf`` at ``offset``. The caller keeps ``buf`` alive until the ticket completes."""
+        return self._submit(file, offset, buf, True, what)
+
+    def wait(self, ticket: Ticket) -> int:
+        """Wait for one ticket; the time spent is counted as I/O wait."""
+        if ticket.done():
+            return ticket.wait()
+        import time
+        t0 = time.perf_counter()
+        try:
+            return ticket.wait()
+        finally:
+            self.io_wait_s += time.perf_counter() - t0
+
+    def drain(self) -> None:
+        """Wait for every request this store started."""
+        with self._lock:
+            tickets = [t for entries in self._inflight.values() for (_, _, _, t) in entries]
+            self._inflight.clear()
+        for t in tickets:
+            self.wait(t)
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A 4 KiB-aligned uint8 CPU tensor from the ordinary allocator (for one-off transfers that need
+    no pinning, such as writing each parameter once while the model is being built)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % ALIGN
+    return raw[shift:shift + nbytes]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor's storage."""
+    return t.reshape(-1).view(torch.uint8)

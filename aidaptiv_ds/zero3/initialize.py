@@ -1,0 +1,104 @@
+"""``initialize`` and ``zero_init``: DeepSpeed's entry points with the ``"aidaptiv"`` block honoured.
+
+Both take what DeepSpeed's take. Without an enabled block they are DeepSpeed's, untouched. With one, the
+config is validated (every problem reported at once, before any file is opened), rewritten so ZeRO-3
+takes its NVMe paths, our swappers are installed, and the engine returned by ``initialize`` gains
+``aidaptiv_stats()`` and checkpoints that carry every byte of the swapped state.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from typing import Any, Dict, Optional, Tuple
+
+from aidaptiv_ds import config as aconfig
+
+log = logging.getLogger(__name__)
+
+
+def load_config(config) -> Optional[Dict[str, Any]]:
+    """A DeepSpeed config given as a dict, a path to JSON/hjson, or None."""
+    if config is None or isinstance(config, dict):
+        return config
+    path = os.fspath(config)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        import hjson
+        return json.loads(json.dumps(hjson.loads(text)))
+
+
+def _model_numel(model) -> int:
+    if model is None:
+        return 0
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+
+
+def needed_swap_bytes(model, ds_config: Dict[str, Any], world_size: int) -> Optional[int]:
+    """NVMe bytes this rank's share of the model state needs (None when the model is unknown)."""
+    numel = _model_numel(model)
+    if not numel:
+        return None
+    elsize = 2 if (ds_config.get("bf16") or {}).get("enabled") else 4
+    return aconfig.swap_bytes_per_param(elsize) * -(-numel // max(1, world_size))
+
+
+def prepare(ds_config: Dict[str, Any], model=None, world_size: int = 1) -> Tuple[Dict[str, Any], Optional[object]]:
+    """Validate and translate; returns (config for DeepSpeed, parsed block or None)."""
+    cfg = aconfig.validate(ds_config, needed_bytes=needed_swap_bytes(model, ds_config, world_size))
+    if cfg is None:
+        return ds_config, None
+    from aidaptiv_ds.zero3.install import install
+    install()
+    out = aconfig.to_deepspeed_config(ds_config, cfg)
+    # Gradients are accumulated in fp32 in our per-sub-group buffers, which are also what the optimizer
+    # steps on: no conversion copy at the accumulation boundary.
+    out.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
+    return out, cfg
+
+
+def _world_size() -> int:
+    try:
+        import torch.distributed as tdist
+        if tdist.is_available() and tdist.is_initialized():
+            return tdist.get_world_size()
+    except Exception:
+        pass
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def zero_init(config, **kwargs):
+    """``deepspeed.zero.Init`` for a config that may carry an ``"aidaptiv"`` block: build the model inside
+    it so that its partitions go straight to our swap space instead of being materialised in RAM."""
+    import deepspeed
+    ds_config = load_config(config)
+    translated, _ = prepare(ds_config, None, _world_size())
+    return deepspeed.zero.Init(config_dict_or_path=translated, **kwargs)
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, config=None, config_params=None, **kwargs):
+    """Same signature and returns as ``deepspeed.initialize``."""
+    import deepspeed
+    source = config if config is not None else config_params
+    if source is None and args is not None and getattr(args, "deepspeed_config", None):
+        source = args.deepspeed_config
+        args = copy.copy(args)
+        args.deepspeed_config = None  # DeepSpeed refuses a config given both ways
+    ds_config = load_config(source)
+    translated, cfg = (ds_config, None) if ds_config is None else prepare(ds_config, model, _world_size())
+    engine, opt, loader, sched = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+        training_data=training_data, lr_scheduler=lr_scheduler, config=translated, **kwargs)
+    if cfg is not None:
+        runtime = getattr(engine.optimizer, "_aidaptiv", None)
+        if runtime is None:
+            raise RuntimeError("aidaptiv is enabled but DeepSpeed did not build the aidaptiv ZeRO-3 optimizer: "
+                               "is zero_optimization.stage 3 and an optimizer configured?")
+        from aidaptiv_ds.zero3.engine_hooks import attach
+        attach(engine, runtime)
+    return engine, opt, loader, sched

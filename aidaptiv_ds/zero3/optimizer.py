@@ -1,0 +1,142 @@
+"""ZeRO-3's optimizer with our swappers wired in.
+
+:class:`AidaptivZeroOptimizer` subclasses DeepSpeed's ``DeepSpeedZeroOptimizer_Stage3`` and is installed
+in its place (see :mod:`aidaptiv_ds.zero3.install`). When the config has no enabled ``"aidaptiv"`` block
+every override defers to DeepSpeed unchanged. When it has one:
+
+- ``_configure_tensor_swapping`` plans the run (layer groups, pinned pool size, optimizer sub-groups kept
+  resident in host memory), creates :class:`AidaptivOptimizerSwapper` instead of DeepSpeed's, and hooks the
+  layer-group prefetcher into the parameter coordinator;
+- ``_setup_for_real_optimizer`` does DeepSpeed's set-up without its host buffer of every gradient
+  partition (4 bytes per parameter outside any budget): gradients go to per-sub-group buffers instead;
+- ``step`` and the backward hooks record where the time goes.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from aidaptiv_ds.config import block_of
+from aidaptiv_ds.zero3.optimizer_swapper import AidaptivOptimizerSwapper, GradientPartitions
+from aidaptiv_ds.zero3.param_swapper import AidaptivParamSwapper
+from aidaptiv_ds.zero3.plan import plan_run
+from aidaptiv_ds.zero3.prefetch import LayerGroupPrefetcher
+
+log = logging.getLogger(__name__)
+
+# DeepSpeed's name-mangled attribute for its gradient-partition dict.
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+def _runtime_of(module):
+    for p in module.parameters():
+        swapper = getattr(p, "nvme_swapper", None)
+        if isinstance(swapper, AidaptivParamSwapper):
+            return swapper.runtime
+    return None
+
+
+class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
+
+    def __init__(self, module, init_optimizer, param_names, *args, ds_config=None, **kwargs):
+        block = block_of(ds_config) or {}
+        self._aidaptiv = None
+        if block.get("enabled"):
+            runtime = _runtime_of(module)
+            if runtime is None:
+                raise RuntimeError(
+                    "the config enables aidaptiv but the model's parameters were partitioned by DeepSpeed's own "
+                    "swapper: build the model under aidaptiv_ds.zero_init(config) (or let deepspeed.initialize "
+                    "partition it) after aidaptiv_ds is imported")
+            self._aidaptiv = runtime
+        super().__init__(module, init_optimizer, param_names, *args, ds_config=ds_config, **kwargs)
+
+    # ------------------------------------------------------------------ set-up
+    def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
+        runtime = self._aidaptiv
+        if runtime is None:
+            return super()._configure_tensor_swapping(offload_optimizer_config, aio_config)
+        sub_group_numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
+        plan = plan_run(runtime, self.module, sub_group_numels)
+        runtime.plan = plan
+        runtime.start_training(plan.pool_bytes)
+        runtime.param_swapper.plan(self.module, runtime.cfg.layer_group_size)
+        swapper = AidaptivOptimizerSwapper(runtime, self.optimizer, self)
+        positions = {}
+        for i, group in enumerate(self.fp16_groups):
+            rank = dist.get_rank(group=self._get_sub_group_process_group(i))
+            members, offset = [], 0
+            for p in group:
+                n = p.partition_numel()
+                members.append((p.ds_id, offset, n, n * rank < p.ds_numel))
+                offset += n
+            key = f"{self.fp16_partitioned_groups_flat_id[i][0]}_{self.fp16_partitioned_groups_flat_id[i][-1]}"
+            sg = swapper.register(i, key, members, resident=i in plan.resident_sub_groups)
+            for ds_id, off, n, _ in members:
+                positions[ds_id] = (sg, off, n)
+        self._aidaptiv_positions = positions
+        self.optimizer_swapper = swapper
+        coordinator = self.parameter_offload.get_param_coordinator()
+        runtime.prefetcher = LayerGroupPrefetcher(runtime, self.module)
+        runtime.prefetcher.attach(coordinator)
+        if dist.get_rank() == 0:
+            log.info("aidaptiv: %s", plan.describe())
+
+    def _setup_for_real_optimizer(self):
+        if self._aidaptiv is None:
+            return super()._setup_for_real_optimizer()
+        # DeepSpeed's sequence, minus the host buffer holding every gradient partition of the model.
+        self._create_fp32_partitions()
+        dist.barrier()
+        self._create_next_swappable_fp32_groups()
+        self.initialize_optimizer_states()
+        dist.barrier()
+        if self.contiguous_gradients:
+            for dtype, bucket in self.ipg_buckets.items():
+                bucket.buffer = torch.empty(self.reduce_bucket_size, dtype=dtype,
+                                            device=get_accelerator().current_device_name())
+        self.grad_partitions_flat_buffer = None
+        setattr(self, _GRAD_PARTITIONS, GradientPartitions(self.optimizer_swapper, self._aidaptiv_positions))
+
+    def initialize_optimizer_states(self):
+        if self._aidaptiv is None:
+            return super().initialize_optimizer_states()
+        # DeepSpeed swaps every sub-group in and out once here; nothing changes, so nothing is written.
+        self.optimizer_swapper.initializing = True
+        try:
+            super().initialize_optimizer_states()
+        finally:
+            self.optimizer_swapper.initializing = False
+
+    # ------------------------------------------------------------------ training
+    def backward_prologue(self):
+        if self._aidaptiv is not None:
+            self._aidaptiv.phase = "backward"
+        return super().backward_prologue()
+
+    def backward_epilogue(self):
+        out = super().backward_epilogue()
+        if self._aidaptiv is not None:
+            self._aidaptiv.phase = "forward"
+        return out
+
+    def step(self, closure=None):
+        runtime = self._aidaptiv
+        if runtime is None:
+            return super().step(closure)
+        t0 = time.perf_counter()
+        wait0 = runtime.store.io_wait_s
+        out = super().step(closure)
+        runtime.optimizer_swapper.poll()
+        runtime.param_swapper.poll_writes()
+        runtime.stats.optimizer_io_wait_s += runtime.store.io_wait_s - wait0
+        runtime.stats.optimizer_s += time.perf_counter() - t0
+        runtime.pinned_bytes()
+        # The next forward starts with the first groups: read them while the last writes finish.
+        runtime.prefetcher.start_of_pass()
+        return out

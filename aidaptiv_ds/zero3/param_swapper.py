@@ -1,0 +1,441 @@
+"""Parameter partitions on NVMe, read and written a layer group at a time.
+
+:class:`AidaptivParamSwapper` offers the interface DeepSpeed 0.19 expects of
+``AsyncPartitionedParameterSwapper`` (``param.nvme_swapper``), so ZeRO-3's own status machine drives it:
+DeepSpeed asks ``swap_in(params)`` for the partitions it is about to gather and calls
+``remove_partition_and_release_buffers(params)`` when it is done with them.
+
+Differences from DeepSpeed's swapper, and why:
+
+- one file for all partitions of the rank, one 4 KiB-aligned extent each, laid out so that each layer group
+  is contiguous on disk (relocated once at start if the model was built in another order);
+- a layer group is read in one request into one buffer from the pinned pool; every partition of the group
+  is a view into it. There is no buffer_count/buffer_size: a group takes what it needs from the budget;
+- a partition DeepSpeed asks for waits only for its own group's request, never for unrelated prefetches;
+- groups stay in host memory after use while the budget allows (least recently used go first), so the
+  groups at the forward/backward turn are not read twice; updated partitions are written through to the
+  cached copy and to disk;
+- reads of a group never overlap a pending write of the same bytes (the store orders them).
+
+Before :meth:`plan` (while the model is being built and DeepSpeed sets up its optimizer) there are no
+groups: each partition moves alone through an ordinary aligned buffer.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from aidaptiv_ds.store import Extent, Ticket, aligned_empty, align_up, as_bytes
+
+log = logging.getLogger(__name__)
+
+
+class ParamStatus:
+    """Mirrors deepspeed.runtime.swap_tensor.partitioned_param_swapper.PartitionedParamStatus (set by
+    :mod:`aidaptiv_ds.zero3.install`, which is the only place that imports DeepSpeed)."""
+
+    AVAILABLE = None
+    NOT_AVAILABLE = None
+    INFLIGHT = None
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    ds_id: int
+    numel: int
+    dtype: torch.dtype
+    extent: Extent
+    param: "weakref.ref"
+    group: Optional["LayerGroup"] = None
+    published: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(eq=False)
+class LayerGroup:
+    """Consecutive parameter partitions read and cached together."""
+
+    index: int
+    name: str
+    records: List[ParamRecord]
+    offset: int = 0          # span on disk
+    nbytes: int = 0
+    buffer: Optional[torch.Tensor] = None
+    ticket: Optional[Ticket] = None
+    users: int = 0           # partitions currently published to DeepSpeed
+    last_used: int = 0
+    pins: int = 0            # > 0 while a swap-in or the prefetch window needs it: not to be evicted
+
+    def view(self, rec: ParamRecord) -> torch.Tensor:
+        start = rec.extent.offset - self.offset
+        return self.buffer[start:start + rec.nbytes].view(rec.dtype)
+
+
+def _empty(dtype):
+    return torch.empty(0, dtype=dtype)
+
+
+class AidaptivParamSwapper:
+    """DeepSpeed's parameter-swapper interface on our store. One per ``zero.Init`` / model."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        runtime.param_swapper = self
+        self.dtype = runtime.model_dtype
+        self.swap_folder = runtime.space.path
+        self.records: Dict[int, ParamRecord] = {}
+        self.groups: List[LayerGroup] = []
+        self.planned = False
+        self._lock = threading.RLock()
+        self._clock = itertools.count(1)
+        self._init_buffers: Dict[int, torch.Tensor] = {}
+        self._inflight_params: list = []
+        # (ticket, buffer, frees): updated partitions being written; ``buffer`` is referenced so that it
+        # cannot return to the pool before the write completes, ``frees`` says whether finishing the write
+        # gives memory back (a staging buffer) or not (a view of a cached group).
+        self._write_behind: List[tuple] = []
+        self.invalid_buffer = _empty(self.dtype)
+
+    # ---------------------------------------------------------------- DeepSpeed's interface
+    def swappable_tensor(self, param=None, numel=None):
+        # Every partition goes to NVMe, however small: small ones travel inside their layer group.
+        return True
+
+    def available_swap_in_buffers(self):
+        # Only DeepSpeed's own NVMe prefetch asks; it is switched off (our prefetcher replaces it).
+        return 1 << 30
+
+    def get_path(self, param, must_exist=False):
+        return self.runtime.params_file.path
+
+    def get_buffer(self, param, numel):
+        """First partitioning of ``param`` (model construction): allocate its extent and hand DeepSpeed an
+        aligned buffer to fill; :meth:`swap_out_and_release` writes it."""
+        with self._lock:
+            rec = self.records.get(param.ds_id)
+            if rec is None:
+                nbytes = numel * torch.empty(0, dtype=param.dtype).element_size()
+                ext = self.runtime.params_file.allocate(nbytes)
+                rec = ParamRecord(param.ds_id, numel, param.dtype, ext, weakref.ref(param))
+                self.records[param.ds_id] = rec
+            buf = aligned_empty(rec.extent.reserved)
+            self._init_buffers[param.ds_id] = buf
+            return buf[:rec.nbytes].view(rec.dtype)
+
+    def swap_out_and_release(self, params, async_op=False, force_buffer_release=False):
+        """Write partitions that DeepSpeed filled through :meth:`get_buffer`, then release them."""
+        tickets = []
+        with self._lock:
+            for p in params:
+                rec = self.records[p.ds_id]
+                buf = self._init_buffers.pop(p.ds_id, None)
+                if buf is None:  # a published partition being swapped out: write its current values
+                    buf = aligned_empty(rec.extent.reserved)
+                    as_bytes(buf[:rec.nbytes]).copy_(as_bytes(p.ds_tensor.data))
+                tickets.append((self.runtime.store.write_span(rec.extent.file, rec.extent.offset, buf,
+                                                              f"partition {p.ds_id}"), buf))
+        for t, _ in tickets:
+            self.runtime.store.wait(t)
+        self.remove_partition_and_release_buffers(params)
+
+    def swap_in(self, params, async_op=True, swap_in_buffers=None):
+        """Make the partitions of ``params`` available. With ``async_op`` their groups start loading and
+        the partitions are marked in flight; :meth:`synchronize_reads` finishes them (DeepSpeed's
+        contract). Otherwise this returns with them published. A partition waits for its own group's
+        request only, never for unrelated prefetches."""
+        if swap_in_buffers is not None:
+            for p, buf in zip(params, swap_in_buffers):
+                self.swap_into_buffer(p, buf)
+            return
+        if not async_op:
+            self._publish(params)
+            return
+        with self._lock:
+            for p in params:
+                rec = self.records[p.ds_id]
+                if rec.published:
+                    continue
+                if rec.group is not None:
+                    rec.group.pins += 1
+                    self._ensure_loading(rec.group, blocking=True, reason=f"partition {p.ds_id}")
+                p.ds_tensor.status = ParamStatus.INFLIGHT
+                self._inflight_params.append(p)
+
+    def synchronize_reads(self):
+        with self._lock:
+            params, self._inflight_params = self._inflight_params, []
+            self._publish(params)
+            for p in params:
+                g = self.records[p.ds_id].group
+                if g is not None:
+                    g.pins -= 1
+
+    def synchronize_writes(self):
+        self.drain_writes()
+
+    def remove_partition_and_release_buffers(self, params):
+        with self._lock:
+            for p in params:
+                rec = self.records.get(p.ds_id)
+                if rec is not None and rec.published:
+                    rec.published = False
+                    g = rec.group
+                    if g is not None:
+                        g.users -= 1
+                        g.last_used = next(self._clock)
+                p.ds_tensor.data = _empty(p.ds_tensor.dtype)
+                p.ds_tensor.status = ParamStatus.NOT_AVAILABLE
+
+    def swap_into_buffer(self, param, dest_buffer):
+        """Copy ``param``'s partition into ``dest_buffer`` without publishing it."""
+        rec = self.records[param.ds_id]
+        with self._lock:
+            if rec.group is not None:
+                self._ensure_loading(rec.group, blocking=True, reason=f"partition {param.ds_id}")
+                self._wait_group(rec.group)
+                src = rec.group.view(rec)
+            else:
+                src = self._read_alone(rec)
+            dest_buffer.data.copy_(src)
+
+    def reserve_partitioned_swap_space(self, partition_num_elems):
+        pass  # buffers for updated partitions come from the pool when they are written
+
+    def reserve_available_buffers(self):
+        return []  # only DeepSpeed's fast_init path uses these; we configure fast_init off
+
+    def release_reserved_buffers(self):
+        pass
+
+    def swap_out_partitioned_params(self, dst_fp16_params, src_fp32_params):
+        """After the optimizer step of a sub-group: write the updated partitions (converted to the model
+        dtype) to disk, and into the group's cached copy when it is in host memory. The writes complete
+        in the background; a later read of the same bytes waits for them."""
+        mem = self.runtime.memory
+        store = self.runtime.store
+        with self._lock:
+            recs = [self.records[p.ds_id] for p in dst_fp16_params]
+            order = sorted(range(len(recs)), key=lambda i: recs[i].extent.offset)
+            runs: List[List[int]] = []
+            for i in order:  # runs of partitions adjacent on disk and in the same layer group
+                prev = recs[runs[-1][-1]] if runs else None
+                if prev is not None and prev.extent.end == recs[i].extent.offset and prev.group is recs[i].group:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            for run in runs:
+                first, last = recs[run[0]], recs[run[-1]]
+                g = first.group
+                cached = g is not None and g.buffer is not None
+                if cached:
+                    # Write through: the cached group copy is updated in place and written from there
+                    # (a read of it still in flight must land first, or it would bring back old values).
+                    self._wait_group(g)
+                    for i in run:
+                        g.view(recs[i]).copy_(src_fp32_params[i])
+                    start = first.extent.offset - g.offset
+                    buf = g.buffer[start:last.extent.end - g.offset]
+                    frees = False  # buf views g.buffer, which stays allocated until the write is done
+                else:
+                    nbytes = last.extent.end - first.extent.offset
+                    buf = mem.take(nbytes, "writing updated parameters") if mem is not None \
+                        else aligned_empty(nbytes)
+                    for i in run:
+                        r = recs[i]
+                        off = r.extent.offset - first.extent.offset
+                        buf[off:off + r.nbytes].view(r.dtype).copy_(src_fp32_params[i])
+                    frees = True
+                t = store.write_span(first.extent.file, first.extent.offset, buf,
+                                     f"updated partitions {first.ds_id}..{last.ds_id}")
+                self._write_behind.append((t, buf, frees))
+
+    # ---------------------------------------------------------------- groups
+    def plan(self, module, layer_group_size: int) -> None:
+        """Form layer groups from the module structure, make each contiguous on disk, and switch to
+        grouped I/O. Called once the runtime has its pinned pool."""
+        from aidaptiv_ds.zero3.layer_groups import partition_into_groups
+        with self._lock:
+            named = partition_into_groups(module, layer_group_size)
+            seen = set()
+            for index, (name, params) in enumerate(named):
+                recs = []
+                for p in params:
+                    if p.ds_id in seen or p.ds_id not in self.records:
+                        continue  # tied weights live in their first group; persistent params are not ours
+                    seen.add(p.ds_id)
+                    recs.append(self.records[p.ds_id])
+                if recs:
+                    self.groups.append(LayerGroup(len(self.groups), name, recs))
+            # Partitions DeepSpeed knows but the module walk did not reach (rare): one group at the end.
+            rest = [r for i, r in self.records.items() if i not in seen]
+            if rest:
+                self.groups.append(LayerGroup(len(self.groups), "other", rest))
+            for g in self.groups:
+                self._make_contiguous(g)
+                for r in g.records:
+                    r.group = g
+            self.runtime.memory.add_reclaimer("parameter write-behind", self._reclaim_write)
+            self.runtime.memory.add_reclaimer("cached layer groups", self._reclaim_group)
+            self.planned = True
+
+    def _make_contiguous(self, g: LayerGroup) -> None:
+        recs = sorted(g.records, key=lambda r: r.extent.offset)
+        contiguous = all(a.extent.end == b.extent.offset for a, b in zip(recs, recs[1:]))
+        if not contiguous:
+            # Relocate: one new span, each partition copied into place (once, at start).
+            total = sum(r.extent.reserved for r in g.records)
+            f = self.runtime.params_file
+            span = f.allocate(total)
+            off = span.offset
+            moved = []
+            for r in g.records:
+                buf = aligned_empty(r.extent.reserved)
+                self.runtime.store.wait(self.runtime.store.read_span(r.extent.file, r.extent.offset, buf,
+                                                                     f"relocating partition {r.ds_id}"))
+                self.runtime.store.wait(self.runtime.store.write_span(f, off, buf, f"relocating {r.ds_id}"))
+                moved.append((r, Extent(f, off, r.extent.nbytes)))
+                off += r.extent.reserved
+            for r, ext in moved:
+                f.release(r.extent)
+                r.extent = ext
+            recs = list(g.records)
+            log.debug("relocated layer group %s to be contiguous on disk", g.name)
+        g.records = recs
+        g.offset = recs[0].extent.offset
+        g.nbytes = recs[-1].extent.end - g.offset
+
+    def _ensure_loading(self, g: LayerGroup, blocking: bool, reason: str) -> bool:
+        """Start reading ``g`` unless it is in host memory or on its way. Returns False only when not
+        blocking and the budget has no room now."""
+        if g.buffer is not None:
+            if g.ticket is None:
+                self.runtime.stats.group_hits += 1
+            return True
+        mem = self.runtime.memory
+        g.pins += 1
+        try:
+            buf = mem.take(g.nbytes, f"layer group {g.name} ({reason})") if blocking else mem.try_take(g.nbytes)
+        finally:
+            g.pins -= 1
+        if buf is None:
+            return False
+        g.buffer = buf
+        g.ticket = self.runtime.store.read_span(self.runtime.params_file, g.offset, buf, f"layer group {g.name}")
+        g.last_used = next(self._clock)
+        self.runtime.stats.group_reads += 1
+        return True
+
+    def _wait_group(self, g: LayerGroup) -> None:
+        if g.ticket is not None:
+            t = g.ticket
+            if not t.done():
+                self.runtime.stats.sync_param_reads += 1
+            self.runtime.store.wait(t)
+            g.ticket = None
+
+    def _publish(self, params) -> None:
+        """Wait for each partition's group (loading it if needed) and hand DeepSpeed a view into it."""
+        with self._lock:
+            for p in params:
+                rec = self.records[p.ds_id]
+                if rec.published:
+                    continue
+                g = rec.group
+                if g is None:
+                    data = self._read_alone(rec)
+                else:
+                    g.pins += 1
+                    try:
+                        self._ensure_loading(g, blocking=True, reason=f"partition {p.ds_id}")
+                        self._wait_group(g)
+                    finally:
+                        g.pins -= 1
+                    data = g.view(rec)
+                    g.users += 1
+                    g.last_used = next(self._clock)
+                p.ds_tensor.data = data
+                p.ds_tensor.status = ParamStatus.AVAILABLE
+                rec.published = True
+
+    def _read_alone(self, rec: ParamRecord) -> torch.Tensor:
+        buf = aligned_empty(rec.extent.reserved)
+        self.runtime.store.wait(self.runtime.store.read_span(rec.extent.file, rec.extent.offset, buf,
+                                                             f"partition {rec.ds_id}"))
+        return buf[:rec.nbytes].view(rec.dtype)
+
+    def prefetch(self, groups: List[LayerGroup]) -> None:
+        """Start reading ``groups`` (nearest first) as far as the budget allows without waiting."""
+        with self._lock:
+            for g in groups:
+                g.pins += 1
+            try:
+                for g in groups:
+                    if g.buffer is None:
+                        if not self._ensure_loading(g, blocking=False, reason="prefetch"):
+                            # Make room from groups outside the window, then try once more.
+                            if not (self._reclaim_group() and self._ensure_loading(g, False, "prefetch")):
+                                break
+                        self.runtime.stats.prefetched_groups += 1
+            finally:
+                for g in groups:
+                    g.pins -= 1
+
+    def _reclaim_group(self) -> bool:
+        """Drop the least recently used cached group that nobody uses and no prefetch protects."""
+        with self._lock:
+            victims = [g for g in self.groups if g.buffer is not None and g.users == 0 and g.pins == 0]
+            if not victims:
+                return False
+            g = min(victims, key=lambda x: x.last_used)
+            if g.ticket is not None:  # an unneeded read still in flight: let it land before freeing
+                self.runtime.store.wait(g.ticket)
+                g.ticket = None
+            g.buffer = None
+            return True
+
+    def _reclaim_write(self) -> bool:
+        """Finish the oldest write-behind of updated partitions and free its buffer."""
+        with self._lock:
+            while self._write_behind:
+                t, _, frees = self._write_behind.pop(0)
+                self.runtime.store.wait(t)
+                if frees:
+                    return True
+            return False
+
+    def drain_writes(self) -> None:
+        with self._lock:
+            items, self._write_behind = self._write_behind, []
+        for t, _, _ in items:
+            self.runtime.store.wait(t)
+
+    def poll_writes(self) -> None:
+        """Forget finished write-behinds so their buffers return to the pool (raising if one failed)."""
+        with self._lock:
+            still = []
+            for item in self._write_behind:
+                if item[0].done():
+                    self.runtime.store.wait(item[0])
+                else:
+                    still.append(item)
+            self._write_behind = still
+
+    def drop_cache(self) -> None:
+        """Forget every cached group (after a checkpoint load replaced the bytes on disk)."""
+        with self._lock:
+            self.drain_writes()
+            for g in self.groups:
+                if g.ticket is not None:
+                    self.runtime.store.wait(g.ticket)
+                    g.ticket = None
+                if g.users == 0:
+                    g.buffer = None

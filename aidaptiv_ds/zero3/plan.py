@@ -1,0 +1,88 @@
+"""How a run uses its host budget: the pinned pool's size, the staging it needs, what stays resident.
+
+Staging is what moving the model needs at any moment: in forward and backward, the layer group being
+computed, the ones being prefetched and one cached across the turn, plus open gradient buffers; in the
+optimizer step, the sub-group being updated, the read-ahead and the write-behind. The two phases do not
+overlap, so the larger of the two is reserved. What the budget has beyond that holds optimizer
+sub-groups resident (the RAM cache tier): each one saves reading and writing 12-16 bytes per parameter
+every step, which is on the step's critical path, whereas parameter reads overlap compute. Whatever is
+not resident is cached elastically (least recently used layer groups, gradients) and given back on demand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Set
+
+from aidaptiv_ds.config import ConfigError
+from aidaptiv_ds.store import align_up
+from aidaptiv_ds.zero3.layer_groups import partition_into_groups
+from aidaptiv_ds.zero3.optimizer_swapper import READ_AHEAD, STATE_SLOTS
+
+MiB = 2**20
+
+
+@dataclass
+class RunPlan:
+    budget_bytes: int
+    pool_bytes: int
+    staging_bytes: int
+    group_bytes: List[int]
+    sub_group_numels: List[int]
+    resident_sub_groups: Set[int] = field(default_factory=set)
+
+    def describe(self) -> str:
+        res = sum(4 * align_up(self.sub_group_numels[i] * 4) for i in self.resident_sub_groups)
+        return (f"{len(self.group_bytes)} layer groups (largest {max(self.group_bytes) / MiB:.1f} MiB), "
+                f"{len(self.sub_group_numels)} optimizer sub-groups ({len(self.resident_sub_groups)} resident, "
+                f"{res / MiB:.1f} MiB), pinned pool {self.pool_bytes / MiB:.1f} MiB of a "
+                f"{self.budget_bytes / MiB:.1f} MiB budget, staging {self.staging_bytes / MiB:.1f} MiB")
+
+
+def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
+    cfg = runtime.cfg
+    budget = cfg.host_budget_bytes()
+    records = runtime.param_swapper.records
+    seen, group_bytes = set(), []
+    for _, params in partition_into_groups(module, cfg.layer_group_size):
+        size = 0
+        for p in params:
+            rec = records.get(getattr(p, "ds_id", None))
+            if rec is not None and p.ds_id not in seen:
+                seen.add(p.ds_id)
+                size += rec.extent.reserved
+        if size:
+            group_bytes.append(size)
+    rest = sum(r.extent.reserved for i, r in records.items() if i not in seen)
+    if rest:
+        group_bytes.append(rest)
+    part = lambda n: align_up(n * 4)  # one fp32 vector of a sub-group
+    largest_group = max(group_bytes)
+    largest_sub = max(sub_group_numels)
+    elsize = torch_elsize(runtime.model_dtype)
+    fwd_bwd = (cfg.prefetch_depth + 2) * largest_group + 2 * part(largest_sub)
+    step = (2 + READ_AHEAD) * (2 + STATE_SLOTS) * part(largest_sub) + 2 * largest_sub * elsize
+    minimum = max(largest_group + part(largest_sub), (2 + STATE_SLOTS) * part(largest_sub) + largest_sub * elsize)
+    if budget < minimum:
+        raise ConfigError([
+            f"aidaptiv.host_memory_budget is {budget / MiB:.1f} MiB but the run needs at least {minimum / MiB:.1f} "
+            f"MiB of host memory (largest layer group {largest_group / MiB:.1f} MiB, largest optimizer sub-group "
+            f"{largest_sub:,} elements): raise the budget, or lower aidaptiv.layer_group_size or "
+            "optimizer_chunk_numel (a sub-group cannot be smaller than the largest parameter partition)"])
+    staging = max(fwd_bwd, step)
+    everything = staging + sum(group_bytes) + sum((2 + STATE_SLOTS) * part(n) for n in sub_group_numels)
+    pool = min(budget, everything)
+    resident = set()
+    if cfg.cache_optimizer_state:
+        leftover = pool - staging
+        for i, n in enumerate(sub_group_numels):  # the step starts with sub-group 0: keep the first ones
+            cost = (2 + STATE_SLOTS) * part(n)
+            if cost > leftover:
+                break
+            resident.add(i)
+            leftover -= cost
+    return RunPlan(budget, pool, min(staging, pool), group_bytes, list(sub_group_numels), resident)
+
+
+def torch_elsize(dtype) -> int:
+    import torch
+    return torch.empty(0, dtype=dtype).element_size()

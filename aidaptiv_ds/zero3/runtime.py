@@ -1,0 +1,142 @@
+"""What one rank's swappers share: the config, the I/O engine, the swap space, host memory and statistics.
+
+A runtime is born when DeepSpeed builds the parameter swapper (inside ``zero.Init`` or the engine's
+conversion of an ordinary module), at which point only the config is known: parameters are written to
+NVMe one by one from ordinary aligned buffers. When the ZeRO-3 optimizer is built, the model and its
+sub-groups are known; :meth:`SwapRuntime.start_training` then sizes the one pinned pool from the model
+(bounded by the host budget), reopens the files on an engine that registers that pool with io_uring, and
+the swappers switch to group-granular, prefetched, pooled I/O.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from aidaptiv_ds.config import AidaptivConfig
+from aidaptiv_ds.io import IOEngine, PinnedPool
+from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
+
+log = logging.getLogger(__name__)
+
+
+class SwapStats:
+    """Counters the training loop reads through ``engine.aidaptiv_stats()``."""
+
+    def __init__(self):
+        self.reset_step()
+        self.peak_pinned_bytes = 0
+
+    def reset_step(self):
+        self.optimizer_s = 0.0
+        self.optimizer_io_wait_s = 0.0
+        self.sync_param_reads = 0      # parameter fetches DeepSpeed asked for before our prefetch finished
+        self.prefetched_groups = 0
+        self.group_reads = 0
+        self.group_hits = 0            # group needed and already in host memory
+
+
+class SwapRuntime:
+    def __init__(self, cfg: AidaptivConfig, rank: int, model_dtype: torch.dtype):
+        self.cfg = cfg
+        self.rank = rank
+        self.model_dtype = model_dtype
+        self.stats = SwapStats()
+        self.engine = self._make_engine(pool=None)
+        if self.engine.fallback_reason and rank == 0:
+            log.warning("aidaptiv: %s", self.engine.fallback_reason)
+        self.space = SwapSpace(cfg.nvme_path, rank, keep_files=cfg.keep_swap_files)
+        self.store = SwapStore(self.engine, self.space)
+        self.params_file = self.space.create_file("params.swp", self.engine)
+        self.optim_file = None
+        self.pool: Optional[PinnedPool] = None
+        self.memory: Optional[HostMemory] = None
+        self.training = False
+        self.closed = False
+        self.param_swapper = None      # set by AidaptivParamSwapper
+        self.optimizer_swapper = None  # set by AidaptivOptimizerSwapper
+        self.prefetcher = None         # set when the optimizer is built
+        self.plan = None
+        self.phase = "forward"         # "backward" between ZeRO-3's backward prologue and epilogue
+        self._retired_stats = {"bytes_read": 0, "bytes_written": 0}
+
+    def _make_engine(self, pool):
+        c = self.cfg
+        return IOEngine(backend=c.backend.value, block_size=c.block_size, queue_depth=c.queue_depth,
+                        threads=c.io_threads, pool=pool if c.register_buffers else None, sqpoll=c.sqpoll)
+
+    def start_training(self, pool_bytes: int) -> None:
+        """Create the pinned pool (``pool_bytes``, already bounded by the budget) and move the swap files
+        onto an engine that has it registered."""
+        if self.training:
+            return
+        t0 = time.perf_counter()
+        self.store.drain()
+        self.pool = PinnedPool(pool_bytes)
+        engine = self._make_engine(pool=self.pool)
+        for f in self.space.files:
+            old = f.handle
+            f.handle = engine.open(f.path, create=False)
+            f.engine = engine
+            self.engine.close(old)
+        self._retired_stats = self.engine.stats()
+        self.engine.shutdown()
+        self.engine = engine
+        self.store.engine = engine
+        self.memory = HostMemory(self.pool)
+        self.training = True
+        if self.rank == 0:
+            s = self.pool.stats()
+            log.info("aidaptiv: pinned pool %.1f MiB (%s), engine %s%s, ready in %.2fs", pool_bytes / 2**20,
+                     s["lock_method"], engine.backend.value, " with fixed buffers" if engine.fixed_buffers else "",
+                     time.perf_counter() - t0)
+
+    def create_optimizer_file(self):
+        if self.optim_file is None:
+            self.optim_file = self.space.create_file("optim.swp", self.engine)
+        return self.optim_file
+
+    def pinned_bytes(self) -> int:
+        if self.pool is None:
+            return 0
+        s = self.pool.stats()
+        self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, s["high_water"])
+        return s["in_use"]
+
+    def stats_dict(self) -> dict:
+        """Cumulative counters of this rank since the swapper was created."""
+        e = self.engine.stats()
+        self.pinned_bytes()
+        s = self.stats
+        return {
+            "backend": e["backend"],
+            "fixed_buffers": e["fixed_buffers"],
+            "nvme_read_bytes": e["bytes_read"] + self._retired_stats["bytes_read"],
+            "nvme_write_bytes": e["bytes_written"] + self._retired_stats["bytes_written"],
+            "io_wait_s": self.store.io_wait_s,
+            "optimizer_s": s.optimizer_s,
+            "optimizer_io_wait_s": s.optimizer_io_wait_s,
+            "pinned_bytes": self.pool.stats()["in_use"] if self.pool is not None else 0,
+            "peak_pinned_bytes": s.peak_pinned_bytes,
+            "sync_param_reads": s.sync_param_reads,
+            "group_reads": s.group_reads,
+            "group_hits": s.group_hits,
+            "prefetched_groups": s.prefetched_groups,
+            "plan": self.plan.describe() if self.plan is not None else None,
+        }
+
+    def close(self) -> None:
+        """Finish every request, close the files and remove them unless kept. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.store.drain()
+        finally:
+            kept = self.space.close()
+            self.engine.shutdown()
+            if kept and self.rank == 0:
+                log.warning("aidaptiv: swap files kept (keep_swap_files=true): %s", ", ".join(kept))
