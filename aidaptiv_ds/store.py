@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import stat
 import threading
 from dataclasses import dataclass, field
@@ -74,6 +75,9 @@ class SwapSpace:
         self.files: List[SwapFile] = []
         self._make_private_dir(os.path.dirname(self.path))
         self._make_private_dir(self.path)
+        # An empty folder DeepSpeed's NVMe checkpoint code may copy (see zero3.checkpoint).
+        self.deepspeed_dir = os.path.join(self.path, "deepspeed")
+        self._make_private_dir(self.deepspeed_dir)
 
     @staticmethod
     def _make_private_dir(path: str) -> None:
@@ -129,6 +133,7 @@ class SwapSpace:
                     pass
         self.files = []
         if not self.keep_files:
+            shutil.rmtree(self.deepspeed_dir, ignore_errors=True)
             for d in (self.path, os.path.dirname(self.path)):
                 try:
                     os.rmdir(d)

@@ -22,9 +22,10 @@ def attach(engine, runtime) -> None:
 
     @functools.wraps(ds_save)
     def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
-        out = ds_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest, **kwargs)
+        # Ours first: DeepSpeed's save ends by pointing "latest" at the new tag, which must only happen
+        # once every byte of the state is on disk.
         checkpoint.save(engine, runtime, save_dir, tag)
-        return out
+        return ds_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest, **kwargs)
 
     @functools.wraps(ds_load)
     def load_checkpoint(load_dir, tag=None, **kwargs):

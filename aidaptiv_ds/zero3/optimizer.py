@@ -113,6 +113,12 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         finally:
             self.optimizer_swapper.initializing = False
 
+    def reset_swap_buffers(self):
+        # DeepSpeed calls this after copying its NVMe checkpoint folder back, to rebuild parameters from
+        # the fp32 masters. Our checkpoint restores parameters and optimizer state byte for byte instead.
+        if self._aidaptiv is None:
+            return super().reset_swap_buffers()
+
     # ------------------------------------------------------------------ training
     def backward_prologue(self):
         if self._aidaptiv is not None:

@@ -85,7 +85,9 @@ class AidaptivOptimizerSwapper:
         self.optimizer = optimizer
         self.stage3 = stage3                  # for micro_step_id / accumulation boundary only
         self.file = runtime.create_optimizer_file()
-        self.swap_folder = runtime.space.path
+        # DeepSpeed's checkpoint code copies this folder into the checkpoint (and back on load). Our state
+        # is saved by aidaptiv_ds.zero3.checkpoint, so it gets an empty folder rather than our swap files.
+        self.swap_folder = runtime.space.deepspeed_dir
         self.groups: Dict[str, SubGroup] = {}  # DeepSpeed's fp32 partition ds_id -> sub-group
         self.by_index: List[SubGroup] = []
         self.initializing = False
@@ -189,7 +191,7 @@ class AidaptivOptimizerSwapper:
             self._adopt_state(sg, parameter)
             parameter.data = torch.empty(0, dtype=FP32)
             parameter.grad = None
-            self._end_window(sg)
+            self.reset_gradients(sg)
             if sg.resident:
                 return
             if not self.initializing:
@@ -229,13 +231,8 @@ class AidaptivOptimizerSwapper:
 
     def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors):
         """DeepSpeed hands over the final gradients of a bucket at the accumulation boundary. They are
-        already views into our gradient buffers (see GradientPartitions); nothing to copy."""
-        sg = self._sg(parameter)
-        grad = sg.grad
-        for t in gradient_tensors:
-            if grad is None or t.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr():
-                raise RuntimeError(f"gradient of sub-group {sg.index} is not in aidaptiv's gradient buffer: "
-                                   "is data_types.grad_accum_dtype fp32? (aidaptiv sets it)")
+        views into our gradient buffers (see GradientPartitions), already where the step will find them:
+        in host memory, or written out with their buffer if memory was needed since."""
 
     def purge_state(self):
         with self._lock:
@@ -315,7 +312,7 @@ class AidaptivOptimizerSwapper:
         # No gradient arrived this window (frozen or unused parameters): zeros.
         return torch.zeros(sg.numel, dtype=FP32)
 
-    def _end_window(self, sg: SubGroup) -> None:
+    def reset_gradients(self, sg: SubGroup) -> None:
         """The step consumed the sub-group's gradients: the next window starts from zero."""
         sg.grad = None
         sg.grad_on_disk = False
