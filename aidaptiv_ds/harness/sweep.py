@@ -103,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, help="with --hostfile: a cell of G GPUs uses G / K nodes")
     p.add_argument("--master-addr", help="with --hostfile: address of the first node")
     p.add_argument("--ds-launcher", help="with --hostfile: DeepSpeed's multi-node launcher (pdsh, openmpi, slurm, ...)")
+    p.add_argument("--dry-run", action="store_true", help="print the launch command of each cell that would run "
+                                                           "(after --resume) and exit without running anything")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -205,19 +207,28 @@ def _record(ctx: dict, row: dict, cell_dir: str) -> None:
     append_row(os.path.join(ctx["out"], RESULTS_FILE), row)
 
 
-def _run_one(cell: Cell, ctx: dict, tick) -> dict:
-    out = ctx["out"]
-    cell_dir = os.path.join(out, "cells", cell.id)
-    shutil.rmtree(cell_dir, ignore_errors=True)  # a rerun must never read an old metrics.json
-    os.makedirs(cell_dir)
+def _cell_paths(cell: Cell, ctx: dict) -> tuple[str, str, str]:
+    """(cell folder, swap folder, metrics file) of a cell."""
+    cell_dir = os.path.join(ctx["out"], "cells", cell.id)
     swap_dir = (os.path.join(ctx["swap_root"], f"{cell.id}.{os.getpid()}") if ctx["swap_root"]
                 else os.path.join(cell_dir, "swap"))
+    return cell_dir, swap_dir, os.path.join(cell_dir, "metrics.json")
+
+
+def _command(cell: Cell, ctx: dict, port: int) -> list[str]:
+    _, swap_dir, metrics_path = _cell_paths(cell, ctx)
+    return launch_command(cell, ctx["spec"], port=port, swap_dir=swap_dir, metrics_out=metrics_path,
+                          steps=ctx["steps"], warmup=ctx["warmup"], gpu_mem_cap_gb=ctx["gpu_mem_cap_gb"])
+
+
+def _run_one(cell: Cell, ctx: dict, tick) -> dict:
+    cell_dir, swap_dir, metrics_path = _cell_paths(cell, ctx)
+    shutil.rmtree(cell_dir, ignore_errors=True)  # a rerun must never read an old metrics.json
+    os.makedirs(cell_dir)
     shutil.rmtree(swap_dir, ignore_errors=True)
     os.makedirs(swap_dir, mode=0o700)
     os.chmod(swap_dir, 0o700)  # model state is private (DESIGN.md); makedirs' mode is masked by umask
-    metrics_path = os.path.join(cell_dir, "metrics.json")
-    cmd = launch_command(cell, ctx["spec"], port=free_port(), swap_dir=swap_dir, metrics_out=metrics_path,
-                         steps=ctx["steps"], warmup=ctx["warmup"], gpu_mem_cap_gb=ctx["gpu_mem_cap_gb"])
+    cmd = _command(cell, ctx, free_port())
     cap = ctx["cap"]
     cap_bytes = int(cap["gb"] * 2**30) if cap["gb"] else None
     cgroup, watchdog, cap_used = None, False, {}
@@ -360,6 +371,12 @@ def run(args: argparse.Namespace) -> int:
         if changed:
             print(f"warning: --resume keeps {len(changed)} earlier row(s) run under other steps/warm-up/caps, "
                   f"e.g. {changed[0]}", file=sys.stderr)
+
+    if args.dry_run:
+        for cell in cells:
+            if not (args.resume and cell.id in done):
+                print(shlex.join(_command(cell, ctx, port=29500)))
+        return 0
 
     from tqdm import tqdm
     counts: dict[str, int] = {}
