@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, rows_of, write_grid
+from sweep_fakes import ROOT, rows_of, write_grid
 
 
 def test_concurrent_array_tasks_and_requeue(fake_env, tmp_path):

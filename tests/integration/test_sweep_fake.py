@@ -12,7 +12,7 @@ import pytest
 from aidaptiv_ds.harness.hostcap import probe_cgroup
 from aidaptiv_ds.harness.sweep import main as sweep
 
-from conftest import ROOT, leftovers, rows_of, write_grid
+from sweep_fakes import ROOT, leftovers, rows_of, write_grid
 
 PLAN = {"1": "ok", "2": "alloc:1500", "3": "hang", "4": "crash", "5": "oom"}
 
