@@ -42,10 +42,10 @@ def _write(path: str, value: str) -> None:
         f.write(value)
 
 
-def _mounts() -> list[tuple[str, str, str]]:
-    """[(mount point, fstype, super options)] from /proc/self/mountinfo."""
+def _mounts(text: Optional[str] = None) -> list[tuple[str, str, str]]:
+    """[(mount point, fstype, super options)] from /proc/self/mountinfo (or ``text``)."""
     out = []
-    for line in (_read("/proc/self/mountinfo") or "").splitlines():
+    for line in (text if text is not None else _read("/proc/self/mountinfo") or "").splitlines():
         left, _, right = line.partition(" - ")
         f, r = left.split(), right.split()
         if len(f) >= 5 and len(r) >= 3:
@@ -53,10 +53,10 @@ def _mounts() -> list[tuple[str, str, str]]:
     return out
 
 
-def _own_cgroups() -> dict[str, str]:
-    """{controller or '' for v2: path} from /proc/self/cgroup."""
+def _own_cgroups(text: Optional[str] = None) -> dict[str, str]:
+    """{controller or '' for v2: path} from /proc/self/cgroup (or ``text``)."""
     out = {}
-    for line in (_read("/proc/self/cgroup") or "").splitlines():
+    for line in (text if text is not None else _read("/proc/self/cgroup") or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) == 3:
             for ctrl in parts[1].split(",") if parts[1] else [""]:
@@ -87,7 +87,7 @@ class CellCgroup:
 
     def oom_kills(self) -> int:
         if self.kind == "cgroup2":
-            return self._counter("memory.events", "oom_kill") + self._counter("memory.events", "oom_group_kill")
+            return self._counter("memory.events", "oom_kill")  # processes killed, group kills included
         return self._counter("memory.oom_control", "oom_kill")
 
     def peak_bytes(self) -> Optional[int]:
@@ -160,9 +160,12 @@ class CgroupFactory:
         return cg
 
 
-def _probe_v2() -> tuple[Optional[CgroupFactory], str]:
-    mounts = [m for m, fs, _ in _mounts() if fs == "cgroup2"]
-    own = _own_cgroups().get("")
+def _probe_v2(mountinfo: Optional[str] = None, cgroup: Optional[str] = None) -> tuple[Optional[CgroupFactory], str]:
+    """The nearest cgroup, ours or an ancestor, whose children get the memory controller. (Ours usually has
+    processes, and a v2 cgroup with processes cannot enable controllers for children, so the cell cgroup is
+    often made beside ours.)"""
+    mounts = [m for m, fs, _ in _mounts(mountinfo) if fs == "cgroup2"]
+    own = _own_cgroups(cgroup).get("")
     if not mounts or own is None:
         return None, "no cgroup2 mount"
     why = "cgroup2 has no memory controller"
@@ -180,9 +183,9 @@ def _probe_v2() -> tuple[Optional[CgroupFactory], str]:
     return None, why
 
 
-def _probe_v1() -> tuple[Optional[CgroupFactory], str]:
-    mounts = [m for m, fs, opts in _mounts() if fs == "cgroup" and "memory" in opts.split(",")]
-    own = _own_cgroups().get("memory")
+def _probe_v1(mountinfo: Optional[str] = None, cgroup: Optional[str] = None) -> tuple[Optional[CgroupFactory], str]:
+    mounts = [m for m, fs, opts in _mounts(mountinfo) if fs == "cgroup" and "memory" in opts.split(",")]
+    own = _own_cgroups(cgroup).get("memory")
     if not mounts or own is None:
         return None, "no cgroup v1 memory controller"
     d = os.path.normpath(mounts[0] + own)

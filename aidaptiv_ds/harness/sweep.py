@@ -356,6 +356,20 @@ def run(args: argparse.Namespace) -> int:
         "gpu_mem_cap_gb": gpu_cap, "cap": cap, "spec": spec, "swap_root": swap_root, "env": env,
         "cwd": os.getcwd(), "machine": machine_info(swap_root or os.path.join(out, "cells")),
     }
+    # GPUs this process may use: CUDA_VISIBLE_DEVICES (as SLURM sets it) when given, else all nvidia-smi lists.
+    usable_gpus = (len([d for d in spec.visible_devices.split(",") if d.strip()]) if spec.visible_devices
+                   else len(gpu_list))
+    bad_split = []
+    for cell in cells:
+        try:
+            _command(cell, ctx, port=0)
+        except ValueError as e:
+            if spec.hostfile:  # a cell that cannot be spread over the nodes: the grid and the allocation disagree
+                bad_split.append(str(e))
+    if bad_split:
+        for e in bad_split[:10]:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     if accel == "cuda" and not spec.hostfile and gpu_cap and gpu_list:
         smallest = min(g["memory_mb"] or 0 for g in gpu_list) / 1024
         if smallest and gpu_cap > smallest:
@@ -396,9 +410,9 @@ def run(args: argparse.Namespace) -> int:
                 counts["skipped (resume)"] = counts.get("skipped (resume)", 0) + 1
                 pbar.update(1)
                 continue
-            if accel == "cuda" and not spec.hostfile and cell.gpus > len(gpu_list):
+            if accel == "cuda" and not spec.hostfile and cell.gpus > usable_gpus:
                 unrunnable.append(cell.id)
-                pbar.write(f"{cell.id}: not run, needs {cell.gpus} GPUs and this machine has {len(gpu_list)}")
+                pbar.write(f"{cell.id}: not run, needs {cell.gpus} GPUs and {usable_gpus} are usable here")
                 pbar.update(1)
                 continue
             pbar.set_description(cell.id)
@@ -435,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to do"
     print(f"sweep {grid.name}: {summary}; rows in {os.path.join(out, RESULTS_FILE)}", file=sys.stderr)
     if unrunnable:
-        print(f"error: {len(unrunnable)} cell(s) need more GPUs than this machine has, e.g. {unrunnable[0]}",
+        print(f"error: {len(unrunnable)} cell(s) need more GPUs than are usable here, e.g. {unrunnable[0]}",
               file=sys.stderr)
         return 1
     return 0
