@@ -126,9 +126,11 @@ def _os_name() -> Optional[str]:
 
 def summary(m: dict) -> str:
     """One line for a report header."""
-    g = m.get("gpus") or []
-    gpu = ", ".join(f"{x['name']} {x['memory_mb'] / 1024:.0f} GiB" if x.get("memory_mb") else x["name"]
-                    for x in g) or "no GPU"
+    kinds: dict[str, int] = {}
+    for x in m.get("gpus") or []:
+        name = f"{x['name']} {x['memory_mb'] / 1024:.0f} GiB" if x.get("memory_mb") else x["name"]
+        kinds[name] = kinds.get(name, 0) + 1
+    gpu = ", ".join(f"{n}x {name}" for name, n in kinds.items()) or "no GPU"
     d = m.get("swap_disk") or {}
     disk = (f"{d.get('device') or d.get('source') or '?'} ({d.get('model') or 'unknown model'}, "
             f"{'rotational' if d.get('rotational') else 'non-rotational' if d.get('rotational') is False else '?'}"

@@ -27,6 +27,11 @@ SYMBOL = {"ok": "✓", "oom": "✗", "error": "E", "timeout": "T"}
 RATIO = ("aidaptiv", "zero_infinity")
 
 
+def unit_of(rows: list[dict]) -> str:
+    """What a cell's 'gpus' counts: GPUs, or processes when no row's machine had a GPU (CPU runs)."""
+    return "GPU" if any((r.get("machine") or {}).get("gpus") for r in rows) else "proc"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="a sweep's results folder (with results.jsonl)")
     p.add_argument("--no-plots", action="store_true", help="tables only, no PNGs")
@@ -134,7 +139,8 @@ def throughput_table(model: str, rows: list[dict]) -> tuple[str, list[str]]:
     pub = _published_columns(model, rows)
     multi_ga = len({r["grad_accum"] for r in rows}) > 1
     header = ["seq", "batch"] + (["grad acc."] if multi_ga else [])
-    header += [f"{SHORT.get(b, b)} {g} GPU" for b in backends for g in gpus]
+    unit = unit_of(rows)
+    header += [f"{SHORT.get(b, b)} {g} {unit}" for b in backends for g in gpus]
     header += [f"{lab}, {g} GPU (published)" for lab, g in pub]
     body = []
     for seq, mb, ga in _shapes(rows):
@@ -166,7 +172,7 @@ def feasibility_maps(rows: list[dict]) -> str:
                         syms.append("·" if r is None else SYMBOL[r["status"]] + ("*" if r.get("inferred") else ""))
                     line.append(" ".join(syms))
                 body.append(line)
-        parts.append(f"**{SHORT.get(b, b)}** (each cell: GPU counts {', '.join(map(str, gpus))})\n\n"
+        parts.append(f"**{SHORT.get(b, b)}** (each cell: {unit_of(rows)} counts {', '.join(map(str, gpus))})\n\n"
                      + md_table(["seq \\ batch"] + [str(m) for m in mbs], body, right_from=1))
     return "\n\n".join(parts)
 
@@ -196,7 +202,7 @@ def ratio_section(rows: list[dict]) -> str:
             f"**{med:.2f}×** (min {min(vals):.2f}×, max {max(vals):.2f}×). " if vals else
             "No cell ran on both. ")
     head += (f"Ran on aidaptiv only: {len(rt['only_num'])}; on ZeRO-Infinity only: {len(rt['only_den'])}.")
-    return head + "\n\n" + md_table(["seq", "batch"] + [f"{g} GPU" for g in gpus], body, right_from=2)
+    return head + "\n\n" + md_table(["seq", "batch"] + [f"{g} {unit_of(rows)}" for g in gpus], body, right_from=2)
 
 
 def phases_table(rows: list[dict]) -> str:
@@ -216,7 +222,7 @@ def phases_table(rows: list[dict]) -> str:
                      f(ph.get("io_wait")), f(r["nvme_read_gbps"]), f(r["nvme_write_gbps"]),
                      f(r["peak_rss_mb"], 0), f(r["peak_pinned_mb"], 0), f(r["peak_gpu_mb"], 0),
                      f(r.get("cell_mem_peak_mb") or r.get("tree_peak_rss_mb"), 0)])
-    return md_table(["backend", "GPUs", "batch", "seq", "step s (median)", "forward s", "backward s",
+    return md_table(["backend", unit_of(rows) + "s", "batch", "seq", "step s (median)", "forward s", "backward s",
                      "optimizer s", "I/O wait s", "NVMe read GB/s", "NVMe write GB/s", "peak RSS MB",
                      "peak pinned MB", "peak GPU MB", "cell memory peak MB"], body, right_from=1)
 
@@ -362,6 +368,7 @@ def _plots(model: str, rows: list[dict], fig_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     made = []
+    unit = unit_of(rows)
     backends = _order_backends(rows)
     colors = {b: c for b, c in zip(BACKENDS, ("tab:blue", "tab:orange", "tab:red", "tab:green"))}
     ok = [r for r in rows if r["status"] == "ok" and r["tokens_per_s"]]
@@ -395,7 +402,7 @@ def _plots(model: str, rows: list[dict], fig_dir: str) -> list[str]:
                                  if r["backend"] == b and r["gpus"] == g and r["seq_len"] == seq)
                     if pts:
                         ax.plot(*zip(*pts), styles[i % 4], marker=markers[i % 8], color=colors.get(b),
-                                label=f"{SHORT.get(b, b)}, {g} GPU")
+                                label=f"{SHORT.get(b, b)}, {g} {unit}")
             pub = defaultdict(list)
             for p in published.POINTS:
                 if (p.model == model and p.seq_len == seq and p.micro_batch and p.tokens_per_s and p.gpus in gpus
@@ -405,7 +412,7 @@ def _plots(model: str, rows: list[dict], fig_dir: str) -> list[str]:
                 ax.plot(*zip(*sorted(pp)), "x+12348"[k % 7], color="black", markersize=7,
                         label=f"published: {lab}, {g} GPU")
             ax.set_title(f"{model}, seq {seq}")
-            ax.set_xlabel("micro-batch per GPU")
+            ax.set_xlabel(f"micro-batch per {unit}")
             ax.set_ylabel("tokens/s")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
@@ -422,7 +429,7 @@ def _plots(model: str, rows: list[dict], fig_dir: str) -> list[str]:
                         ax.plot(*zip(*pts), styles[j % 4], marker=markers[j % 8], color=colors.get(b),
                                 label=f"{SHORT.get(b, b)}, batch {mb}")
             ax.set_title(f"{model}, seq {seq}")
-            ax.set_xlabel("GPUs (on CPU: processes)")
+            ax.set_xlabel("GPUs" if unit == "GPU" else "processes (CPU)")
             ax.set_ylabel("tokens/s")
             ax.set_xticks(gpus)
             ax.grid(alpha=0.3)
@@ -454,7 +461,7 @@ def _plots(model: str, rows: list[dict], fig_dir: str) -> list[str]:
             ax.imshow(data, cmap=cmap, vmin=0, vmax=4, aspect="auto")
             ax.set_xticks(range(len(mbs)), [str(m) for m in mbs], fontsize=7)
             ax.set_yticks(range(len(seqs)), [str(s) for s in seqs], fontsize=7)
-            ax.set_title(f"{SHORT.get(b, b)}, {g} GPU", fontsize=8)
+            ax.set_title(f"{SHORT.get(b, b)}, {g} {unit}", fontsize=8)
             if i == len(backends) - 1:
                 ax.set_xlabel("batch", fontsize=7)
             if j == 0:

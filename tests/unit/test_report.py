@@ -9,7 +9,8 @@ import pytest
 from aidaptiv_ds.harness.report import build_report, main as report_main, ratios
 from aidaptiv_ds.harness.results import Row, append_row
 
-MACHINE = {"host": "box1", "cpu": "Test CPU 9000", "cores": 8, "ram_gb": 64.0, "gpus": [],
+MACHINE = {"host": "box1", "cpu": "Test CPU 9000", "cores": 8, "ram_gb": 64.0,
+           "gpus": [{"name": "NVIDIA A100-SXM4-40GB", "memory_mb": 40960.0}] * 2,
            "kernel": "6.1.0", "swap_disk": {"device": "nvme0n1", "model": "Fast SSD", "rotational": False,
                                             "filesystem": "ext4"}}
 FACTOR = {"zero3": 1.0, "zero3_cpu_offload": 0.8, "zero_infinity": 0.5}
@@ -116,7 +117,7 @@ def test_ratio_median_and_only_cells(results_dir):
 
 def test_header_failures_and_feasibility(results_dir):
     md, _ = build_report(str(results_dir), plots=False)
-    assert "box1: Test CPU 9000, 8 cores, 64.0 GiB RAM" in md
+    assert "box1: Test CPU 9000, 8 cores, 64.0 GiB RAM, 2x NVIDIA A100-SXM4-40GB 40 GiB, kernel" in md
     assert "- git: cafe123 (32 cells)" in md
     assert "- Dates (UTC): 2026-03-01T10:00:00+00:00 to 2026-03-01T10:01:00+00:00" in md
     assert "1 older row(s) superseded" in md
@@ -168,3 +169,14 @@ def test_signal65_and_figure8_sections(tmp_path):
     t = table_after(md, "## llama3.1-8b")
     assert t[("12000", "18")]["Signal65 aiDAPTIV+ (RTX 6000 Ada 48GB), 1 GPU (published)"] == "done 1:08:20"
     assert t[("12000", "18")]["Signal65 Axolotl (RTX 6000 Ada 48GB), 1 GPU (published)"] == "OOM"
+
+
+def test_cpu_rows_count_processes(tmp_path):
+    cpu = dict(MACHINE, gpus=[])
+    for b in ("zero3", "aidaptiv"):
+        append_row(str(tmp_path / "results.jsonl"), row(model="micro", backend=b, gpus=2, mb=2, seq=64, machine=cpu,
+                                                        key=f"micro__{b}__g2__mb2__s64__ga1", tokens_per_s=500.0))
+    md, _ = build_report(str(tmp_path), plots=False)
+    t = table_after(md, "### Throughput")
+    assert t[("64", "2")]["ZeRO-3 2 proc"] == "500" and t[("64", "2")]["aidaptiv 2 proc"] == "500"
+    assert "GPU)" not in md.split("## micro")[1].split("## Sources")[0].replace("peak GPU MB", "")
