@@ -376,8 +376,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: --gpu-mem-cap-gb {gpu_cap:g} exceeds this GPU's {smallest:.0f} GiB: the cap changes "
                   "nothing", file=sys.stderr)
 
-    rows = list(loaded.rows)
-    done = {r["key"] for r in rows}
+    done = {r["key"] for r in loaded.rows}
+    # Rows that can make a cell dominated: this run's, and with --resume the kept ones (without it, an OOM
+    # recorded by an older build must not stop a newer one from trying).
+    rows = list(loaded.rows) if args.resume else []
     if args.resume:
         changed = [r["key"] for r in loaded.latest_by_key().values() if any(c.id == r["key"] for c in cells)
                    and (r["steps"], r["warmup"], r["gpu_mem_cap_gb"], r["host_mem_cap"]["gb"]) !=

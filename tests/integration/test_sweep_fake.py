@@ -116,6 +116,12 @@ def test_skip_dominated_infers_oom(fake_env, tmp_path, monkeypatch):
         assert rows[k]["command"] is None
     assert rows["micro__zero3__g1__mb1__s16__ga1"]["status"] == "ok"  # smaller batch: not dominated
 
+    # A new run (no --resume) of a build that fixed the OOM: the old OOM row must not stop the bigger cell.
+    monkeypatch.setenv("FAKE_TRAIN_PLAN", json.dumps({}))
+    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--no-progress", "--cell-index", "3"]) == 0
+    (new,) = rows_of(out)[6:]
+    assert (new["key"], new["status"], new["inferred"]) == ("micro__zero3__g1__mb4__s8__ga1", "ok", False)
+
 
 def test_cell_index_and_listing(fake_env, tmp_path, capsys):
     grid = write_grid(tmp_path / "g.json", micro_batches=[1, 2], backends=["zero3", "aidaptiv"])
