@@ -268,6 +268,26 @@ def _fmt_row(row: dict) -> str:
     return f"{row['key']}: {what} [{row['wall_s']:.1f} s]"
 
 
+def _host_cap(gb: Optional[float], mechanism: str):
+    """The sweep's host-cap settings {gb, mechanism, detail, factory}, or a sentence saying why the forced
+    mechanism cannot be used."""
+    cap = {"gb": gb, "mechanism": None, "detail": None, "factory": None}
+    if not gb:
+        return cap
+    if mechanism == "rss-watchdog":
+        cap.update(mechanism="rss-watchdog", detail="chosen with --host-mem-cap-mechanism")
+    else:
+        factory, where = probe_cgroup(mechanism)
+        if factory is not None:
+            cap.update(mechanism=factory.kind, detail=where, factory=factory)
+        elif mechanism == "auto":
+            cap.update(mechanism="rss-watchdog", detail=f"no usable cgroup: {where}")
+        else:
+            return f"--host-mem-cap-mechanism {mechanism} is not usable here: {where}"
+    print(f"host memory cap {gb:g} GiB per cell via {cap['mechanism']} ({cap['detail']})", file=sys.stderr)
+    return cap
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         grid = load_grid(args.grid)
@@ -322,21 +342,10 @@ def run(args: argparse.Namespace) -> int:
 
     gpu_cap = args.gpu_mem_cap_gb if args.gpu_mem_cap_gb is not None else grid.gpu_mem_cap_gb
     host_cap = args.host_mem_cap_gb if args.host_mem_cap_gb is not None else grid.host_mem_cap_gb
-    cap = {"gb": host_cap, "mechanism": None, "detail": None, "factory": None}
-    if host_cap:
-        mech = args.host_mem_cap_mechanism
-        if mech == "rss-watchdog":
-            cap.update(mechanism="rss-watchdog", detail="chosen with --host-mem-cap-mechanism")
-        else:
-            factory, where = probe_cgroup(mech)
-            if factory is not None:
-                cap.update(mechanism=factory.kind, detail=where, factory=factory)
-            elif mech == "auto":
-                cap.update(mechanism="rss-watchdog", detail=f"no usable cgroup: {where}")
-            else:
-                print(f"error: --host-mem-cap-mechanism {mech} is not usable here: {where}", file=sys.stderr)
-                return 2
-        print(f"host memory cap {host_cap:g} GiB per cell via {cap['mechanism']} ({cap['detail']})", file=sys.stderr)
+    cap = _host_cap(host_cap, args.host_mem_cap_mechanism)
+    if isinstance(cap, str):
+        print(f"error: {cap}", file=sys.stderr)
+        return 2
 
     gpu_list = detect_gpus()
     accel = args.accelerator if args.accelerator != "auto" else ("cuda" if gpu_list else "cpu")
