@@ -1,0 +1,297 @@
+"""Sweep grids: the schema of bench/grids/*.json, and the cells a grid expands to.
+
+A grid names model presets and the batch x sequence x GPU values to run them at; ``per_model`` overrides
+those lists for one model (Signal65 ran each model at its own micro-batch). A cell is one
+(model, backend, gpus, micro_batch, seq_len, grad_accum); its id is a deterministic string from exactly
+those fields, used as the resume key and as the name of its log folder.
+
+Everything here is pure (no processes, no files but the grid), so it is cheap to test.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# The four backends: names of files in ds_configs/ (ds_configs/<backend>.json), in report column order.
+BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
+
+# Model presets understood by ``aidaptiv-ds train --model``, with nominal parameter counts (published model
+# sizes; "micro" is defined by train and is the smallest). Used to order cells (small models first) and to
+# fill ``params`` in rows of cells that died before train could report its own count.
+PRESETS = {
+    "micro": None,
+    "tiny": 58_000_000,
+    "llama2-7b": 6_738_000_000,
+    "qwen2.5-7b": 7_616_000_000,
+    "llama3.1-8b": 8_030_000_000,
+    "llama2-13b": 13_016_000_000,
+    "llama2-70b": 68_977_000_000,
+    "llama3.1-70b": 70_554_000_000,
+    "qwen2.5-72b": 72_706_000_000,
+}
+
+
+class GridError(ValueError):
+    """A grid file that cannot be used; ``problems`` lists every problem found, not just the first."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"grid {source} has {len(problems)} problem(s):\n{lines}")
+
+
+def _positive_unique(name: str, values: list[int]) -> list[int]:
+    bad = [v for v in values if v <= 0]
+    if bad:
+        raise ValueError(f"{name} must be positive integers, got {bad}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name} has repeated values: {values}")
+    return values
+
+
+class ModelOverride(BaseModel):
+    """Values that replace the grid-wide lists for one model; fields left out keep the grid's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    micro_batches: Optional[list[int]] = Field(None, min_length=1)
+    """Micro-batch sizes per GPU for this model."""
+    seq_lens: Optional[list[int]] = Field(None, min_length=1)
+    """Sequence lengths (tokens) for this model."""
+    gpus: Optional[list[int]] = Field(None, min_length=1)
+    """GPU (process) counts for this model."""
+    grad_accum: Optional[Union[int, list[int]]] = None
+    """Gradient accumulation steps for this model (one value or a list)."""
+    notes: Optional[str] = None
+    """Where these values come from."""
+
+    @field_validator("micro_batches", "seq_lens", "gpus")
+    @classmethod
+    def _check_list(cls, v, info):
+        return None if v is None else _positive_unique(info.field_name, v)
+
+    @field_validator("grad_accum")
+    @classmethod
+    def _check_ga(cls, v):
+        if v is None:
+            return None
+        return _positive_unique("grad_accum", [v] if isinstance(v, int) else v)
+
+
+class Grid(BaseModel):
+    """A sweep grid (bench/grids/*.json). Unknown keys are errors, and every problem is reported at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Optional[str] = None
+    """Short name; defaults to the file name without .json."""
+    notes: str = Field(min_length=1)
+    """Where the grid comes from (paper, table, figure) and what it is for."""
+    models: list[str] = Field(min_length=1)
+    """Model presets (see PRESETS) to run."""
+    micro_batches: Optional[list[int]] = Field(None, min_length=1)
+    """Micro-batch sizes per GPU, unless per_model says otherwise (then it may be left out)."""
+    seq_lens: Optional[list[int]] = Field(None, min_length=1)
+    """Sequence lengths in tokens, unless per_model says otherwise (then it may be left out)."""
+    gpus: Optional[list[int]] = Field(None, min_length=1)
+    """Total GPU (on CPU: process) counts, unless per_model says otherwise; --gpus replaces them."""
+    grad_accum: Union[int, list[int]] = 1
+    """Gradient accumulation steps (one value or a list)."""
+    steps: int = Field(gt=0)
+    """Optimizer steps per cell, warm-up included; --steps replaces it."""
+    warmup: int = Field(ge=0)
+    """Steps excluded from timing; --warmup replaces it."""
+    timeout_s: float = Field(gt=0)
+    """Wall-clock limit per cell, launcher start-up included; the cell's process tree is killed after it."""
+    backends: list[str] = Field(default_factory=lambda: list(BACKENDS), min_length=1)
+    """Backends (ds_configs/<name>.json) to run by default; --backends replaces them."""
+    lr: Optional[float] = Field(None, gt=0)
+    """Learning rate of the published runs (recorded in rows; does not change throughput)."""
+    gpu_mem_cap_gb: Optional[float] = Field(None, gt=0)
+    """GPU memory per process to emulate (e.g. 40 for an A100 40GB); --gpu-mem-cap-gb replaces it."""
+    host_mem_cap_gb: Optional[float] = Field(None, gt=0)
+    """Host memory per cell to emulate; --host-mem-cap-gb replaces it."""
+    per_model: dict[str, ModelOverride] = Field(default_factory=dict)
+    """Per-model replacements of micro_batches / seq_lens / gpus / grad_accum."""
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, v):
+        unknown = [m for m in v if m not in PRESETS]
+        if unknown:
+            raise ValueError(f"unknown model preset(s) {unknown}: expected some of {list(PRESETS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"models has repeated names: {v}")
+        return v
+
+    @field_validator("backends")
+    @classmethod
+    def _check_backends(cls, v):
+        unknown = [b for b in v if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown backend(s) {unknown}: expected some of {list(BACKENDS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"backends has repeated names: {v}")
+        return v
+
+    @field_validator("micro_batches", "seq_lens", "gpus")
+    @classmethod
+    def _check_list(cls, v, info):
+        return None if v is None else _positive_unique(info.field_name, v)
+
+    @field_validator("grad_accum")
+    @classmethod
+    def _check_ga(cls, v):
+        return _positive_unique("grad_accum", [v] if isinstance(v, int) else v)
+
+    def values_for(self, model: str) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(micro_batches, seq_lens, gpus, grad_accums) for one model, per_model overrides applied."""
+        o = self.per_model.get(model) or ModelOverride()
+        ga = o.grad_accum if o.grad_accum is not None else self.grad_accum
+        return (o.micro_batches or self.micro_batches, o.seq_lens or self.seq_lens, o.gpus or self.gpus,
+                list(ga) if isinstance(ga, list) else [ga])
+
+
+def _loc(parts: Iterable) -> str:
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif "." in str(p) or "-" in str(p):
+            out += f"[{str(p)!r}]"
+        else:
+            out += f".{p}" if out else str(p)
+    return out or "(top level)"
+
+
+def _cross_field_problems(data) -> list[str]:
+    """Checks that relate two fields, done on the raw data so they are reported with the field errors."""
+    problems = []
+    if not isinstance(data, dict):
+        return problems
+    steps, warmup = data.get("steps"), data.get("warmup")
+    if isinstance(steps, int) and isinstance(warmup, int) and 0 <= steps <= warmup:
+        problems.append(f"warmup ({warmup}) must be smaller than steps ({steps}): no step would be timed")
+    models, per_model = data.get("models"), data.get("per_model", {})
+    if isinstance(models, list) and isinstance(per_model, dict):
+        stray = [m for m in per_model if m not in models]
+        if stray:
+            problems.append(f"per_model names {stray}, which are not in models {models}")
+        for field in ("micro_batches", "seq_lens", "gpus"):
+            if data.get(field) is not None:
+                continue
+            lacking = [m for m in models if isinstance(m, str)
+                       and not (isinstance(per_model.get(m), dict) and per_model[m].get(field) is not None)]
+            if lacking:
+                problems.append(f"{field} is missing: give it at the top level or in per_model for {lacking}")
+    return problems
+
+
+def validate_grid(data, source: str = "<grid>") -> Grid:
+    """Validate a grid's parsed JSON; raise GridError listing every problem."""
+    problems = []
+    grid = None
+    try:
+        grid = Grid.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{_loc(err['loc'])}: {msg}")
+    problems += _cross_field_problems(data)
+    if problems:
+        raise GridError(source, problems)
+    return grid
+
+
+def load_grid(path: str) -> Grid:
+    """Read and validate a grid file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise GridError(path, [f"cannot be read ({e.strerror}): check the path"]) from e
+    except json.JSONDecodeError as e:
+        raise GridError(path, [f"is not valid JSON: {e}"]) from e
+    grid = validate_grid(data, path)
+    if grid.name is None:
+        grid.name = os.path.splitext(os.path.basename(path))[0]
+    return grid
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One run: a model at one shape on one backend with one GPU count."""
+
+    model: str
+    backend: str
+    gpus: int
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+
+    @property
+    def id(self) -> str:
+        """Deterministic key, also a folder name: model__backend__gG__mbB__sL__gaA."""
+        return cell_id(self.model, self.backend, self.gpus, self.micro_batch, self.seq_len, self.grad_accum)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.seq_len * self.grad_accum * self.gpus
+
+    def dominates(self, other: "Cell") -> bool:
+        """True when ``other`` needs at least this cell's memory: same model, backend, GPU count and grad
+        accumulation, and no smaller micro-batch or sequence. (More GPUs are not compared: they shard GPU
+        state but add host processes, so the order is not clear for a host cap.)"""
+        return (self != other and self.model == other.model and self.backend == other.backend
+                and self.gpus == other.gpus and self.grad_accum == other.grad_accum
+                and other.micro_batch >= self.micro_batch and other.seq_len >= self.seq_len)
+
+
+def cell_id(model: str, backend: str, gpus: int, micro_batch: int, seq_len: int, grad_accum: int) -> str:
+    return f"{model}__{backend}__g{gpus}__mb{micro_batch}__s{seq_len}__ga{grad_accum}"
+
+
+def _model_rank(model: str) -> tuple:
+    return (PRESETS.get(model) or 0, model)
+
+
+def enumerate_cells(grid: Grid, backends: Optional[list[str]] = None,
+                    gpus: Optional[list[int]] = None) -> list[Cell]:
+    """All cells of a grid, in run order (see order_cells). ``backends`` / ``gpus`` replace the grid's."""
+    backends = list(backends or grid.backends)
+    cells = []
+    for model in grid.models:
+        mbs, seqs, gpu_counts, gas = grid.values_for(model)
+        for g in (gpus or gpu_counts):
+            for mb in mbs:
+                for seq in seqs:
+                    for ga in gas:
+                        for b in backends:
+                            cells.append(Cell(model, b, g, mb, seq, ga))
+    return order_cells(cells, backends)
+
+
+def order_cells(cells: list[Cell], backends: Optional[list[str]] = None) -> list[Cell]:
+    """Run order: small models first; within a model cheap shapes first (micro-batch x sequence, then
+    GPU count), so a cell that must run out of memory comes after the smaller one that tells us so; for each
+    shape every backend in turn, so each backend has results early. The backend order rotates by one from
+    shape to shape, so no backend always runs right after another one (the disk is shared and noisy)."""
+    if backends is None:
+        backends = [b for b in BACKENDS if any(c.backend == b for c in cells)]
+        backends += sorted({c.backend for c in cells} - set(backends))
+    shapes = sorted({(c.model, c.gpus, c.micro_batch, c.seq_len, c.grad_accum) for c in cells},
+                    key=lambda s: (_model_rank(s[0]), s[2] * s[3], s[3], s[2], s[1], s[4]))
+    by_shape: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        by_shape.setdefault((c.model, c.gpus, c.micro_batch, c.seq_len, c.grad_accum), []).append(c)
+    ordered = []
+    for i, shape in enumerate(shapes):
+        rot = i % len(backends)
+        rank = {b: (j - rot) % len(backends) for j, b in enumerate(backends)}
+        ordered += sorted(by_shape[shape], key=lambda c: rank.get(c.backend, len(backends)))
+    return ordered

@@ -1,0 +1,477 @@
+"""Run a grid of training cells (model x micro-batch x sequence x GPU count x backend) against the baselines.
+
+Each cell runs as its own process tree through the deepspeed launcher, so an out-of-memory, a crash or a
+hang costs one cell, never the sweep: it is recorded and the next cell starts. One JSON row per cell is
+appended to OUT/results.jsonl (and fsync'ed) as soon as the cell ends; logs stay in OUT/cells/<cell-id>/;
+the cell's swap folder is deleted after it. `aidaptiv-ds report OUT` turns the rows into tables and plots.
+
+Statuses: ok, oom (CUDA OOM, MemoryError, train's exit code 3, or killed by the host memory cap),
+error (the error's last line is recorded), timeout (the tree is killed after the cell's time limit).
+
+Host memory cap (--host-mem-cap-gb H): the cell's whole process tree (launcher and all ranks) gets H GiB.
+It is enforced with a cgroup when /sys/fs/cgroup lets us create one (as root): cgroup v2 memory.max with
+memory.swap.max 0, or cgroup v1 memory.limit_in_bytes + memory.memsw.limit_in_bytes; otherwise by an RSS
+watchdog that sums the tree's RSS every 0.1 s and kills it when over. A cell killed by the cap is
+status oom. Each row says which mechanism was used (host_mem_cap.mechanism).
+
+Cells run in an order that gives every backend results early (backends interleaved, cheap shapes first);
+with --skip-dominated (default) a cell is not run when a smaller cell of the same model, backend and GPU
+count already ran out of memory: its row says status oom, "inferred": true.
+
+On a SLURM cluster: --count-cells gives the size of a job array, --cell-index runs one cell; rows from
+concurrent tasks are appended under a lock (see bench/README.md and bench/slurm/).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import sys
+import uuid
+from typing import Optional
+
+from aidaptiv_ds.harness.cellrun import CellRun, run_cell
+from aidaptiv_ds.harness.grid import BACKENDS, PRESETS, Cell, GridError, enumerate_cells, load_grid
+from aidaptiv_ds.harness.hostcap import MECHANISMS, probe_cgroup
+from aidaptiv_ds.harness.launch import LaunchSpec, config_path, free_port, launch_command, train_spec
+from aidaptiv_ds.harness.machine import gpus as detect_gpus, machine_info
+from aidaptiv_ds.harness.outcome import Outcome, classify
+from aidaptiv_ds.harness.results import RESULTS_FILE, Row, append_row, git_state, load_rows, write_row_file
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2, got {text!r}")
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _backend_list(text: str) -> list[str]:
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [v for v in vals if v not in BACKENDS]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {bad or text!r}: choose from {','.join(BACKENDS)}")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grid", required=True, help="grid file, e.g. bench/grids/cdac_rudra.json")
+    p.add_argument("--out", help="results folder (results.jsonl, cells/); required unless listing cells")
+    p.add_argument("--backends", type=_backend_list, help=f"comma list replacing the grid's ({','.join(BACKENDS)})")
+    p.add_argument("--gpus", type=_int_list, help="comma list of GPU (on CPU: process) counts replacing the grid's")
+    p.add_argument("--steps", type=int, help="steps per cell, warm-up included (default: the grid's)")
+    p.add_argument("--warmup", type=int, help="untimed steps per cell (default: the grid's)")
+    p.add_argument("--timeout-s", type=float, help="per-cell wall-clock limit; the process tree is killed after it "
+                                                   "(default: the grid's timeout_s)")
+    p.add_argument("--gpu-mem-cap-gb", type=float,
+                   help="GPU memory per process, passed to train (torch.cuda.set_per_process_memory_fraction), "
+                        "so a large GPU behaves like e.g. a 40 GB A100 (default: the grid's)")
+    p.add_argument("--host-mem-cap-gb", type=float,
+                   help="host memory (GiB) for each cell's whole process tree, enforced with a cgroup "
+                        "(v2 memory.max + memory.swap.max 0, or v1 memory.limit_in_bytes + memsw) when "
+                        "/sys/fs/cgroup allows, else an RSS watchdog (0.1 s) that kills the tree; a cell "
+                        "killed by it is status oom (default: the grid's)")
+    p.add_argument("--host-mem-cap-mechanism", choices=MECHANISMS, default="auto",
+                   help="force one cap mechanism (default auto: cgroup2, cgroup1, then rss-watchdog)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip cells that already have a row in OUT/results.jsonl (any status)")
+    p.add_argument("--skip-dominated", action=argparse.BooleanOptionalAction, default=True,
+                   help="do not run a cell when a smaller one (same model, backend, GPUs) ran out of memory; "
+                        "record it as oom with inferred: true (default: on)")
+    p.add_argument("--max-cells", type=int, help="run only the first N cells of the ordered list")
+    p.add_argument("--list-cells", action="store_true", help="print 'index cell-id' per cell and exit")
+    p.add_argument("--count-cells", action="store_true", help="print the number of cells and exit "
+                                                              "(for sbatch --array=0-$((N-1)))")
+    p.add_argument("--cell-index", type=int, help="run only the cell at this index of the ordered list "
+                                                   "(a SLURM array task)")
+    p.add_argument("--train-module", help="module and leading args of the trainer (default: "
+                                          "$AIDAPTIV_DS_TRAIN_MODULE or 'aidaptiv_ds train')")
+    p.add_argument("--ds-configs", default="ds_configs", help="folder of <backend>.json (default: ds_configs)")
+    p.add_argument("--deepspeed", help="the deepspeed launcher (default: the one next to this Python, else PATH)")
+    p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when nvidia-smi lists a GPU")
+    p.add_argument("--swap-root", help="folder for the cells' swap folders (default OUT/cells/<id>/swap); put it on "
+                                       "the NVMe under test, e.g. node-local disk when OUT is on a shared FS")
+    p.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=K' lines) for multi-node cells")
+    p.add_argument("--gpus-per-node", type=int, help="with --hostfile: a cell of G GPUs uses G / K nodes")
+    p.add_argument("--master-addr", help="with --hostfile: address of the first node")
+    p.add_argument("--ds-launcher", help="with --hostfile: DeepSpeed's multi-node launcher (pdsh, openmpi, slurm, ...)")
+    p.add_argument("--dry-run", action="store_true", help="print the launch command of each cell that would run "
+                                                           "(after --resume) and exit without running anything")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _default_deepspeed() -> Optional[str]:
+    near = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return near if os.access(near, os.X_OK) else shutil.which("deepspeed")
+
+
+def _timed_steps(steps_list: Optional[list], steps: int, warmup: int) -> list[float]:
+    """The timed step times: step_s lists every step (warm-up first) or only the timed ones."""
+    if not steps_list:
+        return []
+    vals = [float(x) for x in steps_list if isinstance(x, (int, float))]
+    return vals[warmup:] if len(vals) == steps and warmup < len(vals) else vals
+
+
+def _num(x) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun], command: Optional[str],
+              time_start: str, time_end: str, cell_dir: Optional[str], inferred: bool = False,
+              cap_used: Optional[dict] = None) -> dict:
+    """One row from a cell's outcome and its metrics (see results.Row for the fields). ``cap_used``:
+    the host cap as applied to this cell (mechanism, detail), default the sweep's."""
+    m = (run.metrics if run else None) or {}
+    timed = _timed_steps(m.get("step_s"), ctx["steps"], ctx["warmup"])
+    step_med = _num(m.get("step_s_median")) or (statistics.median(timed) if timed else None)
+    tps = _num(m.get("tokens_per_s"))
+    if tps is None and step_med and outcome.status == "ok":
+        world = m.get("world_size") or cell.gpus
+        tps = cell.micro_batch * cell.seq_len * cell.grad_accum * world / step_med
+    total_timed = sum(timed) if timed else None
+    rd, wr = m.get("nvme_read_bytes"), m.get("nvme_write_bytes")
+    params = m.get("params") if isinstance(m.get("params"), int) else None
+    cap = dict(ctx["cap"], **(cap_used or {}))
+    row = {
+        "row_id": uuid.uuid4().hex,
+        "key": cell.id,
+        "grid": ctx["grid"],
+        "git_sha": ctx["git_sha"], "git_dirty": ctx["git_dirty"],
+        "time_start": time_start, "time_end": time_end,
+        "wall_s": round(run.wall_s, 3) if run else 0.0,
+        "machine": ctx["machine"],
+        "backend": cell.backend, "model": cell.model,
+        "params": params if params is not None else PRESETS.get(cell.model),
+        "params_source": "metrics" if params is not None else ("nominal" if PRESETS.get(cell.model) else None),
+        "micro_batch": cell.micro_batch, "seq_len": cell.seq_len, "gpus": cell.gpus,
+        "nodes": ctx["spec"].nodes_for(cell), "grad_accum": cell.grad_accum,
+        "steps": ctx["steps"], "warmup": ctx["warmup"], "lr": ctx["lr"],
+        "world_size": m.get("world_size") if isinstance(m.get("world_size"), int) else None,
+        "status": outcome.status, "error": outcome.error, "inferred": inferred,
+        "exit_code": run.returncode if run else None, "signal": outcome.signal,
+        "tokens_per_s": tps, "step_s": step_med,
+        "step_times_s": [float(x) for x in m["step_s"]] if isinstance(m.get("step_s"), list) else None,
+        "losses": m.get("losses") if isinstance(m.get("losses"), list) else None,
+        "phases_s": m.get("phases_s") if isinstance(m.get("phases_s"), dict) else None,
+        "peak_gpu_mb": _num(m.get("peak_gpu_mb")), "peak_rss_mb": _num(m.get("peak_rss_mb")),
+        "peak_pinned_mb": _num(m.get("peak_pinned_mb")),
+        "tree_peak_rss_mb": round(run.tree_peak_rss_bytes / 2**20, 1) if run and run.tree_peak_rss_bytes else None,
+        "cell_mem_peak_mb": round(run.cgroup_peak_bytes / 2**20, 1) if run and run.cgroup_peak_bytes else None,
+        "nvme_read_bytes": rd if isinstance(rd, int) else None,
+        "nvme_write_bytes": wr if isinstance(wr, int) else None,
+        "nvme_read_gbps": rd / total_timed / 1e9 if isinstance(rd, int) and total_timed else None,
+        "nvme_write_gbps": wr / total_timed / 1e9 if isinstance(wr, int) and total_timed else None,
+        "gpu_mem_cap_gb": ctx["gpu_mem_cap_gb"],
+        "host_mem_cap": {"gb": cap["gb"], "mechanism": cap["mechanism"], "detail": cap["detail"],
+                         "oom_kills": run.oom_kills if run else None},
+        "timeout_s": ctx["timeout_s"],
+        "command": command,
+        "cell_dir": os.path.relpath(cell_dir, ctx["out"]) if cell_dir else None,
+    }
+    return Row.model_validate(row).model_dump()
+
+
+def _dominating_oom(cell: Cell, rows: list[dict], ctx: dict) -> Optional[str]:
+    """Id of a measured (not inferred) oom cell that is smaller than ``cell`` under the same caps."""
+    for r in rows:
+        if r["status"] != "oom" or r.get("inferred"):
+            continue
+        if r.get("gpu_mem_cap_gb") != ctx["gpu_mem_cap_gb"] or (r.get("host_mem_cap") or {}).get("gb") != ctx["cap"]["gb"]:
+            continue
+        other = Cell(r["model"], r["backend"], r["gpus"], r["micro_batch"], r["seq_len"], r["grad_accum"])
+        if other.dominates(cell):
+            return other.id
+    return None
+
+
+def _record(ctx: dict, row: dict, cell_dir: str) -> None:
+    os.makedirs(cell_dir, exist_ok=True)
+    write_row_file(os.path.join(cell_dir, "row.json"), row)  # first, so a crash before the append loses nothing
+    append_row(os.path.join(ctx["out"], RESULTS_FILE), row)
+
+
+def _cell_paths(cell: Cell, ctx: dict) -> tuple[str, str, str]:
+    """(cell folder, swap folder, metrics file) of a cell."""
+    cell_dir = os.path.join(ctx["out"], "cells", cell.id)
+    swap_dir = (os.path.join(ctx["swap_root"], f"{cell.id}.{os.getpid()}") if ctx["swap_root"]
+                else os.path.join(cell_dir, "swap"))
+    return cell_dir, swap_dir, os.path.join(cell_dir, "metrics.json")
+
+
+def _command(cell: Cell, ctx: dict, port: int) -> list[str]:
+    _, swap_dir, metrics_path = _cell_paths(cell, ctx)
+    return launch_command(cell, ctx["spec"], port=port, swap_dir=swap_dir, metrics_out=metrics_path,
+                          steps=ctx["steps"], warmup=ctx["warmup"], gpu_mem_cap_gb=ctx["gpu_mem_cap_gb"])
+
+
+def _run_one(cell: Cell, ctx: dict, tick) -> dict:
+    cell_dir, swap_dir, metrics_path = _cell_paths(cell, ctx)
+    shutil.rmtree(cell_dir, ignore_errors=True)  # a rerun must never read an old metrics.json
+    os.makedirs(cell_dir)
+    shutil.rmtree(swap_dir, ignore_errors=True)
+    os.makedirs(swap_dir, mode=0o700)
+    os.chmod(swap_dir, 0o700)  # model state is private (DESIGN.md); makedirs' mode is masked by umask
+    cmd = _command(cell, ctx, free_port())
+    cap = ctx["cap"]
+    cap_bytes = int(cap["gb"] * 2**30) if cap["gb"] else None
+    cgroup, watchdog, cap_used = None, False, {}
+    if cap_bytes and cap["factory"] is not None:
+        try:
+            cgroup = cap["factory"].create(f"aidaptiv-ds-{os.getpid()}-{uuid.uuid4().hex[:8]}", cap_bytes)
+            cap_used = {"detail": cgroup.path}
+        except OSError as e:  # fall back for this cell only, and say so in its row
+            cap_used = {"mechanism": "rss-watchdog", "detail": f"cgroup creation failed: {e}"}
+            watchdog = True
+    elif cap_bytes:
+        watchdog = True
+    time_start = _now()
+    try:
+        run = run_cell(cmd, cell_dir=cell_dir, metrics_path=metrics_path, timeout_s=ctx["timeout_s"],
+                       env=ctx["env"], cwd=ctx["cwd"], cap_bytes=cap_bytes, cgroup=cgroup, watchdog=watchdog,
+                       tick=tick)
+    finally:
+        shutil.rmtree(swap_dir, ignore_errors=True)
+        if os.path.exists(swap_dir):
+            print(f"warning: could not remove swap folder {swap_dir}: delete it by hand", file=sys.stderr)
+    outcome = classify(returncode=run.returncode, timed_out=run.timed_out, timeout_s=ctx["timeout_s"],
+                       cap_kill=run.cap_kill, output_tail=run.output_tail, metrics=run.metrics,
+                       metrics_problem=run.metrics_problem)
+    row = build_row(cell, ctx=ctx, outcome=outcome, run=run, command=shlex.join(cmd), time_start=time_start,
+                    time_end=_now(), cell_dir=cell_dir, cap_used=cap_used)
+    _record(ctx, row, cell_dir)
+    return row
+
+
+def _fmt_row(row: dict) -> str:
+    if row["status"] == "ok":
+        tps = row["tokens_per_s"]
+        what = f"ok {tps:,.1f} tokens/s" if tps is not None else "ok"
+    else:
+        what = f"{row['status']}{' (inferred)' if row['inferred'] else ''}: {row['error']}"
+    return f"{row['key']}: {what} [{row['wall_s']:.1f} s]"
+
+
+def _host_cap(gb: Optional[float], mechanism: str):
+    """The sweep's host-cap settings {gb, mechanism, detail, factory}, or a sentence saying why the forced
+    mechanism cannot be used."""
+    cap = {"gb": gb, "mechanism": None, "detail": None, "factory": None}
+    if not gb:
+        return cap
+    if mechanism == "rss-watchdog":
+        cap.update(mechanism="rss-watchdog", detail="chosen with --host-mem-cap-mechanism")
+    else:
+        factory, where = probe_cgroup(mechanism)
+        if factory is not None:
+            cap.update(mechanism=factory.kind, detail=where, factory=factory)
+        elif mechanism == "auto":
+            cap.update(mechanism="rss-watchdog", detail=f"no usable cgroup: {where}")
+        else:
+            return f"--host-mem-cap-mechanism {mechanism} is not usable here: {where}"
+    print(f"host memory cap {gb:g} GiB per cell via {cap['mechanism']} ({cap['detail']})", file=sys.stderr)
+    return cap
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        grid = load_grid(args.grid)
+    except GridError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cells = enumerate_cells(grid, backends=args.backends, gpus=args.gpus)
+    if args.max_cells is not None:
+        cells = cells[:max(0, args.max_cells)]
+    if args.count_cells:
+        print(len(cells))
+        return 0
+    if args.list_cells:
+        for i, c in enumerate(cells):
+            print(i, c.id)
+        return 0
+    if not args.out:
+        print("error: --out is required to run cells: give the results folder", file=sys.stderr)
+        return 2
+    if args.cell_index is not None:
+        if not 0 <= args.cell_index < len(cells):
+            print(f"error: --cell-index {args.cell_index} is outside 0..{len(cells) - 1} "
+                  f"(the grid has {len(cells)} cells)", file=sys.stderr)
+            return 2
+        cells = [cells[args.cell_index]]
+
+    steps = args.steps if args.steps is not None else grid.steps
+    warmup = args.warmup if args.warmup is not None else grid.warmup
+    problems = []
+    if steps <= 0 or warmup < 0 or warmup >= steps:
+        problems.append(f"--steps {steps} / --warmup {warmup}: need 0 <= warmup < steps")
+    spec_train = train_spec(args.train_module)
+    ds_bin = args.deepspeed or _default_deepspeed()
+    if not ds_bin or not (os.access(ds_bin, os.X_OK) or shutil.which(ds_bin)):
+        problems.append(f"deepspeed launcher {ds_bin or 'deepspeed'} not found: install deepspeed or pass --deepspeed")
+    ds_configs = os.path.abspath(args.ds_configs)
+    for b in sorted({c.backend for c in cells}, key=BACKENDS.index):
+        if not os.path.isfile(os.path.join(ds_configs, f"{b}.json")):
+            problems.append(f"backend {b}: {os.path.join(ds_configs, b + '.json')} not found (--ds-configs)")
+    if args.hostfile and not os.path.isfile(args.hostfile):
+        problems.append(f"--hostfile {args.hostfile} not found")
+    if problems:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 2
+
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.join(out, "cells"), exist_ok=True)
+    loaded = load_rows(out)
+    for p in loaded.problems:
+        print(f"warning: {p}", file=sys.stderr)
+
+    gpu_cap = args.gpu_mem_cap_gb if args.gpu_mem_cap_gb is not None else grid.gpu_mem_cap_gb
+    host_cap = args.host_mem_cap_gb if args.host_mem_cap_gb is not None else grid.host_mem_cap_gb
+    cap = _host_cap(host_cap, args.host_mem_cap_mechanism)
+    if isinstance(cap, str):
+        print(f"error: {cap}", file=sys.stderr)
+        return 2
+
+    gpu_list = detect_gpus()
+    accel = args.accelerator if args.accelerator != "auto" else ("cuda" if gpu_list else "cpu")
+    spec = LaunchSpec(accelerator=accel, deepspeed=ds_bin, train=spec_train, ds_configs=ds_configs,
+                      hostfile=os.path.abspath(args.hostfile) if args.hostfile else None,
+                      gpus_per_node=args.gpus_per_node, master_addr=args.master_addr, ds_launcher=args.ds_launcher,
+                      visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES") if accel == "cuda" else None)
+    swap_root = os.path.abspath(args.swap_root) if args.swap_root else None
+    if swap_root:
+        os.makedirs(swap_root, exist_ok=True)
+    sha, dirty = git_state()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    ctx = {
+        "out": out, "grid": grid.name, "git_sha": sha, "git_dirty": dirty, "steps": steps, "warmup": warmup,
+        "lr": grid.lr, "timeout_s": args.timeout_s if args.timeout_s is not None else grid.timeout_s,
+        "gpu_mem_cap_gb": gpu_cap, "cap": cap, "spec": spec, "swap_root": swap_root, "env": env,
+        "cwd": os.getcwd(), "machine": machine_info(swap_root or os.path.join(out, "cells")),
+    }
+    # GPUs this process may use: CUDA_VISIBLE_DEVICES (as SLURM sets it) when given, else all nvidia-smi lists.
+    usable_gpus = (len([d for d in spec.visible_devices.split(",") if d.strip()]) if spec.visible_devices
+                   else len(gpu_list))
+    bad_split = []
+    for cell in cells:
+        try:
+            _command(cell, ctx, port=0)
+        except ValueError as e:
+            if spec.hostfile:  # a cell that cannot be spread over the nodes: the grid and the allocation disagree
+                bad_split.append(str(e))
+    if bad_split:
+        for e in bad_split[:10]:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if accel == "cuda" and not spec.hostfile and gpu_cap and gpu_list:
+        smallest = min(g["memory_mb"] or 0 for g in gpu_list) / 1024
+        if smallest and gpu_cap > smallest:
+            print(f"warning: --gpu-mem-cap-gb {gpu_cap:g} exceeds this GPU's {smallest:.0f} GiB: the cap changes "
+                  "nothing", file=sys.stderr)
+
+    done = {r["key"] for r in loaded.rows}
+    # Rows that can make a cell dominated: this run's, and with --resume the kept ones (without it, an OOM
+    # recorded by an older build must not stop a newer one from trying).
+    rows = list(loaded.rows) if args.resume else []
+    if args.resume:
+        changed = [r["key"] for r in loaded.latest_by_key().values() if any(c.id == r["key"] for c in cells)
+                   and (r["steps"], r["warmup"], r["gpu_mem_cap_gb"], r["host_mem_cap"]["gb"]) !=
+                   (steps, warmup, gpu_cap, host_cap)]
+        if changed:
+            print(f"warning: --resume keeps {len(changed)} earlier row(s) run under other steps/warm-up/caps, "
+                  f"e.g. {changed[0]}", file=sys.stderr)
+
+    if args.dry_run:
+        for cell in cells:
+            if not (args.resume and cell.id in done):
+                print(shlex.join(_command(cell, ctx, port=29500)))
+        return 0
+
+    from tqdm import tqdm
+    counts: dict[str, int] = {}
+    unrunnable = []
+    pbar = tqdm(total=len(cells), unit="cell", file=sys.stderr, dynamic_ncols=True, disable=args.no_progress)
+    last = "-"
+
+    def on_term(signum, frame):
+        raise _Interrupted(signum)
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    current = None
+    try:
+        for cell in cells:
+            current = cell
+            if args.resume and cell.id in done:
+                counts["skipped (resume)"] = counts.get("skipped (resume)", 0) + 1
+                pbar.update(1)
+                continue
+            if accel == "cuda" and not spec.hostfile and cell.gpus > usable_gpus:
+                unrunnable.append(cell.id)
+                pbar.write(f"{cell.id}: not run, needs {cell.gpus} GPUs and {usable_gpus} are usable here")
+                pbar.update(1)
+                continue
+            pbar.set_description(cell.id)
+            dom = _dominating_oom(cell, rows, ctx) if args.skip_dominated else None
+            if dom:
+                t = _now()
+                row = build_row(cell, ctx=ctx, inferred=True, run=None, command=None, time_start=t, time_end=t,
+                                outcome=Outcome("oom", f"skipped: smaller cell {dom} ran out of memory"),
+                                cell_dir=os.path.join(out, "cells", cell.id))
+                _record(ctx, row, os.path.join(out, "cells", cell.id))
+            else:
+                shown = [-1]
+
+                def tick(elapsed):
+                    if int(elapsed) != shown[0]:  # once a second
+                        shown[0] = int(elapsed)
+                        pbar.set_postfix_str(f"{elapsed:.0f} s, last: {last}", refresh=True)
+                row = _run_one(cell, ctx, tick)
+            rows.append(row)
+            last = row["status"] + ("*" if row["inferred"] else "")
+            counts[last] = counts.get(last, 0) + 1
+            pbar.write(_fmt_row(row))
+            pbar.set_postfix_str(f"last: {last}")
+            pbar.update(1)
+    except (KeyboardInterrupt, _Interrupted) as e:
+        pbar.close()
+        what = "SIGTERM" if isinstance(e, _Interrupted) else "Ctrl-C"
+        print(f"interrupted by {what} during {current.id if current else '-'}: that cell has no row; "
+              f"run again with --resume to continue", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    pbar.close()
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to do"
+    print(f"sweep {grid.name}: {summary}; rows in {os.path.join(out, RESULTS_FILE)}", file=sys.stderr)
+    if unrunnable:
+        print(f"error: {len(unrunnable)} cell(s) need more GPUs than are usable here, e.g. {unrunnable[0]}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="aidaptiv-ds sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Machine facts recorded in rows."""
+import os
+
+from aidaptiv_ds.harness.machine import disk_of, machine_info, summary
+
+
+def test_machine_info_has_the_row_fields(tmp_path):
+    m = machine_info(str(tmp_path / "not" / "yet" / "swap"))
+    for k in ("host", "cpu", "cores", "ram_gb", "gpus", "kernel", "swap_disk"):
+        assert k in m
+    assert m["cores"] >= 1 and m["ram_gb"] > 0 and m["kernel"] == os.uname().release
+    d = m["swap_disk"]
+    assert d["path"].endswith("not/yet/swap")            # a folder that does not exist yet still resolves
+    assert d["mount"] and d["filesystem"]                # via its nearest existing parent
+
+
+def test_disk_of_a_block_device_backed_path():
+    d = disk_of("/")
+    assert d["mount"] == "/"
+    if d["device"] is not None:                          # overlay roots (containers) have none
+        assert d["rotational"] in (True, False)
+        assert os.path.exists(f"/sys/block/{d['device']}")
+
+
+def test_summary_line():
+    m = {"host": "n1", "cpu": "Xeon", "cores": 48, "ram_gb": 192.0, "kernel": "5.15",
+         "gpus": [{"name": "A100-PCIE-40GB", "memory_mb": 40960.0}] * 2,
+         "swap_disk": {"device": "nvme0n1", "model": "AI100E", "rotational": False, "filesystem": "xfs"}}
+    assert summary(m) == ("n1: Xeon, 48 cores, 192.0 GiB RAM, 2x A100-PCIE-40GB 40 GiB, kernel 5.15, "
+                          "swap disk nvme0n1 (AI100E, non-rotational, xfs)")

@@ -1,0 +1,78 @@
+"""Classifying a cell's outcome from exit code, signal, output and metrics, without running anything."""
+import pytest
+
+from aidaptiv_ds.harness.outcome import classify, decode_exit, error_line
+
+TRACEBACK = [
+    "[2026-11-21 07:44:04,767] [INFO] [launch.py:158:main] nnodes=1, num_local_procs=1, node_rank=0",
+    "Traceback (most recent call last):",
+    '  File "/x/train.py", line 12, in <module>',
+    "    main()",
+    "[rank0]: RuntimeError: Expected all tensors to be on the same device",
+    "[2026-11-21 07:44:10,349] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u'] exits with return code = 1",
+]
+CUDA_OOM = ["Traceback (most recent call last):",
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"]
+OK = {"status": "ok", "tokens_per_s": 100.0}
+
+
+@pytest.mark.parametrize("kw, status, error_has", [
+    # train's own verdicts
+    (dict(returncode=0, metrics=OK), "ok", None),
+    (dict(returncode=3, metrics={"status": "oom", "error": "torch.OutOfMemoryError: CUDA out of memory"}),
+     "oom", "CUDA out of memory"),
+    (dict(returncode=1, metrics={"status": "error", "error": "ValueError: bad config"}), "error", "bad config"),
+    # train said error, but the error is an out-of-memory one
+    (dict(returncode=1, metrics={"status": "error", "error": "RuntimeError: CUDA error: out of memory"}),
+     "oom", "out of memory"),
+    # ok metrics, but the process did not exit cleanly: not ok
+    (dict(returncode=1, metrics=OK, output_tail=["RuntimeError: NCCL teardown"]), "error", "after writing ok"),
+    (dict(returncode=-11, metrics=OK), "error", "SIGSEGV"),
+    # no metrics: output and exit code decide
+    (dict(returncode=1, output_tail=CUDA_OOM), "oom", "CUDA out of memory"),
+    (dict(returncode=1, output_tail=["MemoryError"]), "oom", "MemoryError"),
+    (dict(returncode=3, output_tail=["something"]), "oom", "exit code 3"),
+    (dict(returncode=1, output_tail=TRACEBACK), "error", "RuntimeError: Expected all tensors"),
+    (dict(returncode=0), "error", "wrote no metrics"),
+    (dict(returncode=0, metrics_problem="metrics file metrics.json is unreadable (x)"), "error", "unreadable"),
+    (dict(returncode=247), "error", "killed by SIGKILL"),      # a rank SIGKILLed, through the deepspeed launcher
+    (dict(returncode=-9), "error", "killed by SIGKILL"),
+    (dict(returncode=245, output_tail=["Segmentation fault"]), "error", "SIGSEGV"),
+    (dict(returncode=2), "error", "exit code 2"),
+    # harness verdicts override everything
+    (dict(returncode=-15, timed_out=True, timeout_s=30.0), "timeout", "30 s"),
+    (dict(returncode=-15, timed_out=True, timeout_s=30.0, metrics=OK), "timeout", "hung at exit"),
+    (dict(returncode=247, cap_kill="killed by the host memory cap (cgroup1 limit 1.00 GiB, oom_kill count 1)"),
+     "oom", "host memory cap"),
+    (dict(returncode=-9, cap_kill="killed by the host memory cap (rss-watchdog): ...", metrics=None), "oom",
+     "rss-watchdog"),
+])
+def test_classify(kw, status, error_has):
+    kw.setdefault("timed_out", False)
+    out = classify(**kw)
+    assert out.status == status, out
+    if error_has is None:
+        assert out.error is None
+    else:
+        assert error_has in out.error, out.error
+
+
+def test_cap_kill_does_not_turn_a_clean_ok_into_oom():
+    # e.g. a compiler child of a finished cell was OOM-killed: the measurement still stands
+    out = classify(returncode=0, timed_out=False, cap_kill="killed by the host memory cap", metrics=OK)
+    assert out.status == "ok"
+
+
+def test_decode_exit():
+    assert decode_exit(0) == (0, None)
+    assert decode_exit(-9) == (-9, "SIGKILL")
+    assert decode_exit(247) == (247, "SIGKILL")   # sys.exit(-9) in deepspeed's launch.py
+    assert decode_exit(137) == (137, "SIGKILL")   # a shell's 128+9
+    assert decode_exit(3) == (3, None)
+    assert decode_exit(None) == (None, None)
+
+
+def test_error_line_prefers_the_exception_over_launcher_chatter():
+    assert error_line(TRACEBACK) == "RuntimeError: Expected all tensors to be on the same device"
+    assert error_line(["plain last words", ""]) == "plain last words"
+    assert error_line([]) is None
