@@ -1,7 +1,9 @@
 """The ``aidaptiv-ds`` command: one subcommand per job, each in its own module.
 
-Each subcommand module offers ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported
-only when their subcommand is built, and heavy imports (torch, deepspeed) happen inside ``run``.
+Each subcommand module offers ``add_arguments(parser)`` and ``run(args) -> int``. Only the chosen
+subcommand's module is imported (the ``deepspeed`` launcher starts every rank as ``python -m aidaptiv_ds
+train ...``, which must not depend on the other subcommands), and heavy imports (torch, deepspeed)
+happen inside ``run``.
 """
 import argparse
 import importlib
@@ -16,24 +18,28 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="aidaptiv-ds",
-        description="Fine-tune language models larger than GPU memory by streaming state through NVMe.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        doc = (module.__doc__ or help_text).strip()
-        p = sub.add_parser(name, help=help_text, description=doc,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(_module=module)
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand (imports its module)."""
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    parser = argparse.ArgumentParser(prog=f"aidaptiv-ds {command}", description=(module.__doc__ or "").strip(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    parser.set_defaults(_module=module)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = "\n".join(f"  {name:<10} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items())
+    top = argparse.ArgumentParser(
+        prog="aidaptiv-ds",
+        description="Fine-tune language models larger than GPU memory by streaming state through NVMe.",
+        epilog=f"commands:\n{commands}\n\n'aidaptiv-ds COMMAND --help' shows a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("command", choices=list(SUBCOMMANDS), metavar="COMMAND", help="one of the commands below")
+    top.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    ns = top.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
+    args = build_parser(ns.command).parse_args(argv[1:])
     return int(args._module.run(args) or 0)
 
 
