@@ -282,6 +282,19 @@ def to_deepspeed_config(ds_config: Dict[str, Any], cfg: AidaptivConfig) -> Dict[
     # Small parameters are swapped like the rest (DeepSpeed keeps those under its persistence threshold
     # in memory and re-gathers them every step); they travel inside their layer group.
     zero.setdefault("stage3_param_persistence_threshold", 0)
+    # Gathered parameters keep their partitions (views into our layer-group buffers) in host memory until
+    # DeepSpeed releases them; on one rank on CPU the gathered parameter is that very buffer. DeepSpeed's
+    # defaults (1e9 elements) keep every parameter live across the forward/backward turn, which ignores
+    # the budget: cap both to a quarter of it. Groups released early stay cached while memory allows.
+    elsize = 2 if (out.get("bf16") or {}).get("enabled") else 4
+    live = max(1, cfg.host_budget_bytes() // 4 // elsize)
+    zero["stage3_max_live_parameters"] = int(min(zero.get("stage3_max_live_parameters", live), live))
+    zero["stage3_max_reuse_distance"] = int(min(zero.get("stage3_max_reuse_distance", 0), live))
+    # ZeRO-3 holds views of every gradient partition of a reduce bucket until the whole bucket is
+    # partitioned, so a bucket's gradients cannot leave host memory before then: keep buckets to an
+    # eighth of the budget (DeepSpeed's default, 5e8 elements, is the whole of most models).
+    bucket = max(1, cfg.host_budget_bytes() // 8 // 4)
+    zero["reduce_bucket_size"] = int(min(zero.get("reduce_bucket_size", 500_000_000), bucket))
     # DeepSpeed's own NVMe prefetch is replaced by our layer-group prefetch; its all-gather prefetch of
     # partitions already in memory stays.
     zero["sub_group_size"] = optimizer_chunk_numel(cfg)

@@ -212,6 +212,7 @@ class HostMemory:
     def __init__(self, pool: PinnedPool):
         self.pool = pool
         self._reclaimers: List[Tuple[str, Callable[[], bool]]] = []
+        self._holders: List[Tuple[str, Callable[[], int]]] = []
 
     @property
     def capacity(self) -> int:
@@ -219,6 +220,10 @@ class HostMemory:
 
     def add_reclaimer(self, name: str, fn: Callable[[], bool]) -> None:
         self._reclaimers.append((name, fn))
+
+    def add_holder(self, name: str, fn: Callable[[], int]) -> None:
+        """Something that holds pool memory and can say how much (for the exhaustion message)."""
+        self._holders.append((name, fn))
 
     def try_take(self, nbytes: int) -> Optional[torch.Tensor]:
         try:
@@ -237,11 +242,17 @@ class HostMemory:
                     if buf is not None:
                         break
             if buf is None and not freed:
+                # A reclaimer may have let memory go without being sure of it (a buffer other references
+                # held until a write finished): look once more before giving up.
+                buf = self.try_take(nbytes)
+                if buf is not None:
+                    break
                 s = self.pool.stats()
+                held = ", ".join(f"{name} {fn() / 2**20:.1f} MiB" for name, fn in self._holders)
                 raise HostBudgetError(
                     f"host memory budget exhausted: {what} needs {nbytes / 2**20:.1f} MiB but "
-                    f"{s['in_use'] / 2**20:.1f} of {s['capacity'] / 2**20:.1f} MiB are in use and nothing can be "
-                    "reclaimed: raise aidaptiv.host_memory_budget, or lower aidaptiv.layer_group_size, "
+                    f"{s['in_use'] / 2**20:.1f} of {s['capacity'] / 2**20:.1f} MiB are in use ({held}) and nothing "
+                    "can be reclaimed: raise aidaptiv.host_memory_budget, or lower aidaptiv.layer_group_size, "
                     "prefetch_depth or optimizer_chunk_numel")
         return buf
 

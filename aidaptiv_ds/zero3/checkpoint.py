@@ -26,7 +26,6 @@ from typing import Dict, List, Optional
 import torch
 
 from aidaptiv_ds.store import align_up
-from aidaptiv_ds.zero3.optimizer_swapper import STATE_SLOTS
 
 log = logging.getLogger(__name__)
 
@@ -162,20 +161,20 @@ def save(engine, runtime, save_dir: str, tag: Optional[str]) -> str:
             mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated)
         finally:
             _close(runtime, pf)
-        # Optimizer sub-groups: master and state slots, from host memory when resident.
+        # Optimizer sub-groups: the chunk images (master and state slots), from host memory when resident.
         of = mover.open(os.path.join(tmp, "optim.bin"), create=True)
         groups = []
         offset = 0
         try:
             for sg in osw.by_index:
-                nbytes = (1 + STATE_SLOTS) * sg.part
+                nbytes = sg.region.reserved
                 if sg.resident:
-                    view = sg.buffer[:nbytes]
-                    _write(runtime, of, offset, view)
+                    _write(runtime, of, offset, sg.image[:nbytes])
                 else:
-                    mover.copy(osw.file.handle, sg.span.offset, of, offset, nbytes)
+                    mover.copy(osw.file.handle, sg.region.offset, of, offset, nbytes)
                 groups.append({"index": sg.index, "numel": sg.numel, "offset": offset, "bytes": nbytes,
-                               "state_keys": sg.state_keys, "state_valid": sg.state_valid,
+                               "chunks": [c.numel for c in sg.chunks], "state_keys": sg.state_keys,
+                               "state_valid": sg.state_valid,
                                "scalars": {k: _scalar_to_json(v) for k, v in sg.scalars.items()}})
                 offset += nbytes
         finally:
@@ -237,20 +236,19 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
         of = mover.open(os.path.join(folder, "optim.bin"), create=False)
         try:
             for entry, sg in zip(manifest["sub_groups"], osw.by_index):
-                nbytes = entry["bytes"] if load_optimizer_states else sg.part
                 if sg.resident:
-                    _read(runtime, of, entry["offset"], sg.buffer[:nbytes])
+                    _read(runtime, of, entry["offset"], sg.image[:entry["bytes"]])
                 else:
-                    mover.copy(of, entry["offset"], osw.file.handle, sg.span.offset, align_up(nbytes))
+                    mover.copy(of, entry["offset"], osw.file.handle, sg.region.offset, entry["bytes"])
                 if load_optimizer_states:
                     sg.state_keys = list(entry["state_keys"])
                     sg.state_valid = bool(entry["state_valid"])
                     sg.scalars = {k: _scalar_from_json(v) for k, v in entry["scalars"].items()}
-                else:
-                    sg.state_valid = False
-                    sg.scalars = {}
+                else:  # weights only: the moments start again from zero
+                    sg.state_keys, sg.state_valid, sg.scalars = [], False, {}
                     if sg.resident:
-                        sg.buffer[sg.part:(1 + STATE_SLOTS) * sg.part].zero_()
+                        for c in sg.chunks:
+                            c.buffer[c.part:].zero_()
                 osw.reset_gradients(sg)
         finally:
             _close(runtime, of)
@@ -274,7 +272,8 @@ def _check_compatible(manifest, runtime, ps, osw, folder) -> None:
     ours = {r.ds_id: r.numel for r in ps.records.values()}
     if saved != ours:
         problems.append(f"{len(saved)} parameter partitions (this run: {len(ours)}) or different sizes")
-    if [g["numel"] for g in manifest["sub_groups"]] != [sg.numel for sg in osw.by_index]:
+    if [(g["numel"], g["chunks"]) for g in manifest["sub_groups"]] != \
+            [(sg.numel, [c.numel for c in sg.chunks]) for sg in osw.by_index]:
         problems.append(f"{len(manifest['sub_groups'])} optimizer sub-groups (this run: {len(osw.by_index)}) or "
                         "different sizes: keep aidaptiv.optimizer_chunk_numel and host_memory_budget as saved")
     if problems:

@@ -66,19 +66,19 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         runtime.plan = plan
         runtime.start_training(plan.pool_bytes)
         runtime.param_swapper.plan(self.module, runtime.cfg.layer_group_size)
-        swapper = AidaptivOptimizerSwapper(runtime, self.optimizer, self)
+        swapper = AidaptivOptimizerSwapper(runtime, self.optimizer, self, plan.chunk_numel)
+        records = runtime.param_swapper.records
         positions = {}
         for i, group in enumerate(self.fp16_groups):
-            rank = dist.get_rank(group=self._get_sub_group_process_group(i))
             members, offset = [], 0
             for p in group:
                 n = p.partition_numel()
-                members.append((p.ds_id, offset, n, n * rank < p.ds_numel))
+                members.append((records[p.ds_id], offset, n))
                 offset += n
             key = f"{self.fp16_partitioned_groups_flat_id[i][0]}_{self.fp16_partitioned_groups_flat_id[i][-1]}"
             sg = swapper.register(i, key, members, resident=i in plan.resident_sub_groups)
-            for ds_id, off, n, _ in members:
-                positions[ds_id] = (sg, off, n)
+            for rec, off, n in members:
+                positions[rec.ds_id] = (sg, off, n)
         self._aidaptiv_positions = positions
         self.optimizer_swapper = swapper
         coordinator = self.parameter_offload.get_param_coordinator()
@@ -106,12 +106,50 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def initialize_optimizer_states(self):
         if self._aidaptiv is None:
             return super().initialize_optimizer_states()
-        # DeepSpeed swaps every sub-group in and out once here; nothing changes, so nothing is written.
-        self.optimizer_swapper.initializing = True
-        try:
-            super().initialize_optimizer_states()
-        finally:
-            self.optimizer_swapper.initializing = False
+        # Nothing to do: the masters were written by initialize_parameters and the moments are zeros until
+        # the first step (DeepSpeed swaps every sub-group in and out here, rewriting the parameters).
+
+    # The step, sub-group by sub-group. ZeRO-3 calls, for each sub-group: _prepare_sub_group (swap in),
+    # unscale_and_clip_grads, _optimizer_step, _reassign_or_swap_out_partitioned_parameters, and
+    # _release_sub_group (swap out). We stream the sub-group through _optimizer_step instead, so the other
+    # four only record the gradient scale or do nothing.
+    def _prepare_sub_group(self, sub_group_id, timer_names):
+        if self._aidaptiv is None:
+            return super()._prepare_sub_group(sub_group_id, timer_names)
+
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        if self._aidaptiv is None:
+            return super().unscale_and_clip_grads(sub_group_id, total_norm)
+        # Gradient clipping as ZeRO-3 defines it, applied chunk by chunk in _optimizer_step.
+        combined_scale = self.loss_scale
+        if self.clip_grad > 0.:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad  # the norm includes the loss scale
+            combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
+        self._aidaptiv_grad_scale = 1. / combined_scale
+
+    def _optimizer_step(self, sub_group_id):
+        runtime = self._aidaptiv
+        if runtime is None:
+            return super()._optimizer_step(sub_group_id)
+        swapper = runtime.optimizer_swapper
+        scale = getattr(self, "_aidaptiv_grad_scale", None)
+        self._aidaptiv_grad_scale = None
+
+        def write_params(pieces, master):
+            runtime.param_swapper.write_pieces(
+                [(p.record, p.start, p.numel, master[p.flat:p.flat + p.numel]) for p in pieces])
+
+        swapper.step_sub_group(self.fp32_partitioned_groups_flat[sub_group_id], scale,
+                               lambda: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, sub_group_id),
+                               write_params)
+
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        if self._aidaptiv is None:
+            return super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+
+    def _release_sub_group(self, sub_group_id, timer_names):
+        if self._aidaptiv is None:
+            return super()._release_sub_group(sub_group_id, timer_names)
 
     def reset_swap_buffers(self):
         # DeepSpeed calls this after copying its NVMe checkpoint folder back, to rebuild parameters from

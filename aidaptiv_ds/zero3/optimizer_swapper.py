@@ -1,42 +1,49 @@
-"""Optimizer state and gradients on NVMe, a ZeRO-3 sub-group at a time.
+"""Optimizer state and gradients on NVMe, streamed through a small host working set.
 
-:class:`AidaptivOptimizerSwapper` offers the interface ZeRO-3 (DeepSpeed 0.19) calls on its
-``optimizer_swapper``. For each optimizer sub-group (DeepSpeed's flat fp32 partition of a run of
-parameters) the swap file holds one contiguous span::
+ZeRO-3 (DeepSpeed 0.19) updates its optimizer one *sub-group* at a time: a flat fp32 partition of a run of
+parameters, never smaller than the largest parameter in it. DeepSpeed's swapper brings a whole sub-group
+(master, moments, gradient: 16 bytes per element) into host buffers, so the host memory it needs grows with
+the largest parameter (a 128k-token embedding of a 70B model is 17 GB of state). We stream instead: each
+sub-group is cut into *chunks* of at most ``chunk_numel`` elements, and the optimizer steps chunk by
+chunk while the next chunks are read and the previous ones written::
 
-    [ fp32 master | state 0 (exp_avg) | state 1 (exp_avg_sq) | fp32 gradient ]
+    optim.swp, per sub-group:  [ master | exp_avg | exp_avg_sq ] chunk 0, [ ... ] chunk 1, ...
+                               [ fp32 gradient of the whole sub-group ]
 
-so that the optimizer step moves a sub-group in one read and one write. The step is pipelined: while Adam
-runs on sub-group i, sub-groups i+1 and i+2 are being read (as far as the host budget allows) and i-1 is
-being written; the step returns without waiting for the last writes (a later read of those bytes waits).
+Adam is elementwise, so stepping chunk by chunk gives the same numbers as stepping the sub-group at once
+(the step count is restored before each chunk). After each chunk the updated values are converted to the
+model dtype and written to the parameters' extents (and into their cached layer group, if any); chunk
+boundaries inside a parameter are placed at 4 KiB of that parameter's bytes so these writes stay O_DIRECT.
 
-Gradients: DeepSpeed keeps every gradient partition of the model in one host buffer (4 bytes per
-parameter, whatever the budget). We replace that buffer by :class:`GradientPartitions`, which hands
-DeepSpeed views into one fp32 buffer per sub-group, opened when the first gradient of the sub-group arrives.
-A sub-group's gradients stay in host memory while the budget allows and are written to their place in the
-span when memory is needed; the step uses them in place (no copy) or reads them with the rest of the span.
+Gradients: ZeRO-3 keeps every gradient partition of the model in one host buffer (4 bytes per parameter,
+outside any budget). :class:`GradientPartitions` replaces it by one fp32 buffer per sub-group, opened when
+its first gradient arrives; under memory pressure a buffer is written to the sub-group's gradient extent
+(the sub-groups the step reaches last go first) and read back when more gradients arrive or when the step
+needs it. The step uses a gradient buffer in place.
 
-Sub-groups planned as *resident* keep their whole span in host memory for the run (the RAM cache tier):
-their gradients accumulate in place and they never touch the disk until a checkpoint or exit.
+Sub-groups planned as *resident* (the RAM cache tier) keep their whole image and gradient in host memory
+for the run; they reach the disk only through checkpoints.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from aidaptiv_ds.store import Extent, Ticket, align_up
+from aidaptiv_ds.store import ALIGN, Extent, Ticket, align_up
 
 log = logging.getLogger(__name__)
 
 FP32 = torch.float32
-# Full-size state tensors per parameter the span has room for (Adam: exp_avg, exp_avg_sq).
+# Full-size state tensors per parameter the layout has room for (Adam: exp_avg, exp_avg_sq).
 STATE_SLOTS = 2
-# How many sub-groups ahead the step reads while one is being updated, budget permitting.
+PARTS = 1 + STATE_SLOTS          # master + state slots, per chunk
+# Chunks read ahead of the one being updated, as far as the budget allows without waiting.
 READ_AHEAD = 2
+ADAM_KEYS = ["exp_avg", "exp_avg_sq"]
 
 
 class UnsupportedOptimizerError(RuntimeError):
@@ -44,80 +51,149 @@ class UnsupportedOptimizerError(RuntimeError):
 
 
 @dataclass(eq=False)
-class SubGroup:
-    index: int
+class Piece:
+    """Part of one parameter partition covered by a chunk: elements [start, start+numel) of ``record``."""
+
+    record: object      # param_swapper.ParamRecord
+    start: int
     numel: int
-    span: Extent                        # [master | state slots | grad]
-    members: List[tuple]                # (ds_id, offset, numel, has_data) in flat order
-    resident: bool = False
-    buffer: Optional[torch.Tensor] = None   # uint8, master + state slots (+ grad if read with them)
-    buffer_has_grad: bool = False
+    flat: int           # offset of the piece in the chunk (elements)
+
+
+@dataclass(eq=False)
+class Chunk:
+    start: int          # first element within the sub-group
+    numel: int
+    offset: int         # file offset of its [master | slots] image
+    pieces: List[Piece]
+    buffer: Optional[torch.Tensor] = None   # uint8 image, PARTS parts
     read: Optional[Ticket] = None
-    state_keys: List[str] = field(default_factory=list)
-    state_valid: bool = False           # state slots hold real values (else they are zeros)
-    scalars: Dict[str, object] = field(default_factory=dict)  # e.g. Adam's step count
-    # gradients of the current accumulation window
-    grad: Optional[torch.Tensor] = None     # fp32 [numel] in host memory (resident: a view of buffer)
-    grad_on_disk: bool = False          # the span's grad part holds this window's gradients (written out
-                                        # under memory pressure); host memory, when present, is newer
-    grad_started: bool = False          # resident: the span's grad part holds this window's gradients
-    grad_dirty: bool = False            # grad has values not yet on disk
-    grad_touched: set = field(default_factory=set)
-    grad_expected: int = 0
-    grad_complete: bool = False
-    pins: int = 0                       # > 0 while being loaded: its gradients must stay where they are
 
     @property
     def part(self) -> int:
         return align_up(self.numel * 4)
 
-    def slice(self, k: int, dtype=FP32) -> torch.Tensor:
-        """Part k of the span buffer (0 master, 1.. state slots, STATE_SLOTS+1 grad) as fp32."""
-        return self.buffer[k * self.part:k * self.part + self.numel * 4].view(dtype)
+    def slot(self, k: int) -> torch.Tensor:
+        return self.buffer[k * self.part:k * self.part + self.numel * 4].view(FP32)
+
+
+@dataclass(eq=False)
+class SubGroup:
+    index: int
+    numel: int
+    chunks: List[Chunk]
+    region: Extent                      # all chunk images, contiguous
+    grad_extent: Extent
+    resident: bool = False
+    image: Optional[torch.Tensor] = None    # resident: the region in host memory
+    state_keys: List[str] = field(default_factory=list)
+    state_valid: bool = False           # slots hold real values (else they are zeros)
+    scalars: Dict[str, object] = field(default_factory=dict)  # e.g. Adam's step count
+    # gradients of the current accumulation window
+    grad: Optional[torch.Tensor] = None     # fp32 [numel] in host memory
+    grad_on_disk: bool = False          # the gradient extent holds this window's values (memory, when
+                                        # present, is newer)
+    grad_started: bool = False          # this window has gradient values
+    pins: int = 0                       # > 0 while its gradients must stay where they are
+    # whole-sub-group swap-in, for DeepSpeed's inspection APIs (safe_get_full_*)
+    whole: Optional[torch.Tensor] = None
+
+    @property
+    def part(self) -> int:
+        return align_up(self.numel * 4)
+
+
+def cut_into_chunks(members: List[Tuple[object, int, int]], chunk_numel: int) -> List[Tuple[int, int, List[Piece]]]:
+    """Cut a sub-group, given as (record, flat offset, numel) in flat order, into chunks of at most
+    ``chunk_numel`` elements. A parameter is split only at multiples of 4 KiB of its own bytes."""
+    chunks, pieces, start, size = [], [], 0, 0
+
+    def close():
+        nonlocal pieces, start, size
+        if pieces:
+            chunks.append((start, size, pieces))
+        start, pieces, size = start + size, [], 0
+
+    for rec, _, numel in members:
+        elsize = torch.empty(0, dtype=rec.dtype).element_size()
+        step = ALIGN // elsize
+        pos = 0
+        while pos < numel:
+            room = chunk_numel - size
+            rest = numel - pos
+            if rest <= room:
+                take = rest
+            else:
+                take = room // step * step  # split point at 4 KiB of this parameter
+                if take == 0:
+                    if size:
+                        close()
+                        continue
+                    take = min(rest, max(step, chunk_numel // step * step))
+            pieces.append(Piece(rec, pos, take, size))
+            size += take
+            pos += take
+            if size >= chunk_numel:
+                close()
+    close()
+    return chunks
 
 
 class AidaptivOptimizerSwapper:
-    """ZeRO-3's optimizer-swapper interface on our store."""
+    """The optimizer-swapper interface ZeRO-3 calls, plus the streamed step it does not have."""
 
-    def __init__(self, runtime, optimizer, stage3):
+    def __init__(self, runtime, optimizer, stage3, chunk_numel: int):
         self.runtime = runtime
         runtime.optimizer_swapper = self
         self.optimizer = optimizer
-        self.stage3 = stage3                  # for micro_step_id / accumulation boundary only
+        self.stage3 = stage3
+        self.chunk_numel = chunk_numel
         self.file = runtime.create_optimizer_file()
         # DeepSpeed's checkpoint code copies this folder into the checkpoint (and back on load). Our state
         # is saved by aidaptiv_ds.zero3.checkpoint, so it gets an empty folder rather than our swap files.
         self.swap_folder = runtime.space.deepspeed_dir
         self.groups: Dict[str, SubGroup] = {}  # DeepSpeed's fp32 partition ds_id -> sub-group
         self.by_index: List[SubGroup] = []
-        self.initializing = False
-        self._writes: List[tuple] = []         # (ticket, buffer kept alive, frees memory)
+        self._writes: List[tuple] = []         # (ticket, buffer kept alive until written, frees memory)
         self._lock = threading.RLock()
         self._prefill_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
         runtime.memory.add_reclaimer("optimizer write-behind", self._reclaim_write)
         runtime.memory.add_reclaimer("gradients in host memory", self._reclaim_grad)
+        runtime.memory.add_holder("resident optimizer state", lambda: sum(
+            sg.region.reserved for sg in self.by_index if sg.resident))
+        runtime.memory.add_holder("gradients", lambda: sum(sg.part for sg in self.by_index if sg.grad is not None))
+        runtime.memory.add_holder("optimizer writes", lambda: sum(
+            b.numel() * b.element_size() for _, b, frees in self._writes if frees))
+        runtime.memory.add_holder("optimizer chunks", lambda: sum(
+            PARTS * c.part for sg in self.by_index if not sg.resident for c in sg.chunks if c.buffer is not None))
 
     # ------------------------------------------------------------------ registration
     def register(self, index: int, key: str, members: List[tuple], resident: bool) -> SubGroup:
-        """Sub-group ``index`` of ZeRO-3, whose fp32 partition DeepSpeed will name ``key`` (its ds_id);
-        ``members`` are (ds_id, offset, numel, has_data) of its parameter partitions in flat order."""
+        """Sub-group ``index`` of ZeRO-3, whose fp32 partition DeepSpeed names ``key``; ``members`` are
+        (param record, flat offset, numel) of its partitions in flat order."""
         numel = sum(m[2] for m in members)
-        span = self.file.allocate((2 + STATE_SLOTS) * align_up(numel * 4))
-        sg = SubGroup(index, numel, span, members, resident=resident)
-        sg.grad_expected = sum(1 for m in members if m[3])
+        cut = cut_into_chunks(members, self.chunk_numel)
+        sizes = [PARTS * align_up(n * 4) for _, n, _ in cut]
+        region = self.file.allocate(sum(sizes))
+        chunks, off = [], region.offset
+        for (start, n, pieces), size in zip(cut, sizes):
+            chunks.append(Chunk(start, n, off, pieces))
+            off += size
+        grad_extent = self.file.allocate(numel * 4)
+        sg = SubGroup(index, numel, chunks, region, grad_extent, resident=resident)
         self.groups[key] = sg
         self.by_index.append(sg)
         if resident:
-            sg.buffer = self.runtime.memory.take(span.reserved, f"resident optimizer sub-group {index}")
-            sg.buffer_has_grad = True
-            sg.slice(1).zero_()
-            sg.slice(2).zero_()
+            sg.image = self.runtime.memory.take(region.reserved, f"resident optimizer sub-group {index}")
+            sg.image.zero_()
+            for c in chunks:
+                c.buffer = sg.image[c.offset - region.offset:c.offset - region.offset + PARTS * c.part]
         return sg
 
     def _sg(self, parameter) -> SubGroup:
         return self.groups[parameter.ds_id]
 
-    # ------------------------------------------------------------------ DeepSpeed's interface
+    # ------------------------------------------------------------------ ZeRO-3's interface
     @staticmethod
     def parameter_id(param):
         return param.ds_id
@@ -135,263 +211,262 @@ class AidaptivOptimizerSwapper:
         pass
 
     def post_backward(self):
-        """End of a backward pass: every gradient of this micro-step has arrived."""
-        with self._lock:
-            for sg in self.by_index:
-                if sg.grad is not None:
-                    sg.grad_complete = True
+        pass
 
     def initialize_parameters(self, parameters, src_tensors):
-        """Write the initial fp32 master of each sub-group (``src_tensors``); state starts at zero."""
+        """Write the initial fp32 master of each sub-group (its moments start at zero)."""
         for param, src in zip(parameters, src_tensors):
             sg = self._sg(param)
-            if sg.resident:
-                sg.slice(0).copy_(src.reshape(-1))
-                continue
-            buf = self.runtime.memory.take(sg.part, f"initial master weights of sub-group {sg.index}")
-            buf[:sg.numel * 4].view(FP32).copy_(src.reshape(-1))
-            t = self.runtime.store.write_span(self.file, sg.span.offset, buf, f"master of sub-group {sg.index}")
-            self._writes.append((t, buf, True))
+            flat = src.reshape(-1)
+            for c in sg.chunks:
+                if sg.resident:
+                    c.slot(0).copy_(flat[c.start:c.start + c.numel])
+                    continue
+                buf = self.runtime.memory.take(c.part, f"initial master weights of sub-group {sg.index}")
+                buf[:c.numel * 4].view(FP32).copy_(flat[c.start:c.start + c.numel])
+                t = self.runtime.store.write_span(self.file, c.offset, buf, f"master of sub-group {sg.index}")
+                self._writes.append((t, buf, True))
 
-    def initialize_from_swapped_fp16_params(self, fp16_partitions_info, fp16_num_elems, fp16_pinned_buffers,
-                                            fp32_parameters):
+    def initialize_from_swapped_fp16_params(self, *args, **kwargs):
         raise NotImplementedError("aidaptiv configures offload_optimizer.fast_init=false; this path is unused")
 
+    def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors):
+        """ZeRO-3 hands over the final gradients of a bucket at the accumulation boundary. They are views
+        into our gradient buffers (see GradientPartitions), already where the step finds them: in host
+        memory, or written out with their buffer if memory was needed since."""
+
+    def purge_state(self):
+        with self._lock:
+            for sg in self.by_index:
+                sg.state_keys, sg.state_valid, sg.scalars = [], False, {}
+
+    # Whole-sub-group access, used by DeepSpeed's inspection APIs (safe_get_full_grad and friends) and
+    # not by training: assembles master, state and gradient of the sub-group in ordinary memory.
     def swap_in_optimizer_state(self, parameter, async_parameter=None):
-        """Bring a sub-group's master, state and gradients into host memory and hand them to the optimizer."""
         with self._lock:
             sg = self._sg(parameter)
-            self._load(sg, blocking=True)
-            self._wait_read(sg)
-            parameter.data = sg.slice(0)
+            whole = torch.empty((PARTS + 1) * sg.numel, dtype=FP32)
+            for c in sg.chunks:
+                self._load_chunk(sg, c, blocking=True)
+                self._wait_chunk(c)
+                for k in range(PARTS):
+                    whole[k * sg.numel + c.start:k * sg.numel + c.start + c.numel].copy_(c.slot(k))
+                self._release_chunk(sg, c)
+            grad = whole[PARTS * sg.numel:]
+            g = self._grad_tensor(sg)
+            grad.copy_(g) if g is not None else grad.zero_()
+            sg.whole = whole
+            parameter.data = whole[:sg.numel]
+            parameter.grad = grad
             state = self.optimizer.state.setdefault(parameter, {})
             state.clear()
             state.update(sg.scalars)
-            if sg.state_keys:
-                for k, key in enumerate(sg.state_keys):
-                    state[key] = sg.slice(1 + k)
-            elif self._prefill_adam:
-                # DeepSpeedCPUAdam creates exactly these on its first step; giving it our (zeroed) slots
-                # saves allocating and copying them.
-                sg.state_keys = ["exp_avg", "exp_avg_sq"]
-                state.setdefault("step", 0)
-                for k, key in enumerate(sg.state_keys):
-                    state[key] = sg.slice(1 + k)
-            parameter.grad = self._grad_for_step(sg)
-            # Read ahead the sub-groups that follow, as far as the budget allows without waiting.
-            nxt = sg.index + 1
-            for other in self.by_index[nxt:nxt + READ_AHEAD]:
-                if not self._load(other, blocking=False):
-                    break
+            for k, key in enumerate(sg.state_keys or (ADAM_KEYS if self._prefill_adam else [])):
+                state[key] = whole[(1 + k) * sg.numel:(2 + k) * sg.numel]
 
     def swap_out_optimizer_state(self, parameter, async_swap=False):
-        """Take the updated master and state back; write them behind (resident sub-groups stay in RAM)."""
-        with self._lock:
-            sg = self._sg(parameter)
-            self._adopt_state(sg, parameter)
-            parameter.data = torch.empty(0, dtype=FP32)
-            parameter.grad = None
-            self.reset_gradients(sg)
-            if sg.resident:
-                return
-            if not self.initializing:
-                nbytes = (1 + STATE_SLOTS) * sg.part
-                t = self.runtime.store.write_span(self.file, sg.span.offset, sg.buffer[:nbytes],
-                                                  f"optimizer state of sub-group {sg.index}")
-                self._writes.append((t, sg.buffer, True))
-            sg.buffer = None
-            sg.buffer_has_grad = False
+        self.writeback_optimizer_state_and_gradients(parameter, write_opt_state=True, write_gradients=False)
 
     def release_swap_buffers(self, parameter):
-        """Drop a sub-group's host copy without writing it (nothing was changed)."""
         with self._lock:
             sg = self._sg(parameter)
             parameter.data = torch.empty(0, dtype=FP32)
             parameter.grad = None
             self.optimizer.state.pop(parameter, None)
-            if not sg.resident:
-                self._wait_read(sg)
-                sg.buffer = None
-                sg.buffer_has_grad = False
+            sg.whole = None
 
     def writeback_optimizer_state_and_gradients(self, parameter, write_opt_state, write_gradients):
         with self._lock:
             sg = self._sg(parameter)
-            if write_opt_state:
-                self._adopt_state(sg, parameter)
-            if sg.resident:
+            whole = sg.whole
+            if whole is None:
                 return
             if write_opt_state:
-                nbytes = (1 + STATE_SLOTS) * sg.part
-                self.runtime.store.wait(self.runtime.store.write_span(self.file, sg.span.offset,
-                                                                      sg.buffer[:nbytes], "optimizer state"))
-            if write_gradients and parameter.grad is not None:
-                self._spill_grad(sg, parameter.grad, wait=True)
+                state = self.optimizer.state.get(parameter, {})
+                keys = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == sg.numel]
+                for c in sg.chunks:
+                    self._load_chunk(sg, c, blocking=True)
+                    self._wait_chunk(c)
+                    c.slot(0).copy_(whole[c.start:c.start + c.numel])
+                    for k, key in enumerate(keys):
+                        c.slot(1 + k).copy_(state[key][c.start:c.start + c.numel])
+                    self._store_chunk(sg, c)
+                sg.state_keys = keys or sg.state_keys
+                sg.scalars = {k: v for k, v in state.items() if k not in keys}
+                sg.state_valid = sg.state_valid or bool(keys)
+            if write_gradients:
+                g = self._open_grad(sg)
+                g.copy_(whole[PARTS * sg.numel:])
             self.release_swap_buffers(parameter)
 
-    def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors):
-        """DeepSpeed hands over the final gradients of a bucket at the accumulation boundary. They are
-        views into our gradient buffers (see GradientPartitions), already where the step will find them:
-        in host memory, or written out with their buffer if memory was needed since."""
+    # ------------------------------------------------------------------ the streamed step
+    def step_sub_group(self, parameter, grad_scale, run_optimizer: Callable[[], None], write_params) -> None:
+        """Update sub-group ``parameter`` chunk by chunk.
 
-    def purge_state(self):
+        ``grad_scale``: factor the gradients are multiplied by first (unscaling and clipping), or None.
+        ``run_optimizer``: steps the optimizer on ``parameter`` as it is set up for the current chunk.
+        ``write_params(pieces, master)``: writes the chunk's updated values to the parameters.
+        """
         with self._lock:
-            for sg in self.by_index:
-                sg.state_keys = []
-                sg.state_valid = False
-                sg.scalars = {}
+            sg = self._sg(parameter)
+            sg.pins += 1
+            try:
+                grad = self._grad_tensor(sg)  # None: no gradient arrived this window (unused parameters)
+                if grad is None:
+                    grad = torch.zeros(sg.numel, dtype=FP32)
+                before = dict(sg.scalars)
+                keys = sg.state_keys or (ADAM_KEYS if self._prefill_adam else [])
+                after = before
+                chunks = sg.chunks
+                for i, c in enumerate(chunks):
+                    self._load_chunk(sg, c, blocking=True)
+                    for ahead in chunks[i + 1:i + 1 + READ_AHEAD]:  # read ahead without waiting
+                        if not self._load_chunk(sg, ahead, blocking=False):
+                            break
+                    self._wait_chunk(c)
+                    g = grad[c.start:c.start + c.numel]
+                    if grad_scale is not None:
+                        g.mul_(grad_scale)
+                    parameter.data = c.slot(0)
+                    parameter.grad = g
+                    state = self.optimizer.state.setdefault(parameter, {})
+                    state.clear()
+                    state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in before.items()})
+                    if sg.state_valid or self._prefill_adam:
+                        for k, key in enumerate(keys):
+                            state[key] = c.slot(1 + k)
+                        if self._prefill_adam:
+                            state.setdefault("step", 0)
+                    run_optimizer()
+                    after, keys = self._adopt_state(sg, c, state, keys)
+                    write_params(c.pieces, c.slot(0))
+                    self._store_chunk(sg, c)
+                    self.optimizer.state.pop(parameter, None)
+                sg.scalars = after
+                sg.state_keys = keys
+                sg.state_valid = True
+            finally:
+                sg.pins -= 1
+                parameter.data = torch.empty(0, dtype=FP32)
+                parameter.grad = None
+            self.reset_gradients(sg)
+
+    def _adopt_state(self, sg: SubGroup, c: Chunk, state: dict, keys: List[str]):
+        """Keep the optimizer's state for this chunk: full-size tensors in our slots, scalars aside."""
+        tensors = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1 and v.numel() == c.numel]
+        if len(tensors) > STATE_SLOTS:
+            raise UnsupportedOptimizerError(
+                f"{type(self.optimizer).__name__} keeps {len(tensors)} full-size state tensors per parameter "
+                f"({', '.join(tensors)}); aidaptiv has room for {STATE_SLOTS} (the Adam family): use Adam/AdamW")
+        if keys and tensors and sorted(tensors) != sorted(keys):
+            raise UnsupportedOptimizerError(f"optimizer state keys changed from {keys} to {tensors}")
+        keys = keys or tensors
+        for k, key in enumerate(keys):
+            slot, value = c.slot(1 + k), state[key].reshape(-1)
+            if value.data_ptr() != slot.data_ptr():
+                slot.copy_(value)  # the optimizer made its own tensor (first step): adopt it
+        return {k: v for k, v in state.items() if k not in keys}, keys
+
+    # ------------------------------------------------------------------ chunk I/O
+    def _load_chunk(self, sg: SubGroup, c: Chunk, blocking: bool) -> bool:
+        if c.buffer is not None:
+            return True
+        nbytes = PARTS * c.part
+        mem = self.runtime.memory
+        sg.pins += 1
+        try:
+            buf = mem.take(nbytes, f"optimizer sub-group {sg.index}") if blocking else mem.try_take(nbytes)
+        finally:
+            sg.pins -= 1
+        if buf is None:
+            return False
+        c.buffer = buf
+        what = f"optimizer sub-group {sg.index}"
+        if sg.state_valid:
+            c.read = self.runtime.store.read_span(self.file, c.offset, buf, what)  # one request per chunk
+        else:  # master only: the slots are zeros until the first step
+            buf[c.part:].zero_()
+            c.read = self.runtime.store.read_span(self.file, c.offset, buf[:c.part], what)
+        return True
+
+    def _wait_chunk(self, c: Chunk) -> None:
+        if c.read is not None:
+            self.runtime.store.wait(c.read)
+            c.read = None
+
+    def _store_chunk(self, sg: SubGroup, c: Chunk) -> None:
+        """Write a chunk's image behind and let its buffer go (resident chunks stay)."""
+        if sg.resident:
+            return
+        t = self.runtime.store.write_span(self.file, c.offset, c.buffer, f"optimizer state of sub-group {sg.index}")
+        self._writes.append((t, c.buffer, True))
+        c.buffer = None
+
+    def _release_chunk(self, sg: SubGroup, c: Chunk) -> None:
+        if not sg.resident:
+            self._wait_chunk(c)
+            c.buffer = None
 
     # ------------------------------------------------------------------ gradients
-    def open_grad(self, sg: SubGroup) -> torch.Tensor:
-        """The fp32 gradient buffer of ``sg`` for the current micro-step (DeepSpeed copies or adds into it)."""
+    def _open_grad(self, sg: SubGroup) -> torch.Tensor:
+        """The fp32 gradient buffer of ``sg`` for this accumulation window (ZeRO-3 copies or adds into it)."""
         with self._lock:
             if sg.grad is not None:
                 return sg.grad
-            if sg.resident:
-                sg.grad = sg.slice(1 + STATE_SLOTS)
-                if not sg.grad_started:  # first gradient of this window
-                    sg.grad.zero_()
-                    sg.grad_started = True
-                return sg.grad
-            buf = self.runtime.memory.take(sg.part, f"gradients of sub-group {sg.index}")
+            sg.pins += 1
+            try:
+                buf = self.runtime.memory.take(sg.part, f"gradients of sub-group {sg.index}")
+            finally:
+                sg.pins -= 1
             grad = buf[:sg.numel * 4].view(FP32)
-            if not sg.grad_on_disk:
-                grad.zero_()  # first gradient of this accumulation window
+            if sg.grad_on_disk:
+                # Written out under memory pressure (earlier in this backward, or in earlier micro-steps):
+                # continue from those values.
+                self.runtime.store.wait(self.runtime.store.read_span(
+                    self.file, sg.grad_extent.offset, buf[:sg.grad_extent.reserved], f"gradients of sub-group {sg.index}"))
             else:
-                # Gradients of this window were written out under memory pressure (earlier in this
-                # backward or in earlier micro-steps): continue from them.
-                t = self.runtime.store.read_span(self.file, sg.span.offset + (1 + STATE_SLOTS) * sg.part,
-                                                 buf[:sg.part], f"gradients of sub-group {sg.index}")
-                self.runtime.store.wait(t)
+                grad.zero_()  # first gradient of this window
             sg.grad = grad
-            sg.grad_dirty = True
-            sg.grad_complete = False
+            sg.grad_started = True
             return grad
 
-    def note_grad(self, sg: SubGroup, ds_id) -> None:
-        sg.grad_touched.add(ds_id)
-        if len(sg.grad_touched) >= sg.grad_expected:
-            sg.grad_complete = True  # every partition with data has its gradient for this micro-step
+    open_grad = _open_grad
 
-    def _spill_grad(self, sg: SubGroup, grad: torch.Tensor, wait: bool) -> None:
-        buf = grad.view(torch.uint8)
-        t = self.runtime.store.write_span(self.file, sg.span.offset + (1 + STATE_SLOTS) * sg.part,
-                                          buf, f"gradients of sub-group {sg.index}")
-        if wait:
-            self.runtime.store.wait(t)
-        else:
-            self._writes.append((t, buf, True))
-        sg.grad_on_disk = True
+    def _grad_tensor(self, sg: SubGroup) -> Optional[torch.Tensor]:
+        """This window's gradient of ``sg`` in host memory (reading it back if it was written out)."""
+        if sg.grad is not None:
+            return sg.grad
+        if sg.grad_on_disk:
+            return self._open_grad(sg)
+        return None
 
     def _reclaim_grad(self) -> bool:
-        """Write out the gradients of a complete sub-group (or, failing that, any) and free them."""
+        """Write out the gradient buffer of the sub-group the step will reach last, and free it."""
         with self._lock:
-            candidates = [sg for sg in self.by_index if sg.grad is not None and not sg.resident
-                          and sg.buffer is None and sg.pins == 0]
+            candidates = [sg for sg in self.by_index if sg.grad is not None and sg.pins == 0 and not sg.resident]
             if not candidates:
                 return False
-            complete = [sg for sg in candidates if sg.grad_complete]
-            sg = (complete or candidates)[0]
+            sg = candidates[-1]
             self._sync_device()
-            grad, sg.grad = sg.grad, None
-            if sg.grad_dirty:
-                self._spill_grad(sg, grad, wait=False)
-            sg.grad_dirty = False
-            sg.grad_touched = set()
+            buf = sg.grad.view(torch.uint8)
+            t = self.runtime.store.write_span(self.file, sg.grad_extent.offset, buf, f"gradients of sub-group {sg.index}")
+            self._writes.append((t, buf, True))
+            sg.grad = None
+            sg.grad_on_disk = True
             return True
-
-    def _grad_for_step(self, sg: SubGroup) -> Optional[torch.Tensor]:
-        if sg.resident:
-            if not sg.grad_started:
-                sg.slice(1 + STATE_SLOTS).zero_()
-            return sg.slice(1 + STATE_SLOTS)
-        if sg.grad is not None:
-            return sg.grad                     # still in host memory: used in place
-        if sg.buffer_has_grad and sg.grad_on_disk:
-            return sg.slice(1 + STATE_SLOTS)   # read together with the span
-        # No gradient arrived this window (frozen or unused parameters): zeros.
-        return torch.zeros(sg.numel, dtype=FP32)
 
     def reset_gradients(self, sg: SubGroup) -> None:
         """The step consumed the sub-group's gradients: the next window starts from zero."""
         sg.grad = None
         sg.grad_on_disk = False
         sg.grad_started = False
-        sg.grad_dirty = False
-        sg.grad_touched = set()
-        sg.grad_complete = False
 
     @staticmethod
     def _sync_device():
         # Gradient partitions reach host buffers through non-blocking device-to-host copies; they must
-        # land before the buffer is written out.
+        # land before a buffer is written out.
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-
-    # ------------------------------------------------------------------ span I/O
-    def _load(self, sg: SubGroup, blocking: bool) -> bool:
-        """Start reading ``sg``'s span into a new host buffer: master, the state slots once they hold
-        values (zeros before the first step), and the gradients when they were written out."""
-        if sg.buffer is not None:
-            return True
-        # Pinned while taking memory: the reclaimers must not write this sub-group's gradients out from
-        # under the decision below of whether to read them.
-        sg.pins += 1
-        try:
-            with_grad = sg.grad is None and sg.grad_on_disk
-            nbytes = (1 + STATE_SLOTS + (1 if with_grad else 0)) * sg.part
-            mem = self.runtime.memory
-            buf = mem.take(nbytes, f"optimizer sub-group {sg.index}") if blocking else mem.try_take(nbytes)
-        finally:
-            sg.pins -= 1
-        if buf is None:
-            return False
-        sg.buffer = buf
-        sg.buffer_has_grad = with_grad
-        store, base, what = self.runtime.store, sg.span.offset, f"optimizer sub-group {sg.index}"
-        if sg.state_valid:
-            ticket = store.read_span(self.file, base, buf, what)  # one request for the whole span
-        else:
-            buf[sg.part:(1 + STATE_SLOTS) * sg.part].zero_()
-            ticket = store.read_span(self.file, base, buf[:sg.part], what)
-            if with_grad:
-                g0 = (1 + STATE_SLOTS) * sg.part
-                ticket = Ticket(ticket.requests + store.read_span(self.file, base + g0, buf[g0:], what).requests,
-                                what)
-        sg.read = ticket
-        return True
-
-    def _wait_read(self, sg: SubGroup) -> None:
-        if sg.read is not None:
-            self.runtime.store.wait(sg.read)
-            sg.read = None
-
-    def _adopt_state(self, sg: SubGroup, parameter) -> None:
-        """Record the optimizer's per-parameter state: full-size tensors into our slots, scalars aside."""
-        state = self.optimizer.state.pop(parameter, {})
-        keys, scalars = [], {}
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.numel() == sg.numel and value.dim() >= 1:
-                keys.append(key)
-            else:
-                scalars[key] = value
-        if len(keys) > STATE_SLOTS:
-            raise UnsupportedOptimizerError(
-                f"{type(self.optimizer).__name__} keeps {len(keys)} full-size state tensors per parameter "
-                f"({', '.join(keys)}); aidaptiv has room for {STATE_SLOTS} (the Adam family): use Adam/AdamW")
-        if sg.state_keys and sorted(keys) != sorted(sg.state_keys) and keys:
-            raise UnsupportedOptimizerError(f"optimizer state keys changed from {sg.state_keys} to {keys}")
-        if keys:
-            if not sg.state_keys:
-                sg.state_keys = keys
-            for k, key in enumerate(sg.state_keys):
-                slot = sg.slice(1 + k)
-                value = state[key].reshape(-1)
-                if value.data_ptr() != slot.data_ptr():
-                    slot.copy_(value)  # the optimizer made its own tensor (first step): adopt it
-        sg.scalars = scalars
-        if not self.initializing:
-            sg.state_valid = True
 
     # ------------------------------------------------------------------ write-behind
     def _reclaim_write(self) -> bool:
@@ -424,8 +499,8 @@ class GradientPartitions:
     """Stands in for ZeRO-3's ``param ds_id -> gradient partition`` dict, backed by per-sub-group buffers.
 
     ZeRO-3 copies (first micro-step) or adds (later ones) each reduced gradient partition into the tensor
-    this returns, then reads it back at the accumulation boundary for the norm. The buffers are opened on
-    first use in a micro-step, so only the sub-groups that are receiving gradients take host memory.
+    this returns, then reads it back at the accumulation boundary for the norm. Buffers are opened on first
+    use, so only sub-groups that are receiving gradients take host memory.
     """
 
     def __init__(self, swapper: AidaptivOptimizerSwapper, positions: Dict[int, tuple]):
@@ -434,9 +509,7 @@ class GradientPartitions:
 
     def __getitem__(self, ds_id):
         sg, offset, numel = self.positions[ds_id]
-        grad = self.swapper.open_grad(sg)
-        self.swapper.note_grad(sg, ds_id)
-        return grad.narrow(0, offset, numel)
+        return self.swapper.open_grad(sg).narrow(0, offset, numel)
 
     def __contains__(self, ds_id):
         return ds_id in self.positions

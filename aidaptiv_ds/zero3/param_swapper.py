@@ -217,45 +217,52 @@ class AidaptivParamSwapper:
         pass
 
     def swap_out_partitioned_params(self, dst_fp16_params, src_fp32_params):
-        """After the optimizer step of a sub-group: write the updated partitions (converted to the model
-        dtype) to disk, and into the group's cached copy when it is in host memory. The writes complete
-        in the background; a later read of the same bytes waits for them."""
+        """Write whole updated partitions (DeepSpeed's interface; the streamed step uses write_pieces)."""
+        self.write_pieces([(self.records[p.ds_id], 0, self.records[p.ds_id].numel, src)
+                           for p, src in zip(dst_fp16_params, src_fp32_params)])
+
+    def write_pieces(self, pieces) -> None:
+        """Write updated values of partitions: ``pieces`` are (record, first element, numel, fp32 source).
+        A piece starts at 4 KiB of its partition's bytes and ends at such a boundary or at the partition's
+        end, so every write is O_DIRECT. Values are converted to the model dtype, written into the layer
+        group's cached copy when it is in host memory (write-through) and to disk behind the step; a later
+        read of the same bytes waits for the write."""
         mem = self.runtime.memory
         store = self.runtime.store
         with self._lock:
-            recs = [self.records[p.ds_id] for p in dst_fp16_params]
-            order = sorted(range(len(recs)), key=lambda i: recs[i].extent.offset)
-            runs: List[List[int]] = []
-            for i in order:  # runs of partitions adjacent on disk and in the same layer group
-                prev = recs[runs[-1][-1]] if runs else None
-                if prev is not None and prev.extent.end == recs[i].extent.offset and prev.group is recs[i].group:
-                    runs[-1].append(i)
+            pieces = sorted(pieces, key=lambda p: (p[0].extent.offset, p[1]))
+
+            def span(p):  # byte range of a piece on disk, padded to the extent's end for a last piece
+                rec, start, numel, _ = p
+                es = rec.nbytes // rec.numel if rec.numel else 1
+                lo = rec.extent.offset + start * es
+                hi = rec.extent.end if start + numel == rec.numel else lo + numel * es
+                return lo, hi
+
+            runs: List[list] = []
+            for p in pieces:  # runs adjacent on disk and in the same layer group
+                if runs and span(runs[-1][-1])[1] == span(p)[0] and runs[-1][-1][0].group is p[0].group:
+                    runs[-1].append(p)
                 else:
-                    runs.append([i])
+                    runs.append([p])
             for run in runs:
-                first, last = recs[run[0]], recs[run[-1]]
-                g = first.group
-                cached = g is not None and g.buffer is not None
-                if cached:
-                    # Write through: the cached group copy is updated in place and written from there
-                    # (a read of it still in flight must land first, or it would bring back old values).
+                lo, hi = span(run[0])[0], span(run[-1])[1]
+                g = run[0][0].group
+                if g is not None and g.buffer is not None:
+                    # Write through: update the cached copy in place and write from it (a read of it still
+                    # in flight must land first, or it would bring back old values).
                     self._wait_group(g)
-                    for i in run:
-                        g.view(recs[i]).copy_(src_fp32_params[i])
-                    start = first.extent.offset - g.offset
-                    buf = g.buffer[start:last.extent.end - g.offset]
+                    buf = g.buffer[lo - g.offset:hi - g.offset]
                     frees = False  # buf views g.buffer, which stays allocated until the write is done
                 else:
-                    nbytes = last.extent.end - first.extent.offset
-                    buf = mem.take(nbytes, "writing updated parameters") if mem is not None \
-                        else aligned_empty(nbytes)
-                    for i in run:
-                        r = recs[i]
-                        off = r.extent.offset - first.extent.offset
-                        buf[off:off + r.nbytes].view(r.dtype).copy_(src_fp32_params[i])
+                    buf = mem.take(hi - lo, "writing updated parameters") if mem is not None else aligned_empty(hi - lo)
                     frees = True
-                t = store.write_span(first.extent.file, first.extent.offset, buf,
-                                     f"updated partitions {first.ds_id}..{last.ds_id}")
+                for rec, start, numel, src in run:
+                    a = span((rec, start, numel, src))[0] - lo
+                    es = rec.nbytes // rec.numel
+                    buf[a:a + numel * es].view(rec.dtype).copy_(src.reshape(-1))
+                t = store.write_span(run[0][0].extent.file, lo, buf,
+                                     f"updated partitions {run[0][0].ds_id}..{run[-1][0].ds_id}")
                 self._write_behind.append((t, buf, frees))
 
     # ---------------------------------------------------------------- groups
@@ -285,6 +292,12 @@ class AidaptivParamSwapper:
                     r.group = g
             self.runtime.memory.add_reclaimer("parameter write-behind", self._reclaim_write)
             self.runtime.memory.add_reclaimer("cached layer groups", self._reclaim_group)
+            self.runtime.memory.add_holder("layer groups in use", lambda: sum(
+                g.nbytes for g in self.groups if g.buffer is not None and (g.users or g.pins)))
+            self.runtime.memory.add_holder("cached layer groups", lambda: sum(
+                g.nbytes for g in self.groups if g.buffer is not None and not (g.users or g.pins)))
+            self.runtime.memory.add_holder("parameter writes", lambda: sum(
+                b.numel() for _, b, frees in self._write_behind if frees))
             self.planned = True
 
     def _make_contiguous(self, g: LayerGroup) -> None:

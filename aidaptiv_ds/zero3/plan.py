@@ -16,7 +16,8 @@ from typing import List, Set
 from aidaptiv_ds.config import ConfigError
 from aidaptiv_ds.store import align_up
 from aidaptiv_ds.zero3.layer_groups import partition_into_groups
-from aidaptiv_ds.zero3.optimizer_swapper import READ_AHEAD, STATE_SLOTS
+from aidaptiv_ds.config import optimizer_chunk_numel
+from aidaptiv_ds.zero3.optimizer_swapper import PARTS, READ_AHEAD
 
 MiB = 2**20
 
@@ -28,12 +29,14 @@ class RunPlan:
     staging_bytes: int
     group_bytes: List[int]
     sub_group_numels: List[int]
+    chunk_numel: int
     resident_sub_groups: Set[int] = field(default_factory=set)
 
     def describe(self) -> str:
-        res = sum(4 * align_up(self.sub_group_numels[i] * 4) for i in self.resident_sub_groups)
+        res = sum((PARTS + 1) * align_up(self.sub_group_numels[i] * 4) for i in self.resident_sub_groups)
         return (f"{len(self.group_bytes)} layer groups (largest {max(self.group_bytes) / MiB:.1f} MiB), "
                 f"{len(self.sub_group_numels)} optimizer sub-groups ({len(self.resident_sub_groups)} resident, "
+                f"streamed in chunks of {self.chunk_numel:,} elements; "
                 f"{res / MiB:.1f} MiB), pinned pool {self.pool_bytes / MiB:.1f} MiB of a "
                 f"{self.budget_bytes / MiB:.1f} MiB budget, staging {self.staging_bytes / MiB:.1f} MiB")
 
@@ -56,31 +59,37 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
     if rest:
         group_bytes.append(rest)
     part = lambda n: align_up(n * 4)  # one fp32 vector of a sub-group
+    chunk = optimizer_chunk_numel(cfg)
     largest_group = max(group_bytes)
     largest_sub = max(sub_group_numels)
     elsize = torch_elsize(runtime.model_dtype)
+    # forward/backward: the group computing, the ones being prefetched, one kept across the turn, and the
+    # gradient buffers of about two sub-groups being filled.
     fwd_bwd = (cfg.prefetch_depth + 2) * largest_group + 2 * part(largest_sub)
-    step = (2 + READ_AHEAD) * (2 + STATE_SLOTS) * part(largest_sub) + 2 * largest_sub * elsize
-    minimum = max(largest_group + part(largest_sub), (2 + STATE_SLOTS) * part(largest_sub) + largest_sub * elsize)
+    # step: the sub-group's gradient, chunks being updated / read ahead / written behind, and the
+    # updated parameters on their way to disk.
+    chunk_set = PARTS * part(chunk) + chunk * elsize
+    step = part(largest_sub) + (2 + READ_AHEAD) * chunk_set
+    minimum = max(largest_group + part(largest_sub), part(largest_sub) + chunk_set)
     if budget < minimum:
         raise ConfigError([
             f"aidaptiv.host_memory_budget is {budget / MiB:.1f} MiB but the run needs at least {minimum / MiB:.1f} "
-            f"MiB of host memory (largest layer group {largest_group / MiB:.1f} MiB, largest optimizer sub-group "
-            f"{largest_sub:,} elements): raise the budget, or lower aidaptiv.layer_group_size or "
-            "optimizer_chunk_numel (a sub-group cannot be smaller than the largest parameter partition)"])
+            f"MiB of host memory (largest layer group {largest_group / MiB:.1f} MiB, gradient of the largest "
+            f"optimizer sub-group {part(largest_sub) / MiB:.1f} MiB, optimizer chunk {chunk_set / MiB:.1f} MiB): "
+            "raise the budget, or lower aidaptiv.layer_group_size or optimizer_chunk_numel"])
     staging = max(fwd_bwd, step)
-    everything = staging + sum(group_bytes) + sum((2 + STATE_SLOTS) * part(n) for n in sub_group_numels)
+    resident_cost = lambda n: (PARTS + 1) * part(n)  # chunk images and gradient
+    everything = staging + sum(group_bytes) + sum(resident_cost(n) for n in sub_group_numels)
     pool = min(budget, everything)
     resident = set()
     if cfg.cache_optimizer_state:
         leftover = pool - staging
         for i, n in enumerate(sub_group_numels):  # the step starts with sub-group 0: keep the first ones
-            cost = (2 + STATE_SLOTS) * part(n)
-            if cost > leftover:
+            if resident_cost(n) > leftover:
                 break
             resident.add(i)
-            leftover -= cost
-    return RunPlan(budget, pool, min(staging, pool), group_bytes, list(sub_group_numels), resident)
+            leftover -= resident_cost(n)
+    return RunPlan(budget, pool, min(staging, pool), group_bytes, list(sub_group_numels), chunk, resident)
 
 
 def torch_elsize(dtype) -> int:
