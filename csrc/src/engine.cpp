@@ -147,6 +147,7 @@ uint64_t Engine::submit(detail::Op op, char* buf, uint64_t nbytes, const FileRef
   // Open the buffered descriptor for the tail now, in the caller's thread, so that failure is raised
   // here and the completion thread never has to open files on the hot path.
   if (nbytes % kAlignment) f->buffered_fd();
+  if (op == detail::Op::Write && nbytes > 0) f->preallocate(static_cast<uint64_t>(offset), nbytes);
 
   auto req = std::make_shared<detail::Request>(op, std::move(f), buf, nbytes, static_cast<uint64_t>(offset),
                                                std::move(keepalive));
