@@ -17,6 +17,7 @@ within one run, never a lone number across runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -375,6 +376,21 @@ def format_table(result: dict) -> str:
 
 
 # -- the run ----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send everything written to stdout meanwhile to stderr, at the descriptor level: DeepSpeed's logger
+    holds its own reference to stdout, and --json must print exactly one object there."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def progress(message: str) -> None:
     print(f"io-bench: {message}", file=sys.stderr, flush=True)
 
@@ -446,7 +462,8 @@ def run(args) -> int:
                   "fio_command": " ".join(fio_command("FILE", "write|read", size, block, args.queue_depth))}
         if not args.json:
             print(format_table({"machine": machine, "config": config, "engines": {}}).splitlines()[0], flush=True)
-        results = measure(engines, directory, size, block, args.queue_depth, args.repeat)
+        with stdout_to_stderr():
+            results = measure(engines, directory, size, block, args.queue_depth, args.repeat)
     except BenchError as e:
         print(f"io-bench: error: {e}", file=sys.stderr)
         return 2

@@ -16,12 +16,14 @@ def io_bench(*argv):
 
 
 def test_json_row(tmp_path):
+    # deepspeed too: its logger writes to stdout, which must still hold nothing but the one object.
     result = io_bench("--dir", str(tmp_path), "--size-mb", "8", "--block-kb", "256", "--queue-depth", "4",
-                      "--repeat", "2", "--engines", "uring,posix", "--json")
+                      "--repeat", "2", "--engines", "uring,posix,deepspeed", "--json")
     assert result.returncode == 0, result.stderr
     row = json.loads(result.stdout)  # exactly one object, nothing else on stdout
     assert set(row) == {"machine", "engines", "config"}
-    assert row["config"]["size_mb"] == 8 and row["config"]["engines"] == ["uring", "posix"]
+    assert row["config"]["size_mb"] == 8 and row["config"]["engines"] == ["uring", "posix", "deepspeed"]
+    assert row["engines"]["deepspeed"].get("verified") is True or "error" in row["engines"]["deepspeed"]
     assert row["machine"]["filesystem"] and row["machine"]["cores"] >= 1
     for name in ("uring", "posix"):
         e = row["engines"][name]
