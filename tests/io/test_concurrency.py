@@ -7,7 +7,7 @@ import torch
 from aidaptiv_ds import _C
 from aidaptiv_ds.io import IOEngine
 
-from conftest import random_bytes
+from engine_helpers import random_bytes
 
 
 def test_concurrent_swaps_from_threads(engine, pool, tmp_path):

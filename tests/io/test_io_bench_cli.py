@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from engine_helpers import REPO_ROOT
 
 SCRIPT = os.path.join(REPO_ROOT, "bench", "io_bench.py")
 

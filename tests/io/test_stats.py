@@ -6,7 +6,7 @@ import torch
 
 from aidaptiv_ds.io import Backend, IOEngine, PinnedPool, resolve_settings
 
-from conftest import random_bytes
+from engine_helpers import random_bytes
 
 
 def test_engine_counters(engine, pool, tmp_path):
