@@ -17,7 +17,9 @@ Deliberate differences (errors are never silent here):
 - wait() with nothing queued returns 0 (DeepSpeed asserts, aborting the process).
 - Sizes that are not a multiple of the disk block are written and read exactly (DeepSpeed's O_DIRECT op
   fails silently on them and still counts the op).
-- read()/write() do not print timings; validate=True compares with a buffered read and raises on mismatch.
+- read()/write() bounce unaligned buffers too (DeepSpeed's do O_DIRECT on them as they are, and silently
+  transfer nothing when they are not aligned); they do not print timings; validate=True compares with a
+  buffered read and raises on a mismatch.
 - A file offset that is not 4 KiB aligned is served by a buffered pread/pwrite at submission time.
 - The fd form of async_pwrite writes synchronously through that descriptor (it was opened without O_DIRECT).
 """
@@ -167,7 +169,7 @@ class AioHandle:
         self._reject_unknown(kwargs)
         filename, offset = os.fspath(filename), int(file_offset)
         nbytes = self._check_parallel(buffer, "read")
-        size = os.stat(filename).st_size
+        size = self._file_size(filename)
         if offset + nbytes > size:
             raise OSError(errno.ENODATA, f"read of {nbytes} bytes at offset {offset} from {filename} would pass "
                           f"the end of the file ({size} bytes): read only bytes that were written", filename)
@@ -217,6 +219,10 @@ class AioHandle:
         return len(ops)
 
     # -- internals ----------------------------------------------------------------------------------
+    @staticmethod
+    def _file_size(filename: str) -> int:
+        return os.stat(filename).st_size
+
     @staticmethod
     def _reject_unknown(kwargs) -> None:
         if kwargs:

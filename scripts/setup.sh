@@ -26,5 +26,7 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" -r requirements.txt
 # DeepSpeed ships only an sdist; build it against the torch installed above.
 "${pip[@]}" --no-build-isolation deepspeed==0.19.8
-"${pip[@]}" --no-build-isolation --no-deps .
+# Editable: the C++ engine (aidaptiv_ds/_C*.so) is built into the source tree, so the tests, which run from
+# the checkout (python -m pytest puts it first on sys.path), import the package together with its engine.
+"${pip[@]}" --no-build-isolation --no-deps -e .
 echo "setup: ready ($venv/bin/aidaptiv-ds)"

@@ -86,3 +86,11 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return bool(_saved)
+
+
+def deepspeed_aio_handle():
+    """DeepSpeed's own libaio aio_handle class (the baseline of io-bench), whatever install() did; builds
+    the async_io op just in time if it is not cached (TORCH_EXTENSIONS_DIR). Raises what the build raises."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().load(verbose=False).aio_handle

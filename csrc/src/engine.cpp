@@ -130,6 +130,12 @@ uint64_t Engine::submit(detail::Op op, char* buf, uint64_t nbytes, const FileRef
     std::lock_guard<std::mutex> lock(mu_);
     check_open();
   }
+  // Arguments are checked before a path is opened (and a file perhaps created).
+  return submit_to(op, buf, nbytes, nullptr, offset, std::move(keepalive), &file);
+}
+
+uint64_t Engine::submit_to(detail::Op op, char* buf, uint64_t nbytes, std::shared_ptr<detail::OpenFile> f,
+                           int64_t offset, std::shared_ptr<void> keepalive, const FileRef* file) {
   const auto address = reinterpret_cast<uintptr_t>(buf);
   AIDAPTIV_EXPECT(address % kAlignment == 0,
                   "buffer address 0x" << std::hex << address << std::dec << " is not 4096-byte aligned (it is "
@@ -139,7 +145,7 @@ uint64_t Engine::submit(detail::Op op, char* buf, uint64_t nbytes, const FileRef
   AIDAPTIV_EXPECT(offset >= 0 && offset % static_cast<int64_t>(kAlignment) == 0,
                   "file offset " << offset << " is not a non-negative multiple of 4096: O_DIRECT needs 4 KiB "
                                  << "aligned file offsets");
-  auto f = resolve(file, op);
+  if (!f) f = resolve(*file, op);
   if (op == detail::Op::Write && !f->writable())
     throw SystemError(EBADF, f->path(),
                       "write to " + f->path() + " failed: the file is open read-only (it was not writable when "
@@ -147,6 +153,7 @@ uint64_t Engine::submit(detail::Op op, char* buf, uint64_t nbytes, const FileRef
   // Open the buffered descriptor for the tail now, in the caller's thread, so that failure is raised
   // here and the completion thread never has to open files on the hot path.
   if (nbytes % kAlignment) f->buffered_fd();
+  if (op == detail::Op::Write && nbytes > 0) f->preallocate(static_cast<uint64_t>(offset), nbytes);
 
   auto req = std::make_shared<detail::Request>(op, std::move(f), buf, nbytes, static_cast<uint64_t>(offset),
                                                std::move(keepalive));

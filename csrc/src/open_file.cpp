@@ -100,6 +100,20 @@ int OpenFile::buffered_fd_noexcept() noexcept {
   return fd;
 }
 
+void OpenFile::preallocate(uint64_t offset, uint64_t len) noexcept {
+  // An O_DIRECT write that extends a file, or fills a hole, needs the inode lock exclusively on ext4
+  // (and similar filesystems), so the kernel cannot start it without blocking: io_uring answers -EAGAIN
+  // inside and hands the write to an io-wq worker, which serializes writes per file and was measured
+  // burning about 0.4 CPU s/GB spinning on that lock at queue depth 32. Allocating the range first
+  // (which also sets the file size) turns every piece into an overwrite of allocated blocks, which runs
+  // under the shared lock without blocking, submitted inline like a read. fio does the same by default.
+  // Errors (EOPNOTSUPP, ENOSPC, EFBIG, ...) are ignored: the write itself then reports the real one.
+  struct stat st;
+  if (fstat(direct_fd_, &st) != 0 || !S_ISREG(st.st_mode)) return;
+  if (static_cast<uint64_t>(st.st_size) >= offset + len) return;
+  (void)fallocate(direct_fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(len));
+}
+
 int OpenFile::buffered_fd() {
   const int fd = buffered_fd_noexcept();
   if (fd < 0) throw_system_error(-fd, path_, "opening a buffered descriptor of swap file " + path_);

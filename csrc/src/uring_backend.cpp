@@ -8,10 +8,16 @@
 //
 // At most queue_depth pieces are in flight: each has a slot (index = user_data), preallocated, so
 // the hot path allocates nothing.
+//
+// Files are not registered (IORING_REGISTER_FILES): that saves the kernel one file-table lookup and
+// reference count per SQE, some 50 ns against the hundreds of microseconds a 1 MiB piece takes, while
+// files opened per request (DeepSpeed passes a path per call) would need a table update for each.
 #include <liburing.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <mutex>
@@ -77,6 +83,7 @@ class UringBackend final : public Backend {
     }
     fill_locked();
     submit_locked();
+    in_kernel_.store(in_flight_ - static_cast<unsigned>(retry_.size()), std::memory_order_relaxed);
   }
 
   void shutdown() noexcept override {
@@ -268,8 +275,12 @@ class UringBackend final : public Backend {
         if (features_ & IORING_FEAT_EXT_ARG) {
           // With EXT_ARG the timeout travels in the syscall; without it liburing would queue a timeout
           // SQE from this thread, which would race the submitters on the SQ.
+          // Wake for a batch: with many pieces in flight, waiting for an eighth of them to complete still
+          // keeps the queue nearly full and divides wake-ups and refill syscalls by that much. The count
+          // can only be too low (pieces only leave flight here), never strand the wait.
+          const unsigned wait_nr = std::max(1u, in_kernel_.load(std::memory_order_relaxed) / 8);
           __kernel_timespec ts{1, 0};
-          ret = io_uring_wait_cqe_timeout(&ring_, &cqe, &ts);
+          ret = io_uring_wait_cqes(&ring_, &cqe, wait_nr, &ts, nullptr);
         } else {
           ret = io_uring_wait_cqe(&ring_, &cqe);
         }
@@ -298,6 +309,7 @@ class UringBackend final : public Backend {
           fill_locked();
           submit_locked();
         }
+        in_kernel_.store(in_flight_ - static_cast<unsigned>(retry_.size()), std::memory_order_relaxed);
         if (stopping_ && in_flight_ == 0) return;
       }
     } catch (...) {
@@ -319,6 +331,7 @@ class UringBackend final : public Backend {
   std::vector<uint32_t> retry_;  // slots whose piece must be submitted again
   std::vector<io_uring_cqe*> cqes_;
   unsigned in_flight_ = 0;       // slots in use
+  std::atomic<unsigned> in_kernel_{0};  // pieces submitted and not reaped: how many the reaper waits for
   bool stopping_ = false;
   int submit_err_ = 0;
   std::string submit_err_message_;

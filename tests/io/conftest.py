@@ -1,36 +1,18 @@
-"""Fixtures of the engine tier: a shared pinned pool, aligned buffers, engines of each backend, and a way to
-run a snippet in a child process (for limits and privileges we must not change in the test process)."""
+"""Fixtures of the engine tier: a shared pinned pool, engines of each backend, a directory other users can
+enter. Helpers are in engine_helpers.py."""
 import os
 import subprocess
-import sys
 import tempfile
-import textwrap
 
 import pytest
-import torch
 
-import aidaptiv_ds
-from aidaptiv_ds.io import ALIGNMENT, IOEngine, PinnedPool
-
-BACKENDS = ["io_uring", "posix"]
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(aidaptiv_ds.__file__)))
+from aidaptiv_ds.io import IOEngine, PinnedPool
+from engine_helpers import BACKENDS
 
 
 @pytest.fixture(scope="session")
 def pool():
     return PinnedPool(256 << 20)
-
-
-def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-
-
-def plain_aligned(n: int) -> torch.Tensor:
-    """A 4 KiB-aligned uint8 tensor from torch's ordinary allocator (not from any pool)."""
-    base = torch.empty(n + ALIGNMENT, dtype=torch.uint8)
-    skip = (-base.data_ptr()) % ALIGNMENT
-    return base[skip:skip + n]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -52,10 +34,3 @@ def shared_dir(tmp_path):
     os.chmod(path, 0o755)
     yield path
     subprocess.run(["rm", "-rf", path], check=False)
-
-
-def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run Python code in a child process that imports this checkout's aidaptiv_ds."""
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd="/")

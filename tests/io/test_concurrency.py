@@ -7,7 +7,7 @@ import torch
 from aidaptiv_ds import _C
 from aidaptiv_ds.io import IOEngine
 
-from conftest import random_bytes
+from engine_helpers import random_bytes
 
 
 def test_concurrent_swaps_from_threads(engine, pool, tmp_path):
@@ -77,3 +77,16 @@ def test_wait_all_and_poll(engine, pool, tmp_path):
     assert all(r.done() for r in requests)
     assert [r.wait() for r in requests] == [8 << 20] * 6  # results stay readable after wait_all
     assert engine.stats()["in_flight"] == 0
+
+
+def test_closing_a_file_with_io_in_flight(engine, pool, tmp_path):
+    data = random_bytes(16 << 20, seed=9)
+    buf = pool.allocate(data.numel())
+    buf.copy_(data)
+    f = engine.open(tmp_path / "c.bin", create=True)
+    requests = [engine.write_async(buf[i << 22:(i + 1) << 22], f, i << 22) for i in range(4)]
+    engine.close(f)  # the requests keep the descriptors until they complete
+    assert [r.wait() for r in requests] == [4 << 20] * 4
+    back = pool.allocate(data.numel())
+    engine.read(back, tmp_path / "c.bin")
+    assert torch.equal(back, data)

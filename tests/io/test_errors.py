@@ -11,7 +11,7 @@ import torch
 
 from aidaptiv_ds.io import Backend, IOEngine, PinnedPool
 
-from conftest import BACKENDS, run_child
+from engine_helpers import BACKENDS, run_child
 
 
 def in_use(pool):

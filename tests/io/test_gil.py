@@ -4,7 +4,7 @@ import time
 
 from aidaptiv_ds.io import IOEngine
 
-from conftest import random_bytes
+from engine_helpers import random_bytes
 
 
 def test_blocking_read_releases_the_gil(backend, pool, tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from aidaptiv_ds.io import IOEngine
 
-from conftest import plain_aligned, random_bytes
+from engine_helpers import plain_aligned, random_bytes
 
 SIZES = [1, 4095, 4096, 4097, (1 << 20) + 124, 64 << 20]
 

@@ -6,7 +6,7 @@ import torch
 
 from aidaptiv_ds.io import Backend, IOEngine, PinnedPool, resolve_settings
 
-from conftest import random_bytes
+from engine_helpers import random_bytes
 
 
 def test_engine_counters(engine, pool, tmp_path):
@@ -79,3 +79,12 @@ def test_bad_settings_raise_value_error():
         IOEngine(queue_depth=0)
     with pytest.raises(ValueError, match="not a backend"):
         IOEngine(backend="spdk")
+
+
+def test_device_copy_needs_a_cuda_build(tmp_path):
+    from aidaptiv_ds import _C
+
+    if _C.WITH_CUDA:
+        pytest.skip("this build has CUDA: tests/gpu covers the device copies")
+    with IOEngine() as engine, pytest.raises(RuntimeError, match="built with CUDA"):
+        engine.read_to_device(torch.zeros(10), tmp_path / "x.bin")

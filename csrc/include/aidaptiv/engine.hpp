@@ -100,6 +100,9 @@ class Engine {
 
  private:
   std::shared_ptr<detail::OpenFile> resolve(const FileRef& file, detail::Op op);
+  // Checks the buffer and offset, then submits to f (or, when f is null, to *file, opened here).
+  uint64_t submit_to(detail::Op op, char* buf, uint64_t nbytes, std::shared_ptr<detail::OpenFile> f,
+                     int64_t offset, std::shared_ptr<void> keepalive, const FileRef* file = nullptr);
   std::shared_ptr<detail::Request> take(uint64_t handle);
   void check_open() const;
 

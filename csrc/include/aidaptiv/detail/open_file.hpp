@@ -28,6 +28,9 @@ class OpenFile {
   bool writable() const { return writable_; }
   // The buffered descriptor, opened on first call (thread-safe); throws SystemError when it cannot be.
   int buffered_fd();
+  // Best effort: when [offset, offset + len) reaches past the end of the file, allocates it first
+  // (fallocate). See the definition for why; failures are ignored (the write reports the real error).
+  void preallocate(uint64_t offset, uint64_t len) noexcept;
   // Like buffered_fd() but returns -errno instead of throwing (for the completion thread).
   int buffered_fd_noexcept() noexcept;
 

@@ -1,0 +1,479 @@
+"""Measure O_DIRECT write and read bandwidth, and CPU time per GB, of the I/O engines on one disk, in one run.
+
+For each repeat and each engine in turn (round robin: uring, posix, deepspeed, fio, uring, ...), writes
+--size-mb MiB to a fresh file with O_DIRECT, reads it back with O_DIRECT (the page cache never answers),
+checks that the bytes read are the bytes written, and removes the file. Reports per engine the median
+GB/s (1 GB = 1e9 bytes) and CPU seconds per GB (process user + system time over the transfer, all threads).
+
+Engines: uring and posix are ours (aidaptiv_ds.io, io_uring with the pinned pool registered, and the POSIX
+thread pool); deepspeed is DeepSpeed's libaio aio_handle at its best settings (overlap_events, no
+single_submit, intra_op_parallelism 1, its own page-locked buffer); fio is fio's io_uring engine (when fio
+is on PATH) with the same block size, queue depth and O_DIRECT, registered buffers like ours, and its
+default preallocation of the file (ours preallocates writes that extend a file too; DeepSpeed does not);
+fio checks only its byte counts, and reports the CPU time of its own thread only (not of the kernel's
+io-wq workers, which ours counts). The disk here may be shared and noisy: compare engines
+within one run, never a lone number across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+ENGINES = ("uring", "posix", "deepspeed", "fio")
+ALIASES = {"io_uring": "uring", "iouring": "uring", "ds": "deepspeed", "libaio": "deepspeed"}
+MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
+
+
+class BenchError(Exception):
+    """A problem with the request (directory, sizes, disk space), reported as one sentence."""
+
+
+# -- arguments --------------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def parse_engines(text: str) -> List[str]:
+    """'uring, posix,ds' -> ['uring', 'posix', 'deepspeed'] (order kept, duplicates dropped)."""
+    engines: List[str] = []
+    for part in text.split(","):
+        name = ALIASES.get(part.strip().lower(), part.strip().lower())
+        if not name:
+            continue
+        if name not in ENGINES:
+            raise argparse.ArgumentTypeError(f"unknown engine {part.strip()!r}: choose from {', '.join(ENGINES)}")
+        if name not in engines:
+            engines.append(name)
+    if not engines:
+        raise argparse.ArgumentTypeError(f"no engine named: choose from {', '.join(ENGINES)}")
+    return engines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default=None,
+                        help="directory on the disk to measure (default: a temporary directory under the "
+                             "current directory, removed afterwards); tmpfs and filesystems without O_DIRECT "
+                             "are refused")
+    parser.add_argument("--size-mb", type=positive_int, default=1024, help="MiB written and read per engine (1024)")
+    parser.add_argument("--block-kb", type=positive_int, default=1024,
+                        help="KiB per I/O, a multiple of 4 (1024)")
+    parser.add_argument("--queue-depth", type=positive_int, default=32, help="I/Os in flight (32)")
+    parser.add_argument("--engines", type=parse_engines, default=None,
+                        help=f"comma-separated, from {','.join(ENGINES)} (default: all; fio when on PATH)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="repetitions, interleaved (3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def default_engines() -> List[str]:
+    return [e for e in ENGINES if e != "fio" or shutil.which("fio")]
+
+
+def check_config(size_mb: int, block_kb: int) -> None:
+    if block_kb % 4:
+        raise BenchError(f"--block-kb {block_kb} is not a multiple of 4: O_DIRECT moves whole 4 KiB blocks")
+    if block_kb > size_mb * 1024:
+        raise BenchError(f"--block-kb {block_kb} is larger than --size-mb {size_mb}: use a smaller block")
+
+
+# -- the machine and the disk -----------------------------------------------------------------------
+def _unescape_mount(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def mount_of(path: str, mounts_text: str) -> Dict[str, str]:
+    """The mount holding path: {'mountpoint', 'fstype', 'source'}, by longest mountpoint prefix."""
+    path = os.path.realpath(path)
+    best = {"mountpoint": "/", "fstype": "unknown", "source": "unknown"}
+    best_len = -1
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        source, mountpoint, fstype = _unescape_mount(fields[0]), _unescape_mount(fields[1]), fields[2]
+        inside = path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
+        if inside and len(mountpoint) >= best_len:  # later mounts over the same point win
+            best, best_len = {"mountpoint": mountpoint, "fstype": fstype, "source": source}, len(mountpoint)
+    return best
+
+
+def block_device(path: str) -> Dict[str, Optional[str]]:
+    """The block device under path's filesystem (the whole disk for a partition), and whether it rotates."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    sys_dev = f"/sys/dev/block/{major}:{minor}"
+    if major == 0 or not os.path.exists(sys_dev):
+        return {"device": None, "rotational": None}
+    node = os.path.realpath(sys_dev)
+    name = os.path.basename(node)
+    disk = os.path.basename(os.path.dirname(node)) if os.path.exists(os.path.join(node, "partition")) else name
+    rotational = None
+    try:
+        with open(f"/sys/block/{disk}/queue/rotational") as f:
+            rotational = f.read().strip() == "1"
+    except OSError:
+        pass
+    return {"device": f"/dev/{name}", "rotational": rotational}
+
+
+def check_dir(path: str, mounts_text: str) -> Dict[str, str]:
+    """Refuse memory filesystems and filesystems that refuse O_DIRECT; return the mount."""
+    mount = mount_of(path, mounts_text)
+    if mount["fstype"] in MEMORY_FILESYSTEMS:
+        raise BenchError(f"--dir {path} is on {mount['fstype']} (memory, not a disk): choose a directory on the "
+                         "disk to measure")
+    probe = os.path.join(path, f".io-bench-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_DIRECT, 0o600)
+        os.close(fd)
+    except OSError as e:
+        why = "refuses O_DIRECT" if e.errno == 22 else f"cannot take a file ({e.strerror})"
+        raise BenchError(f"--dir {path} is on {mount['fstype']}, which {why}: page-cache-free measurements need "
+                         "O_DIRECT; choose a directory on a disk filesystem such as ext4 or xfs") from None
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+    return mount
+
+
+def machine_info(path: str, mount: Dict[str, str]) -> dict:
+    import psutil
+
+    try:
+        import cpuinfo
+
+        cpu = cpuinfo.get_cpu_info().get("brand_raw") or platform.processor()
+    except Exception:  # py-cpuinfo can fail on unusual CPUs; the rest still describes the machine
+        cpu = platform.processor() or "unknown"
+    info = {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "kernel": platform.release(), "python": platform.python_version(), "dir": os.path.realpath(path),
+            "filesystem": mount["fstype"], "mount": mount["mountpoint"], "source": mount["source"]}
+    info.update(block_device(path))
+    return info
+
+
+def git_sha() -> Optional[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# -- engines ----------------------------------------------------------------------------------------
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+class Sample:
+    def __init__(self, nbytes: int, seconds: float, cpu: float):
+        self.gbps = nbytes / seconds / 1e9
+        self.cpu_s_per_gb = cpu / (nbytes / 1e9)
+
+
+def _timed(nbytes: int, fn) -> Sample:
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    fn()
+    t1, c1 = time.perf_counter(), cpu_seconds()
+    return Sample(nbytes, t1 - t0, c1 - c0)
+
+
+class OurEngine:
+    """aidaptiv_ds.io with its best settings: pool-registered buffers (io_uring fixed buffers)."""
+
+    def __init__(self, backend: str, shared: dict, block: int, queue_depth: int):
+        from aidaptiv_ds.io import IOEngine, PinnedPool
+
+        if "pool" not in shared:  # one pool for both of our engines
+            shared["pool"] = PinnedPool(shared["reference"].numel())
+            shared["pool_buffer"] = shared["pool"].allocate(shared["reference"].numel())
+        self.buffer, self.reference = shared["pool_buffer"], shared["reference"]
+        self.engine = IOEngine(backend=backend, block_size=block, queue_depth=queue_depth, pool=shared["pool"])
+        if self.engine.backend.value != backend:
+            raise RuntimeError(f"{backend} backend did not start: {self.engine.fallback_reason}")
+
+    def write(self, path: str) -> Sample:
+        self.buffer.copy_(self.reference)
+        return _timed(self.buffer.numel(), lambda: self.engine.write(self.buffer, path))
+
+    def read(self, path: str):
+        import torch
+
+        self.buffer.zero_()
+        sample = _timed(self.buffer.numel(), lambda: self.engine.read(self.buffer, path))
+        return sample, bool(torch.equal(self.buffer, self.reference))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class DeepSpeedEngine:
+    """DeepSpeed's libaio aio_handle at its best settings, with a buffer it page-locked itself."""
+
+    def __init__(self, shared: dict, block: int, queue_depth: int):
+        import torch
+
+        from aidaptiv_ds.zero3.aio_builder import deepspeed_aio_handle
+
+        self.handle = deepspeed_aio_handle()(block, queue_depth, False, True, 1)
+        self.reference = shared["reference"]
+        self.buffer = self.handle.new_cpu_locked_tensor(self.reference.numel(), torch.empty(0, dtype=torch.uint8))
+
+    def write(self, path: str) -> Sample:
+        self.buffer.copy_(self.reference)
+        return _timed(self.buffer.numel(), lambda: self._check(self.handle.sync_pwrite(self.buffer, path, 0)))
+
+    def read(self, path: str):
+        import torch
+
+        self.buffer.zero_()
+        sample = _timed(self.buffer.numel(), lambda: self._check(self.handle.sync_pread(self.buffer, path, 0)))
+        return sample, bool(torch.equal(self.buffer, self.reference))
+
+    @staticmethod
+    def _check(count: int) -> None:
+        if count != 1:
+            raise RuntimeError(f"DeepSpeed's aio_handle returned {count} (expected 1 completed op)")
+
+    def close(self) -> None:
+        self.handle.free_cpu_locked_tensor(self.buffer)
+        self.buffer = None
+
+
+def fio_command(path: str, rw: str, nbytes: int, block: int, queue_depth: int) -> List[str]:
+    return ["fio", "--output-format=json", f"--name=io-bench-{rw}", f"--filename={path}", f"--rw={rw}",
+            f"--bs={block}", f"--size={nbytes}", "--ioengine=io_uring", f"--iodepth={queue_depth}", "--direct=1",
+            "--fixedbufs=1", "--numjobs=1", "--unlink=0"]
+
+
+def parse_fio(text: str, rw: str) -> Sample:
+    """fio's JSON output -> Sample (bandwidth from bytes and runtime; CPU from usr + sys percent of runtime)."""
+    start = text.find("{")  # fio may print notes before the JSON
+    if start < 0:
+        raise RuntimeError(f"fio printed no JSON: {text.strip()[:200]}")
+    job = json.loads(text[start:])["jobs"][0]
+    side = job["read" if rw == "read" else "write"]
+    if job.get("error"):
+        raise RuntimeError(f"fio reported error {job['error']}")
+    seconds = side["runtime"] / 1000.0
+    if side["io_bytes"] <= 0 or seconds <= 0:
+        raise RuntimeError(f"fio moved {side['io_bytes']} bytes in {seconds} s")
+    run_seconds = job.get("job_runtime", side["runtime"]) / 1000.0
+    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * run_seconds
+    return Sample(side["io_bytes"], seconds, cpu)
+
+
+class FioEngine:
+    def __init__(self, shared: dict, block: int, queue_depth: int):
+        if not shutil.which("fio"):
+            raise RuntimeError("fio is not on PATH: install fio (apt-get install fio)")
+        self.nbytes, self.block, self.queue_depth = shared["reference"].numel(), block, queue_depth
+        self.command = " ".join(fio_command("FILE", "write", self.nbytes, block, queue_depth))
+
+    def _run(self, path: str, rw: str) -> Sample:
+        result = subprocess.run(fio_command(path, rw, self.nbytes, self.block, self.queue_depth),
+                                capture_output=True, text=True, timeout=3600)
+        if result.returncode != 0:
+            raise RuntimeError(f"fio {rw} failed ({result.returncode}): {result.stderr.strip()[:300]}")
+        return parse_fio(result.stdout, rw)
+
+    def write(self, path: str) -> Sample:
+        return self._run(path, "write")
+
+    def read(self, path: str):
+        return self._run(path, "read"), None  # fio checks byte counts only
+
+    def close(self) -> None:
+        pass
+
+
+def make_engine(name: str, shared: dict, block: int, queue_depth: int):
+    if name == "uring":
+        return OurEngine("io_uring", shared, block, queue_depth)
+    if name == "posix":
+        return OurEngine("posix", shared, block, queue_depth)
+    if name == "deepspeed":
+        return DeepSpeedEngine(shared, block, queue_depth)
+    return FioEngine(shared, block, queue_depth)
+
+
+# -- results ----------------------------------------------------------------------------------------
+def summarize(samples: Dict[str, list], verified: List[Optional[bool]], error: Optional[str] = None) -> dict:
+    """Medians of the repeats; samples are lists of Sample per direction."""
+    entry: dict = {}
+    if samples["read"] and samples["write"]:
+        entry.update({
+            "read_gbps": round(statistics.median(s.gbps for s in samples["read"]), 3),
+            "write_gbps": round(statistics.median(s.gbps for s in samples["write"]), 3),
+            "cpu_s_per_gb_read": round(statistics.median(s.cpu_s_per_gb for s in samples["read"]), 4),
+            "cpu_s_per_gb_write": round(statistics.median(s.cpu_s_per_gb for s in samples["write"]), 4),
+            "verified": None if any(v is None for v in verified) else all(verified),
+            "repeats": len(samples["read"]),
+            "samples": {"read_gbps": [round(s.gbps, 3) for s in samples["read"]],
+                        "write_gbps": [round(s.gbps, 3) for s in samples["write"]]},
+        })
+    if error:
+        entry["error"] = error
+    return entry
+
+
+def comparisons(engines: dict) -> List[str]:
+    """One line per comparison the project's target names (uring vs fio, uring vs deepspeed)."""
+    lines = []
+    uring = engines.get("uring", {})
+    if "read_gbps" not in uring:
+        return lines
+    for other in ("fio", "deepspeed"):
+        theirs = engines.get(other, {})
+        if "read_gbps" not in theirs:
+            continue
+        line = (f"uring / {other}: read {uring['read_gbps'] / theirs['read_gbps']:.2f}x, "
+                f"write {uring['write_gbps'] / theirs['write_gbps']:.2f}x")
+        if theirs.get("cpu_s_per_gb_read"):
+            line += (f"; CPU per GB read {uring['cpu_s_per_gb_read'] / theirs['cpu_s_per_gb_read']:.2f}x, "
+                     f"write {uring['cpu_s_per_gb_write'] / max(theirs['cpu_s_per_gb_write'], 1e-9):.2f}x")
+        lines.append(line)
+    return lines
+
+
+def format_table(result: dict) -> str:
+    m, c = result["machine"], result["config"]
+    rotational = {True: "rotational", False: "non-rotational", None: "rotational unknown"}[m.get("rotational")]
+    lines = [
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}; disk: "
+        f"{m.get('device') or m['source']} ({m['filesystem']}, {rotational}) at {m['dir']}",
+        f"config: {c['size_mb']} MiB per engine, block {c['block_kb']} KiB, queue depth {c['queue_depth']}, "
+        f"{c['repeat']} repeats interleaved, O_DIRECT, fresh file per write; medians (GB = 1e9 bytes)",
+        f"{'engine':<10} {'read GB/s':>10} {'write GB/s':>11} {'CPU s/GB rd':>12} {'CPU s/GB wr':>12}  verified",
+    ]
+    for name, e in result["engines"].items():
+        if "read_gbps" in e:
+            verified = {True: "yes", False: "NO", None: "n/a"}[e["verified"]]
+            lines.append(f"{name:<10} {e['read_gbps']:>10.2f} {e['write_gbps']:>11.2f} "
+                         f"{e['cpu_s_per_gb_read']:>12.3f} {e['cpu_s_per_gb_write']:>12.3f}  {verified}")
+        if "error" in e:
+            lines.append(f"{name:<10} error: {e['error']}")
+    lines += comparisons(result["engines"])
+    return "\n".join(lines)
+
+
+# -- the run ----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send everything written to stdout meanwhile to stderr, at the descriptor level: DeepSpeed's logger
+    holds its own reference to stdout, and --json must print exactly one object there."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def progress(message: str) -> None:
+    print(f"io-bench: {message}", file=sys.stderr, flush=True)
+
+
+def measure(engines: List[str], directory: str, size: int, block: int, queue_depth: int, repeat: int) -> dict:
+    import torch
+
+    progress(f"preparing {size >> 20} MiB of random bytes")
+    reference = torch.empty(size // 8 + 1, dtype=torch.int64).random_(generator=torch.Generator().manual_seed(0))
+    shared = {"reference": reference.view(torch.uint8)[:size]}
+    live, errors = {}, {}
+    samples = {e: {"read": [], "write": []} for e in engines}
+    verified: Dict[str, list] = {e: [] for e in engines}
+    for name in engines:
+        try:
+            live[name] = make_engine(name, shared, block, queue_depth)
+        except Exception as e:  # an engine that cannot start is reported, not fatal
+            errors[name] = f"{type(e).__name__}: {e}"
+            progress(f"{name} cannot run: {errors[name]}")
+    try:
+        for r in range(repeat):
+            for name in engines:
+                if name not in live:
+                    continue
+                path = os.path.join(directory, f"io-bench-{name}-{r}-{os.getpid()}.bin")
+                try:
+                    w = live[name].write(path)
+                    rd, ok = live[name].read(path)
+                except Exception as e:
+                    errors[name] = f"{type(e).__name__}: {e}"
+                    progress(f"{name} failed: {errors[name]}")
+                    live.pop(name).close()
+                    continue
+                finally:
+                    if os.path.exists(path):
+                        os.unlink(path)
+                samples[name]["write"].append(w)
+                samples[name]["read"].append(rd)
+                verified[name].append(ok)
+                progress(f"[{r + 1}/{repeat}] {name:<9} write {w.gbps:6.2f} GB/s ({w.cpu_s_per_gb:.3f} CPU s/GB), "
+                         f"read {rd.gbps:6.2f} GB/s ({rd.cpu_s_per_gb:.3f} CPU s/GB)"
+                         + ("" if ok is not False else "  BYTES DIFFER"))
+    finally:
+        for engine in live.values():
+            engine.close()
+    return {name: summarize(samples[name], verified[name], errors.get(name)) for name in engines}
+
+
+def run(args) -> int:
+    engines = args.engines or default_engines()
+    size, block = args.size_mb << 20, args.block_kb << 10
+    created = None
+    try:
+        check_config(args.size_mb, args.block_kb)
+        directory = args.dir
+        if directory is None:
+            created = directory = tempfile.mkdtemp(prefix=".io-bench-", dir=os.getcwd())
+        elif not os.path.isdir(directory):
+            raise BenchError(f"--dir {directory} is not a directory: create it or choose another")
+        with open("/proc/self/mounts") as f:
+            mount = check_dir(directory, f.read())
+        free = shutil.disk_usage(directory).free
+        if free < size * 1.1:
+            raise BenchError(f"--dir {directory} has {free >> 20} MiB free, the run needs about {size >> 20} MiB: "
+                             "free space or lower --size-mb")
+        machine = machine_info(directory, mount)
+        config = {"size_mb": args.size_mb, "block_kb": args.block_kb, "queue_depth": args.queue_depth,
+                  "repeat": args.repeat, "engines": engines, "direct": True, "git_sha": git_sha(),
+                  "fio_command": " ".join(fio_command("FILE", "write|read", size, block, args.queue_depth))}
+        if not args.json:
+            print(format_table({"machine": machine, "config": config, "engines": {}}).splitlines()[0], flush=True)
+        with stdout_to_stderr():
+            results = measure(engines, directory, size, block, args.queue_depth, args.repeat)
+    except BenchError as e:
+        print(f"io-bench: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if created:
+            shutil.rmtree(created, ignore_errors=True)
+    result = {"machine": machine, "engines": results, "config": config}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("\n".join(format_table(result).splitlines()[1:]))
+    bad = [name for name, e in results.items() if e.get("verified") is False]
+    return 1 if bad else 0
