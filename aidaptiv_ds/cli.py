@@ -21,9 +21,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="aidaptiv-ds",
         description="Fine-tune language models larger than GPU memory by streaming state through NVMe.",
     )
+    # The deepspeed launcher puts --local_rank=N before the subcommand (`python -m aidaptiv_ds --local_rank=0
+    # train ...`); ranks read LOCAL_RANK from the environment, so the value is only accepted.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            # A subcommand whose module is not in this build (yet): listed, but says so when run.
+            p = sub.add_parser(name, help=f"{help_text} (not in this build)")
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            p.set_defaults(_module=None, _missing=module_name)
+            continue
         doc = (module.__doc__ or help_text).strip()
         p = sub.add_parser(name, help=help_text, description=doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args._module is None:
+        print(f"aidaptiv-ds {args.command}: not available in this build ({args._missing} is missing)",
+              file=sys.stderr)
+        return 2
     return int(args._module.run(args) or 0)
 
 
