@@ -10,10 +10,12 @@ Our own shapes:
 - ``tiny``: the 58M-parameter Llama shape the design measurements use: hidden 768, 6 layers, 12 heads of 64
   (no GQA), intermediate 2048, vocabulary 10,000 with an untied LM head. 6 x 7.08M layer parameters + 2 x 7.68M
   embedding/head = 57.8M. The embedding and head (30.7 MB each in fp32) are the largest partitions.
-- ``micro``: 3.2M parameters for fast CI runs: hidden 256, 2 layers, intermediate 1024, vocabulary 2048. Its
-  MLP matrices (256 x 1024) are exactly 1 MiB in fp32 and the embedding and head 2 MiB, so under ZeRO-Infinity
-  they are large enough to be swapped (DeepSpeed 0.19.8 keeps tensors under 1 MiB in RAM); with 2 ranks the
-  embedding and head partitions (1 MiB each) still are.
+- ``micro``: 4.7M parameters for fast CI runs: hidden 256, 2 layers, 4 heads, intermediate 2048, vocabulary
+  2048. Its MLP matrices (256 x 2048), embedding and head are 2 MiB each in fp32, so under ZeRO-Infinity they
+  are swapped (DeepSpeed 0.19.8 keeps partitions under 1 MiB in RAM) with 1 rank and, as 1 MiB partitions,
+  with 2. (With intermediate 1024 only the embedding and head partitions are swappable at 2 ranks, and
+  DeepSpeed's NVMe prefetch then queues the head twice at the forward/backward turn and asserts; see
+  ds_configs/README.md.)
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 # Published hyperparameters, from each model's config.json on the Hugging Face hub.
 PRESETS: dict[str, dict] = {
     "micro": dict(family="llama", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, intermediate_size=1024, vocab_size=2048, rope_theta=10000.0,
+                  num_key_value_heads=4, intermediate_size=2048, vocab_size=2048, rope_theta=10000.0,
                   max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "tiny": dict(family="llama", hidden_size=768, num_hidden_layers=6, num_attention_heads=12,
                  num_key_value_heads=12, intermediate_size=2048, vocab_size=10000, rope_theta=10000.0,

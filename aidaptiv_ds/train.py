@@ -336,6 +336,8 @@ class Run:
             g = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], dtype=torch.float64, device=device)
             dist.all_reduce(g, op=dist.ReduceOp.MAX)
             peak_gpu = g.item()
+        with contextlib.suppress(Exception):   # what the optimizer will use next (checks a resume's lr)
+            self.info["lr_final"] = float(engine.get_lr()[0])
         stats = engine.aidaptiv_stats() if callable(getattr(engine, "aidaptiv_stats", None)) else None
         if stats and stats.get("nvme_read_bytes") is not None:
             self.info["engine_nvme_read_bytes"] = stats.get("nvme_read_bytes")
