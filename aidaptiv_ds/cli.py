@@ -33,7 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             # A subcommand whose module is not in this build (yet): listed, but says so when run.
             p = sub.add_parser(name, help=f"{help_text} (not in this build)")
-            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             p.set_defaults(_module=None, _missing=module_name)
             continue
         doc = (module.__doc__ or help_text).strip()
@@ -45,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args._module is not None:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args._module is None:
         print(f"aidaptiv-ds {args.command}: not available in this build ({args._missing} is missing)",
               file=sys.stderr)
