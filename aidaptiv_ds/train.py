@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import socket
 import sys
 import time
@@ -60,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="save every N optimizer steps (0: only at the end, when --save-dir is given)")
     p.add_argument("--resume-from", default=None, metavar="DIR",
                    help="a --save-dir (resumes its latest tag) or one tag directory in it")
+    p.add_argument("--keep-swap", action="store_true",
+                   help="keep DeepSpeed's NVMe swap files after the run (default: each rank removes its own; "
+                        "checkpoints carry their own copy)")
     p.add_argument("--gpu-mem-cap-gb", type=float, default=None,
                    help="cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -177,6 +181,9 @@ class Run:
         cfg = ds_config.apply_overrides(cfg, micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
                                         nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
                                         dtype=a.dtype)
+        for block in ds_config.nvme_blocks(cfg):   # relative paths mean the working directory, as in DeepSpeed;
+            if block["nvme_path"]:                   # made absolute so that logs and metrics are unambiguous
+                block["nvme_path"] = os.path.abspath(block["nvme_path"])
         self.spec = models.resolve(a.model)
         import torch
         self.cuda = torch.cuda.is_available()
@@ -255,6 +262,26 @@ class Run:
         self.info["resumed_from"] = path
         self.log(f"aidaptiv-ds train: resumed {path} at step {client['step']}")
         return client
+
+    def remove_deepspeed_swap(self) -> None:
+        """ZeRO-Infinity leaves every weight and optimizer moment in its swap files after the run. Remove this
+        rank's (they are useless once the engine is gone; checkpoints hold their own copy) unless --keep-swap,
+        and say which. Our own swapper (backend aidaptiv) cleans up after itself."""
+        if getattr(self, "backend", None) != "zero_infinity":
+            return
+        dirs = [d for p in self.info.get("nvme_paths") or [] for d in _deepspeed_swap_dirs(p, self.rank)]
+        if not dirs:
+            return
+        if self.args.keep_swap:
+            self.info["swap_kept"] = dirs
+            self.log(f"aidaptiv-ds train: kept DeepSpeed swap files in {', '.join(dirs)}")
+            return
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+            with contextlib.suppress(OSError):        # the kind folder, once every rank has emptied it
+                os.rmdir(os.path.dirname(d))
+        self.info["swap_removed"] = dirs
+        self.log(f"aidaptiv-ds train: removed DeepSpeed swap files in {', '.join(dirs)}")
 
     def save(self, step: int, position: int, losses: list) -> None:
         tag = f"step{step}"
@@ -358,10 +385,25 @@ class Run:
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.destroy()
+            self.remove_deepspeed_swap()
         with contextlib.suppress(Exception):
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _deepspeed_swap_dirs(nvme_path: str, rank: int) -> list[str]:
+    """This rank's folders in DeepSpeed 0.19.8's swap layout: <nvme_path>/zero_stage_3/{float32params,
+    bfloat16params,optimizer,...}/rank<r>."""
+    base = os.path.join(nvme_path, "zero_stage_3")
+    if not os.path.isdir(base) or os.path.islink(base):
+        return []
+    found = []
+    for kind in sorted(os.listdir(base)):
+        d = os.path.join(base, kind, f"rank{rank}")
+        if os.path.isdir(d) and not os.path.islink(d):
+            found.append(d)
+    return found
 
 
 def _write_metrics(run: Run, metrics: dict, failed: bool) -> None:
@@ -407,6 +449,8 @@ def run(args) -> int:
     if status != "ok":
         metrics = {"status": status, "error": error, **job.info, "steps": args.steps,
                    "losses": None, "tokens_per_s": None, "step_s_median": None}
+    else:   # what close() did with the swap files
+        metrics.update({k: job.info[k] for k in ("swap_kept", "swap_removed") if k in job.info})
     _write_metrics(job, metrics, failed=status != "ok")
     if job.rank == 0 or status != "ok":
         print(one_line(metrics) if job.rank == 0 else f"rank {job.rank}: {one_line(metrics)}", flush=True)

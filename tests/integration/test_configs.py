@@ -62,8 +62,12 @@ def test_zero_infinity_moves_bytes_through_nvme(runs):
     # Per step at least the fp32 master weights and both Adam moments come in from NVMe and go back out.
     assert m["nvme_read_bytes"] >= 3 * state * timed
     assert m["nvme_write_bytes"] >= 3 * state * timed
-    # The relative default nvme_path resolved against the working directory.
-    assert (cwd / "swap" / "zero_infinity" / "zero_stage_3").is_dir()
+    # The relative default nvme_path resolved against the working directory, and the rank's swap files are
+    # removed at exit (without --keep-swap) and reported.
+    base = cwd / "swap" / "zero_infinity" / "zero_stage_3"
+    assert base.is_dir() and not list(base.glob("*/rank0"))
+    assert sorted(os.path.relpath(d, base) for d in m["swap_removed"]) == ["float32params/rank0", "optimizer/rank0"]
+    assert "removed DeepSpeed swap files" in log
 
 
 def test_in_memory_configs_do_not_swap(runs):
@@ -90,10 +94,26 @@ def test_zero_infinity_without_max_in_cpu_0_reads_less(tmp_path, runs):
     config.write_text(json.dumps(cfg))
     metrics = tmp_path / "m.json"
     rc, log = run_train(["--config", str(config), "--model", "micro", "--steps", str(STEPS), "--warmup",
-                         str(WARMUP), "--seq-len", str(SEQ), "--metrics-out", str(metrics)], cwd=tmp_path)
+                         str(WARMUP), "--seq-len", str(SEQ), "--metrics-out", str(metrics), "--keep-swap"],
+                        cwd=tmp_path)
     assert rc == 0, log[-3000:]
+    swap = tmp_path / "swap" / "zero_infinity" / "zero_stage_3"
+    assert read_metrics(metrics)["swap_kept"] and (swap / "optimizer" / "rank0").is_dir()
+    assert any((swap / "optimizer" / "rank0").iterdir())
     shipped = read_metrics(runs["zero_infinity"][3])
     default = read_metrics(metrics)
     assert default["losses"] == pytest.approx(shipped["losses"], rel=1e-5)
     per_step_saving = (shipped["nvme_read_bytes"] - default["nvme_read_bytes"]) / (STEPS - WARMUP)
     assert per_step_saving >= 0.5 * MICRO_PARAMS * 4, (shipped["nvme_read_bytes"], default["nvme_read_bytes"])
+
+
+def test_bf16_on_cpu(tmp_path, runs):
+    metrics = tmp_path / "m.json"
+    rc, log = run_train(["--config", os.path.join(CONFIGS, "zero3.json"), "--model", "micro", "--steps", str(STEPS),
+                         "--warmup", str(WARMUP), "--seq-len", str(SEQ), "--dtype", "bf16", "--metrics-out",
+                         str(metrics)], cwd=tmp_path)
+    assert rc == 0, log[-3000:]
+    m = read_metrics(metrics)
+    assert m["status"] == "ok" and m["dtype"] == "bf16"
+    fp32 = read_metrics(runs["zero3"][3])["losses"]
+    assert m["losses"] == pytest.approx(fp32, rel=2e-2) and m["losses"] != pytest.approx(fp32, rel=1e-6)
