@@ -72,11 +72,25 @@ class ModelSpec:
 
     @property
     def num_parameters(self) -> int:
-        return count_parameters(self.config)
+        return self._counts()[0]
 
     @property
     def largest_parameter_numel(self) -> int:
-        return largest_parameter_numel(self.config)
+        return self._counts()[1]
+
+    def _counts(self) -> tuple[int, int]:
+        """(parameters, largest parameter): config arithmetic for the Llama/Qwen2 shapes, otherwise (a local
+        directory of another architecture) a build on the meta device, which allocates nothing."""
+        if "counts" not in self.info:
+            if getattr(self.config, "model_type", None) in ("llama", "qwen2", "mistral"):
+                self.info["counts"] = (count_parameters(self.config), largest_parameter_numel(self.config))
+            else:
+                import torch
+                with torch.device("meta"):
+                    model = _model_class(self.config)(self.config)
+                numels = [p.numel() for p in model.parameters()]
+                self.info["counts"] = (sum(numels), max(numels))
+        return self.info["counts"]
 
 
 def preset_names() -> list[str]:

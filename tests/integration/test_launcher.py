@@ -39,7 +39,7 @@ def test_zero3_two_ranks_matches_one_rank_with_the_same_data(tmp_path, one_rank_
 
 @pytest.mark.slow
 def test_zero_infinity_two_ranks(tmp_path, one_rank_batch4):
-    rc, log = launch(tmp_path, "zero_infinity.json")
+    rc, log = launch(tmp_path, "zero_infinity.json", ["--keep-swap"])
     assert rc == 0, log[-3000:]
     m = read_metrics(tmp_path / "m.json")
     assert m["status"] == "ok" and m["world_size"] == 2 and m["backend"] == "zero_infinity"

@@ -83,3 +83,13 @@ def test_build_without_zero_is_deterministic_per_seed():
         assert torch.equal(pa, pb), name
     # torch's constructors drew the weights (no transformers re-init): the embedding is N(0, 1).
     assert 0.9 < float(a.model.embed_tokens.weight.detach().std()) < 1.1
+
+
+def test_counts_of_another_architecture_come_from_a_meta_build(tmp_path):
+    from transformers import GPT2Config
+    GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=300, n_positions=128).save_pretrained(tmp_path)
+    spec = resolve(str(tmp_path))
+    # GPT-2: tied wte/lm_head, wpe, per layer 12*d^2 + 13*d, final norm 2*d.
+    d = 64
+    assert spec.num_parameters == 300 * d + 128 * d + 2 * (12 * d * d + 13 * d) + 2 * d
+    assert spec.largest_parameter_numel == 300 * d
