@@ -196,6 +196,9 @@ class Run:
                                or cfg["train_batch_size"] // (self.world_size * cfg.get("gradient_accumulation_steps", 1)))
         self.grad_accum = int(cfg.get("gradient_accumulation_steps", 1))
         self.tokenizer = tokenizer_for(self.spec)
+        if self.tokenizer.vocab_size > self.spec.config.vocab_size:
+            raise TrainingFailed(f"the tokenizer of {a.model} has {self.tokenizer.vocab_size} ids but the model's "
+                                 f"vocabulary is {self.spec.config.vocab_size}: use the model's own tokenizer files")
         data_path = a.data or DEFAULT_DATA
         self.batches = build_batches(data_path, self.tokenizer, a.seq_len, self.micro_batch, a.seed,
                                      self.rank, self.world_size)
@@ -238,10 +241,6 @@ class Run:
         t0 = time.perf_counter()
         model = build_model(self.spec, self.dtype, init_context, self.cfg)
         self.info["build_s"] = time.perf_counter() - t0
-        vocab = model.config.vocab_size
-        if self.spec.hf_dir is not None and self.tokenizer.vocab_size > vocab:
-            raise TrainingFailed(f"tokenizer of {self.spec.hf_dir} has {self.tokenizer.vocab_size} ids but the model "
-                                 f"vocabulary is {vocab}")
         params = [p for p in model.parameters() if p.requires_grad]
         t0 = time.perf_counter()
         self.engine, _, _, _ = initialize(model=model, model_parameters=params, config=self.cfg)
@@ -257,6 +256,13 @@ class Run:
                                                    load_lr_scheduler_states=True)
         if path is None or client is None or "step" not in client:
             raise TrainingFailed(f"--resume-from {a.resume_from}: DeepSpeed found no loadable checkpoint there")
+        was = {k: client.get(k) for k in ("seq_len", "micro_batch", "world_size")}
+        now = {"seq_len": a.seq_len, "micro_batch": self.micro_batch, "world_size": self.world_size}
+        if any(was[k] is not None and was[k] != now[k] for k in now):
+            # The data position counts micro-batches of this shape: with another shape the data continues from
+            # a different point of the stream than the interrupted run would have.
+            self.log(f"aidaptiv-ds train: warning: checkpoint was made with {was}, resuming with {now}; "
+                     "the data order will differ from an uninterrupted run")
         if "rng" in client:
             _set_rng_state(client["rng"])
         self.info["resumed_from"] = path
@@ -286,7 +292,8 @@ class Run:
     def save(self, step: int, position: int, losses: list) -> None:
         tag = f"step{step}"
         client = {"step": step, "data_position": position, "losses": list(losses), "rng": _rng_state(),
-                  "seed": self.args.seed, "seq_len": self.args.seq_len, "world_size": self.world_size}
+                  "seed": self.args.seed, "seq_len": self.args.seq_len, "micro_batch": self.micro_batch,
+                  "world_size": self.world_size}
         self.engine.save_checkpoint(self.args.save_dir, tag=tag, client_state=client)
         self.info.setdefault("saved", []).append(os.path.join(self.args.save_dir, tag))
 
