@@ -28,8 +28,25 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _drop_local_rank(argv):
+    """The deepspeed launcher puts --local_rank=N before the subcommand (``python -m aidaptiv_ds
+    --local_rank=0 train ...``); ranks read LOCAL_RANK from the environment, so it is dropped."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if not out and (a.startswith("--local_rank=") or a.startswith("--local-rank=")):
+            continue
+        if not out and a in ("--local_rank", "--local-rank"):
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _drop_local_rank(sys.argv[1:] if argv is None else list(argv))
     commands = "\n".join(f"  {name:<10} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items())
     top = argparse.ArgumentParser(
         prog="aidaptiv-ds",

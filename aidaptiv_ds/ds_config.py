@@ -1,0 +1,159 @@
+"""The DeepSpeed JSON a training run is launched with: read it, apply command-line overrides, check it.
+
+Kept separate from ``aidaptiv_ds.config`` (the pydantic model of our own "aidaptiv" block): this module only
+edits the DeepSpeed dict and never validates our block, which is the swapper's business.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed config that cannot be run as given; the message lists every problem found."""
+
+
+def load(path: str) -> dict:
+    """Read a DeepSpeed config: strict JSON, or hjson (which DeepSpeed itself accepts) when installed."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path} does not exist: give a DeepSpeed JSON file (see ds_configs/)")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        try:
+            import hjson
+        except ImportError:
+            raise ConfigError(f"--config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        try:
+            cfg = json.loads(json.dumps(hjson.loads(text)))
+        except Exception as e2:  # hjson raises its own HjsonDecodeError
+            raise ConfigError(f"--config {path} is neither JSON nor hjson ({e2})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--config {path} must hold a JSON object, not {type(cfg).__name__}")
+    return cfg
+
+
+def _zero(cfg: dict) -> dict:
+    return cfg.get("zero_optimization") or {}
+
+
+def _offload_device(cfg: dict, key: str) -> str:
+    block = _zero(cfg).get(key) or {}
+    return str(block.get("device", "none")).lower()
+
+
+def backend(cfg: dict) -> str:
+    """Which of our four configurations this is: aidaptiv, zero_infinity, zero3_cpu_offload, zero3
+    (or zeroN for other stages)."""
+    if "aidaptiv" in cfg:
+        return "aidaptiv"
+    stage = int(_zero(cfg).get("stage", 0))
+    if stage != 3:
+        return f"zero{stage}"
+    devices = {_offload_device(cfg, "offload_param"), _offload_device(cfg, "offload_optimizer")}
+    if "nvme" in devices:
+        return "zero_infinity"
+    if "cpu" in devices:
+        return "zero3_cpu_offload"
+    return "zero3"
+
+
+def dtype_name(cfg: dict) -> str:
+    if (cfg.get("bf16") or {}).get("enabled"):
+        return "bf16"
+    if (cfg.get("fp16") or {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def torch_dtype(cfg: dict):
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name(cfg)]
+
+
+def _find_auto(obj, path=""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _find_auto(v, f"{path}.{k}" if path else k)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _find_auto(v, f"{path}[{i}]")
+    elif obj == "auto":
+        yield path
+
+
+def nvme_blocks(cfg: dict) -> list[dict]:
+    """Every block of the config that carries an nvme_path (DeepSpeed offload blocks, our "aidaptiv" block)."""
+    blocks = [(_zero(cfg).get(k) or {}) for k in ("offload_param", "offload_optimizer")]
+    if isinstance(cfg.get("aidaptiv"), dict):
+        blocks.append(cfg["aidaptiv"])
+    return [b for b in blocks if "nvme_path" in b]
+
+
+def apply_overrides(cfg: dict, *, micro_batch: int | None = None, grad_accum: int | None = None,
+                    lr: float | None = None, nvme_path: str | None = None, dtype: str | None = None) -> dict:
+    """A copy of ``cfg`` with the command line's choices applied.
+
+    train_batch_size is removed whenever micro-batch or accumulation are given (DeepSpeed recomputes it as
+    micro x accumulation x world size, so the same file works for 1 or 2 ranks). ``lr`` sets the optimizer's
+    lr and, if a scheduler has a warmup_max_lr, that too. ``nvme_path`` replaces nvme_path wherever the config
+    has one. ``dtype`` switches the bf16/fp16 blocks.
+    """
+    cfg = copy.deepcopy(cfg)
+    if micro_batch is not None:
+        cfg["train_micro_batch_size_per_gpu"] = int(micro_batch)
+    if grad_accum is not None:
+        cfg["gradient_accumulation_steps"] = int(grad_accum)
+    if micro_batch is not None or grad_accum is not None:
+        cfg.pop("train_batch_size", None)
+    if lr is not None:
+        opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+        opt.setdefault("params", {})["lr"] = float(lr)
+        sched_params = (cfg.get("scheduler") or {}).get("params") or {}
+        if "warmup_max_lr" in sched_params:
+            sched_params["warmup_max_lr"] = float(lr)
+    if nvme_path is not None:
+        for block in nvme_blocks(cfg):
+            block["nvme_path"] = nvme_path
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+        cfg["bf16"] = {**(cfg.get("bf16") or {}), "enabled": dtype == "bf16"}
+        cfg["fp16"] = {**(cfg.get("fp16") or {}), "enabled": dtype == "fp16"}
+    return cfg
+
+
+def check(cfg: dict, *, world_size: int, largest_param_numel: int | None = None, model_name: str = "the model",
+          cuda: bool = False) -> None:
+    """Problems DeepSpeed would report late (an assert mid-step) or not at all, all at once."""
+    problems = []
+    autos = list(_find_auto(cfg))
+    if autos:
+        problems.append(f"values 'auto' at {', '.join(autos)} are only resolved by the Hugging Face Trainer: "
+                        "write numbers")
+    if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
+        problems.append("neither train_micro_batch_size_per_gpu nor train_batch_size is set: give "
+                        "train_micro_batch_size_per_gpu (or --micro-batch)")
+    if dtype_name(cfg) == "fp16" and not cuda:
+        problems.append("fp16 training needs CUDA: on CPU use fp32 or bf16 (--dtype)")
+    for b in nvme_blocks(cfg):
+        if not b.get("nvme_path"):
+            problems.append("an nvme_path is empty: set it in the config or pass --nvme-path")
+    param = _zero(cfg).get("offload_param") or {}
+    if str(param.get("device", "none")).lower() == "nvme" and largest_param_numel:
+        partition = math.ceil(largest_param_numel / max(1, world_size))
+        buffer_size = int(float(param.get("buffer_size", 1e8)))
+        if buffer_size < partition:
+            problems.append(
+                f"zero_optimization.offload_param.buffer_size {buffer_size} is smaller than the largest parameter "
+                f"partition of {model_name} ({partition} elements with {world_size} rank(s)): DeepSpeed would assert "
+                f"mid-step; raise buffer_size to at least {partition}")
+    if problems:
+        raise ConfigError("; ".join(problems))

@@ -1,0 +1,149 @@
+"""What a training run measured, and how it is written: one JSON object per run (``--metrics-out``).
+
+Only measured numbers go in; what this process cannot measure is JSON null, never an estimate:
+- ``peak_rss_mb``: getrusage(RUSAGE_SELF).ru_maxrss, max over ranks (includes pinned buffers).
+- ``nvme_read_bytes``/``nvme_write_bytes``: deltas of /proc/self/io read_bytes/write_bytes over the timed
+  steps, summed over ranks. These count block-device I/O this process caused (O_DIRECT included, page-cache
+  hits excluded; writes are counted when dirtied). Everything the process reads or writes on a block device
+  counts, so they are the swap traffic plus anything else (e.g. checkpoints saved inside the window).
+- ``peak_pinned_mb``, ``phases_s.io_wait``: only from an engine that reports them (``aidaptiv_stats()``).
+- ``peak_gpu_mb``: torch.cuda.max_memory_allocated when CUDA is used.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import statistics
+import time
+
+
+def peak_rss_mb() -> float:
+    # Linux reports ru_maxrss in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def proc_io() -> dict | None:
+    """{read_bytes, write_bytes} of this process from /proc/self/io, or None where it is unavailable."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+class StepTimer:
+    """Wall time of named phases within optimizer steps; ``sync`` (cuda.synchronize) runs before each reading
+    so asynchronous GPU work is charged to the phase that queued it."""
+
+    PHASES = ("forward", "backward", "optimizer")
+
+    def __init__(self, sync=None):
+        self._sync = sync or (lambda: None)
+        self.steps: list[dict] = []      # per optimizer step: {"step_s", "forward", "backward", "optimizer"}
+        self._current = None
+        self._t0 = None
+
+    def now(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def start_step(self):
+        self._current = {p: 0.0 for p in self.PHASES}
+        self._t0 = self.now()
+
+    def add(self, phase: str, seconds: float):
+        self._current[phase] += seconds
+
+    def end_step(self) -> float:
+        self._current["step_s"] = self.now() - self._t0
+        self.steps.append(self._current)
+        return self._current["step_s"]
+
+
+def summarize(*, step_records: list[dict], warmup: int, tokens_per_step: int, losses: list[float],
+              engine_stats: dict | None, peak_rss: float, peak_gpu: float | None,
+              nvme_read: int | None, nvme_write: int | None, extra: dict) -> dict:
+    """The metrics object. Medians are over the steps after ``warmup`` (all steps if there are no others)."""
+    timed = step_records[warmup:] if len(step_records) > warmup else step_records
+    step_med = median([r["step_s"] for r in timed])
+    io_wait = None
+    peak_pinned = None
+    if engine_stats:
+        waits = engine_stats.get("io_wait_s")
+        if isinstance(waits, (list, tuple)):
+            io_wait = median(list(waits)[warmup:] if len(waits) > warmup else list(waits))
+        elif isinstance(waits, (int, float)):
+            io_wait = float(waits)
+        if engine_stats.get("peak_pinned_bytes") is not None:
+            peak_pinned = engine_stats["peak_pinned_bytes"] / 2**20
+    out = {
+        "status": "ok",
+        **extra,
+        "tokens_per_s": (tokens_per_step / step_med) if step_med else None,
+        "step_s_median": step_med,
+        "step_s": [r["step_s"] for r in step_records],
+        "losses": losses,
+        "peak_rss_mb": peak_rss,
+        "peak_pinned_mb": peak_pinned,
+        "peak_gpu_mb": peak_gpu,
+        "nvme_read_bytes": nvme_read,
+        "nvme_write_bytes": nvme_write,
+        "phases_s": {
+            "forward": median([r["forward"] for r in timed]),
+            "backward": median([r["backward"] for r in timed]),
+            "optimizer": median([r["optimizer"] for r in timed]),
+            "io_wait": io_wait,
+        },
+    }
+    return out
+
+
+def one_line(m: dict) -> str:
+    """The run in one line, for logs."""
+    def f(v, fmt):
+        return "null" if v is None else format(v, fmt)
+    if m.get("status") != "ok":
+        return f"aidaptiv-ds train: status={m.get('status')} error={m.get('error')}"
+    losses = m.get("losses") or []
+    ph = m.get("phases_s") or {}
+    return (f"aidaptiv-ds train: status=ok model={m.get('model')} backend={m.get('backend')} "
+            f"world={m.get('world_size')} mb={m.get('micro_batch')}x{m.get('seq_len')} ga={m.get('grad_accum')} "
+            f"steps={m.get('steps')} tokens/s={f(m.get('tokens_per_s'), '.1f')} "
+            f"step_s_median={f(m.get('step_s_median'), '.3f')} "
+            f"fwd/bwd/opt={f(ph.get('forward'), '.3f')}/{f(ph.get('backward'), '.3f')}/{f(ph.get('optimizer'), '.3f')} "
+            f"loss={f(losses[0] if losses else None, '.4f')}->{f(losses[-1] if losses else None, '.4f')} "
+            f"peak_rss_mb={f(m.get('peak_rss_mb'), '.0f')} nvme_r/w_mb="
+            f"{f(None if m.get('nvme_read_bytes') is None else m['nvme_read_bytes'] / 2**20, '.1f')}/"
+            f"{f(None if m.get('nvme_write_bytes') is None else m['nvme_write_bytes'] / 2**20, '.1f')}")
+
+
+def write_json(path: str, metrics: dict, exclusive: bool = False) -> bool:
+    """Write atomically (temp file + rename); non-finite floats (a diverged loss) become null so the file stays
+    strict JSON. With ``exclusive``, do nothing if the file already exists."""
+    if exclusive and os.path.exists(path):
+        return False
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(_finite_or_null(metrics), f, indent=1, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    return True
+
+
+def _finite_or_null(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_null(v) for v in obj]
+    return obj

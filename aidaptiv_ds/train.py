@@ -1,0 +1,464 @@
+"""Fine-tune a causal LM with DeepSpeed ZeRO-3 (and, with an "aidaptiv" block in the config, our NVMe swapper).
+
+  aidaptiv-ds train --config ds_configs/zero3.json --model tiny --steps 10 --metrics-out run.json
+  deepspeed --num_accelerators 2 --module aidaptiv_ds train --config ds_configs/zero_infinity.json ...
+
+The model is a preset shape with random weights (micro, tiny, llama2-7b, ..., see --model) or a local Hugging
+Face directory; the data is an instruction JSONL file (the packaged set by default) packed into sequences of
+exactly --seq-len tokens. Every step is timed by phase; --metrics-out writes one JSON object with tokens/s,
+the median step time after --warmup steps, the loss trajectory (mean over ranks), peak host/GPU memory and
+the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of memory (GPU or host); the
+metrics file says which ("status") either way.
+
+Run directly it is a 1-process job (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set when absent); under the
+deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import random
+import shutil
+import socket
+import sys
+import time
+import traceback
+import warnings
+
+EXIT_OK, EXIT_ERROR, EXIT_OOM = 0, 1, 3
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from aidaptiv_ds.models import preset_names
+    p.add_argument("--config", required=True, metavar="CONFIG.json",
+                   help="DeepSpeed config (JSON or hjson), e.g. ds_configs/zero3.json")
+    p.add_argument("--model", default="tiny", metavar="PRESET|HF_DIR",
+                   help=f"a preset ({', '.join(preset_names())}) with random weights, or a local Hugging Face "
+                        "model directory (config, weights and tokenizer read from disk). Default: tiny")
+    p.add_argument("--data", default=None, metavar="FILE.jsonl",
+                   help="instruction records (Dolly, Alpaca, prompt/response or chat messages); "
+                        "default: the set packaged with aidaptiv_ds")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps to reach (counting resumed ones); default 10")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence; default 512")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per rank per micro-step (overrides train_micro_batch_size_per_gpu)")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-steps per optimizer step (overrides gradient_accumulation_steps)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's optimizer lr)")
+    p.add_argument("--seed", type=int, default=1234, help="seeds weights, data order and RNGs; default 1234")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="override the config's precision (fp16 needs CUDA)")
+    p.add_argument("--nvme-path", default=None,
+                   help="swap directory: replaces nvme_path wherever the config has one")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="first steps left out of medians and NVMe byte counts; default 2 (at least one step is "
+                        "always timed)")
+    p.add_argument("--metrics-out", default=None, metavar="FILE.json", help="write the run's metrics here (rank 0)")
+    p.add_argument("--save-dir", default=None, help="write DeepSpeed checkpoints here (tag stepN)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save every N optimizer steps (0: only at the end, when --save-dir is given)")
+    p.add_argument("--resume-from", default=None, metavar="DIR",
+                   help="a --save-dir (resumes its latest tag) or one tag directory in it")
+    p.add_argument("--keep-swap", action="store_true",
+                   help="keep DeepSpeed's NVMe swap files after the run (default: each rank removes its own; "
+                        "checkpoints carry their own copy)")
+    p.add_argument("--gpu-mem-cap-gb", type=float, default=None,
+                   help="cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
+    # The deepspeed launcher passes --local_rank=N (we read LOCAL_RANK from the environment instead).
+    p.add_argument("--local_rank", "--local-rank", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_process_env() -> None:
+    """Without a launcher, make this process rank 0 of 1 (DeepSpeed needs the env:// rendezvous variables)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+class TrainingFailed(Exception):
+    """A failure that already has its one-line explanation."""
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    # Host allocation failures surface as a plain RuntimeError from c10's CPU allocator.
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[-1] if lines else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _resolve_resume(path: str) -> tuple[str, str | None]:
+    """(load_dir, tag) for a save dir (tag from its 'latest') or a tag directory inside one."""
+    if not os.path.isdir(path):
+        raise TrainingFailed(f"--resume-from {path} does not exist: give a --save-dir of an earlier run or a tag "
+                             "directory inside it")
+    if os.path.exists(os.path.join(path, "latest")):
+        return path, None
+    parent = os.path.dirname(os.path.normpath(path))
+    if any(f.endswith("model_states.pt") for f in os.listdir(path)):
+        return parent, os.path.basename(os.path.normpath(path))
+    raise TrainingFailed(f"--resume-from {path} holds no DeepSpeed checkpoint (no 'latest' file, no *model_states.pt)")
+
+
+def _rng_state() -> dict:
+    import torch
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import torch
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _aidaptiv_api():
+    """aidaptiv_ds.initialize (and zero_init if present), or a clear failure if this build lacks them."""
+    import aidaptiv_ds
+    init = getattr(aidaptiv_ds, "initialize", None)
+    if init is None:
+        raise TrainingFailed('the config has an "aidaptiv" block but this aidaptiv_ds has no initialize(): '
+                             'remove the block to run plain DeepSpeed, or install a build with the swapper')
+    return init, getattr(aidaptiv_ds, "zero_init", None)
+
+
+# ----------------------------------------------------------------------------------------------- the job
+
+
+class Run:
+    """One training run; fields filled as it goes so a failure can still report what is known."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.info: dict = {}
+        self.engine = None
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+
+    def prepare(self):
+        """Config, model spec, data: everything that can fail cheaply, before DeepSpeed starts."""
+        from aidaptiv_ds import ds_config, models
+        from aidaptiv_ds.data import DEFAULT_DATA, build_batches
+        from aidaptiv_ds.tokenizer import tokenizer_for
+        a = self.args
+        for name in ("steps", "seq_len"):
+            if getattr(a, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)} must be at least 1")
+        if a.save_every < 0 or a.warmup < 0:
+            raise ValueError("--save-every and --warmup must not be negative")
+        cfg = ds_config.load(a.config)
+        cfg = ds_config.apply_overrides(cfg, micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
+                                        nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
+                                        dtype=a.dtype)
+        for block in ds_config.nvme_blocks(cfg):   # relative paths mean the working directory, as in DeepSpeed;
+            if block["nvme_path"]:                   # made absolute so that logs and metrics are unambiguous
+                block["nvme_path"] = os.path.abspath(block["nvme_path"])
+        self.spec = models.resolve(a.model)
+        import torch
+        self.cuda = torch.cuda.is_available()
+        ds_config.check(cfg, world_size=self.world_size, largest_param_numel=self.spec.largest_parameter_numel,
+                        model_name=self.spec.name, cuda=self.cuda)
+        self.cfg = cfg
+        self.backend = ds_config.backend(cfg)
+        self.dtype = ds_config.torch_dtype(cfg)
+        self.micro_batch = int(cfg.get("train_micro_batch_size_per_gpu")
+                               or cfg["train_batch_size"] // (self.world_size * cfg.get("gradient_accumulation_steps", 1)))
+        self.grad_accum = int(cfg.get("gradient_accumulation_steps", 1))
+        self.tokenizer = tokenizer_for(self.spec)
+        if self.tokenizer.vocab_size > self.spec.config.vocab_size:
+            raise TrainingFailed(f"the tokenizer of {a.model} has {self.tokenizer.vocab_size} ids but the model's "
+                                 f"vocabulary is {self.spec.config.vocab_size}: use the model's own tokenizer files")
+        data_path = a.data or DEFAULT_DATA
+        self.batches = build_batches(data_path, self.tokenizer, a.seq_len, self.micro_batch, a.seed,
+                                     self.rank, self.world_size)
+        self.info.update(
+            model=self.spec.name, params=self.spec.num_parameters, backend=self.backend,
+            dtype=ds_config.dtype_name(cfg), micro_batch=self.micro_batch, seq_len=a.seq_len,
+            grad_accum=self.grad_accum, world_size=self.world_size, config=a.config, data=data_path,
+            tokenizer=self.tokenizer.name, seed=a.seed,
+            lr=((cfg.get("optimizer") or {}).get("params") or {}).get("lr"),
+            nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
+            device="cuda" if self.cuda else "cpu")
+
+    def build(self):
+        import deepspeed
+        import torch
+        a = self.args
+        if not a.verbose:
+            deepspeed.utils.logger.setLevel(logging.WARNING)
+        random.seed(a.seed)
+        torch.manual_seed(a.seed)
+        deepspeed.init_distributed()
+        if self.cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            if a.gpu_mem_cap_gb:
+                total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, a.gpu_mem_cap_gb * 2**30 / total))
+        self.info.update(deepspeed_version=deepspeed.__version__, torch_version=torch.__version__)
+
+        from aidaptiv_ds.models import build_model
+        stage3 = int((self.cfg.get("zero_optimization") or {}).get("stage", 0)) == 3
+        initialize = deepspeed.initialize
+        init_context = None
+        if self.backend == "aidaptiv":
+            initialize, zero_init = _aidaptiv_api()
+            init_context = zero_init(self.cfg) if zero_init else deepspeed.zero.Init(config_dict_or_path=self.cfg)
+        elif stage3:
+            # No dtype argument: Init takes it from the config (DeepSpeed 0.19.8's _set_dtype turns an explicit
+            # dtype=torch.float32 into bf16 on a CPU without fp16, an operator-precedence bug).
+            init_context = deepspeed.zero.Init(config_dict_or_path=self.cfg)
+        t0 = time.perf_counter()
+        model = build_model(self.spec, self.dtype, init_context, self.cfg)
+        self.info["build_s"] = time.perf_counter() - t0
+        params = [p for p in model.parameters() if p.requires_grad]
+        t0 = time.perf_counter()
+        self.engine, _, _, _ = initialize(model=model, model_parameters=params, config=self.cfg)
+        self.info["initialize_s"] = time.perf_counter() - t0
+
+    def resume(self) -> dict:
+        """Restore from --resume-from; returns the client state (or a fresh one)."""
+        a = self.args
+        if not a.resume_from:
+            return {"step": 0, "data_position": 0, "losses": []}
+        load_dir, tag = _resolve_resume(a.resume_from)
+        path, client = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if path is None or client is None or "step" not in client:
+            raise TrainingFailed(f"--resume-from {a.resume_from}: DeepSpeed found no loadable checkpoint there")
+        was = {k: client.get(k) for k in ("seq_len", "micro_batch", "world_size")}
+        now = {"seq_len": a.seq_len, "micro_batch": self.micro_batch, "world_size": self.world_size}
+        if any(was[k] is not None and was[k] != now[k] for k in now):
+            # The data position counts micro-batches of this shape: with another shape the data continues from
+            # a different point of the stream than the interrupted run would have.
+            self.log(f"aidaptiv-ds train: warning: checkpoint was made with {was}, resuming with {now}; "
+                     "the data order will differ from an uninterrupted run")
+        if "rng" in client:
+            _set_rng_state(client["rng"])
+        self.info["resumed_from"] = path
+        self.log(f"aidaptiv-ds train: resumed {path} at step {client['step']}")
+        return client
+
+    def remove_deepspeed_swap(self) -> None:
+        """ZeRO-Infinity leaves every weight and optimizer moment in its swap files after the run. Remove this
+        rank's (they are useless once the engine is gone; checkpoints hold their own copy) unless --keep-swap,
+        and say which. Our own swapper (backend aidaptiv) cleans up after itself."""
+        if getattr(self, "backend", None) != "zero_infinity":
+            return
+        dirs = [d for p in self.info.get("nvme_paths") or [] for d in _deepspeed_swap_dirs(p, self.rank)]
+        if not dirs:
+            return
+        if self.args.keep_swap:
+            self.info["swap_kept"] = dirs
+            self.log(f"aidaptiv-ds train: kept DeepSpeed swap files in {', '.join(dirs)}")
+            return
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+            with contextlib.suppress(OSError):        # the kind folder, once every rank has emptied it
+                os.rmdir(os.path.dirname(d))
+        self.info["swap_removed"] = dirs
+        self.log(f"aidaptiv-ds train: removed DeepSpeed swap files in {', '.join(dirs)}")
+
+    def save(self, step: int, position: int, losses: list) -> None:
+        tag = f"step{step}"
+        client = {"step": step, "data_position": position, "losses": list(losses), "rng": _rng_state(),
+                  "seed": self.args.seed, "seq_len": self.args.seq_len, "micro_batch": self.micro_batch,
+                  "world_size": self.world_size}
+        self.engine.save_checkpoint(self.args.save_dir, tag=tag, client_state=client)
+        self.info.setdefault("saved", []).append(os.path.join(self.args.save_dir, tag))
+
+    def train(self) -> dict:
+        import torch
+        import torch.distributed as dist
+        from aidaptiv_ds import metrics as M
+        a, engine = self.args, self.engine
+        sync = torch.cuda.synchronize if self.cuda else None
+        timer = M.StepTimer(sync)
+        client = self.resume()
+        start, position, losses = int(client["step"]), int(client["data_position"]), list(client["losses"])
+        steps_to_run = max(0, a.steps - start)
+        warmup = min(a.warmup, max(0, steps_to_run - 1))
+        tokens_per_step = self.micro_batch * a.seq_len * self.grad_accum * self.world_size
+        device = engine.device
+        bar = None
+        if self.rank == 0 and not a.no_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=a.steps, initial=start, file=sys.stderr, desc=f"train {self.spec.name}",
+                       unit="step", dynamic_ncols=True)
+        io_start = None
+        io_excluded = {"read_bytes": 0, "write_bytes": 0}
+        engine.train()
+        for i, step in enumerate(range(start, a.steps)):
+            if i == warmup:
+                io_start = M.proc_io()
+            timer.start_step()
+            micro_losses = []
+            for _ in range(self.grad_accum):
+                batch = {k: v.to(device) for k, v in self.batches.batch(position).items()}
+                position += 1
+                t = timer.now()
+                loss = engine(**batch).loss
+                t1 = timer.now()
+                engine.backward(loss)
+                t2 = timer.now()
+                engine.step()
+                t3 = timer.now()
+                timer.add("forward", t1 - t)
+                timer.add("backward", t2 - t1)
+                timer.add("optimizer", t3 - t2)
+                micro_losses.append(loss.detach().float())
+            step_s = timer.end_step()
+            step_loss = torch.stack(micro_losses).mean().to(torch.float64)
+            dist.all_reduce(step_loss)
+            losses.append(step_loss.item() / self.world_size)
+            if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
+                before = M.proc_io()
+                self.save(step + 1, position, losses)
+                after = M.proc_io()
+                if before and after:   # checkpoint bytes are not swap traffic
+                    for k in io_excluded:
+                        io_excluded[k] += after[k] - before[k]
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step / step_s:.0f}")
+        io_end = M.proc_io()
+        if bar is not None:
+            bar.close()
+        if a.save_dir and steps_to_run > 0:
+            self.save(a.steps, position, losses)
+
+        # Reduce what each rank measured: bytes add up, peaks take the max.
+        nvme = [None, None]
+        if io_start and io_end:
+            nvme = [io_end[k] - io_start[k] - io_excluded[k] for k in ("read_bytes", "write_bytes")]
+        t = torch.tensor([float(nvme[0] or 0), float(nvme[1] or 0)], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        peak = torch.tensor([M.peak_rss_mb()], dtype=torch.float64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        peak_gpu = None
+        if self.cuda:
+            g = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], dtype=torch.float64, device=device)
+            dist.all_reduce(g, op=dist.ReduceOp.MAX)
+            peak_gpu = g.item()
+        with contextlib.suppress(Exception):   # what the optimizer will use next (checks a resume's lr)
+            self.info["lr_final"] = float(engine.get_lr()[0])
+        stats = engine.aidaptiv_stats() if callable(getattr(engine, "aidaptiv_stats", None)) else None
+        if stats and stats.get("nvme_read_bytes") is not None:
+            self.info["engine_nvme_read_bytes"] = stats.get("nvme_read_bytes")
+            self.info["engine_nvme_write_bytes"] = stats.get("nvme_write_bytes")
+        return M.summarize(
+            step_records=timer.steps, warmup=warmup, tokens_per_step=tokens_per_step, losses=losses,
+            engine_stats=stats, peak_rss=peak.item(), peak_gpu=peak_gpu,
+            nvme_read=int(t[0].item()) if nvme[0] is not None else None,
+            nvme_write=int(t[1].item()) if nvme[1] is not None else None,
+            extra={**self.info, "steps": a.steps, "first_step": start, "warmup": warmup,
+                   "tokens_per_step": tokens_per_step,
+                   "nvme_bytes_steps": (steps_to_run - warmup) if io_start else None})
+
+    def close(self):
+        """DeepSpeed 0.19.8 aborts at interpreter exit with 2 ranks and param offload unless the engine and the
+        process group are torn down explicitly."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.destroy()
+            self.remove_deepspeed_swap()
+        with contextlib.suppress(Exception):
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _deepspeed_swap_dirs(nvme_path: str, rank: int) -> list[str]:
+    """This rank's folders in DeepSpeed 0.19.8's swap layout: <nvme_path>/zero_stage_3/{float32params,
+    bfloat16params,optimizer,...}/rank<r>."""
+    base = os.path.join(nvme_path, "zero_stage_3")
+    if not os.path.isdir(base) or os.path.islink(base):
+        return []
+    found = []
+    for kind in sorted(os.listdir(base)):
+        d = os.path.join(base, kind, f"rank{rank}")
+        if os.path.isdir(d) and not os.path.islink(d):
+            found.append(d)
+    return found
+
+
+def _write_metrics(run: Run, metrics: dict, failed: bool) -> None:
+    from aidaptiv_ds.metrics import write_json
+    path = run.args.metrics_out
+    if not path:
+        return
+    if run.rank == 0:
+        write_json(path, metrics)
+    elif failed:
+        # Rank 0 may be stuck in a collective waiting for us: leave the reason where the caller looks,
+        # unless rank 0 has written it already.
+        write_json(path, metrics, exclusive=True)
+
+
+def run(args) -> int:
+    ensure_single_process_env()
+    # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, once per step; say nothing about them.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    from aidaptiv_ds.metrics import one_line
+    job = Run(args)
+    status, error, metrics = "ok", None, None
+    try:
+        job.prepare()
+        job.build()
+        metrics = job.train()
+    except KeyboardInterrupt:
+        status, error = "error", "interrupted"
+    except BaseException as exc:  # noqa: BLE001 - every failure must end in one clear line and a status
+        if isinstance(exc, SystemExit):
+            raise
+        known = isinstance(exc, (TrainingFailed, ValueError, OSError))
+        try:
+            oom = _is_oom(exc)
+        except ImportError:
+            oom = isinstance(exc, MemoryError)
+        if not known and not oom:
+            traceback.print_exc(file=sys.stderr)
+        status = "oom" if oom else "error"
+        error = str(exc) if isinstance(exc, TrainingFailed) else _last_line(exc)
+    finally:
+        job.close()
+    if status != "ok":
+        metrics = {"status": status, "error": error, **job.info, "steps": args.steps,
+                   "losses": None, "tokens_per_s": None, "step_s_median": None}
+    else:   # what close() did with the swap files
+        metrics.update({k: job.info[k] for k in ("swap_kept", "swap_removed") if k in job.info})
+    _write_metrics(job, metrics, failed=status != "ok")
+    if job.rank == 0 or status != "ok":
+        print(one_line(metrics) if job.rank == 0 else f"rank {job.rank}: {one_line(metrics)}", flush=True)
+    return {"ok": EXIT_OK, "oom": EXIT_OOM}.get(status, EXIT_ERROR)

@@ -1,0 +1,51 @@
+import subprocess
+import sys
+
+import pytest
+
+from aidaptiv_ds import cli
+
+
+def parse(argv):
+    return cli.build_parser().parse_args(argv)
+
+
+def test_train_defaults_and_options():
+    a = parse(["train", "--config", "c.json"])
+    assert a._module.__name__ == "aidaptiv_ds.train"
+    assert (a.model, a.steps, a.seq_len, a.seed, a.warmup, a.save_every) == ("tiny", 10, 512, 1234, 2, 0)
+    assert a.micro_batch is None and a.grad_accum is None and a.lr is None and a.dtype is None
+    a = parse(["train", "--config", "c.json", "--model", "micro", "--steps", "3", "--seq-len", "64",
+               "--micro-batch", "4", "--grad-accum", "2", "--lr", "1e-5", "--dtype", "bf16", "--nvme-path", "/s",
+               "--metrics-out", "m.json", "--save-dir", "ck", "--save-every", "2", "--resume-from", "ck",
+               "--gpu-mem-cap-gb", "20", "--warmup", "1"])
+    assert (a.micro_batch, a.grad_accum, a.lr, a.dtype, a.gpu_mem_cap_gb) == (4, 2, 1e-5, "bf16", 20.0)
+
+
+def test_config_is_required_and_dtype_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        parse(["train"])
+    with pytest.raises(SystemExit):
+        parse(["train", "--config", "c.json", "--dtype", "int8"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--local_rank=1", "train", "--config", "c.json"],          # where the deepspeed launcher puts it
+    ["train", "--config", "c.json", "--local_rank=1"],
+    ["train", "--local-rank", "0", "--config", "c.json"],
+])
+def test_local_rank_is_accepted_silently(argv):
+    assert parse(argv).config == "c.json"
+
+
+def test_help_of_the_module_entry_point():
+    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0
+    assert "--metrics-out" in p.stdout and "llama3.1-70b" in p.stdout and "--local_rank" not in p.stdout
+
+
+def test_missing_subcommand_module_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "nothing", ("aidaptiv_ds.no_such_module", "a missing command"))
+    assert cli.main(["nothing", "--x"]) == 2
+    assert "aidaptiv_ds.no_such_module is missing" in capsys.readouterr().err

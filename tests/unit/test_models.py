@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from aidaptiv_ds import models
+from aidaptiv_ds.models import PRESETS, count_parameters, largest_parameter_numel, preset_config, resolve
+
+# Parameter counts published for the real checkpoints (safetensors totals on the Hugging Face hub).
+PUBLISHED = {
+    "llama2-7b": 6_738_415_616,
+    "llama2-13b": 13_015_864_320,
+    "llama2-70b": 68_976_648_192,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.1-70b": 70_553_706_496,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-72b": 72_706_203_648,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_count_matches_published(name):
+    assert count_parameters(preset_config(name)) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_config_arithmetic_matches_the_real_architecture(name):
+    """Build each preset on the meta device (no memory) and count what transformers actually creates."""
+    config = preset_config(name)
+    with torch.device("meta"):
+        model = models._model_class(config)(config)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(config)
+    assert max(p.numel() for p in model.parameters()) == largest_parameter_numel(config)
+
+
+def test_published_hyperparameters_of_two_presets():
+    c = preset_config("llama3.1-8b")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.intermediate_size, c.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
+    assert c.rope_parameters["rope_theta"] == 500000.0 and c.rope_parameters["rope_type"] == "llama3"
+    q = preset_config("qwen2.5-72b")
+    assert q.model_type == "qwen2" and q.num_key_value_heads == 8 and q.intermediate_size == 29568
+    assert q.rope_parameters["rope_theta"] == 1_000_000.0 and q.tie_word_embeddings is False
+
+
+def test_tiny_is_the_58m_benchmark_shape():
+    c = preset_config("tiny")
+    assert c.hidden_size == 768 and c.num_hidden_layers == 6
+    assert 57_000_000 <= count_parameters(c) <= 59_000_000
+
+
+def test_micro_is_small_but_has_swappable_matrices():
+    c = preset_config("micro")
+    n = count_parameters(c)
+    assert 1_000_000 <= n <= 10_000_000
+    mib = 2**20
+    # DeepSpeed 0.19.8 never swaps partitions under 1 MiB: the MLP matrices must reach it even split over 2 ranks.
+    assert c.hidden_size * c.intermediate_size * 4 / 2 >= mib
+    assert c.hidden_size * c.vocab_size * 4 / 2 >= mib
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(ValueError, match="neither a preset"):
+        resolve("llama9-1t")
+    with pytest.raises(ValueError, match="without config.json"):
+        resolve(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown"):
+        preset_config("nope")
+
+
+def test_resolve_local_hf_directory(tmp_path):
+    preset_config("micro").save_pretrained(tmp_path)
+    spec = resolve(str(tmp_path))
+    assert spec.hf_dir == str(tmp_path)
+    assert spec.num_parameters == count_parameters(preset_config("micro"))
+
+
+def test_build_without_zero_is_deterministic_per_seed():
+    spec = resolve("micro")
+    torch.manual_seed(5)
+    a = models.build_model(spec, torch.float32)
+    torch.manual_seed(5)
+    b = models.build_model(spec, torch.float32)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    # torch's constructors drew the weights (no transformers re-init): the embedding is N(0, 1).
+    assert 0.9 < float(a.model.embed_tokens.weight.detach().std()) < 1.1
+
+
+def test_counts_of_another_architecture_come_from_a_meta_build(tmp_path):
+    from transformers import GPT2Config
+    GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=300, n_positions=128).save_pretrained(tmp_path)
+    spec = resolve(str(tmp_path))
+    # GPT-2: tied wte/lm_head, wpe, per layer 12*d^2 + 13*d, final norm 2*d.
+    d = 64
+    assert spec.num_parameters == 300 * d + 128 * d + 2 * (12 * d * d + 13 * d) + 2 * d
+    assert spec.largest_parameter_numel == 300 * d
