@@ -302,16 +302,17 @@ def to_deepspeed_config(ds_config: Dict[str, Any], cfg: AidaptivConfig) -> Dict[
     return out
 
 
-# 'auto' optimizer sub-groups: about 1/8 of the host budget holds one sub-group's 16 bytes per element
-# (master, two moments, gradient), so read-ahead, update and write-behind fit with room for caching.
-AUTO_CHUNK_MIN = 1 << 20
-AUTO_CHUNK_MAX = 1 << 28
+# 'auto' optimizer chunks: small enough that several fit in the host budget at once (the step keeps
+# reads ahead and writes behind in flight), large enough that each read and write is a long sequential
+# request (at least 3 MiB of master and moments).
+AUTO_CHUNK_MIN = 1 << 18
+AUTO_CHUNK_MAX = 1 << 25
 
 
 def optimizer_chunk_numel(cfg: AidaptivConfig) -> int:
     if isinstance(cfg.optimizer_chunk_numel, int):
         return cfg.optimizer_chunk_numel
-    return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, cfg.host_budget_bytes() // (16 * 8)))
+    return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, cfg.host_budget_bytes() // 512))
 
 
 def swap_bytes_per_param(param_dtype_bytes: int) -> int:

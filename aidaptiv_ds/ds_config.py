@@ -98,13 +98,15 @@ def nvme_blocks(cfg: dict) -> list[dict]:
 
 
 def apply_overrides(cfg: dict, *, micro_batch: int | None = None, grad_accum: int | None = None,
-                    lr: float | None = None, nvme_path: str | None = None, dtype: str | None = None) -> dict:
+                    lr: float | None = None, nvme_path: str | None = None, dtype: str | None = None,
+                    host_budget: str | None = None) -> dict:
     """A copy of ``cfg`` with the command line's choices applied.
 
     train_batch_size is removed whenever micro-batch or accumulation are given (DeepSpeed recomputes it as
     micro x accumulation x world size, so the same file works for 1 or 2 ranks). ``lr`` sets the optimizer's
     lr and, if a scheduler has a warmup_max_lr, that too. ``nvme_path`` replaces nvme_path wherever the config
-    has one. ``dtype`` switches the bf16/fp16 blocks.
+    has one. ``dtype`` switches the bf16/fp16 blocks. ``host_budget`` sets the "aidaptiv" block's
+    host_memory_budget (an error for configs without one).
     """
     cfg = copy.deepcopy(cfg)
     if micro_batch is not None:
@@ -122,6 +124,12 @@ def apply_overrides(cfg: dict, *, micro_batch: int | None = None, grad_accum: in
     if nvme_path is not None:
         for block in nvme_blocks(cfg):
             block["nvme_path"] = nvme_path
+    if host_budget is not None:
+        block = cfg.get("aidaptiv")
+        if not isinstance(block, dict):
+            raise ConfigError("--host-budget applies to the aidaptiv swapper, but the config has no \"aidaptiv\" "
+                              "block: use ds_configs/aidaptiv.json (or drop --host-budget)")
+        block["host_memory_budget"] = int(host_budget) if str(host_budget).isdigit() else host_budget
     if dtype is not None:
         if dtype not in DTYPES:
             raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")

@@ -34,6 +34,7 @@ from aidaptiv_ds.io import IOEngine, IORequest, PinnedPool
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
+_PROFILE = {} if os.environ.get("AIDAPTIV_PROFILE_WAITS") else None
 # The file grows in steps of this size (or the extent, if larger), so that allocating many small
 # extents does not call posix_fallocate for each of them.
 GROW_STEP = 256 * 1024 * 1024
@@ -211,40 +212,51 @@ class HostMemory:
 
     def __init__(self, pool: PinnedPool):
         self.pool = pool
-        self._reclaimers: List[Tuple[str, Callable[[], bool]]] = []
+        self._reclaimers: List[Tuple[str, Callable[[], bool], bool]] = []
         self._holders: List[Tuple[str, Callable[[], int]]] = []
 
     @property
     def capacity(self) -> int:
         return self.pool.stats()["capacity"]
 
-    def add_reclaimer(self, name: str, fn: Callable[[], bool]) -> None:
-        self._reclaimers.append((name, fn))
+    def add_reclaimer(self, name: str, fn: Callable[[], bool], cheap: bool = False) -> None:
+        """``fn`` frees something and returns True if it did. A *cheap* reclaimer never waits for I/O
+        (it forgets finished writes or drops clean cached copies), so even a non-blocking take may use it."""
+        self._reclaimers.append((name, fn, cheap))
 
     def add_holder(self, name: str, fn: Callable[[], int]) -> None:
         """Something that holds pool memory and can say how much (for the exhaustion message)."""
         self._holders.append((name, fn))
 
-    def try_take(self, nbytes: int) -> Optional[torch.Tensor]:
+    def _allocate(self, nbytes: int) -> Optional[torch.Tensor]:
         try:
             return self.pool.allocate(align_up(nbytes), torch.uint8)[:nbytes]
         except MemoryError:
             return None
 
+    def try_take(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A buffer if one is free or can be freed without waiting for I/O; None otherwise."""
+        buf = self._allocate(nbytes)
+        while buf is None:
+            if not any(fn() for _, fn, cheap in self._reclaimers if cheap):
+                return None
+            buf = self._allocate(nbytes)
+        return buf
+
     def take(self, nbytes: int, what: str) -> torch.Tensor:
         buf = self.try_take(nbytes)
         while buf is None:
             freed = False
-            for _, fn in self._reclaimers:
+            for _, fn, _ in self._reclaimers:
                 if fn():
                     freed = True
-                    buf = self.try_take(nbytes)
+                    buf = self._allocate(nbytes)
                     if buf is not None:
                         break
             if buf is None and not freed:
                 # A reclaimer may have let memory go without being sure of it (a buffer other references
                 # held until a write finished): look once more before giving up.
-                buf = self.try_take(nbytes)
+                buf = self._allocate(nbytes)
                 if buf is not None:
                     break
                 s = self.pool.stats()
@@ -336,7 +348,13 @@ class SwapStore:
         try:
             return ticket.wait()
         finally:
-            self.io_wait_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.io_wait_s += dt
+            if _PROFILE is not None:
+                import traceback
+                caller = traceback.extract_stack(limit=4)[0].name
+                key = (ticket.what.split(" of ")[0].split(" ")[0] + "@" + caller)
+                _PROFILE[key] = _PROFILE.get(key, 0.0) + dt
 
     def drain(self) -> None:
         """Wait for every request this store started."""

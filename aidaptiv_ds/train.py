@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the config's precision (fp16 needs CUDA)")
     p.add_argument("--nvme-path", default=None,
                    help="swap directory: replaces nvme_path wherever the config has one")
+    p.add_argument("--host-budget", default=None, metavar="SIZE",
+                   help="aidaptiv only: host memory for staging and caching (bytes, '512MiB', '25%%' of RAM); "
+                        "overrides the config's aidaptiv.host_memory_budget")
     p.add_argument("--warmup", type=int, default=2,
                    help="first steps left out of medians and NVMe byte counts; default 2 (at least one step is "
                         "always timed)")
@@ -180,7 +183,7 @@ class Run:
         cfg = ds_config.load(a.config)
         cfg = ds_config.apply_overrides(cfg, micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
                                         nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
-                                        dtype=a.dtype)
+                                        dtype=a.dtype, host_budget=a.host_budget)
         for block in ds_config.nvme_blocks(cfg):   # relative paths mean the working directory, as in DeepSpeed;
             if block["nvme_path"]:                   # made absolute so that logs and metrics are unambiguous
                 block["nvme_path"] = os.path.abspath(block["nvme_path"])

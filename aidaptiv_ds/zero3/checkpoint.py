@@ -56,7 +56,10 @@ class _Mover:
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.buf = runtime.memory.take(CHUNK, "checkpoint transfer buffer")
+        # Up to CHUNK, and never more than an eighth of the budget (resident state may hold the rest).
+        size = max(1 << 20, min(CHUNK, runtime.memory.capacity // 8) // (1 << 20) * (1 << 20))
+        self.buf = runtime.memory.take(size, "checkpoint transfer buffer")
+        self.chunk = size
 
     def open(self, path: str, create: bool):
         try:
@@ -70,7 +73,7 @@ class _Mover:
         """src/dst are engine files or _BufferedFile; offsets of engine files are 4 KiB aligned."""
         done = 0
         while done < nbytes:
-            n = min(CHUNK, nbytes - done)
+            n = min(self.chunk, nbytes - done)
             view = self.buf[:n]
             _read(self.runtime, src, src_off + done, view)
             _write(self.runtime, dst, dst_off + done, view)
@@ -183,6 +186,7 @@ def save(engine, runtime, save_dir: str, tag: Optional[str]) -> str:
             "format": FORMAT,
             "rank": runtime.rank,
             "model_dtype": str(runtime.model_dtype).replace("torch.", ""),
+            "master_is_parameter": osw.alias,
             "params_bytes": runtime.params_file.allocated,
             "records": [[r.ds_id, r.extent.offset, r.numel] for r in sorted(ps.records.values(),
                                                                             key=lambda r: r.ds_id)],
@@ -248,7 +252,7 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
                     sg.state_keys, sg.state_valid, sg.scalars = [], False, {}
                     if sg.resident:
                         for c in sg.chunks:
-                            c.buffer[c.part:].zero_()
+                            c.buffer[0 if osw.alias else c.part:c.image_bytes].zero_()
                 osw.reset_gradients(sg)
         finally:
             _close(runtime, of)

@@ -131,7 +131,9 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         runtime = self._aidaptiv
         if runtime is None:
             return super()._optimizer_step(sub_group_id)
-        swapper = runtime.optimizer_swapper
+        if sub_group_id != 0:
+            return  # every sub-group was updated, as one pipeline, when ZeRO-3 asked for the first
+        # The gradient scale is the same for all sub-groups (it comes from the global norm).
         scale = getattr(self, "_aidaptiv_grad_scale", None)
         self._aidaptiv_grad_scale = None
 
@@ -139,9 +141,9 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             runtime.param_swapper.write_pieces(
                 [(p.record, p.start, p.numel, master[p.flat:p.flat + p.numel]) for p in pieces])
 
-        swapper.step_sub_group(self.fp32_partitioned_groups_flat[sub_group_id], scale,
-                               lambda: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, sub_group_id),
-                               write_params)
+        runtime.optimizer_swapper.step_all(
+            self.fp32_partitioned_groups_flat, scale,
+            lambda i: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, i), write_params)
 
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
         if self._aidaptiv is None:
@@ -179,6 +181,9 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         runtime.optimizer_swapper.poll()
         runtime.param_swapper.poll_writes()
         runtime.stats.optimizer_io_wait_s += runtime.store.io_wait_s - wait0
+        # I/O wait of the whole training step: since the end of the previous step.
+        runtime.stats.io_wait_steps.append(runtime.store.io_wait_s - getattr(self, "_aidaptiv_wait_mark", 0.0))
+        self._aidaptiv_wait_mark = runtime.store.io_wait_s
         runtime.stats.optimizer_s += time.perf_counter() - t0
         runtime.pinned_bytes()
         # The next forward starts with the first groups: read them while the last writes finish.

@@ -4,24 +4,28 @@ ZeRO-3 (DeepSpeed 0.19) updates its optimizer one *sub-group* at a time: a flat 
 parameters, never smaller than the largest parameter in it. DeepSpeed's swapper brings a whole sub-group
 (master, moments, gradient: 16 bytes per element) into host buffers, so the host memory it needs grows with
 the largest parameter (a 128k-token embedding of a 70B model is 17 GB of state). We stream instead: each
-sub-group is cut into *chunks* of at most ``chunk_numel`` elements, and the optimizer steps chunk by
-chunk while the next chunks are read and the previous ones written::
+sub-group is cut into *chunks* of at most ``chunk_numel`` elements and the optimizer steps chunk by chunk,
+as one pipeline over all sub-groups, while the next chunks are read and the previous ones written.
 
-    optim.swp, per sub-group:  [ master | exp_avg | exp_avg_sq ] chunk 0, [ ... ] chunk 1, ...
-                               [ fp32 gradient of the whole sub-group ]
+Layout of ``optim.swp``, per sub-group (a chunk's *image* is one read and one write)::
 
-Adam is elementwise, so stepping chunk by chunk gives the same numbers as stepping the sub-group at once
-(the step count is restored before each chunk). After each chunk the updated values are converted to the
-model dtype and written to the parameters' extents (and into their cached layer group, if any); chunk
-boundaries inside a parameter are placed at 4 KiB of that parameter's bytes so these writes stay O_DIRECT.
+    bf16/fp16 model:  [ fp32 master | exp_avg | exp_avg_sq ] per chunk, then the sub-group's fp32 gradient
+    fp32 model:       [ exp_avg | exp_avg_sq ] per chunk,               then the sub-group's fp32 gradient
+
+For an fp32 model the master *is* the parameter: the step reads it from the parameters' extents (or uses
+the cached layer group in host memory without reading), updates it in place and writes it back once,
+instead of keeping a second copy that is read, written, and then converted into the parameter.
+
+Adam is elementwise, so stepping chunk by chunk (or, for fp32 models, parameter piece by piece) gives the
+same numbers as stepping the sub-group at once; the step count is restored before each call. Chunk
+boundaries inside a parameter fall at 4 KiB of that parameter's bytes, so every write is O_DIRECT.
 
 Gradients: ZeRO-3 keeps every gradient partition of the model in one host buffer (4 bytes per parameter,
 outside any budget). :class:`GradientPartitions` replaces it by one fp32 buffer per sub-group, opened when
 its first gradient arrives; under memory pressure a buffer is written to the sub-group's gradient extent
-(the sub-groups the step reaches last go first) and read back when more gradients arrive or when the step
-needs it. The step uses a gradient buffer in place.
+(the sub-groups the step reaches last go first) and read back, a chunk's slice at a time, with that chunk.
 
-Sub-groups planned as *resident* (the RAM cache tier) keep their whole image and gradient in host memory
+Sub-groups planned as *resident* (the RAM cache tier) keep their chunk images and gradient in host memory
 for the run; they reach the disk only through checkpoints.
 """
 from __future__ import annotations
@@ -40,9 +44,10 @@ log = logging.getLogger(__name__)
 FP32 = torch.float32
 # Full-size state tensors per parameter the layout has room for (Adam: exp_avg, exp_avg_sq).
 STATE_SLOTS = 2
-PARTS = 1 + STATE_SLOTS          # master + state slots, per chunk
-# Chunks read ahead of the one being updated, as far as the budget allows without waiting.
-READ_AHEAD = 2
+PARTS = 1 + STATE_SLOTS          # image parts per chunk when the master is kept separately
+# Chunks read ahead of the one being updated, as far as the budget allows without waiting for I/O.
+MAX_AHEAD = 6
+READ_AHEAD = 2                   # what the plan reserves room for
 ADAM_KEYS = ["exp_avg", "exp_avg_sq"]
 
 
@@ -64,14 +69,21 @@ class Piece:
 class Chunk:
     start: int          # first element within the sub-group
     numel: int
-    offset: int         # file offset of its [master | slots] image
+    offset: int         # file offset of its image
     pieces: List[Piece]
-    buffer: Optional[torch.Tensor] = None   # uint8 image, PARTS parts
+    parts: int          # image parts: master (unless aliased) and state slots
+    buffer: Optional[torch.Tensor] = None   # uint8 image (+ the gradient slice, when read with it)
     read: Optional[Ticket] = None
+    grad_view: Optional[torch.Tensor] = None  # this chunk's gradient, read from disk with the image
+    runs: Optional[list] = None          # fp32 model: MasterRuns holding the pieces' parameters
 
     @property
     def part(self) -> int:
         return align_up(self.numel * 4)
+
+    @property
+    def image_bytes(self) -> int:
+        return self.parts * self.part
 
     def slot(self, k: int) -> torch.Tensor:
         return self.buffer[k * self.part:k * self.part + self.numel * 4].view(FP32)
@@ -82,6 +94,7 @@ class SubGroup:
     index: int
     numel: int
     chunks: List[Chunk]
+    members: List[tuple]                # (record, flat offset, numel)
     region: Extent                      # all chunk images, contiguous
     grad_extent: Extent
     resident: bool = False
@@ -93,10 +106,8 @@ class SubGroup:
     grad: Optional[torch.Tensor] = None     # fp32 [numel] in host memory
     grad_on_disk: bool = False          # the gradient extent holds this window's values (memory, when
                                         # present, is newer)
-    grad_started: bool = False          # this window has gradient values
     pins: int = 0                       # > 0 while its gradients must stay where they are
-    # whole-sub-group swap-in, for DeepSpeed's inspection APIs (safe_get_full_*)
-    whole: Optional[torch.Tensor] = None
+    whole: Optional[torch.Tensor] = None  # whole-sub-group copy for DeepSpeed's inspection APIs
 
     @property
     def part(self) -> int:
@@ -115,8 +126,7 @@ def cut_into_chunks(members: List[Tuple[object, int, int]], chunk_numel: int) ->
         start, pieces, size = start + size, [], 0
 
     for rec, _, numel in members:
-        elsize = torch.empty(0, dtype=rec.dtype).element_size()
-        step = ALIGN // elsize
+        step = ALIGN // torch.empty(0, dtype=rec.dtype).element_size()
         pos = 0
         while pos < numel:
             room = chunk_numel - size
@@ -148,6 +158,9 @@ class AidaptivOptimizerSwapper:
         self.optimizer = optimizer
         self.stage3 = stage3
         self.chunk_numel = chunk_numel
+        # fp32 model: the master is the parameter (see the module docstring).
+        self.alias = runtime.model_dtype == FP32
+        self.parts = STATE_SLOTS if self.alias else PARTS
         self.file = runtime.create_optimizer_file()
         # DeepSpeed's checkpoint code copies this folder into the checkpoint (and back on load). Our state
         # is saved by aidaptiv_ds.zero3.checkpoint, so it gets an empty folder rather than our swap files.
@@ -157,15 +170,17 @@ class AidaptivOptimizerSwapper:
         self._writes: List[tuple] = []         # (ticket, buffer kept alive until written, frees memory)
         self._lock = threading.RLock()
         self._prefill_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
-        runtime.memory.add_reclaimer("optimizer write-behind", self._reclaim_write)
-        runtime.memory.add_reclaimer("gradients in host memory", self._reclaim_grad)
-        runtime.memory.add_holder("resident optimizer state", lambda: sum(
+        mem = runtime.memory
+        mem.add_reclaimer("finished optimizer writes", self._forget_finished_writes, cheap=True)
+        mem.add_reclaimer("optimizer write-behind", self._reclaim_write)
+        mem.add_reclaimer("gradients in host memory", self._reclaim_grad)
+        mem.add_holder("resident optimizer state", lambda: sum(
             sg.region.reserved for sg in self.by_index if sg.resident))
-        runtime.memory.add_holder("gradients", lambda: sum(sg.part for sg in self.by_index if sg.grad is not None))
-        runtime.memory.add_holder("optimizer writes", lambda: sum(
+        mem.add_holder("gradients", lambda: sum(sg.part for sg in self.by_index if sg.grad is not None))
+        mem.add_holder("optimizer writes", lambda: sum(
             b.numel() * b.element_size() for _, b, frees in self._writes if frees))
-        runtime.memory.add_holder("optimizer chunks", lambda: sum(
-            PARTS * c.part for sg in self.by_index if not sg.resident for c in sg.chunks if c.buffer is not None))
+        mem.add_holder("optimizer chunks", lambda: sum(
+            c.image_bytes for sg in self.by_index if not sg.resident for c in sg.chunks if c.buffer is not None))
 
     # ------------------------------------------------------------------ registration
     def register(self, index: int, key: str, members: List[tuple], resident: bool) -> SubGroup:
@@ -173,25 +188,28 @@ class AidaptivOptimizerSwapper:
         (param record, flat offset, numel) of its partitions in flat order."""
         numel = sum(m[2] for m in members)
         cut = cut_into_chunks(members, self.chunk_numel)
-        sizes = [PARTS * align_up(n * 4) for _, n, _ in cut]
+        sizes = [self.parts * align_up(n * 4) for _, n, _ in cut]
         region = self.file.allocate(sum(sizes))
         chunks, off = [], region.offset
         for (start, n, pieces), size in zip(cut, sizes):
-            chunks.append(Chunk(start, n, off, pieces))
+            chunks.append(Chunk(start, n, off, pieces, self.parts))
             off += size
         grad_extent = self.file.allocate(numel * 4)
-        sg = SubGroup(index, numel, chunks, region, grad_extent, resident=resident)
+        sg = SubGroup(index, numel, chunks, members, region, grad_extent, resident=resident)
         self.groups[key] = sg
         self.by_index.append(sg)
         if resident:
             sg.image = self.runtime.memory.take(region.reserved, f"resident optimizer sub-group {index}")
             sg.image.zero_()
             for c in chunks:
-                c.buffer = sg.image[c.offset - region.offset:c.offset - region.offset + PARTS * c.part]
+                c.buffer = sg.image[c.offset - region.offset:c.offset - region.offset + c.image_bytes]
         return sg
 
     def _sg(self, parameter) -> SubGroup:
         return self.groups[parameter.ds_id]
+
+    def _state_slot(self, c: Chunk, k: int) -> torch.Tensor:
+        return c.slot(k if self.alias else 1 + k)
 
     # ------------------------------------------------------------------ ZeRO-3's interface
     @staticmethod
@@ -214,7 +232,10 @@ class AidaptivOptimizerSwapper:
         pass
 
     def initialize_parameters(self, parameters, src_tensors):
-        """Write the initial fp32 master of each sub-group (its moments start at zero)."""
+        """Write the initial fp32 master of each sub-group (its moments start at zero). For an fp32 model
+        the parameters already are the masters: nothing to write."""
+        if self.alias:
+            return
         for param, src in zip(parameters, src_tensors):
             sg = self._sg(param)
             flat = src.reshape(-1)
@@ -245,24 +266,30 @@ class AidaptivOptimizerSwapper:
     def swap_in_optimizer_state(self, parameter, async_parameter=None):
         with self._lock:
             sg = self._sg(parameter)
-            whole = torch.empty((PARTS + 1) * sg.numel, dtype=FP32)
+            n = sg.numel
+            whole = torch.empty((PARTS + 1) * n, dtype=FP32)
             for c in sg.chunks:
                 self._load_chunk(sg, c, blocking=True)
                 self._wait_chunk(c)
-                for k in range(PARTS):
-                    whole[k * sg.numel + c.start:k * sg.numel + c.start + c.numel].copy_(c.slot(k))
+                if self.alias:
+                    for p in c.pieces:
+                        whole[c.start + p.flat:c.start + p.flat + p.numel].copy_(self._master_view(c, p))
+                else:
+                    whole[c.start:c.start + c.numel].copy_(c.slot(0))
+                for k in range(STATE_SLOTS):
+                    whole[(1 + k) * n + c.start:(1 + k) * n + c.start + c.numel].copy_(self._state_slot(c, k))
                 self._release_chunk(sg, c)
-            grad = whole[PARTS * sg.numel:]
+            grad = whole[PARTS * n:]
             g = self._grad_tensor(sg)
             grad.copy_(g) if g is not None else grad.zero_()
             sg.whole = whole
-            parameter.data = whole[:sg.numel]
+            parameter.data = whole[:n]
             parameter.grad = grad
             state = self.optimizer.state.setdefault(parameter, {})
             state.clear()
             state.update(sg.scalars)
             for k, key in enumerate(sg.state_keys or (ADAM_KEYS if self._prefill_adam else [])):
-                state[key] = whole[(1 + k) * sg.numel:(2 + k) * sg.numel]
+                state[key] = whole[(1 + k) * n:(2 + k) * n]
 
     def swap_out_optimizer_state(self, parameter, async_swap=False):
         self.writeback_optimizer_state_and_gradients(parameter, write_opt_state=True, write_gradients=False)
@@ -281,79 +308,120 @@ class AidaptivOptimizerSwapper:
             whole = sg.whole
             if whole is None:
                 return
+            n = sg.numel
             if write_opt_state:
                 state = self.optimizer.state.get(parameter, {})
-                keys = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == sg.numel]
+                keys = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == n]
+                if self.alias:  # the master is the parameter
+                    self.runtime.param_swapper.write_pieces(
+                        [(rec, 0, cnt, whole[off:off + cnt]) for rec, off, cnt in sg.members])
                 for c in sg.chunks:
-                    self._load_chunk(sg, c, blocking=True)
+                    self._load_chunk(sg, c, blocking=True, with_master=False)
                     self._wait_chunk(c)
-                    c.slot(0).copy_(whole[c.start:c.start + c.numel])
+                    if not self.alias:
+                        c.slot(0).copy_(whole[c.start:c.start + c.numel])
                     for k, key in enumerate(keys):
-                        c.slot(1 + k).copy_(state[key][c.start:c.start + c.numel])
+                        self._state_slot(c, k).copy_(state[key][c.start:c.start + c.numel])
                     self._store_chunk(sg, c)
                 sg.state_keys = keys or sg.state_keys
                 sg.scalars = {k: v for k, v in state.items() if k not in keys}
                 sg.state_valid = sg.state_valid or bool(keys)
             if write_gradients:
-                g = self._open_grad(sg)
-                g.copy_(whole[PARTS * sg.numel:])
+                self._open_grad(sg).copy_(whole[PARTS * n:])
             self.release_swap_buffers(parameter)
 
     # ------------------------------------------------------------------ the streamed step
-    def step_sub_group(self, parameter, grad_scale, run_optimizer: Callable[[], None], write_params) -> None:
-        """Update sub-group ``parameter`` chunk by chunk.
+    def step_all(self, parameters: List[torch.Tensor], grad_scale, run_optimizer: Callable[[int], None],
+                 write_params: Callable[[list, torch.Tensor], None]) -> None:
+        """Update every sub-group, chunk by chunk, as one pipeline: while chunk k is updated, the chunks
+        after it are being read (as many as the budget allows without waiting, up to MAX_AHEAD) and the
+        ones before it written, across sub-group boundaries.
 
-        ``grad_scale``: factor the gradients are multiplied by first (unscaling and clipping), or None.
-        ``run_optimizer``: steps the optimizer on ``parameter`` as it is set up for the current chunk.
-        ``write_params(pieces, master)``: writes the chunk's updated values to the parameters.
+        ``parameters[i]``: DeepSpeed's fp32 partition of sub-group i (its .data/.grad are pointed at each
+        unit of work in turn). ``grad_scale``: factor the gradients are multiplied by first (unscaling and
+        clipping), or None. ``run_optimizer(i)``: steps the optimizer on ``parameters[i]`` as set up.
+        ``write_params(pieces, master)``: writes a chunk's updated values to the parameters (separate
+        masters only; with aliased masters the parameters are updated in place and written back here).
         """
         with self._lock:
-            sg = self._sg(parameter)
-            sg.pins += 1
+            order = [(sg, c) for sg in self.by_index for c in sg.chunks]
+            pending = {sg.index: len(sg.chunks) for sg in self.by_index}
+            progress: Dict[int, tuple] = {}  # sub-group -> (scalars before the step, state keys, after)
             try:
-                grad = self._grad_tensor(sg)  # None: no gradient arrived this window (unused parameters)
-                if grad is None:
-                    grad = torch.zeros(sg.numel, dtype=FP32)
-                before = dict(sg.scalars)
-                keys = sg.state_keys or (ADAM_KEYS if self._prefill_adam else [])
-                after = before
-                chunks = sg.chunks
-                for i, c in enumerate(chunks):
+                for k, (sg, c) in enumerate(order):
                     self._load_chunk(sg, c, blocking=True)
-                    for ahead in chunks[i + 1:i + 1 + READ_AHEAD]:  # read ahead without waiting
-                        if not self._load_chunk(sg, ahead, blocking=False):
+                    for other, ahead in order[k + 1:k + 1 + MAX_AHEAD]:
+                        if not self._load_chunk(other, ahead, blocking=False):
                             break
                     self._wait_chunk(c)
-                    g = grad[c.start:c.start + c.numel]
+                    if sg.index not in progress:
+                        keys = sg.state_keys or (ADAM_KEYS if self._prefill_adam else [])
+                        progress[sg.index] = (dict(sg.scalars), keys, dict(sg.scalars))
+                    before, keys, after = progress[sg.index]
+                    parameter = parameters[sg.index]
+                    grad = self._chunk_grad(sg, c)
                     if grad_scale is not None:
-                        g.mul_(grad_scale)
-                    parameter.data = c.slot(0)
-                    parameter.grad = g
-                    state = self.optimizer.state.setdefault(parameter, {})
-                    state.clear()
-                    state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in before.items()})
-                    if sg.state_valid or self._prefill_adam:
-                        for k, key in enumerate(keys):
-                            state[key] = c.slot(1 + k)
-                        if self._prefill_adam:
-                            state.setdefault("step", 0)
-                    run_optimizer()
-                    after, keys = self._adopt_state(sg, c, state, keys)
-                    write_params(c.pieces, c.slot(0))
+                        grad.mul_(grad_scale)
+                    units = [(self._master_view(c, p), p.flat, p.numel) for p in c.pieces] if self.alias \
+                        else [(c.slot(0), 0, c.numel)]
+                    for master, lo, n in units:
+                        parameter.data = master
+                        parameter.grad = grad[lo:lo + n]
+                        state = self.optimizer.state.setdefault(parameter, {})
+                        state.clear()
+                        state.update({key: (v.clone() if torch.is_tensor(v) else v) for key, v in before.items()})
+                        if sg.state_valid or self._prefill_adam:
+                            for j, key in enumerate(keys):
+                                state[key] = self._state_slot(c, j)[lo:lo + n]
+                            if self._prefill_adam:
+                                state.setdefault("step", 0)
+                        run_optimizer(sg.index)
+                        after, keys = self._adopt_state(c, lo, n, state, keys)
+                        self.optimizer.state.pop(parameter, None)
+                    progress[sg.index] = (before, keys, after)
+                    parameter.data = torch.empty(0, dtype=FP32)
+                    parameter.grad = None
+                    if self.alias:
+                        for r in c.runs:
+                            self.runtime.param_swapper.store_run(r)
+                        c.runs = None
+                    else:
+                        write_params(c.pieces, c.slot(0))
                     self._store_chunk(sg, c)
-                    self.optimizer.state.pop(parameter, None)
-                sg.scalars = after
-                sg.state_keys = keys
-                sg.state_valid = True
+                    pending[sg.index] -= 1
+                    if pending[sg.index] == 0:  # the sub-group is done: its state and gradients move on
+                        sg.scalars, sg.state_keys, sg.state_valid = after, keys, True
+                        self.reset_gradients(sg)
             finally:
-                sg.pins -= 1
-                parameter.data = torch.empty(0, dtype=FP32)
-                parameter.grad = None
-            self.reset_gradients(sg)
+                for sg in self.by_index:  # an error half-way must not leave chunks pinned or loaded
+                    for c in sg.chunks:
+                        if c.buffer is not None and not sg.resident:
+                            self._release_chunk(sg, c)
+                        elif c.runs is not None:
+                            self._release_runs(c)
 
-    def _adopt_state(self, sg: SubGroup, c: Chunk, state: dict, keys: List[str]):
-        """Keep the optimizer's state for this chunk: full-size tensors in our slots, scalars aside."""
-        tensors = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1 and v.numel() == c.numel]
+    def _master_view(self, c: Chunk, p: Piece) -> torch.Tensor:
+        """fp32 model: the parameter piece itself, in the run that holds it."""
+        for r in c.runs:
+            if r.lo <= p.record.extent.offset + p.start * 4 < r.hi:
+                return r.view(p.record, p.start, p.numel)
+        raise RuntimeError(f"piece of partition {p.record.ds_id} is not in the chunk's loaded runs")
+
+    def _chunk_grad(self, sg: SubGroup, c: Chunk) -> torch.Tensor:
+        """The gradient of chunk ``c``: a slice of the sub-group's buffer in host memory, or the part of
+        the chunk's buffer it was read into, or zeros when no gradient arrived this window."""
+        if sg.grad is not None:
+            return sg.grad[c.start:c.start + c.numel]
+        if c.grad_view is not None:
+            return c.grad_view
+        if sg.grad_on_disk:  # written out after the chunk was loaded: read this chunk's slice now
+            return self._read_grad_slice(sg, c)
+        return torch.zeros(c.numel, dtype=FP32)
+
+    def _adopt_state(self, c: Chunk, lo: int, n: int, state: dict, keys: List[str]):
+        """Keep the optimizer's state for elements [lo, lo+n) of chunk ``c``: full-size tensors in our
+        slots, scalars aside."""
+        tensors = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1 and v.numel() == n]
         if len(tensors) > STATE_SLOTS:
             raise UnsupportedOptimizerError(
                 f"{type(self.optimizer).__name__} keeps {len(tensors)} full-size state tensors per parameter "
@@ -361,54 +429,103 @@ class AidaptivOptimizerSwapper:
         if keys and tensors and sorted(tensors) != sorted(keys):
             raise UnsupportedOptimizerError(f"optimizer state keys changed from {keys} to {tensors}")
         keys = keys or tensors
-        for k, key in enumerate(keys):
-            slot, value = c.slot(1 + k), state[key].reshape(-1)
+        for j, key in enumerate(keys):
+            slot, value = self._state_slot(c, j)[lo:lo + n], state[key].reshape(-1)
             if value.data_ptr() != slot.data_ptr():
                 slot.copy_(value)  # the optimizer made its own tensor (first step): adopt it
         return {k: v for k, v in state.items() if k not in keys}, keys
 
     # ------------------------------------------------------------------ chunk I/O
-    def _load_chunk(self, sg: SubGroup, c: Chunk, blocking: bool) -> bool:
-        if c.buffer is not None:
+    def _grad_cover(self, c: Chunk):
+        """Aligned byte range of the gradient extent that holds chunk ``c``'s gradient, and the chunk's
+        offset in it (O_DIRECT reads whole 4 KiB blocks)."""
+        lo = (c.start * 4) // ALIGN * ALIGN
+        return lo, align_up((c.start + c.numel) * 4), c.start * 4 - lo
+
+    def _load_chunk(self, sg: SubGroup, c: Chunk, blocking: bool, with_master: bool = True) -> bool:
+        """Start reading chunk ``c``: its image (the state slots only once they hold values), its gradient
+        slice when the sub-group's gradients were written out, and, for an fp32 model, the parameter runs
+        that are its masters. Returns False only when not blocking and the budget has no room."""
+        if c.buffer is not None and (c.runs is not None or not (self.alias and with_master)):
             return True
-        nbytes = PARTS * c.part
-        mem = self.runtime.memory
-        sg.pins += 1
-        try:
-            buf = mem.take(nbytes, f"optimizer sub-group {sg.index}") if blocking else mem.try_take(nbytes)
-        finally:
-            sg.pins -= 1
-        if buf is None:
-            return False
-        c.buffer = buf
+        mem, store = self.runtime.memory, self.runtime.store
         what = f"optimizer sub-group {sg.index}"
-        if sg.state_valid:
-            c.read = self.runtime.store.read_span(self.file, c.offset, buf, what)  # one request per chunk
-        else:  # master only: the slots are zeros until the first step
-            buf[c.part:].zero_()
-            c.read = self.runtime.store.read_span(self.file, c.offset, buf[:c.part], what)
+        if c.buffer is None:
+            with_grad = sg.grad is None and sg.grad_on_disk and not sg.resident
+            glo, ghi, gshift = self._grad_cover(c)
+            image = c.image_bytes
+            nbytes = image + ((ghi - glo) if with_grad else 0)
+            sg.pins += 1
+            try:
+                buf = mem.take(nbytes, what) if blocking else mem.try_take(nbytes)
+            finally:
+                sg.pins -= 1
+            if buf is None:
+                return False
+            c.buffer = buf
+            requests = []
+            if sg.state_valid:
+                requests += store.read_span(self.file, c.offset, buf[:image], what).requests
+            else:  # the slots are zeros until the first step; a separate master is read alone
+                first = 0 if self.alias else c.part
+                buf[first:image].zero_()
+                if not self.alias:
+                    requests += store.read_span(self.file, c.offset, buf[:c.part], what).requests
+            if with_grad:
+                requests += store.read_span(self.file, sg.grad_extent.offset + glo, buf[image:],
+                                            f"gradients of {what}").requests
+                c.grad_view = buf[image + gshift:image + gshift + c.numel * 4].view(FP32)
+            c.read = Ticket(requests, what)
+        if self.alias and with_master and c.runs is None:
+            runs = []
+            for run in self.runtime.param_swapper._runs([(p.record, p.start, p.numel) for p in c.pieces]):
+                r = self.runtime.param_swapper.load_run(run, blocking)
+                if r is None:  # no room now: give back what was taken, try again later
+                    for taken in runs:
+                        self.runtime.param_swapper.release_run(taken)
+                    return False
+                runs.append(r)
+            c.runs = runs
         return True
 
     def _wait_chunk(self, c: Chunk) -> None:
         if c.read is not None:
             self.runtime.store.wait(c.read)
             c.read = None
+        for r in c.runs or ():
+            self.runtime.param_swapper.wait_run(r)
+
+    def _read_grad_slice(self, sg: SubGroup, c: Chunk) -> torch.Tensor:
+        glo, ghi, gshift = self._grad_cover(c)
+        buf = self.runtime.memory.take(ghi - glo, f"gradients of optimizer sub-group {sg.index}")
+        self.runtime.store.wait(self.runtime.store.read_span(self.file, sg.grad_extent.offset + glo, buf,
+                                                             f"gradients of optimizer sub-group {sg.index}"))
+        return buf[gshift:gshift + c.numel * 4].view(FP32)
 
     def _store_chunk(self, sg: SubGroup, c: Chunk) -> None:
         """Write a chunk's image behind and let its buffer go (resident chunks stay)."""
         if sg.resident:
             return
-        t = self.runtime.store.write_span(self.file, c.offset, c.buffer, f"optimizer state of sub-group {sg.index}")
+        t = self.runtime.store.write_span(self.file, c.offset, c.buffer[:c.image_bytes],
+                                          f"optimizer state of sub-group {sg.index}")
         self._writes.append((t, c.buffer, True))
         c.buffer = None
+        c.grad_view = None
+
+    def _release_runs(self, c: Chunk) -> None:
+        for r in c.runs or ():
+            self.runtime.param_swapper.release_run(r)
+        c.runs = None
 
     def _release_chunk(self, sg: SubGroup, c: Chunk) -> None:
+        self._wait_chunk(c)
+        self._release_runs(c)
         if not sg.resident:
-            self._wait_chunk(c)
             c.buffer = None
+            c.grad_view = None
 
     # ------------------------------------------------------------------ gradients
-    def _open_grad(self, sg: SubGroup) -> torch.Tensor:
+    def open_grad(self, sg: SubGroup) -> torch.Tensor:
         """The fp32 gradient buffer of ``sg`` for this accumulation window (ZeRO-3 copies or adds into it)."""
         with self._lock:
             if sg.grad is not None:
@@ -427,18 +544,15 @@ class AidaptivOptimizerSwapper:
             else:
                 grad.zero_()  # first gradient of this window
             sg.grad = grad
-            sg.grad_started = True
             return grad
 
-    open_grad = _open_grad
+    _open_grad = open_grad
 
     def _grad_tensor(self, sg: SubGroup) -> Optional[torch.Tensor]:
-        """This window's gradient of ``sg`` in host memory (reading it back if it was written out)."""
+        """This window's gradient of ``sg`` in host memory (read back if it was written out)."""
         if sg.grad is not None:
             return sg.grad
-        if sg.grad_on_disk:
-            return self._open_grad(sg)
-        return None
+        return self.open_grad(sg) if sg.grad_on_disk else None
 
     def _reclaim_grad(self) -> bool:
         """Write out the gradient buffer of the sub-group the step will reach last, and free it."""
@@ -459,7 +573,6 @@ class AidaptivOptimizerSwapper:
         """The step consumed the sub-group's gradients: the next window starts from zero."""
         sg.grad = None
         sg.grad_on_disk = False
-        sg.grad_started = False
 
     @staticmethod
     def _sync_device():
@@ -469,6 +582,11 @@ class AidaptivOptimizerSwapper:
             torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ write-behind
+    def _forget_finished_writes(self) -> bool:
+        n = len(self._writes)
+        self.poll()
+        return len(self._writes) < n
+
     def _reclaim_write(self) -> bool:
         with self._lock:
             while self._writes:

@@ -80,6 +80,31 @@ class LayerGroup:
         return self.buffer[start:start + rec.nbytes].view(rec.dtype)
 
 
+@dataclass(eq=False)
+class MasterRun:
+    """Consecutive pieces of partitions on disk (one layer group), in one host buffer."""
+
+    lo: int
+    hi: int
+    group: Optional[LayerGroup]      # set when the group is cached: the buffer is a view of it
+    buffer: Optional[torch.Tensor] = None
+    ticket: Optional[Ticket] = None
+    pinned: bool = False
+
+    @staticmethod
+    def plan(swapper, run) -> "MasterRun":
+        lo = swapper.piece_span(run[0][0], run[0][1], run[0][2])[0]
+        hi = swapper.piece_span(run[-1][0], run[-1][1], run[-1][2])[1]
+        g = run[0][0].group
+        cached = g is not None and g.buffer is not None
+        return MasterRun(lo, hi, g if cached else None)
+
+    def view(self, rec: ParamRecord, start: int, numel: int) -> torch.Tensor:
+        es = rec.nbytes // rec.numel
+        a = rec.extent.offset + start * es - self.lo
+        return self.buffer[a:a + numel * es].view(rec.dtype)
+
+
 def _empty(dtype):
     return torch.empty(0, dtype=dtype)
 
@@ -221,49 +246,96 @@ class AidaptivParamSwapper:
         self.write_pieces([(self.records[p.ds_id], 0, self.records[p.ds_id].numel, src)
                            for p, src in zip(dst_fp16_params, src_fp32_params)])
 
+    @staticmethod
+    def piece_span(rec: ParamRecord, start: int, numel: int):
+        """Bytes [lo, hi) on disk of elements [start, start+numel) of a partition: ``start`` is at 4 KiB of
+        the partition's bytes, and a piece that ends the partition runs to the end of its extent."""
+        es = rec.nbytes // rec.numel
+        lo = rec.extent.offset + start * es
+        hi = rec.extent.end if start + numel == rec.numel else lo + numel * es
+        return lo, hi
+
+    def _runs(self, pieces) -> List[list]:
+        """Pieces (record, start, numel, ...) sorted and grouped into runs adjacent on disk and in the same
+        layer group, each of which is one read or write."""
+        pieces = sorted(pieces, key=lambda p: (p[0].extent.offset, p[1]))
+        runs: List[list] = []
+        for p in pieces:
+            if runs:
+                q = runs[-1][-1]
+                if self.piece_span(q[0], q[1], q[2])[1] == self.piece_span(p[0], p[1], p[2])[0] \
+                        and q[0].group is p[0].group:
+                    runs[-1].append(p)
+                    continue
+            runs.append([p])
+        return runs
+
     def write_pieces(self, pieces) -> None:
         """Write updated values of partitions: ``pieces`` are (record, first element, numel, fp32 source).
-        A piece starts at 4 KiB of its partition's bytes and ends at such a boundary or at the partition's
-        end, so every write is O_DIRECT. Values are converted to the model dtype, written into the layer
-        group's cached copy when it is in host memory (write-through) and to disk behind the step; a later
-        read of the same bytes waits for the write."""
+        Values are converted to the model dtype, written into the layer group's cached copy when it is in
+        host memory (write-through) and to disk behind the step; a later read of the same bytes waits."""
         mem = self.runtime.memory
-        store = self.runtime.store
         with self._lock:
-            pieces = sorted(pieces, key=lambda p: (p[0].extent.offset, p[1]))
-
-            def span(p):  # byte range of a piece on disk, padded to the extent's end for a last piece
-                rec, start, numel, _ = p
-                es = rec.nbytes // rec.numel if rec.numel else 1
-                lo = rec.extent.offset + start * es
-                hi = rec.extent.end if start + numel == rec.numel else lo + numel * es
-                return lo, hi
-
-            runs: List[list] = []
-            for p in pieces:  # runs adjacent on disk and in the same layer group
-                if runs and span(runs[-1][-1])[1] == span(p)[0] and runs[-1][-1][0].group is p[0].group:
-                    runs[-1].append(p)
+            for run in self._runs(pieces):
+                r = MasterRun.plan(self, run)
+                if r.group is not None:
+                    # Write through: a read of the cached copy still in flight must land first, or it would
+                    # bring back old values.
+                    self._wait_group(r.group)
+                    r.buffer = r.group.buffer[r.lo - r.group.offset:r.hi - r.group.offset]
                 else:
-                    runs.append([p])
-            for run in runs:
-                lo, hi = span(run[0])[0], span(run[-1])[1]
-                g = run[0][0].group
-                if g is not None and g.buffer is not None:
-                    # Write through: update the cached copy in place and write from it (a read of it still
-                    # in flight must land first, or it would bring back old values).
-                    self._wait_group(g)
-                    buf = g.buffer[lo - g.offset:hi - g.offset]
-                    frees = False  # buf views g.buffer, which stays allocated until the write is done
-                else:
-                    buf = mem.take(hi - lo, "writing updated parameters") if mem is not None else aligned_empty(hi - lo)
-                    frees = True
+                    r.buffer = mem.take(r.hi - r.lo, "writing updated parameters") if mem is not None \
+                        else aligned_empty(r.hi - r.lo)
                 for rec, start, numel, src in run:
-                    a = span((rec, start, numel, src))[0] - lo
-                    es = rec.nbytes // rec.numel
-                    buf[a:a + numel * es].view(rec.dtype).copy_(src.reshape(-1))
-                t = store.write_span(run[0][0].extent.file, lo, buf,
-                                     f"updated partitions {run[0][0].ds_id}..{run[-1][0].ds_id}")
-                self._write_behind.append((t, buf, frees))
+                    r.view(rec, start, numel).copy_(src.reshape(-1))
+                self.store_run(r)
+
+    def load_run(self, run, blocking: bool) -> Optional["MasterRun"]:
+        """Bring a run of pieces (record, start, numel, ...) into host memory to be updated in place (the
+        fp32 master of an fp32 model is the parameter itself): a view of the cached layer group when it is
+        in memory, otherwise a buffer being read. None when not blocking and the budget has no room."""
+        with self._lock:
+            r = MasterRun.plan(self, run)
+            if r.group is not None:
+                r.group.pins += 1  # not to be evicted while the step updates it in place
+                r.pinned = True
+                r.buffer = r.group.buffer[r.lo - r.group.offset:r.hi - r.group.offset]
+                return r
+            mem = self.runtime.memory
+            buf = mem.take(r.hi - r.lo, "fp32 master weights") if blocking else mem.try_take(r.hi - r.lo)
+            if buf is None:
+                return None
+            r.buffer = buf
+            r.ticket = self.runtime.store.read_span(run[0][0].extent.file, r.lo, buf,
+                                                    f"master weights {run[0][0].ds_id}..{run[-1][0].ds_id}")
+            return r
+
+    def wait_run(self, r: "MasterRun") -> None:
+        if r.group is not None:
+            self._wait_group(r.group)
+        elif r.ticket is not None:
+            self.runtime.store.wait(r.ticket)
+            r.ticket = None
+
+    def store_run(self, r: "MasterRun") -> None:
+        """Write a run back (behind the caller) and let go of it."""
+        with self._lock:
+            t = self.runtime.store.write_span(self.runtime.params_file, r.lo, r.buffer,
+                                              f"updated partitions from {r.lo}")
+            # A view of a cached group frees nothing when written; a staging buffer does.
+            self._write_behind.append((t, r.buffer, r.group is None))
+            if r.pinned:
+                r.group.pins -= 1
+                r.pinned = False
+
+    def release_run(self, r: "MasterRun") -> None:
+        """Let go of a run without writing it (an error half-way through the step)."""
+        with self._lock:
+            self.wait_run(r)
+            if r.pinned:
+                r.group.pins -= 1
+                r.pinned = False
+            r.buffer = None
 
     # ---------------------------------------------------------------- groups
     def plan(self, module, layer_group_size: int) -> None:
@@ -290,8 +362,9 @@ class AidaptivParamSwapper:
                 self._make_contiguous(g)
                 for r in g.records:
                     r.group = g
+            self.runtime.memory.add_reclaimer("finished parameter writes", self._forget_finished_writes, cheap=True)
+            self.runtime.memory.add_reclaimer("cached layer groups", self._reclaim_group, cheap=True)
             self.runtime.memory.add_reclaimer("parameter write-behind", self._reclaim_write)
-            self.runtime.memory.add_reclaimer("cached layer groups", self._reclaim_group)
             self.runtime.memory.add_holder("layer groups in use", lambda: sum(
                 g.nbytes for g in self.groups if g.buffer is not None and (g.users or g.pins)))
             self.runtime.memory.add_holder("cached layer groups", lambda: sum(
@@ -403,17 +476,24 @@ class AidaptivParamSwapper:
                     g.pins -= 1
 
     def _reclaim_group(self) -> bool:
-        """Drop the least recently used cached group that nobody uses and no prefetch protects."""
+        """Drop the least recently used cached group that nobody uses, no prefetch protects and no read
+        is still filling (never waits)."""
         with self._lock:
-            victims = [g for g in self.groups if g.buffer is not None and g.users == 0 and g.pins == 0]
+            victims = [g for g in self.groups if g.buffer is not None and g.users == 0 and g.pins == 0
+                       and (g.ticket is None or g.ticket.done())]
             if not victims:
                 return False
             g = min(victims, key=lambda x: x.last_used)
-            if g.ticket is not None:  # an unneeded read still in flight: let it land before freeing
-                self.runtime.store.wait(g.ticket)
+            if g.ticket is not None:
+                self.runtime.store.wait(g.ticket)  # finished: raises if the read failed
                 g.ticket = None
             g.buffer = None
             return True
+
+    def _forget_finished_writes(self) -> bool:
+        n = len(self._write_behind)
+        self.poll_writes()
+        return len(self._write_behind) < n
 
     def _reclaim_write(self) -> bool:
         """Finish the oldest write-behind of updated partitions and free its buffer."""

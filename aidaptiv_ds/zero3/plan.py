@@ -10,6 +10,7 @@ not resident is cached elastically (least recently used layer groups, gradients)
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import List, Set
 
@@ -20,6 +21,7 @@ from aidaptiv_ds.config import optimizer_chunk_numel
 from aidaptiv_ds.zero3.optimizer_swapper import PARTS, READ_AHEAD
 
 MiB = 2**20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,7 +70,7 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
     fwd_bwd = (cfg.prefetch_depth + 2) * largest_group + 2 * part(largest_sub)
     # step: the sub-group's gradient, chunks being updated / read ahead / written behind, and the
     # updated parameters on their way to disk.
-    chunk_set = PARTS * part(chunk) + chunk * elsize
+    chunk_set = PARTS * part(chunk) + chunk * elsize  # image (or moments + the fp32 parameters as masters)
     step = part(largest_sub) + (2 + READ_AHEAD) * chunk_set
     minimum = max(largest_group + part(largest_sub), part(largest_sub) + chunk_set)
     if budget < minimum:
@@ -78,6 +80,11 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
             f"optimizer sub-group {part(largest_sub) / MiB:.1f} MiB, optimizer chunk {chunk_set / MiB:.1f} MiB): "
             "raise the budget, or lower aidaptiv.layer_group_size or optimizer_chunk_numel"])
     staging = max(fwd_bwd, step)
+    if (cfg.prefetch_depth + 2) * largest_group > budget // 2:
+        fitting = max(1, cfg.layer_group_size * budget // (2 * (cfg.prefetch_depth + 2) * largest_group))
+        log.warning("aidaptiv: layer groups of up to %.1f MiB leave little of the %.1f MiB host budget for "
+                    "prefetching %d ahead; aidaptiv.layer_group_size %d (or a larger budget) would let it run "
+                    "ahead", largest_group / MiB, budget / MiB, cfg.prefetch_depth, fitting)
     resident_cost = lambda n: (PARTS + 1) * part(n)  # chunk images and gradient
     everything = staging + sum(group_bytes) + sum(resident_cost(n) for n in sub_group_numels)
     pool = min(budget, everything)

@@ -29,6 +29,7 @@ class SwapStats:
     def __init__(self):
         self.reset_step()
         self.peak_pinned_bytes = 0
+        self.io_wait_steps = []        # I/O wait of each optimizer step (forward + backward + step), seconds
 
     def reset_step(self):
         self.optimizer_s = 0.0
@@ -116,7 +117,8 @@ class SwapRuntime:
             "fixed_buffers": e["fixed_buffers"],
             "nvme_read_bytes": e["bytes_read"] + self._retired_stats["bytes_read"],
             "nvme_write_bytes": e["bytes_written"] + self._retired_stats["bytes_written"],
-            "io_wait_s": self.store.io_wait_s,
+            "io_wait_s": list(s.io_wait_steps),
+            "io_wait_total_s": self.store.io_wait_s,
             "optimizer_s": s.optimizer_s,
             "optimizer_io_wait_s": s.optimizer_io_wait_s,
             "pinned_bytes": self.pool.stats()["in_use"] if self.pool is not None else 0,

@@ -10,11 +10,13 @@ namespace aidaptiv::detail {
 
 void PieceQueue::push(Request* r) {
   r->queued = true;
-  q_.push_back(r);
+  queue_of(r).push_back(r);
 }
 
 bool PieceQueue::next(Piece* out) {
-  while (!q_.empty()) {
+  for (;;) {
+    std::deque<Request*>& q_ = !reads_.empty() ? reads_ : writes_;
+    if (q_.empty()) break;
     Request* r = q_.front();
     if (r->failed || r->carved >= r->nbytes) {  // defensive: such requests leave the queue eagerly
       q_.pop_front();
@@ -69,6 +71,7 @@ void PieceQueue::fail(Piece& p, int err, const std::string& what_happened) {
     counters_->errors++;
     // Stop cutting: the rest of a failed request would only add noise (and writes past a limit).
     if (r->queued) {
+      std::deque<Request*>& q_ = queue_of(r);
       q_.erase(std::find(q_.begin(), q_.end(), r));
       r->queued = false;
     }
@@ -124,7 +127,9 @@ bool PieceQueue::complete(Piece& p, int64_t res) {
 
 void PieceQueue::fail_all_queued(int err, const std::string& message) {
   std::deque<Request*> q;
-  q.swap(q_);
+  q.swap(reads_);
+  q.insert(q.end(), writes_.begin(), writes_.end());
+  writes_.clear();
   for (Request* r : q) {
     r->queued = false;
     if (!r->failed) {

@@ -111,13 +111,17 @@ struct FixedRegion {
 
 // The requests with pieces left to cut, and the rules for finishing and failing. Not thread-safe:
 // callers hold their backend's lock.
+//
+// Reads are cut before writes. Someone is usually waiting for a read (a layer group about to run, the
+// optimizer chunk to update next), while writes are write-behind that nobody waits for until memory is
+// needed; in one FIFO a read issued after a burst of writes would wait for all of them to reach the disk.
 class PieceQueue {
  public:
   PieceQueue(uint64_t block_size, Counters* counters) : block_size_(block_size), counters_(counters) {}
   void set_fixed_region(const FixedRegion& region) { fixed_ = region; }
 
   void push(Request* r);
-  bool empty() const { return q_.empty(); }
+  bool empty() const { return reads_.empty() && writes_.empty(); }
   // Cuts the next piece off the front request; false when nothing is left to cut.
   bool next(Piece* out);
   // A piece ended (fully done, or abandoned after its request failed).
@@ -137,7 +141,9 @@ class PieceQueue {
  private:
   void maybe_complete(Request* r);
 
-  std::deque<Request*> q_;
+  std::deque<Request*>& queue_of(const Request* r) { return r->op == Op::Read ? reads_ : writes_; }
+
+  std::deque<Request*> reads_, writes_;
   uint64_t block_size_;
   Counters* counters_;
   FixedRegion fixed_;
