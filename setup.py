@@ -10,6 +10,7 @@ import os
 import sysconfig
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 from torch.utils import cpp_extension
 
 import torch
@@ -35,6 +36,17 @@ def find_liburing():
         f"liburing was not found in {where} (need include/liburing.h and lib/liburing.a): install the "
         "distribution package (apt-get install liburing-dev) or set LIBURING_PREFIX to a folder that has them"
     )
+
+
+class BuildPyWithAutoload(build_py):
+    """Also ship aidaptiv_ds_autoload.pth at the top of site-packages: Python runs it at start-up and it
+    hooks ``deepspeed.initialize``/``zero.Init`` so that unmodified programs honour the "aidaptiv" block
+    (see aidaptiv_ds/autoload.py). scripts/setup.sh copies it for editable installs."""
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(HERE, "aidaptiv_ds_autoload.pth"),
+                       os.path.join(self.build_lib, "aidaptiv_ds_autoload.pth"))
 
 
 def engine_extension():
@@ -63,6 +75,6 @@ setup(
     package_data={"aidaptiv_ds": ["data/*.jsonl"]},
     python_requires=">=3.10",
     ext_modules=[engine_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": cpp_extension.BuildExtension, "build_py": BuildPyWithAutoload},
     entry_points={"console_scripts": ["aidaptiv-ds=aidaptiv_ds.cli:main"]},
 )

@@ -45,7 +45,8 @@ def _drop_local_rank(argv):
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse a whole command line; the result's ``_module`` is the chosen subcommand's module."""
     argv = _drop_local_rank(sys.argv[1:] if argv is None else list(argv))
     commands = "\n".join(f"  {name:<10} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items())
     top = argparse.ArgumentParser(
@@ -56,7 +57,11 @@ def main(argv=None) -> int:
     top.add_argument("command", choices=list(SUBCOMMANDS), metavar="COMMAND", help="one of the commands below")
     top.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     ns = top.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
-    args = build_parser(ns.command).parse_args(argv[1:])
+    return build_parser(ns.command).parse_args(argv[1:])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     return int(args._module.run(args) or 0)
 
 

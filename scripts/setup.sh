@@ -29,4 +29,7 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # Editable: the C++ engine (aidaptiv_ds/_C*.so) is built into the source tree, so the tests, which run from
 # the checkout (python -m pytest puts it first on sys.path), import the package together with its engine.
 "${pip[@]}" --no-build-isolation --no-deps -e .
+# The start-up hook that lets unmodified deepspeed/HF programs honour the "aidaptiv" block (a wheel install
+# puts it in place itself; an editable one does not).
+cp aidaptiv_ds_autoload.pth "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 echo "setup: ready ($venv/bin/aidaptiv-ds)"

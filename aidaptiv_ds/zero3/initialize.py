@@ -75,15 +75,17 @@ def zero_init(config, **kwargs):
     """``deepspeed.zero.Init`` for a config that may carry an ``"aidaptiv"`` block: build the model inside
     it so that its partitions go straight to our swap space instead of being materialised in RAM."""
     import deepspeed
+    from aidaptiv_ds.autoload import original_zero_init
     ds_config = load_config(config)
     translated, _ = prepare(ds_config, None, _world_size())
-    return deepspeed.zero.Init(config_dict_or_path=translated, **kwargs)
+    return original_zero_init(deepspeed)(config_dict_or_path=translated, **kwargs)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, config=None, config_params=None, **kwargs):
     """Same signature and returns as ``deepspeed.initialize``."""
     import deepspeed
+    from aidaptiv_ds.autoload import original_initialize
     source = config if config is not None else config_params
     if source is None and args is not None and getattr(args, "deepspeed_config", None):
         source = args.deepspeed_config
@@ -91,7 +93,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         args.deepspeed_config = None  # DeepSpeed refuses a config given both ways
     ds_config = load_config(source)
     translated, cfg = (ds_config, None) if ds_config is None else prepare(ds_config, model, _world_size())
-    engine, opt, loader, sched = deepspeed.initialize(
+    engine, opt, loader, sched = original_initialize(deepspeed)(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, config=translated, **kwargs)
     if cfg is not None:

@@ -44,23 +44,23 @@ def _runtime_of(module):
 class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def __init__(self, module, init_optimizer, param_names, *args, ds_config=None, **kwargs):
-        block = block_of(ds_config) or {}
+        # Whether our swappers run; the runtime itself is found in _configure_tensor_swapping, after
+        # DeepSpeed has partitioned a model that was not built under zero.Init.
+        self._aidaptiv_enabled = bool((block_of(ds_config) or {}).get("enabled"))
         self._aidaptiv = None
-        if block.get("enabled"):
-            runtime = _runtime_of(module)
-            if runtime is None:
-                raise RuntimeError(
-                    "the config enables aidaptiv but the model's parameters were partitioned by DeepSpeed's own "
-                    "swapper: build the model under aidaptiv_ds.zero_init(config) (or let deepspeed.initialize "
-                    "partition it) after aidaptiv_ds is imported")
-            self._aidaptiv = runtime
         super().__init__(module, init_optimizer, param_names, *args, ds_config=ds_config, **kwargs)
 
     # ------------------------------------------------------------------ set-up
     def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
-        runtime = self._aidaptiv
-        if runtime is None:
+        if not self._aidaptiv_enabled:
             return super()._configure_tensor_swapping(offload_optimizer_config, aio_config)
+        runtime = _runtime_of(self.module)
+        if runtime is None:
+            raise RuntimeError(
+                "the config enables aidaptiv but the model's parameters were partitioned without our swapper "
+                "(by a zero.Init that did not see the \"aidaptiv\" block): build the model under "
+                "aidaptiv_ds.zero_init(config), or plainly and let deepspeed.initialize partition it")
+        self._aidaptiv = runtime
         sub_group_numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
         plan = plan_run(runtime, self.module, sub_group_numels)
         runtime.plan = plan

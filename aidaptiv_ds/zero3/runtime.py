@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Optional
 
@@ -21,6 +23,15 @@ from aidaptiv_ds.io import IOEngine, PinnedPool
 from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
 
 log = logging.getLogger(__name__)
+
+
+def _ignore_sigxfsz() -> None:
+    """A write past the file-size limit (RLIMIT_FSIZE) kills the process with SIGXFSZ by default. Ignored,
+    the write fails with EFBIG instead, which the engine reports with the file, offset and what to do, and
+    training ends with that error (its last checkpoint intact) rather than dying without a word."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGXFSZ) == signal.SIG_DFL:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 class SwapStats:
@@ -44,6 +55,7 @@ class SwapRuntime:
     def __init__(self, cfg: AidaptivConfig, rank: int, model_dtype: torch.dtype):
         self.cfg = cfg
         self.rank = rank
+        _ignore_sigxfsz()
         self.model_dtype = model_dtype
         self.stats = SwapStats()
         self.engine = self._make_engine(pool=None)

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Step time of our swapper against ZeRO-Infinity on one machine, in one run (issue 3's target).
+
+Conditions: the `tiny` preset (58M-parameter Llama shape: hidden 768, 6 layers), fp32, micro-batch 2 x
+sequence 64, one CPU process, parameters and optimizer state on NVMe. ZeRO-Infinity runs
+ds_configs/zero_infinity.json as shipped (its best settings, explained in ds_configs/README.md); ours runs
+ds_configs/aidaptiv.json with the host budget capped at a fraction (default a quarter) of the model
+state, so most of the state really moves through the disk every step. In-memory ZeRO-3
+(ds_configs/zero3.json) runs alongside as the compute-only reference. Backends are interleaved over the
+repeats; every figure comes from the runs' own metrics files.
+
+    python bench/swap_step_time.py [--repeats 3] [--steps 12] [--out bench/results/swap_step_time]
+
+Writes one JSON row per run to OUT/rows.jsonl and a summary (medians over repeats) to OUT/summary.md.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
+from aidaptiv_ds.harness.results import git_state  # noqa: E402
+
+# DeepSpeed's fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter (4 bytes), its
+# gradient (4), an fp32 master (4) and two Adam moments (8).
+STATE_BYTES_PER_PARAM = 20
+
+
+def run_one(backend, args, swap_root, env):
+    swap = tempfile.mkdtemp(prefix=f"{backend}-", dir=swap_root)
+    metrics = os.path.join(swap, "metrics.json")
+    cmd = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", os.path.join(ROOT, "ds_configs", f"{backend}.json"),
+           "--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-path", swap,
+           "--metrics-out", metrics, "--no-progress"]
+    if backend == "aidaptiv":
+        cmd += ["--host-budget", str(args.budget_bytes)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.time() - t0
+    row = {"backend": backend, "returncode": proc.returncode, "wall_s": wall, "command": cmd}
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            row["metrics"] = json.load(f)
+    else:
+        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    subprocess.run(["rm", "-rf", swap])
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget-fraction", type=float, default=0.25,
+                   help="aidaptiv host budget as a fraction of the model state (default 0.25)")
+    p.add_argument("--backends", default="zero_infinity,aidaptiv,zero3")
+    p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "swap_step_time"))
+    args = p.parse_args()
+
+    from aidaptiv_ds.models import count_parameters, preset_config
+    params = count_parameters(preset_config(args.model))
+    args.budget_bytes = int(params * STATE_BYTES_PER_PARAM * args.budget_fraction)
+    os.makedirs(args.swap_root, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
+    machine = machine_info(args.swap_root)
+    sha, dirty = git_state(ROOT)
+    print(summary(machine), file=sys.stderr)
+    print(f"model {args.model}: {params / 1e6:.2f}M parameters, state {params * STATE_BYTES_PER_PARAM / 2**20:.0f} MiB,"
+          f" aidaptiv host budget {args.budget_bytes / 2**20:.0f} MiB", file=sys.stderr)
+    backends = args.backends.split(",")
+    rows = []
+    with open(os.path.join(args.out, "rows.jsonl"), "a") as out:
+        for rep in range(args.repeats):
+            for b in (backends if rep % 2 == 0 else backends[::-1]):  # alternate the order too
+                row = run_one(b, args, args.swap_root, env)
+                row.update(repeat=rep, git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                           machine=machine, model=args.model, params=params, seq_len=args.seq_len,
+                           micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
+                           budget_bytes=args.budget_bytes if b == "aidaptiv" else None)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                rows.append(row)
+                m = row.get("metrics") or {}
+                print(f"repeat {rep} {b:14s} step {m.get('step_s_median', float('nan')):.3f} s "
+                      f"rss {m.get('peak_rss_mb', float('nan')):.0f} MiB {row.get('error', '')}", file=sys.stderr)
+    text = summarize(rows, args, params, machine, sha)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+def summarize(rows, args, params, machine, sha):
+    def med(b, key, sub=None):
+        vals = []
+        for r in rows:
+            m = r.get("metrics") or {}
+            if r["backend"] != b or m.get("status") != "ok":
+                continue
+            v = (m.get(key) or {}).get(sub) if sub else m.get(key)
+            if v is not None:
+                vals.append(v)
+        return statistics.median(vals) if vals else None
+
+    def fmt(v, scale=1.0, digits=3):
+        return "-" if v is None else f"{v * scale:.{digits}f}"
+
+    steps_timed = args.steps - args.warmup
+    lines = [f"# Swapped step time, {args.model} ({params / 1e6:.1f}M params), fp32, micro-batch {args.micro_batch} x "
+             f"seq {args.seq_len}, 1 CPU process", "",
+             f"Machine: {summary(machine)}  ", f"git {sha}; {args.repeats} interleaved repeats, medians; "
+             f"{args.steps} steps per run, first {args.warmup} excluded; aidaptiv host budget "
+             f"{args.budget_bytes / 2**20:.0f} MiB = {args.budget_fraction:g} x model state.", "",
+             "| backend | step s | forward s | backward s | optimizer s | I/O wait s | NVMe read MB/step | "
+             "NVMe write MB/step | peak RSS MiB | peak pinned MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for b in args.backends.split(","):
+        rd, wr = med(b, "nvme_read_bytes"), med(b, "nvme_write_bytes")
+        lines.append(f"| {b} | {fmt(med(b, 'step_s_median'))} | {fmt(med(b, 'phases_s', 'forward'))} | "
+                     f"{fmt(med(b, 'phases_s', 'backward'))} | {fmt(med(b, 'phases_s', 'optimizer'))} | "
+                     f"{fmt(med(b, 'phases_s', 'io_wait'))} | {fmt(rd and rd / steps_timed, 1e-6, 0)} | "
+                     f"{fmt(wr and wr / steps_timed, 1e-6, 0)} | {fmt(med(b, 'peak_rss_mb'), 1, 0)} | "
+                     f"{fmt(med(b, 'peak_pinned_mb'), 1, 0)} |")
+    a, z = med("aidaptiv", "step_s_median"), med("zero_infinity", "step_s_median")
+    if a and z:
+        lines += ["", f"aidaptiv / ZeRO-Infinity median step time: **{a / z:.2f}x** (target <= 0.70x)."]
+    ra, rz = med("aidaptiv", "peak_rss_mb"), med("zero_infinity", "peak_rss_mb")
+    if ra and rz:
+        lines.append(f"Peak host RSS: aidaptiv {ra:.0f} MiB vs ZeRO-Infinity {rz:.0f} MiB ({ra / rz:.2f}x).")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

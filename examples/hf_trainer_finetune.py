@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Fine-tune with Hugging Face Trainer and DeepSpeed; nothing here knows about aidaptiv.
+
+    deepspeed --num_accelerators 1 examples/hf_trainer_finetune.py --deepspeed ds_configs/aidaptiv.json \\
+        --output_dir out --max_steps 5 --per_device_train_batch_size 2
+
+With an "aidaptiv" block in the config (and aidaptiv-ds installed, which hooks deepspeed at start-up), the
+parameters and optimizer state live on NVMe through our swapper; with any other ZeRO-3 config this is a
+plain DeepSpeed run. --model takes a preset of aidaptiv_ds.models (random weights) or a local HF directory.
+"""
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+
+@dataclass
+class ModelArguments:
+    model: str = field(default="micro", metadata={"help": "preset name or local Hugging Face model directory"})
+    seq_len: int = field(default=64, metadata={"help": "tokens per packed sequence"})
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        ids = torch.tensor(self.blocks[i], dtype=torch.long)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def main():
+    margs, targs = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
+    from transformers import AutoModelForCausalLM
+    from aidaptiv_ds.data import DEFAULT_DATA, build_batches
+    from aidaptiv_ds.models import resolve
+    from aidaptiv_ds.tokenizer import tokenizer_for
+
+    spec = resolve(margs.model)
+    torch.manual_seed(targs.seed)
+    # Made after TrainingArguments: with a ZeRO-3 --deepspeed config, transformers builds the model under
+    # deepspeed.zero.Init, so its partitions go straight to the swap space.
+    if spec.hf_dir is None:
+        model = AutoModelForCausalLM.from_config(spec.config)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec.hf_dir, local_files_only=True)
+    batches = build_batches(DEFAULT_DATA, tokenizer_for(spec), margs.seq_len, 1, targs.seed, 0, 1)
+    blocks = [batches.batch(i)["input_ids"][0].tolist() for i in range(64)]
+    trainer = Trainer(model=model, args=targs, train_dataset=PackedDataset(blocks))
+    result = trainer.train()
+    stats = getattr(trainer.model_wrapped, "aidaptiv_stats", None)
+    if targs.process_index == 0:
+        print(f"train_loss={result.training_loss:.4f} losses={[h['loss'] for h in trainer.state.log_history if 'loss' in h]}")
+        print("aidaptiv swapper active" if stats else "aidaptiv swapper not active",
+              f"nvme_read_bytes={stats()['nvme_read_bytes']}" if stats else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

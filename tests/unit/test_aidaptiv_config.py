@@ -1,0 +1,119 @@
+"""The "aidaptiv" block: every problem reported at once, before any file is opened; the translation into
+the ZeRO-3 settings DeepSpeed needs."""
+import os
+
+import pytest
+
+from aidaptiv_ds import config as C
+
+
+def ds(block=None, **top):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    cfg.update(top)
+    if block is not None:
+        cfg["aidaptiv"] = block
+    return cfg
+
+
+def problems(cfg, **kw):
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(cfg, **kw)
+    return e.value.problems
+
+
+def test_no_block_or_disabled_block_leaves_deepspeed_alone(tmp_path):
+    assert C.validate(ds()) is None
+    assert C.validate(ds({"enabled": False})) is None
+    assert not C.is_enabled(ds({"enabled": False}))
+
+
+def test_a_good_block_parses(tmp_path):
+    cfg = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "256MiB"}))
+    assert cfg.host_budget_bytes() == 256 * 2**20 and cfg.layer_group_size == 4 and cfg.backend == C.Backend.auto
+
+
+def test_unknown_key_names_the_known_ones(tmp_path):
+    p = problems(ds({"enabled": True, "nvme_path": str(tmp_path), "buffer_count": 5}))
+    assert len(p) == 1 and "aidaptiv.buffer_count" in p[0] and "host_memory_budget" in p[0]
+
+
+def test_every_problem_is_reported_together(tmp_path):
+    cfg = ds({"enabled": True, "nvme_path": str(tmp_path / "missing"), "block_size": 5000, "queue_depth": 0,
+              "host_memory_budget": "lots", "colour": "red"},
+             fp16={"enabled": True})
+    cfg["zero_optimization"] = {"stage": 2, "offload_param": {"device": "cpu"}}
+    p = "\n".join(problems(cfg))
+    for expected in ("aidaptiv.block_size", "aidaptiv.queue_depth", "aidaptiv.host_memory_budget",
+                     "aidaptiv.colour", "zero_optimization.stage is 2", "offload_param.device is 'cpu'",
+                     "fp16.enabled"):
+        assert expected in p, p
+
+
+def test_nvme_path_missing_not_a_directory_unwritable_or_too_small(tmp_path, monkeypatch):
+    assert "required" in problems(ds({"enabled": True}))[0]
+    assert "does not exist" in problems(ds({"enabled": True, "nvme_path": str(tmp_path / "nope")}))[0]
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert "does not exist" in problems(ds({"enabled": True, "nvme_path": str(f)}))[0]
+    # Root passes every access check, so the permission answer is stubbed: what is checked is the message.
+    monkeypatch.setattr(C.os, "access", lambda path, mode: False)
+    msg = problems(ds({"enabled": True, "nvme_path": str(tmp_path)}))[0]
+    assert "not writable (EACCES)" in msg and str(tmp_path) in msg
+    monkeypatch.undo()
+    msg = problems(ds({"enabled": True, "nvme_path": str(tmp_path)}), needed_bytes=1 << 60)[0]
+    assert "GiB free but the model state needs" in msg
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_tmpfs_is_refused():
+    import subprocess
+    if subprocess.run(["stat", "-f", "-c", "%T", "/dev/shm"], capture_output=True, text=True).stdout.strip() != "tmpfs":
+        pytest.skip("/dev/shm is not tmpfs here")
+    assert "O_DIRECT" in problems(ds({"enabled": True, "nvme_path": "/dev/shm"}))[0]
+
+
+def test_budget_larger_than_ram_is_refused(tmp_path):
+    assert "RAM" in problems(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": 1 << 60}))[0]
+
+
+@pytest.mark.parametrize("value,expected", [
+    (268435456, (268435456, None)), (0.25, (None, 0.25)), ("25%", (None, 0.25)), ("512MiB", (512 * 2**20, None)),
+    ("4GB", (4 * 10**9, None)), ("1.5GiB", (int(1.5 * 2**30), None)),
+])
+def test_budget_forms(value, expected):
+    assert C.parse_budget(value) == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "0%", "100%", "a lot", True])
+def test_bad_budgets(value):
+    with pytest.raises(ValueError):
+        C.parse_budget(value)
+
+
+def test_translation_routes_zero3_through_nvme_and_bounds_deepspeed_by_the_budget(tmp_path):
+    cfg = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"}))
+    out = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"},
+                                   zero_optimization={"stage": 3, "reduce_bucket_size": 5e8}), cfg)
+    z = out["zero_optimization"]
+    assert z["offload_param"]["device"] == "nvme" and z["offload_optimizer"]["device"] == "nvme"
+    assert z["offload_param"]["nvme_path"] == str(tmp_path) and z["offload_param"]["max_in_cpu"] == 0
+    assert z["stage3_param_persistence_threshold"] == 0
+    assert z["reduce_bucket_size"] == 64 * 2**20 // 8 // 4
+    assert z["stage3_max_live_parameters"] == 64 * 2**20 // 4 // 4 and z["stage3_max_reuse_distance"] == 0
+    assert z["sub_group_size"] == C.optimizer_chunk_numel(cfg)
+    assert out["aidaptiv"]["enabled"] is True
+
+
+def test_deepspeed_accepts_the_translated_config(tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        from helpers import _free_port
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo")
+    block = {"enabled": True, "nvme_path": str(tmp_path)}
+    cfg = C.validate(ds(block))
+    parsed = DeepSpeedConfig(C.to_deepspeed_config(ds(block), cfg))
+    assert parsed.zero_config.offload_param.device == "nvme"
+    assert parsed._param_dict["aidaptiv"]["nvme_path"] == str(tmp_path)
