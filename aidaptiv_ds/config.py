@@ -97,12 +97,10 @@ class AidaptivConfig(BaseModel):
         "25%", description="Host RAM for pinned staging buffers and the RAM cache tier, together: bytes (int), a "
                            "fraction of RAM (float in (0,1) or '25%') or a size string ('4GiB'). The pool is sized "
                            "from the model and never exceeds this.")
-    layer_group_size: int = Field(4, ge=1, le=1024, description="Transformer layers per group: the unit of "
-                                                               "prefetch, contiguous on disk.")
+    layer_group_size: int = Field(4, ge=1, le=1024, description="Transformer layers per group (at most): the "
+                                                               "unit of prefetch, contiguous on disk. Groups "
+                                                               "shrink when the budget cannot prefetch them.")
     prefetch_depth: int = Field(1, ge=0, le=16, description="Layer groups read ahead of the one computing.")
-    retain_groups: Union[int, str] = Field("auto", description="Layer groups kept in host RAM across the "
-                                                              "forward/backward turn ('auto': as many as the budget "
-                                                              "allows after staging, at most two).")
     optimizer_chunk_numel: Union[int, str] = Field(
         "auto", description="Elements per optimizer sub-group (DeepSpeed's sub_group_size): the unit of optimizer "
                             "read-ahead and write-behind. 'auto' sizes it from the host budget.")
@@ -117,7 +115,7 @@ class AidaptivConfig(BaseModel):
         parse_budget(value)
         return value
 
-    @field_validator("retain_groups", "optimizer_chunk_numel")
+    @field_validator("optimizer_chunk_numel")
     @classmethod
     def _check_auto_or_int(cls, value, info):
         if isinstance(value, str):

@@ -32,23 +32,22 @@ class RunPlan:
     group_bytes: List[int]
     sub_group_numels: List[int]
     chunk_numel: int
+    layer_group_size: int
     resident_sub_groups: Set[int] = field(default_factory=set)
 
     def describe(self) -> str:
         res = sum((PARTS + 1) * align_up(self.sub_group_numels[i] * 4) for i in self.resident_sub_groups)
-        return (f"{len(self.group_bytes)} layer groups (largest {max(self.group_bytes) / MiB:.1f} MiB), "
+        return (f"{len(self.group_bytes)} layer groups of up to {self.layer_group_size} layers (largest "
+                f"{max(self.group_bytes) / MiB:.1f} MiB), "
                 f"{len(self.sub_group_numels)} optimizer sub-groups ({len(self.resident_sub_groups)} resident, "
                 f"streamed in chunks of {self.chunk_numel:,} elements; "
                 f"{res / MiB:.1f} MiB), pinned pool {self.pool_bytes / MiB:.1f} MiB of a "
                 f"{self.budget_bytes / MiB:.1f} MiB budget, staging {self.staging_bytes / MiB:.1f} MiB")
 
 
-def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
-    cfg = runtime.cfg
-    budget = cfg.host_budget_bytes()
-    records = runtime.param_swapper.records
-    seen, group_bytes = set(), []
-    for _, params in partition_into_groups(module, cfg.layer_group_size):
+def _group_bytes(records, module, layer_group_size: int) -> List[int]:
+    seen, out = set(), []
+    for _, params in partition_into_groups(module, layer_group_size):
         size = 0
         for p in params:
             rec = records.get(getattr(p, "ds_id", None))
@@ -56,10 +55,26 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
                 seen.add(p.ds_id)
                 size += rec.extent.reserved
         if size:
-            group_bytes.append(size)
+            out.append(size)
     rest = sum(r.extent.reserved for i, r in records.items() if i not in seen)
-    if rest:
-        group_bytes.append(rest)
+    return out + ([rest] if rest else [])
+
+
+def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
+    cfg = runtime.cfg
+    budget = cfg.host_budget_bytes()
+    records = runtime.param_swapper.records
+    # The configured layer_group_size is an upper bound: groups shrink until the one computing, the ones
+    # prefetched and one kept across the forward/backward turn fit in half the budget, or prefetch could
+    # never run ahead (and every group would be read on demand).
+    layer_group_size = cfg.layer_group_size
+    group_bytes = _group_bytes(records, module, layer_group_size)
+    while layer_group_size > 1 and (cfg.prefetch_depth + 2) * max(group_bytes) > budget // 2:
+        layer_group_size -= 1
+        group_bytes = _group_bytes(records, module, layer_group_size)
+    if layer_group_size != cfg.layer_group_size:
+        log.info("aidaptiv: layer groups of %d layers instead of %d, so that prefetching %d ahead fits the "
+                 "%.1f MiB host budget", layer_group_size, cfg.layer_group_size, cfg.prefetch_depth, budget / MiB)
     part = lambda n: align_up(n * 4)  # one fp32 vector of a sub-group
     chunk = optimizer_chunk_numel(cfg)
     largest_group = max(group_bytes)
@@ -80,11 +95,6 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
             f"optimizer sub-group {part(largest_sub) / MiB:.1f} MiB, optimizer chunk {chunk_set / MiB:.1f} MiB): "
             "raise the budget, or lower aidaptiv.layer_group_size or optimizer_chunk_numel"])
     staging = max(fwd_bwd, step)
-    if (cfg.prefetch_depth + 2) * largest_group > budget // 2:
-        fitting = max(1, cfg.layer_group_size * budget // (2 * (cfg.prefetch_depth + 2) * largest_group))
-        log.warning("aidaptiv: layer groups of up to %.1f MiB leave little of the %.1f MiB host budget for "
-                    "prefetching %d ahead; aidaptiv.layer_group_size %d (or a larger budget) would let it run "
-                    "ahead", largest_group / MiB, budget / MiB, cfg.prefetch_depth, fitting)
     resident_cost = lambda n: (PARTS + 1) * part(n)  # chunk images and gradient
     everything = staging + sum(group_bytes) + sum(resident_cost(n) for n in sub_group_numels)
     pool = min(budget, everything)
@@ -96,7 +106,8 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
                 break
             resident.add(i)
             leftover -= resident_cost(n)
-    return RunPlan(budget, pool, min(staging, pool), group_bytes, list(sub_group_numels), chunk, resident)
+    return RunPlan(budget, pool, min(staging, pool), group_bytes, list(sub_group_numels), chunk, layer_group_size,
+                   resident)
 
 
 def torch_elsize(dtype) -> int:
