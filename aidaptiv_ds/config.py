@@ -104,6 +104,10 @@ class AidaptivConfig(BaseModel):
     optimizer_chunk_numel: Union[int, str] = Field(
         "auto", description="Elements per optimizer sub-group (DeepSpeed's sub_group_size): the unit of optimizer "
                             "read-ahead and write-behind. 'auto' sizes it from the host budget.")
+    deferred_update: bool = Field(True, description="fp32 models: apply each parameter's optimizer update when "
+                                                    "the next forward fetches it (same result; the forward's "
+                                                    "read of the parameters serves the update, and the "
+                                                    "update's I/O overlaps forward compute).")
     cache_optimizer_state: bool = Field(True, description="Keep optimizer sub-groups resident in the host budget's "
                                                           "leftover (after staging); they then skip NVMe each step.")
     keep_swap_files: bool = Field(False, description="Leave the swap files in place at exit (they are removed "

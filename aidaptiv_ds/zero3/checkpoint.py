@@ -153,6 +153,7 @@ def save(engine, runtime, save_dir: str, tag: Optional[str]) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp, mode=0o700)
     ps, osw = runtime.param_swapper, runtime.optimizer_swapper
+    osw.flush()  # updates deferred to the next forward belong to this checkpoint
     ps.drain_writes()
     osw.drain()
     runtime.store.drain()
@@ -221,6 +222,7 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
         manifest = json.load(f)
     ps, osw = runtime.param_swapper, runtime.optimizer_swapper
     _check_compatible(manifest, runtime, ps, osw, folder)
+    osw.discard_pending()  # the checkpoint replaces the state a pending update would have changed
     ps.drain_writes()
     osw.drain()
     runtime.store.drain()

@@ -141,9 +141,12 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             runtime.param_swapper.write_pieces(
                 [(p.record, p.start, p.numel, master[p.flat:p.flat + p.numel]) for p in pieces])
 
-        runtime.optimizer_swapper.step_all(
-            self.fp32_partitioned_groups_flat, scale,
-            lambda i: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, i), write_params)
+        swapper = runtime.optimizer_swapper
+        hyperparameters = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        swapper.begin_step(self.fp32_partitioned_groups_flat, scale,
+                           lambda i: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, i), write_params,
+                           hyperparameters, self.optimizer.param_groups,
+                           defer=swapper.alias and runtime.cfg.deferred_update)
 
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
         if self._aidaptiv is None:
@@ -162,6 +165,9 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     # ------------------------------------------------------------------ training
     def backward_prologue(self):
         if self._aidaptiv is not None:
+            # Updates deferred from the last step that no forward fetched (unused parameters): the
+            # gradient buffers are about to be filled again.
+            self._aidaptiv.optimizer_swapper.flush()
             self._aidaptiv.phase = "backward"
         return super().backward_prologue()
 

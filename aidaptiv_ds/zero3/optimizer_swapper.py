@@ -169,6 +169,10 @@ class AidaptivOptimizerSwapper:
         self.by_index: List[SubGroup] = []
         self._writes: List[tuple] = []         # (ticket, buffer kept alive until written, frees memory)
         self._lock = threading.RLock()
+        self._pending: List[tuple] = []        # (sub-group, chunk) of the step being applied, in order
+        self._cursor = 0                       # chunks of _pending already updated
+        self._ctx: dict = {}
+        self._last_chunk_of: Dict[int, int] = {}
         self._prefill_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
         mem = runtime.memory
         mem.add_reclaimer("finished optimizer writes", self._forget_finished_writes, cheap=True)
@@ -265,6 +269,7 @@ class AidaptivOptimizerSwapper:
     # not by training: assembles master, state and gradient of the sub-group in ordinary memory.
     def swap_in_optimizer_state(self, parameter, async_parameter=None):
         with self._lock:
+            self.flush()
             sg = self._sg(parameter)
             n = sg.numel
             whole = torch.empty((PARTS + 1) * n, dtype=FP32)
@@ -330,75 +335,146 @@ class AidaptivOptimizerSwapper:
                 self._open_grad(sg).copy_(whole[PARTS * n:])
             self.release_swap_buffers(parameter)
 
-    # ------------------------------------------------------------------ the streamed step
-    def step_all(self, parameters: List[torch.Tensor], grad_scale, run_optimizer: Callable[[int], None],
-                 write_params: Callable[[list, torch.Tensor], None]) -> None:
-        """Update every sub-group, chunk by chunk, as one pipeline: while chunk k is updated, the chunks
-        after it are being read (as many as the budget allows without waiting, up to MAX_AHEAD) and the
-        ones before it written, across sub-group boundaries.
+    # ------------------------------------------------------------------ the streamed, deferred step
+    def begin_step(self, parameters: List[torch.Tensor], grad_scale, run_optimizer: Callable[[int], None],
+                   write_params: Callable[[list, torch.Tensor], None], hyperparameters: List[dict],
+                   param_groups: List[dict], defer: bool) -> None:
+        """Start the optimizer step of every sub-group.
 
-        ``parameters[i]``: DeepSpeed's fp32 partition of sub-group i (its .data/.grad are pointed at each
-        unit of work in turn). ``grad_scale``: factor the gradients are multiplied by first (unscaling and
-        clipping), or None. ``run_optimizer(i)``: steps the optimizer on ``parameters[i]`` as set up.
-        ``write_params(pieces, master)``: writes a chunk's updated values to the parameters (separate
-        masters only; with aliased masters the parameters are updated in place and written back here).
+        The update is one pipeline over all chunks in parameter order: while chunk k is updated, the chunks
+        after it are being read (as far as the budget allows without waiting) and the ones before it
+        written. With ``defer`` (fp32 models, whose masters are the parameters) the chunks are updated
+        only when the parameters they hold are next needed (:meth:`apply_pending`, called as the next
+        forward fetches them, and :meth:`flush` before anything else may look): the forward's read of a
+        layer group then is the optimizer's read of its masters, and the optimizer's I/O overlaps the
+        forward's compute. Without it the whole pipeline runs now.
+
+        ``parameters[i]``: DeepSpeed's fp32 partition of sub-group i (pointed at each unit of work in
+        turn). ``grad_scale``: the factor gradients are multiplied by first (unscaling and clipping), or
+        None. ``run_optimizer(i)``: steps the optimizer on ``parameters[i]`` as set up.
+        ``write_params(pieces, master)``: writes a chunk's updated values to separate parameters.
+        ``hyperparameters``: this step's values of each optimizer param group (lr, betas, ...), used for
+        its updates even after the learning-rate scheduler has moved on. ``param_groups``: the optimizer's.
         """
         with self._lock:
-            order = [(sg, c) for sg in self.by_index for c in sg.chunks]
-            pending = {sg.index: len(sg.chunks) for sg in self.by_index}
-            progress: Dict[int, tuple] = {}  # sub-group -> (scalars before the step, state keys, after)
+            self.flush()  # a previous step not yet applied everywhere
+            self._pending = [(sg, c) for sg in self.by_index for c in sg.chunks]
+            self._cursor = 0
+            self._ctx = dict(parameters=parameters, grad_scale=grad_scale, run_optimizer=run_optimizer,
+                             write_params=write_params, hyperparameters=hyperparameters,
+                             param_groups=param_groups,
+                             remaining={sg.index: len(sg.chunks) for sg in self.by_index},
+                             progress={})
+            self._last_chunk_of = {}
+            for k, (sg, c) in enumerate(self._pending):
+                for p in c.pieces:
+                    self._last_chunk_of[p.record.ds_id] = k
+            if not defer:
+                self.flush()
+
+    def pending(self) -> bool:
+        return self._cursor < len(self._pending)
+
+    def apply_pending(self, ds_id) -> None:
+        """Make sure the pending update of partition ``ds_id`` is applied (and everything before it)."""
+        k = self._last_chunk_of.get(ds_id) if self.pending() else None
+        if k is not None and k >= self._cursor:
+            self._advance(k + 1)
+
+    def flush(self) -> None:
+        """Apply every pending update."""
+        if self.pending():
+            self._advance(len(self._pending))
+
+    def discard_pending(self) -> None:
+        """Forget a pending step (its state was replaced, e.g. by a checkpoint load)."""
+        with self._lock:
+            for sg, c in self._pending[self._cursor:]:
+                if c.buffer is not None or c.runs is not None:
+                    self._release_chunk(sg, c)
+            self._pending, self._cursor = [], 0
+
+    def _advance(self, upto: int) -> None:
+        import time as _time
+        t0 = _time.perf_counter()
+        with self._lock, torch.no_grad(), self._hyperparameters():
+            order, ctx = self._pending, self._ctx
             try:
-                for k, (sg, c) in enumerate(order):
+                while self._cursor < upto:
+                    k = self._cursor
+                    sg, c = order[k]
                     self._load_chunk(sg, c, blocking=True)
                     for other, ahead in order[k + 1:k + 1 + MAX_AHEAD]:
                         if not self._load_chunk(other, ahead, blocking=False):
                             break
-                    self._wait_chunk(c)
-                    if sg.index not in progress:
-                        keys = sg.state_keys or (ADAM_KEYS if self._prefill_adam else [])
-                        progress[sg.index] = (dict(sg.scalars), keys, dict(sg.scalars))
-                    before, keys, after = progress[sg.index]
-                    parameter = parameters[sg.index]
-                    grad = self._chunk_grad(sg, c)
-                    if grad_scale is not None:
-                        grad.mul_(grad_scale)
-                    units = [(self._master_view(c, p), p.flat, p.numel) for p in c.pieces] if self.alias \
-                        else [(c.slot(0), 0, c.numel)]
-                    for master, lo, n in units:
-                        parameter.data = master
-                        parameter.grad = grad[lo:lo + n]
-                        state = self.optimizer.state.setdefault(parameter, {})
-                        state.clear()
-                        state.update({key: (v.clone() if torch.is_tensor(v) else v) for key, v in before.items()})
-                        if sg.state_valid or self._prefill_adam:
-                            for j, key in enumerate(keys):
-                                state[key] = self._state_slot(c, j)[lo:lo + n]
-                            if self._prefill_adam:
-                                state.setdefault("step", 0)
-                        run_optimizer(sg.index)
-                        after, keys = self._adopt_state(c, lo, n, state, keys)
-                        self.optimizer.state.pop(parameter, None)
-                    progress[sg.index] = (before, keys, after)
-                    parameter.data = torch.empty(0, dtype=FP32)
-                    parameter.grad = None
-                    if self.alias:
-                        for r in c.runs:
-                            self.runtime.param_swapper.store_run(r)
-                        c.runs = None
-                    else:
-                        write_params(c.pieces, c.slot(0))
-                    self._store_chunk(sg, c)
-                    pending[sg.index] -= 1
-                    if pending[sg.index] == 0:  # the sub-group is done: its state and gradients move on
-                        sg.scalars, sg.state_keys, sg.state_valid = after, keys, True
-                        self.reset_gradients(sg)
-            finally:
-                for sg in self.by_index:  # an error half-way must not leave chunks pinned or loaded
-                    for c in sg.chunks:
-                        if c.buffer is not None and not sg.resident:
-                            self._release_chunk(sg, c)
-                        elif c.runs is not None:
-                            self._release_runs(c)
+                    self._update_chunk(sg, c, ctx)
+                    self._cursor += 1
+            except BaseException:
+                self.discard_pending()  # never leave chunks or pinned groups behind
+                raise
+        self.runtime.stats.optimizer_apply_s += _time.perf_counter() - t0
+
+    class _Swap:
+        def __init__(self, groups, values):
+            self.groups, self.values = groups, values
+
+        def __enter__(self):
+            self.saved = []
+            for group, values in zip(self.groups, self.values):
+                self.saved.append({k: group[k] for k in values if k in group})
+                group.update(values)
+
+        def __exit__(self, *exc):
+            for group, saved in zip(self.groups, self.saved):
+                group.update(saved)
+
+    def _hyperparameters(self):
+        """The optimizer's param groups set to the pending step's values while it is applied."""
+        return self._Swap(self._ctx["param_groups"], self._ctx["hyperparameters"])
+
+    def _update_chunk(self, sg: SubGroup, c: Chunk, ctx: dict) -> None:
+        self._wait_chunk(c)
+        progress = ctx["progress"]
+        if sg.index not in progress:
+            keys = sg.state_keys or (ADAM_KEYS if self._prefill_adam else [])
+            progress[sg.index] = (dict(sg.scalars), keys, dict(sg.scalars))
+        before, keys, after = progress[sg.index]
+        parameter = ctx["parameters"][sg.index]
+        grad = self._chunk_grad(sg, c)
+        if ctx["grad_scale"] is not None:
+            grad.mul_(ctx["grad_scale"])
+        units = [(self._master_view(c, p), p.flat, p.numel) for p in c.pieces] if self.alias \
+            else [(c.slot(0), 0, c.numel)]
+        try:
+            for master, lo, n in units:
+                parameter.data = master
+                parameter.grad = grad[lo:lo + n]
+                state = self.optimizer.state.setdefault(parameter, {})
+                state.clear()
+                state.update({key: (v.clone() if torch.is_tensor(v) else v) for key, v in before.items()})
+                if sg.state_valid or self._prefill_adam:
+                    for j, key in enumerate(keys):
+                        state[key] = self._state_slot(c, j)[lo:lo + n]
+                    if self._prefill_adam:
+                        state.setdefault("step", 0)
+                ctx["run_optimizer"](sg.index)
+                after, keys = self._adopt_state(c, lo, n, state, keys)
+                self.optimizer.state.pop(parameter, None)
+        finally:
+            parameter.data = torch.empty(0, dtype=FP32)
+            parameter.grad = None
+        progress[sg.index] = (before, keys, after)
+        if self.alias:
+            for r in c.runs:
+                self.runtime.param_swapper.store_run(r)
+            c.runs = None
+        else:
+            ctx["write_params"](c.pieces, c.slot(0))
+        self._store_chunk(sg, c)
+        ctx["remaining"][sg.index] -= 1
+        if ctx["remaining"][sg.index] == 0:  # the sub-group is done: its state and gradients move on
+            sg.scalars, sg.state_keys, sg.state_valid = after, keys, True
+            self.reset_gradients(sg)
 
     def _master_view(self, c: Chunk, p: Piece) -> torch.Tensor:
         """fp32 model: the parameter piece itself, in the run that holds it."""

@@ -74,6 +74,7 @@ class LayerGroup:
     users: int = 0           # partitions currently published to DeepSpeed
     last_used: int = 0
     pins: int = 0            # > 0 while a swap-in or the prefetch window needs it: not to be evicted
+    writes: list = field(default_factory=list)  # tickets of write-throughs from this buffer
 
     def view(self, rec: ParamRecord) -> torch.Tensor:
         start = rec.extent.offset - self.offset
@@ -224,6 +225,8 @@ class AidaptivParamSwapper:
         """Copy ``param``'s partition into ``dest_buffer`` without publishing it."""
         rec = self.records[param.ds_id]
         with self._lock:
+            if self.runtime.optimizer_swapper is not None:
+                self.runtime.optimizer_swapper.apply_pending(rec.ds_id)
             if rec.group is not None:
                 self._ensure_loading(rec.group, blocking=True, reason=f"partition {param.ds_id}")
                 self._wait_group(rec.group)
@@ -292,14 +295,19 @@ class AidaptivParamSwapper:
 
     def load_run(self, run, blocking: bool) -> Optional["MasterRun"]:
         """Bring a run of pieces (record, start, numel, ...) into host memory to be updated in place (the
-        fp32 master of an fp32 model is the parameter itself): a view of the cached layer group when it is
-        in memory, otherwise a buffer being read. None when not blocking and the budget has no room."""
+        fp32 master of an fp32 model is the parameter itself). The run's layer group is loaded into the
+        group cache (or found there) and the run is a view of it, so the forward that comes next reads
+        nothing more. None when not blocking and the budget has no room now."""
         with self._lock:
             r = MasterRun.plan(self, run)
-            if r.group is not None:
-                r.group.pins += 1  # not to be evicted while the step updates it in place
-                r.pinned = True
-                r.buffer = r.group.buffer[r.lo - r.group.offset:r.hi - r.group.offset]
+            g = run[0][0].group
+            if g is not None:
+                g.pins += 1  # not to be evicted while the step updates it in place
+                if not self._ensure_loading(g, blocking, reason="optimizer step"):
+                    g.pins -= 1
+                    return None
+                r.group, r.pinned = g, True
+                r.buffer = g.buffer[r.lo - g.offset:r.hi - g.offset]
                 return r
             mem = self.runtime.memory
             buf = mem.take(r.hi - r.lo, "fp32 master weights") if blocking else mem.try_take(r.hi - r.lo)
@@ -324,6 +332,8 @@ class AidaptivParamSwapper:
                                               f"updated partitions from {r.lo}")
             # A view of a cached group frees nothing when written; a staging buffer does.
             self._write_behind.append((t, r.buffer, r.group is None))
+            if r.group is not None:
+                r.group.writes.append(t)
             if r.pinned:
                 r.group.pins -= 1
                 r.pinned = False
@@ -429,12 +439,16 @@ class AidaptivParamSwapper:
             g.ticket = None
 
     def _publish(self, params) -> None:
-        """Wait for each partition's group (loading it if needed) and hand DeepSpeed a view into it."""
+        """Wait for each partition's group (loading it if needed) and hand DeepSpeed a view into it, with
+        any optimizer update still pending for it applied first."""
+        osw = self.runtime.optimizer_swapper
         with self._lock:
             for p in params:
                 rec = self.records[p.ds_id]
                 if rec.published:
                     continue
+                if osw is not None and osw.pending():
+                    osw.apply_pending(rec.ds_id)
                 g = rec.group
                 if g is None:
                     data = self._read_alone(rec)
@@ -483,7 +497,11 @@ class AidaptivParamSwapper:
                        and (g.ticket is None or g.ticket.done())]
             if not victims:
                 return False
-            g = min(victims, key=lambda x: x.last_used)
+            for g in victims:
+                g.writes = [t for t in g.writes if not t.done()]
+            # A group still being written out would be read again only after that write: evict those last
+            # (the memory of one is not free until its write is done anyway).
+            g = min(victims, key=lambda x: (bool(x.writes), x.last_used))
             if g.ticket is not None:
                 self.runtime.store.wait(g.ticket)  # finished: raises if the read failed
                 g.ticket = None

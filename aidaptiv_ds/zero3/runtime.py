@@ -44,6 +44,7 @@ class SwapStats:
 
     def reset_step(self):
         self.optimizer_s = 0.0
+        self.optimizer_apply_s = 0.0   # time spent applying optimizer updates (in step() or deferred)
         self.optimizer_io_wait_s = 0.0
         self.sync_param_reads = 0      # parameter fetches DeepSpeed asked for before our prefetch finished
         self.prefetched_groups = 0
@@ -133,6 +134,7 @@ class SwapRuntime:
             "io_wait_total_s": self.store.io_wait_s,
             "optimizer_s": s.optimizer_s,
             "optimizer_io_wait_s": s.optimizer_io_wait_s,
+            "optimizer_apply_s": s.optimizer_apply_s,
             "pinned_bytes": self.pool.stats()["in_use"] if self.pool is not None else 0,
             "peak_pinned_bytes": s.peak_pinned_bytes,
             "sync_param_reads": s.sync_param_reads,
