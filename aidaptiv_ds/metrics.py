@@ -6,7 +6,9 @@ Only measured numbers go in; what this process cannot measure is JSON null, neve
   steps, summed over ranks. These count block-device I/O this process caused (O_DIRECT included, page-cache
   hits excluded; writes are counted when dirtied). Everything the process reads or writes on a block device
   counts, so they are the swap traffic plus anything else (e.g. checkpoints saved inside the window).
-- ``peak_pinned_mb``, ``phases_s.io_wait``: only from an engine that reports them (``aidaptiv_stats()``).
+- ``peak_pinned_mb``, ``phases_s.io_wait``: only from an engine that reports them (``aidaptiv_stats()``);
+  such an engine also adds ``phases_s.optimizer_update`` (time applying optimizer updates per step, which
+  for fp32 our swapper does inside the next forward) and ``swapper`` (its cumulative counters).
 - ``peak_gpu_mb``: torch.cuda.max_memory_allocated when CUDA is used.
 """
 from __future__ import annotations
@@ -76,7 +78,11 @@ def summarize(*, step_records: list[dict], warmup: int, tokens_per_step: int, lo
     step_med = median([r["step_s"] for r in timed])
     io_wait = None
     peak_pinned = None
+    update = None
     if engine_stats:
+        applied = engine_stats.get("optimizer_apply_s_steps")
+        if applied:
+            update = median(list(applied)[warmup:] if len(applied) > warmup else list(applied))
         waits = engine_stats.get("io_wait_s")
         if isinstance(waits, (list, tuple)):
             io_wait = median(list(waits)[warmup:] if len(waits) > warmup else list(waits))
@@ -103,6 +109,12 @@ def summarize(*, step_records: list[dict], warmup: int, tokens_per_step: int, lo
             "io_wait": io_wait,
         },
     }
+    if update is not None:
+        # Our swapper applies an fp32 step's updates inside the next forward: this is that share of the
+        # forward (and all of what engine.step() itself took is in "optimizer").
+        out["phases_s"]["optimizer_update"] = update
+    if engine_stats:
+        out["swapper"] = {k: v for k, v in engine_stats.items() if not isinstance(v, (list, tuple))}
     return out
 
 

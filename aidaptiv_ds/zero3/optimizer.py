@@ -190,6 +190,10 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # I/O wait of the whole training step: since the end of the previous step.
         runtime.stats.io_wait_steps.append(runtime.store.io_wait_s - getattr(self, "_aidaptiv_wait_mark", 0.0))
         self._aidaptiv_wait_mark = runtime.store.io_wait_s
+        # Time applying updates since the last step: the previous step's deferred updates (applied in this
+        # step's forward) and whatever this step applied at once.
+        runtime.stats.apply_steps.append(runtime.stats.optimizer_apply_s - getattr(self, "_aidaptiv_apply_mark", 0.0))
+        self._aidaptiv_apply_mark = runtime.stats.optimizer_apply_s
         runtime.stats.optimizer_s += time.perf_counter() - t0
         runtime.pinned_bytes()
         # The next forward starts with the first groups: read them while the last writes finish.

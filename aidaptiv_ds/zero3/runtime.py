@@ -41,6 +41,7 @@ class SwapStats:
         self.reset_step()
         self.peak_pinned_bytes = 0
         self.io_wait_steps = []        # I/O wait of each optimizer step (forward + backward + step), seconds
+        self.apply_steps = []          # time applying optimizer updates during each step (incl. deferred)
 
     def reset_step(self):
         self.optimizer_s = 0.0
@@ -135,6 +136,7 @@ class SwapRuntime:
             "optimizer_s": s.optimizer_s,
             "optimizer_io_wait_s": s.optimizer_io_wait_s,
             "optimizer_apply_s": s.optimizer_apply_s,
+            "optimizer_apply_s_steps": list(s.apply_steps),
             "pinned_bytes": self.pool.stats()["in_use"] if self.pool is not None else 0,
             "peak_pinned_bytes": s.peak_pinned_bytes,
             "sync_param_reads": s.sync_param_reads,
