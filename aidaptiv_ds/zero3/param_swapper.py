@@ -75,6 +75,10 @@ class LayerGroup:
     last_used: int = 0
     pins: int = 0            # > 0 while a swap-in or the prefetch window needs it: not to be evicted
     writes: list = field(default_factory=list)  # tickets of write-throughs from this buffer
+    # An evicted buffer whose write-through is still in flight: its memory is held by that write anyway,
+    # and it holds exactly what the disk will hold, so a read of the group before the write completes
+    # takes it back instead of waiting for the write and reading the same bytes again.
+    ghost: Optional[torch.Tensor] = None
 
     def view(self, rec: ParamRecord) -> torch.Tensor:
         start = rec.extent.offset - self.offset
@@ -416,6 +420,14 @@ class AidaptivParamSwapper:
             if g.ticket is None:
                 self.runtime.stats.group_hits += 1
             return True
+        if g.ghost is not None:
+            g.writes = [t for t in g.writes if not t.done()]
+            if g.writes:  # still being written: the bytes are in the ghost, take it back
+                g.buffer, g.ghost = g.ghost, None
+                g.last_used = next(self._clock)
+                self.runtime.stats.group_hits += 1
+                return True
+            g.ghost = None
         mem = self.runtime.memory
         g.pins += 1
         try:
@@ -502,6 +514,8 @@ class AidaptivParamSwapper:
             # A group still being written out would be read again only after that write: evict those last
             # (the memory of one is not free until its write is done anyway).
             g = min(victims, key=lambda x: (bool(x.writes), x.last_used))
+            if g.writes:
+                g.ghost = g.buffer
             if g.ticket is not None:
                 self.runtime.store.wait(g.ticket)  # finished: raises if the read failed
                 g.ticket = None
@@ -510,8 +524,9 @@ class AidaptivParamSwapper:
 
     def _forget_finished_writes(self) -> bool:
         n = len(self._write_behind)
+        ghosts = sum(g.ghost is not None for g in self.groups)
         self.poll_writes()
-        return len(self._write_behind) < n
+        return len(self._write_behind) < n or sum(g.ghost is not None for g in self.groups) < ghosts
 
     def _reclaim_write(self) -> bool:
         """Finish the oldest write-behind of updated partitions and free its buffer."""
@@ -519,7 +534,7 @@ class AidaptivParamSwapper:
             while self._write_behind:
                 t, _, frees = self._write_behind.pop(0)
                 self.runtime.store.wait(t)
-                if frees:
+                if frees or self._drop_finished_ghosts():
                     return True
             return False
 
@@ -529,9 +544,18 @@ class AidaptivParamSwapper:
         for t, _, _ in items:
             self.runtime.store.wait(t)
 
+    def _drop_finished_ghosts(self) -> bool:
+        dropped = False
+        for g in self.groups:
+            if g.ghost is not None and all(t.done() for t in g.writes):
+                g.ghost, g.writes = None, []
+                dropped = True
+        return dropped
+
     def poll_writes(self) -> None:
         """Forget finished write-behinds so their buffers return to the pool (raising if one failed)."""
         with self._lock:
+            self._drop_finished_ghosts()
             still = []
             for item in self._write_behind:
                 if item[0].done():
@@ -550,3 +574,4 @@ class AidaptivParamSwapper:
                     g.ticket = None
                 if g.users == 0:
                     g.buffer = None
+                g.ghost, g.writes = None, []
