@@ -126,9 +126,11 @@ class PinnedPool:
         if note:
             _log_once(note)
 
-    def allocate(self, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """A 1-D tensor of numel elements, 4 KiB aligned; MemoryError when the budget is exhausted."""
-        return self._pool.allocate(int(numel), dtype)
+    def allocate(self, numel: int, dtype: torch.dtype = torch.uint8, from_top: bool = False) -> torch.Tensor:
+        """A 1-D tensor of numel elements, 4 KiB aligned; MemoryError when the budget is exhausted.
+        ``from_top`` places it at the high end of the pool: keep long-lived large buffers at the low end
+        and the rest at the high end so that the rest cannot cut up the space large buffers need."""
+        return self._pool.allocate(int(numel), dtype, bool(from_top))
 
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether the tensor's bytes lie inside this pool (so they may be registered buffers)."""
@@ -137,10 +139,11 @@ class PinnedPool:
         return self._pool.contains(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
     def stats(self) -> dict:
-        """capacity, in_use, high_water (bytes), blocks, locked, lock_method, lock_note."""
+        """capacity, in_use, high_water, largest_free (bytes), blocks, locked, lock_method, lock_note."""
         s = self._pool.stats()
         return {k: getattr(s, k) for k in
-                ("capacity", "in_use", "high_water", "blocks", "locked", "lock_method", "lock_note")}
+                ("capacity", "in_use", "high_water", "largest_free", "blocks", "locked", "lock_method",
+                 "lock_note")}
 
     @property
     def capacity(self) -> int:

@@ -228,48 +228,75 @@ class HostMemory:
         """Something that holds pool memory and can say how much (for the exhaustion message)."""
         self._holders.append((name, fn))
 
-    def _allocate(self, nbytes: int) -> Optional[torch.Tensor]:
+    def _allocate(self, nbytes: int, large: bool) -> Optional[torch.Tensor]:
         try:
-            return self.pool.allocate(align_up(nbytes), torch.uint8)[:nbytes]
+            # Large buffers (layer groups) from the low end, the rest from the high end: see PinnedPool.
+            return self.pool.allocate(align_up(nbytes), torch.uint8, from_top=not large)[:nbytes]
         except MemoryError:
             return None
 
-    def try_take(self, nbytes: int) -> Optional[torch.Tensor]:
-        """A buffer if one is free or can be freed without waiting for I/O; None otherwise."""
-        buf = self._allocate(nbytes)
+    def try_take(self, nbytes: int, large: bool = False) -> Optional[torch.Tensor]:
+        """A buffer if one is free or can be freed without waiting for I/O; None otherwise. ``large``:
+        a long-lived buffer of the largest kind (a layer group)."""
+        buf = self._allocate(nbytes, large)
         while buf is None:
             if not any(fn() for _, fn, cheap in self._reclaimers if cheap):
                 return None
-            buf = self._allocate(nbytes)
+            buf = self._allocate(nbytes, large)
         return buf
 
-    def take(self, nbytes: int, what: str) -> torch.Tensor:
-        buf = self.try_take(nbytes)
+    def take(self, nbytes: int, what: str, large: bool = False) -> torch.Tensor:
+        buf = self.try_take(nbytes, large)
         while buf is None:
             freed = False
             for _, fn, _ in self._reclaimers:
                 if fn():
                     freed = True
-                    buf = self._allocate(nbytes)
+                    buf = self._allocate(nbytes, large)
                     if buf is not None:
                         break
             if buf is None and not freed:
                 # A reclaimer may have let memory go without being sure of it (a buffer other references
                 # held until a write finished): look once more before giving up.
-                buf = self._allocate(nbytes)
+                buf = self._allocate(nbytes, large)
                 if buf is not None:
                     break
                 s = self.pool.stats()
                 held = ", ".join(f"{name} {fn() / 2**20:.1f} MiB" for name, fn in self._holders)
                 raise HostBudgetError(
                     f"host memory budget exhausted: {what} needs {nbytes / 2**20:.1f} MiB but "
-                    f"{s['in_use'] / 2**20:.1f} of {s['capacity'] / 2**20:.1f} MiB are in use ({held}) and nothing "
-                    "can be reclaimed: raise aidaptiv.host_memory_budget, or lower aidaptiv.layer_group_size, "
-                    "prefetch_depth or optimizer_chunk_numel")
+                    f"{s['in_use'] / 2**20:.1f} of {s['capacity'] / 2**20:.1f} MiB are in use ({held}; largest "
+                    f"free block {s['largest_free'] / 2**20:.1f} MiB) and nothing can be reclaimed: raise "
+                    "aidaptiv.host_memory_budget, or lower aidaptiv.layer_group_size, prefetch_depth or "
+                    "optimizer_chunk_numel")
         return buf
 
     def stats(self) -> dict:
         return self.pool.stats()
+
+
+class SlotPool:
+    """``count`` equal buffers of ``slot_bytes`` carved from the host budget once. Any free slot fits any
+    user, so however users come and go the slots never fragment."""
+
+    def __init__(self, memory: "HostMemory", count: int, slot_bytes: int):
+        self.count = count
+        self.slot_bytes = align_up(slot_bytes)
+        self.region = memory.take(count * self.slot_bytes, f"{count} layer-group slots", large=True)
+        self._free = list(range(count - 1, -1, -1))
+
+    def take(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def give(self, index: int) -> None:
+        self._free.append(index)
+
+    def view(self, index: int, nbytes: int) -> torch.Tensor:
+        start = index * self.slot_bytes
+        return self.region[start:start + nbytes]
+
+    def free_count(self) -> int:
+        return len(self._free)
 
 
 @dataclass

@@ -42,13 +42,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("in_use", &PoolStats::in_use)
       .def_readonly("high_water", &PoolStats::high_water)
       .def_readonly("blocks", &PoolStats::blocks)
+      .def_readonly("largest_free", &PoolStats::largest_free)
       .def_readonly("locked", &PoolStats::locked)
       .def_readonly("lock_method", &PoolStats::lock_method)
       .def_readonly("lock_note", &PoolStats::lock_note);
 
   py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool")
       .def(py::init(&PinnedPool::create), py::arg("capacity_bytes"), release_gil())
-      .def("allocate", &PinnedPool::allocate, py::arg("numel"), py::arg("dtype"), release_gil())
+      .def("allocate", &PinnedPool::allocate, py::arg("numel"), py::arg("dtype"), py::arg("from_top") = false,
+           release_gil())
       .def("contains", &PinnedPool::contains, py::arg("address"), py::arg("nbytes"))
       .def("stats", &PinnedPool::stats)
       .def_property_readonly("address", [](const PinnedPool& p) { return reinterpret_cast<uintptr_t>(p.base()); })

@@ -203,7 +203,7 @@ class AidaptivOptimizerSwapper:
         self.groups[key] = sg
         self.by_index.append(sg)
         if resident:
-            sg.image = self.runtime.memory.take(region.reserved, f"resident optimizer sub-group {index}")
+            sg.image = self.runtime.memory.take(region.reserved, f"resident optimizer sub-group {index}", large=True)
             sg.image.zero_()
             for c in chunks:
                 c.buffer = sg.image[c.offset - region.offset:c.offset - region.offset + c.image_bytes]

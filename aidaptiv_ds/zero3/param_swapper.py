@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from aidaptiv_ds.store import Extent, Ticket, aligned_empty, align_up, as_bytes
+from aidaptiv_ds.store import Extent, HostBudgetError, SlotPool, Ticket, aligned_empty, align_up, as_bytes
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,11 @@ class LayerGroup:
     last_used: int = 0
     pins: int = 0            # > 0 while a swap-in or the prefetch window needs it: not to be evicted
     writes: list = field(default_factory=list)  # tickets of write-throughs from this buffer
-    # An evicted buffer whose write-through is still in flight: its memory is held by that write anyway,
-    # and it holds exactly what the disk will hold, so a read of the group before the write completes
-    # takes it back instead of waiting for the write and reading the same bytes again.
-    ghost: Optional[torch.Tensor] = None
+    slot: Optional[int] = None  # index of the slot holding the buffer (or the ghost)
+    # Evicted while a write-through from its slot is in flight: the slot cannot be reused before that
+    # write completes, and it holds exactly what the disk will hold, so a read of the group in that window
+    # takes the slot back instead of waiting for the write and reading the same bytes again.
+    ghost: bool = False
 
     def view(self, rec: ParamRecord) -> torch.Tensor:
         start = rec.extent.offset - self.offset
@@ -125,6 +126,7 @@ class AidaptivParamSwapper:
         self.records: Dict[int, ParamRecord] = {}
         self.groups: List[LayerGroup] = []
         self.planned = False
+        self.slot_bytes = 0  # host buffer size of every layer group (the largest group's span)
         self._lock = threading.RLock()
         self._clock = itertools.count(1)
         self._init_buffers: Dict[int, torch.Tensor] = {}
@@ -352,9 +354,10 @@ class AidaptivParamSwapper:
             r.buffer = None
 
     # ---------------------------------------------------------------- groups
-    def plan(self, module, layer_group_size: int) -> None:
-        """Form layer groups from the module structure, make each contiguous on disk, and switch to
-        grouped I/O. Called once the runtime has its pinned pool."""
+    def plan(self, module, layer_group_size: int, slots: int) -> None:
+        """Form layer groups from the module structure, make each contiguous on disk, carve ``slots``
+        group buffers from the pinned pool and switch to grouped I/O. Called once the runtime has its
+        pinned pool."""
         from aidaptiv_ds.zero3.layer_groups import partition_into_groups
         with self._lock:
             named = partition_into_groups(module, layer_group_size)
@@ -376,13 +379,14 @@ class AidaptivParamSwapper:
                 self._make_contiguous(g)
                 for r in g.records:
                     r.group = g
+            # Layer groups live in equal slots of the largest group's size, carved from the pool once: any
+            # free slot fits any group, so groups coming and going in LRU order can never leave the memory
+            # cut into pieces too small for the next one (the pool cannot move live buffers).
+            self.slot_bytes = max(g.nbytes for g in self.groups)
+            self.slots = SlotPool(self.runtime.memory, slots, self.slot_bytes)
             self.runtime.memory.add_reclaimer("finished parameter writes", self._forget_finished_writes, cheap=True)
-            self.runtime.memory.add_reclaimer("cached layer groups", self._reclaim_group, cheap=True)
             self.runtime.memory.add_reclaimer("parameter write-behind", self._reclaim_write)
-            self.runtime.memory.add_holder("layer groups in use", lambda: sum(
-                g.nbytes for g in self.groups if g.buffer is not None and (g.users or g.pins)))
-            self.runtime.memory.add_holder("cached layer groups", lambda: sum(
-                g.nbytes for g in self.groups if g.buffer is not None and not (g.users or g.pins)))
+            self.runtime.memory.add_holder("layer-group slots", lambda: self.slots.region.numel())
             self.runtime.memory.add_holder("parameter writes", lambda: sum(
                 b.numel() for _, b, frees in self._write_behind if frees))
             self.planned = True
@@ -420,24 +424,27 @@ class AidaptivParamSwapper:
             if g.ticket is None:
                 self.runtime.stats.group_hits += 1
             return True
-        if g.ghost is not None:
+        if g.ghost:
             g.writes = [t for t in g.writes if not t.done()]
-            if g.writes:  # still being written: the bytes are in the ghost, take it back
-                g.buffer, g.ghost = g.ghost, None
+            g.ghost = False
+            if g.writes:  # still being written: the bytes are in its slot, take it back
+                g.buffer = self.slots.view(g.slot, g.nbytes)
                 g.last_used = next(self._clock)
                 self.runtime.stats.group_hits += 1
                 return True
-            g.ghost = None
-        mem = self.runtime.memory
+            self.slots.give(g.slot)
+            g.slot = None
         g.pins += 1
         try:
-            buf = mem.take(g.nbytes, f"layer group {g.name} ({reason})") if blocking else mem.try_take(g.nbytes)
+            slot = self._take_slot(blocking, f"layer group {g.name} ({reason})")
         finally:
             g.pins -= 1
-        if buf is None:
+        if slot is None:
             return False
+        g.slot = slot
+        buf = self.slots.view(slot, g.nbytes)
         g.buffer = buf
-        g.ticket = self.runtime.store.read_span(self.runtime.params_file, g.offset, buf, f"layer group {g.name}")
+        g.ticket = self.runtime.store.read_span(self.runtime.params_file, g.offset, g.buffer, f"layer group {g.name}")
         g.last_used = next(self._clock)
         self.runtime.stats.group_reads += 1
         return True
@@ -493,40 +500,65 @@ class AidaptivParamSwapper:
                 for g in groups:
                     if g.buffer is None:
                         if not self._ensure_loading(g, blocking=False, reason="prefetch"):
-                            # Make room from groups outside the window, then try once more.
-                            if not (self._reclaim_group() and self._ensure_loading(g, False, "prefetch")):
-                                break
+                            break
                         self.runtime.stats.prefetched_groups += 1
             finally:
                 for g in groups:
                     g.pins -= 1
 
-    def _reclaim_group(self) -> bool:
-        """Drop the least recently used cached group that nobody uses, no prefetch protects and no read
-        is still filling (never waits)."""
-        with self._lock:
-            victims = [g for g in self.groups if g.buffer is not None and g.users == 0 and g.pins == 0
-                       and (g.ticket is None or g.ticket.done())]
-            if not victims:
-                return False
-            for g in victims:
-                g.writes = [t for t in g.writes if not t.done()]
-            # A group still being written out would be read again only after that write: evict those last
-            # (the memory of one is not free until its write is done anyway).
-            g = min(victims, key=lambda x: (bool(x.writes), x.last_used))
-            if g.writes:
-                g.ghost = g.buffer
-            if g.ticket is not None:
-                self.runtime.store.wait(g.ticket)  # finished: raises if the read failed
-                g.ticket = None
-            g.buffer = None
-            return True
+    def _take_slot(self, blocking: bool, what: str) -> Optional[int]:
+        """A free slot; else the slot of the least recently used cached group nobody uses (never waiting
+        for I/O); when blocking, also a slot freed by waiting for a write-through to finish."""
+        while True:
+            slot = self.slots.take()
+            if slot is not None:
+                return slot
+            if self._evict_group():
+                continue
+            if blocking and self._finish_a_ghost_write():
+                continue
+            if not blocking:
+                return None
+            in_use = [g.name for g in self.groups if g.buffer is not None and (g.users or g.pins)]
+            raise HostBudgetError(
+                f"host memory budget exhausted: {what} needs one of the {self.slots.count} layer-group slots "
+                f"({self.slot_bytes / 2**20:.1f} MiB each) but all are in use ({', '.join(in_use)}): raise "
+                "aidaptiv.host_memory_budget or lower aidaptiv.layer_group_size")
+
+    def _evict_group(self) -> bool:
+        """Drop the least recently used cached group that nobody uses, no prefetch protects and no read is
+        still filling. Its slot is free at once unless a write-through from it is in flight (a ghost)."""
+        victims = [g for g in self.groups if g.buffer is not None and g.users == 0 and g.pins == 0
+                   and (g.ticket is None or g.ticket.done())]
+        if not victims:
+            return False
+        for g in victims:
+            g.writes = [t for t in g.writes if not t.done()]
+        # Groups still being written out free nothing now: evict those last.
+        g = min(victims, key=lambda x: (bool(x.writes), x.last_used))
+        if g.ticket is not None:
+            self.runtime.store.wait(g.ticket)  # finished: raises if the read failed
+            g.ticket = None
+        g.buffer = None
+        if g.writes:
+            g.ghost = True
+            return self._drop_finished_ghosts()
+        self.slots.give(g.slot)
+        g.slot = None
+        return True
+
+    def _finish_a_ghost_write(self) -> bool:
+        for g in self.groups:
+            if g.ghost:
+                for t in g.writes:
+                    self.runtime.store.wait(t)
+                return self._drop_finished_ghosts()
+        return False
 
     def _forget_finished_writes(self) -> bool:
         n = len(self._write_behind)
-        ghosts = sum(g.ghost is not None for g in self.groups)
         self.poll_writes()
-        return len(self._write_behind) < n or sum(g.ghost is not None for g in self.groups) < ghosts
+        return len(self._write_behind) < n
 
     def _reclaim_write(self) -> bool:
         """Finish the oldest write-behind of updated partitions and free its buffer."""
@@ -534,7 +566,8 @@ class AidaptivParamSwapper:
             while self._write_behind:
                 t, _, frees = self._write_behind.pop(0)
                 self.runtime.store.wait(t)
-                if frees or self._drop_finished_ghosts():
+                self._drop_finished_ghosts()
+                if frees:
                     return True
             return False
 
@@ -545,10 +578,13 @@ class AidaptivParamSwapper:
             self.runtime.store.wait(t)
 
     def _drop_finished_ghosts(self) -> bool:
+        """Give back the slots of evicted groups whose write-throughs have finished."""
         dropped = False
         for g in self.groups:
-            if g.ghost is not None and all(t.done() for t in g.writes):
-                g.ghost, g.writes = None, []
+            if g.ghost and all(t.done() for t in g.writes):
+                g.ghost, g.writes = False, []
+                self.slots.give(g.slot)
+                g.slot = None
                 dropped = True
         return dropped
 
@@ -574,4 +610,7 @@ class AidaptivParamSwapper:
                     g.ticket = None
                 if g.users == 0:
                     g.buffer = None
-                g.ghost, g.writes = None, []
+                    g.ghost, g.writes = False, []
+                    if g.slot is not None:
+                        self.slots.give(g.slot)
+                        g.slot = None

@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import List, Set
 
+import torch
+
 from aidaptiv_ds.config import ConfigError
 from aidaptiv_ds.store import align_up
 from aidaptiv_ds.zero3.layer_groups import partition_into_groups
@@ -34,15 +36,18 @@ class RunPlan:
     chunk_numel: int
     layer_group_size: int
     resident_sub_groups: Set[int] = field(default_factory=set)
+    group_slots: int = 0
+    resident_bytes: int = 0
 
     def describe(self) -> str:
-        res = sum((PARTS + 1) * align_up(self.sub_group_numels[i] * 4) for i in self.resident_sub_groups)
+        res = self.resident_bytes
         return (f"{len(self.group_bytes)} layer groups of up to {self.layer_group_size} layers (largest "
                 f"{max(self.group_bytes) / MiB:.1f} MiB), "
                 f"{len(self.sub_group_numels)} optimizer sub-groups ({len(self.resident_sub_groups)} resident, "
                 f"streamed in chunks of {self.chunk_numel:,} elements; "
                 f"{res / MiB:.1f} MiB), pinned pool {self.pool_bytes / MiB:.1f} MiB of a "
-                f"{self.budget_bytes / MiB:.1f} MiB budget, staging {self.staging_bytes / MiB:.1f} MiB")
+                f"{self.budget_bytes / MiB:.1f} MiB budget, {self.group_slots} layer-group slots, minimum "
+                f"{self.staging_bytes / MiB:.1f} MiB")
 
 
 def _group_bytes(records, module, layer_group_size: int) -> List[int]:
@@ -77,37 +82,42 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
                  "%.1f MiB host budget", layer_group_size, cfg.layer_group_size, cfg.prefetch_depth, budget / MiB)
     part = lambda n: align_up(n * 4)  # one fp32 vector of a sub-group
     chunk = optimizer_chunk_numel(cfg)
-    largest_group = max(group_bytes)
+    slot = align_up(max(group_bytes))  # every layer group occupies one slot of the largest group's size
     largest_sub = max(sub_group_numels)
     elsize = torch_elsize(runtime.model_dtype)
-    # forward/backward: the group computing, the ones being prefetched, one kept across the turn, and the
-    # gradient buffers of about two sub-groups being filled.
-    fwd_bwd = (cfg.prefetch_depth + 2) * largest_group + 2 * part(largest_sub)
-    # step: the sub-group's gradient, chunks being updated / read ahead / written behind, and the
-    # updated parameters on their way to disk.
-    chunk_set = PARTS * part(chunk) + chunk * elsize  # image (or moments + the fp32 parameters as masters)
-    step = part(largest_sub) + (2 + READ_AHEAD) * chunk_set
-    minimum = max(largest_group + part(largest_sub), part(largest_sub) + chunk_set)
+    parts = 2 if runtime.model_dtype == torch.float32 else PARTS  # chunk image parts (fp32: no master)
+    # Slots: the group computing, the ones being prefetched, and one more (the forward/backward turn,
+    # or the group whose update is being applied).
+    min_slots = cfg.prefetch_depth + 2
+    # Everything else: the gradient buffer of the largest sub-group, and optimizer chunks being updated,
+    # read ahead and written behind (with the updated parameters on their way to disk).
+    chunk_set = parts * part(chunk) + chunk * elsize
+    general = part(largest_sub) + (2 + READ_AHEAD) * chunk_set
+    minimum = min_slots * slot + general
     if budget < minimum:
         raise ConfigError([
             f"aidaptiv.host_memory_budget is {budget / MiB:.1f} MiB but the run needs at least {minimum / MiB:.1f} "
-            f"MiB of host memory (largest layer group {largest_group / MiB:.1f} MiB, gradient of the largest "
-            f"optimizer sub-group {part(largest_sub) / MiB:.1f} MiB, optimizer chunk {chunk_set / MiB:.1f} MiB): "
-            "raise the budget, or lower aidaptiv.layer_group_size or optimizer_chunk_numel"])
-    staging = max(fwd_bwd, step)
-    resident_cost = lambda n: (PARTS + 1) * part(n)  # chunk images and gradient
-    everything = staging + sum(group_bytes) + sum(resident_cost(n) for n in sub_group_numels)
+            f"MiB of host memory ({min_slots} layer-group slots of {slot / MiB:.1f} MiB for prefetch depth "
+            f"{cfg.prefetch_depth}, the gradient of the largest optimizer sub-group {part(largest_sub) / MiB:.1f} "
+            f"MiB, optimizer chunks of {chunk_set / MiB:.1f} MiB): raise the budget, or lower "
+            "aidaptiv.layer_group_size, prefetch_depth or optimizer_chunk_numel"])
+    resident_cost = lambda n: parts * part(n) + part(n)  # chunk images and gradient, in host memory
+    everything = len(group_bytes) * slot + sum(resident_cost(n) for n in sub_group_numels) + general
     pool = min(budget, everything)
+    # What the budget has beyond the minimum goes, in this order, to: twice the minimum room for
+    # gradients and chunks (gradients kept in memory save a write and a read each), optimizer sub-groups
+    # kept resident (they save reading and writing their moments every step, on the update's critical
+    # path), and more slots to cache layer groups across the forward/backward turn and into the next step.
+    leftover = pool - minimum - general
     resident = set()
-    if cfg.cache_optimizer_state:
-        leftover = pool - staging
-        for i, n in enumerate(sub_group_numels):  # the step starts with sub-group 0: keep the first ones
-            if resident_cost(n) > leftover:
-                break
-            resident.add(i)
-            leftover -= resident_cost(n)
-    return RunPlan(budget, pool, min(staging, pool), group_bytes, list(sub_group_numels), chunk, layer_group_size,
-                   resident)
+    if cfg.cache_optimizer_state and leftover > 0:
+        for i, n in enumerate(sub_group_numels):
+            if resident_cost(n) <= leftover:
+                resident.add(i)
+                leftover -= resident_cost(n)
+    slots = min(len(group_bytes), min_slots + max(0, leftover) // slot)
+    return RunPlan(budget, pool, min_slots * slot + general, group_bytes, list(sub_group_numels), chunk,
+                   layer_group_size, resident, slots, sum(resident_cost(sub_group_numels[i]) for i in resident))
 
 
 def torch_elsize(dtype) -> int:

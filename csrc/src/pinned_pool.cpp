@@ -70,23 +70,29 @@ PinnedPool::~PinnedPool() {
   if (base_) munmap(base_, capacity_);
 }
 
-void* PinnedPool::allocate_bytes(uint64_t nbytes) {
+void* PinnedPool::allocate_bytes(uint64_t nbytes, bool from_top) {
   const uint64_t want = round_up(nbytes == 0 ? 1 : nbytes, kAlignment);
   std::lock_guard<std::mutex> lock(mu_);
-  // First fit over the free list, which is kept coalesced and ordered by offset.
+  // Two ends, so that buffers of different kinds do not interleave: the low end takes the lowest block
+  // that fits (first fit over the free list, kept coalesced and ordered by offset), the high end the
+  // highest block that fits, cut from its end.
   uint64_t largest = 0;
+  auto pick = free_.end();
   for (auto it = free_.begin(); it != free_.end(); ++it) {
-    if (it->second >= want) {
-      const uint64_t offset = it->first;
-      const uint64_t rest = it->second - want;
-      free_.erase(it);
-      if (rest) free_[offset + want] = rest;
-      used_[offset] = want;
-      in_use_ += want;
-      if (in_use_ > high_water_) high_water_ = in_use_;
-      return base_ + offset;
-    }
     if (it->second > largest) largest = it->second;
+    if (it->second < want) continue;
+    if (from_top || pick == free_.end()) pick = it;
+  }
+  if (pick != free_.end()) {
+    const uint64_t block = pick->first;
+    const uint64_t rest = pick->second - want;
+    const uint64_t offset = from_top ? block + rest : block;
+    free_.erase(pick);
+    if (rest) free_[from_top ? block : block + want] = rest;
+    used_[offset] = want;
+    in_use_ += want;
+    if (in_use_ > high_water_) high_water_ = in_use_;
+    return base_ + offset;
   }
   std::ostringstream msg;
   msg << "pinned pool cannot hand out " << want << " bytes: " << in_use_ << " of its " << capacity_
@@ -120,10 +126,10 @@ void PinnedPool::release(void* ptr) noexcept {
   free_[start] = length;
 }
 
-at::Tensor PinnedPool::allocate(int64_t numel, at::ScalarType dtype) {
+at::Tensor PinnedPool::allocate(int64_t numel, at::ScalarType dtype, bool from_top) {
   AIDAPTIV_EXPECT(numel >= 0, "PinnedPool.allocate numel is " << numel << ": expected a count >= 0");
   const uint64_t nbytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
-  void* ptr = allocate_bytes(nbytes);
+  void* ptr = allocate_bytes(nbytes, from_top);
   // The deleter keeps the pool alive until the last tensor from it is gone, and returns the block.
   auto self = shared_from_this();
   return at::from_blob(
@@ -142,6 +148,7 @@ PoolStats PinnedPool::stats() const {
   s.in_use = in_use_;
   s.high_water = high_water_;
   s.blocks = used_.size();
+  for (const auto& [offset, length] : free_) s.largest_free = std::max(s.largest_free, length);
   s.locked = locked_;
   s.lock_method = lock_method_;
   s.lock_note = lock_note_;

@@ -2,7 +2,7 @@
 two ranks, a run killed after a checkpoint and resumed, an I/O failure in the middle of a run, HF Trainer
 with --deepspeed, and a plain deepspeed.initialize script.
 
-The host budget (24 MiB) is well below the micro preset's model state (4.7M parameters, 94 MiB), so
+The host budget (40 MiB) is well below the micro preset's model state (4.7M parameters, 94 MiB), so
 parameters and optimizer state really move through the swap files every step.
 """
 import json
@@ -16,7 +16,7 @@ import pytest
 
 from helpers import CONFIGS, REPO, _free_port, child_env, read_metrics, run_train
 
-BUDGET = "24MiB"
+BUDGET = "40MiB"
 STEPS = 4
 COMMON = ["--model", "micro", "--seq-len", "64", "--micro-batch", "2", "--warmup", "1"]
 
@@ -63,7 +63,7 @@ def test_losses_match_zero3_and_state_really_moves_through_nvme(tmp_path, refere
     param_bytes = m["params"] * 4
     assert m["nvme_read_bytes"] / timed > param_bytes, m["nvme_read_bytes"]
     assert m["nvme_write_bytes"] / timed > param_bytes, m["nvme_write_bytes"]
-    assert 0 < m["peak_pinned_mb"] <= 24.0 + 1e-6
+    assert 0 < m["peak_pinned_mb"] <= 40.0 + 1e-6
     assert m["phases_s"]["io_wait"] is not None and m["phases_s"]["io_wait"] >= 0
     # The swap files are gone after the run.
     assert os.listdir(tmp_path / "swap") == []

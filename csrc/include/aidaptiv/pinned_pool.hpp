@@ -20,6 +20,7 @@ namespace aidaptiv {
 constexpr uint64_t kAlignment = 4096;  // O_DIRECT buffer, offset and block alignment
 
 struct PoolStats {
+  uint64_t largest_free = 0;  // bytes of the largest free block (what one allocation can get now)
   uint64_t capacity = 0;    // bytes in the allocation
   uint64_t in_use = 0;      // bytes handed out now (4 KiB granules)
   uint64_t high_water = 0;  // most bytes ever handed out at once
@@ -39,7 +40,10 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   PinnedPool& operator=(const PinnedPool&) = delete;
 
   // A 1-D tensor of numel elements of dtype, 4 KiB aligned; throws OutOfPinnedMemory past the budget.
-  at::Tensor allocate(int64_t numel, at::ScalarType dtype);
+  // from_top: carve the block from the high end of the pool. Callers keep long-lived large buffers at
+  // the low end and everything else at the high end, so short-lived buffers do not cut up the space the
+  // large ones need (the pool cannot move live buffers to defragment).
+  at::Tensor allocate(int64_t numel, at::ScalarType dtype, bool from_top = false);
   // Whether [address, address + nbytes) lies inside this pool's allocation.
   bool contains(uintptr_t address, uint64_t nbytes) const;
   PoolStats stats() const;
@@ -49,7 +53,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
 
  private:
   explicit PinnedPool(uint64_t capacity_bytes);
-  void* allocate_bytes(uint64_t nbytes);
+  void* allocate_bytes(uint64_t nbytes, bool from_top);
   void release(void* ptr) noexcept;
 
   char* base_ = nullptr;
