@@ -70,8 +70,47 @@ def parse_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional
     return nbytes, None
 
 
+def _cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """The tightest memory limit on this process's cgroup and its ancestors (v2 memory.max, or v1
+    memory.limit_in_bytes), or None when there is none."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            base, name = root, "memory.max"                                   # cgroup v2
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"  # cgroup v1
+        else:
+            continue
+        path = path.strip("/")
+        while True:
+            try:
+                with open(os.path.join(base, path, name)) as f:
+                    text = f.read().strip()
+                if text.isdigit() and int(text) < (1 << 60):  # v1 writes a huge number for "no limit"
+                    candidates.append(int(text))
+            except OSError:
+                pass
+            if not path:
+                break
+            path = os.path.dirname(path)
+    return min(candidates) if candidates else None
+
+
 def total_ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Memory this process may use: physical RAM, or its cgroup's limit when lower (a container, a SLURM
+    job, a sweep's host cap), so that a budget given as a share of RAM stays inside such a limit."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_memory_limit()
+    return min(physical, limit) if limit else physical
 
 
 class AidaptivConfig(BaseModel):
@@ -259,8 +298,9 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
         budget = cfg.host_budget_bytes()
         ram = total_ram_bytes()
         if budget > ram:
-            problems.append(f"{BLOCK}.host_memory_budget is {budget / GiB:.2f} GiB but this machine has "
-                            f"{ram / GiB:.2f} GiB of RAM: lower it (for example \"25%\")")
+            problems.append(f"{BLOCK}.host_memory_budget is {budget / GiB:.2f} GiB but this process may use "
+                            f"{ram / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (for "
+                            "example \"25%\")")
     if problems:
         raise ConfigError(problems)
     return cfg

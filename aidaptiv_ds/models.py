@@ -10,6 +10,9 @@ Our own shapes:
 - ``tiny``: the 58M-parameter Llama shape the design measurements use: hidden 768, 6 layers, 12 heads of 64
   (no GQA), intermediate 2048, vocabulary 10,000 with an untied LM head. 6 x 7.08M layer parameters + 2 x 7.68M
   embedding/head = 57.8M. The embedding and head (30.7 MB each in fp32) are the largest partitions.
+- ``small``: 226M parameters, hidden 1024, 16 layers, 16 heads, intermediate 2816, vocabulary 10,000 (untied):
+  a model whose ZeRO-3 state (about 4.5 GB in fp32) does not fit a few-GiB host-memory cap on a CPU machine,
+  for feasibility cells that take about a minute.
 - ``micro``: 4.7M parameters for fast CI runs: hidden 256, 2 layers, 4 heads, intermediate 2048, vocabulary
   2048. Its MLP matrices (256 x 2048), embedding and head are 2 MiB each in fp32, so under ZeRO-Infinity they
   are swapped (DeepSpeed 0.19.8 keeps partitions under 1 MiB in RAM) with 1 rank and, as 1 MiB partitions,
@@ -31,6 +34,9 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(family="llama", hidden_size=768, num_hidden_layers=6, num_attention_heads=12,
                  num_key_value_heads=12, intermediate_size=2048, vocab_size=10000, rope_theta=10000.0,
                  max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "small": dict(family="llama", hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=16, intermediate_size=2816, vocab_size=10000, rope_theta=10000.0,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "llama2-7b": dict(family="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, intermediate_size=11008, vocab_size=32000, rope_theta=10000.0,
                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),

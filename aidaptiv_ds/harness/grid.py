@@ -25,6 +25,7 @@ BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
 PRESETS = {
     "micro": None,
     "tiny": 58_000_000,
+    "small": 226_000_000,
     "llama2-7b": 6_738_000_000,
     "qwen2.5-7b": 7_616_000_000,
     "llama3.1-8b": 8_030_000_000,

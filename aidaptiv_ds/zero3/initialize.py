@@ -61,6 +61,17 @@ def prepare(ds_config: Dict[str, Any], model=None, world_size: int = 1) -> Tuple
     return out, cfg
 
 
+def _return_freed_heap() -> None:
+    """Give the C heap's free memory back to the OS. Building the model and DeepSpeed's set-up allocate and
+    free hundreds of MB in pieces below glibc's mmap threshold; freed, they stay in the process (and count
+    against a cgroup's memory limit) until trimmed. Best effort: nothing happens without glibc."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _world_size() -> int:
     try:
         import torch.distributed as tdist
@@ -103,4 +114,5 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                "is zero_optimization.stage 3 and an optimizer configured?")
         from aidaptiv_ds.zero3.engine_hooks import attach
         attach(engine, runtime)
+        _return_freed_heap()
     return engine, opt, loader, sched

@@ -117,3 +117,29 @@ def test_deepspeed_accepts_the_translated_config(tmp_path):
     parsed = DeepSpeedConfig(C.to_deepspeed_config(ds(block), cfg))
     assert parsed.zero_config.offload_param.device == "nvme"
     assert parsed._param_dict["aidaptiv"]["nvme_path"] == str(tmp_path)
+
+
+def test_a_share_of_ram_means_the_cgroup_limit_when_lower(tmp_path):
+    proc = tmp_path / "cgroup"
+    # v1 memory controller at /a/b with a limit on /a; v2 root without one.
+    proc.write_text("4:memory:/a/b\n0::/\n")
+    (tmp_path / "memory" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "memory" / "a" / "b" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tmp_path / "memory" / "a" / "memory.limit_in_bytes").write_text(str(3 << 30))
+    (tmp_path / "memory.max").write_text("max\n")
+    assert C._cgroup_memory_limit(str(proc), str(tmp_path)) == 3 << 30
+    proc.write_text("0::/job\n")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "memory.max").write_text(str(5 << 30))
+    assert C._cgroup_memory_limit(str(proc), str(tmp_path)) == 5 << 30
+    proc.write_text("0::/\n")
+    assert C._cgroup_memory_limit(str(proc), str(tmp_path)) is None
+
+
+def test_harness_presets_are_trains_presets():
+    from aidaptiv_ds.harness.grid import PRESETS as HARNESS
+    from aidaptiv_ds.models import PRESETS, count_parameters, preset_config
+    assert set(HARNESS) == set(PRESETS)
+    for name, nominal in HARNESS.items():
+        if nominal:
+            assert abs(count_parameters(preset_config(name)) - nominal) / nominal < 0.02, name

@@ -82,7 +82,8 @@ def test_ci_grid_is_cheap():
 
 def test_cpu_small_runs_all_backends_on_small_presets():
     cells = _cells("cpu_small.json")
-    assert {c.model for c in cells} == {"micro", "tiny"}
+    assert {c.model for c in cells} == {"micro", "tiny", "small"}
+    assert len(cells) == 24
     assert {c.backend for c in cells} == set(BACKENDS)
     assert [c for c in cells if c.model == "tiny"] and all(
         (c.micro_batch, c.seq_len) == (2, 64) for c in cells if c.model == "tiny")
@@ -132,5 +133,5 @@ def test_unreadable_and_invalid_json(tmp_path):
 
 
 def test_presets_cover_the_contract():
-    assert set(PRESETS) == {"micro", "tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3.1-8b",
+    assert set(PRESETS) == {"micro", "tiny", "small", "llama2-7b", "llama2-13b", "llama2-70b", "llama3.1-8b",
                             "llama3.1-70b", "qwen2.5-7b", "qwen2.5-72b"}
