@@ -141,7 +141,7 @@ class AidaptivConfig(BaseModel):
                                                                "shrink when the budget cannot prefetch them.")
     prefetch_depth: int = Field(1, ge=0, le=16, description="Layer groups read ahead of the one computing.")
     optimizer_chunk_numel: Union[int, str] = Field(
-        "auto", description="Elements per optimizer sub-group (DeepSpeed's sub_group_size): the unit of optimizer "
+        "auto", description="Elements per optimizer chunk (and DeepSpeed's sub_group_size): the unit of optimizer "
                             "read-ahead and write-behind. 'auto' sizes it from the host budget.")
     deferred_update: bool = Field(True, description="fp32 models: apply each parameter's optimizer update when "
                                                     "the next forward fetches it (same result; the forward's "

@@ -106,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the launch command of each cell that would run "
                                                            "(after --resume) and exit without running anything")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--prebuild", action=argparse.BooleanOptionalAction, default=True,
+                   help="build DeepSpeed's just-in-time ops the backends need before the first cell, without "
+                        "the host cap (default on; a build inside a capped cell is killed like the cell)")
 
 
 class _Interrupted(Exception):
@@ -402,6 +405,11 @@ def run(args: argparse.Namespace) -> int:
             if not (args.resume and cell.id in done):
                 print(shlex.join(_command(cell, ctx, port=29500)))
         return 0
+
+    if args.prebuild:
+        from aidaptiv_ds.harness.prebuild import prebuild
+        for line in prebuild({c.backend for c in cells}, env):
+            print(f"DeepSpeed op {line}", file=sys.stderr)
 
     from tqdm import tqdm
     counts: dict[str, int] = {}

@@ -25,7 +25,7 @@ def mixed_sweep(fake_env, tmp_path, monkeypatch):
                       per_model={"tiny": {"micro_batches": [1], "gpus": [2]}})
     out = str(tmp_path / "out")
     rc = sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--host-mem-cap-gb", "1",
-                "--no-skip-dominated", "--no-progress"])
+                "--no-skip-dominated", "--no-progress", "--no-prebuild"])
     return rc, grid, out
 
 
@@ -80,7 +80,7 @@ def test_mixed_sweep_records_every_outcome_and_finishes(mixed_sweep, fake_env, t
     os.remove(os.path.join(out, "cells", "micro__zero3__g1__mb4__s8__ga1", "row.json"))
     t = time.monotonic()
     rc = sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--host-mem-cap-gb", "1",
-                "--no-skip-dominated", "--no-progress", "--resume"])
+                "--no-skip-dominated", "--no-progress", "--resume", "--no-prebuild"])
     assert rc == 0
     after = rows_of(out)
     assert len(after) == 6
@@ -93,7 +93,7 @@ def test_watchdog_mechanism_kills_over_the_cap(fake_env, tmp_path, monkeypatch):
     grid = write_grid(tmp_path / "g.json", timeout_s=40)
     out = str(tmp_path / "out")
     assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--host-mem-cap-gb", "1",
-                  "--host-mem-cap-mechanism", "rss-watchdog", "--no-progress"]) == 0
+                  "--host-mem-cap-mechanism", "rss-watchdog", "--no-progress", "--no-prebuild"]) == 0
     (row,) = rows_of(out)
     assert row["status"] == "oom" and "rss-watchdog" in row["error"]
     assert row["host_mem_cap"]["mechanism"] == "rss-watchdog"
@@ -105,7 +105,7 @@ def test_skip_dominated_infers_oom(fake_env, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_TRAIN_PLAN", json.dumps({"1": "ok", "2": "oom", "4": "ok"}))
     grid = write_grid(tmp_path / "g.json", micro_batches=[1, 2, 4], seq_lens=[8, 16])
     out = str(tmp_path / "out")
-    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--no-progress"]) == 0
+    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--no-progress", "--no-prebuild"]) == 0
     rows = {r["key"]: r for r in rows_of(out)}
     assert len(rows) == 6
     measured = "micro__zero3__g1__mb2__s8__ga1"
@@ -118,7 +118,7 @@ def test_skip_dominated_infers_oom(fake_env, tmp_path, monkeypatch):
 
     # A new run (no --resume) of a build that fixed the OOM: the old OOM row must not stop the bigger cell.
     monkeypatch.setenv("FAKE_TRAIN_PLAN", json.dumps({}))
-    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--no-progress", "--cell-index", "3"]) == 0
+    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--no-progress", "--no-prebuild", "--cell-index", "3"]) == 0
     (new,) = rows_of(out)[6:]
     assert (new["key"], new["status"], new["inferred"]) == ("micro__zero3__g1__mb4__s8__ga1", "ok", False)
 
@@ -132,11 +132,11 @@ def test_cell_index_and_listing(fake_env, tmp_path, capsys):
     assert listed[0] == "0 micro__zero3__g1__mb1__s8__ga1"
     out = str(tmp_path / "out")
     assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--cell-index", "3", "--resume",
-                  "--no-progress"]) == 0
+                  "--no-progress", "--no-prebuild"]) == 0
     assert [r["key"] for r in rows_of(out)] == [listed[3].split()[1]]
     # the same array task again (a requeued job): --resume makes it a no-op
     assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--cell-index", "3", "--resume",
-                  "--no-progress"]) == 0
+                  "--no-progress", "--no-prebuild"]) == 0
     assert len(rows_of(out)) == 1
     assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--cell-index", "4"]) == 2
 
@@ -154,7 +154,7 @@ def test_sigterm_kills_the_running_cell(fake_env, tmp_path):
     grid = write_grid(tmp_path / "g.json", timeout_s=300)
     out = str(tmp_path / "out")
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "sweep.py"), "--grid", grid, "--out", out,
-                          "--ds-configs", fake_env, "--host-mem-cap-gb", "2", "--no-progress"],
+                          "--ds-configs", fake_env, "--host-mem-cap-gb", "2", "--no-progress", "--no-prebuild"],
                          env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not leftovers(str(tmp_path), ranks_only=True):

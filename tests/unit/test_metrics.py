@@ -64,3 +64,13 @@ def test_one_line():
     line = M.one_line({"status": "ok", "model": "micro", "tokens_per_s": 12.5, "losses": [2.0, 1.0],
                        "nvme_read_bytes": 2**20, "nvme_write_bytes": None, "phases_s": {}})
     assert "\n" not in line and "tokens/s=12.5" in line and "loss=2.0000->1.0000" in line and "1.0/null" in line
+
+
+def test_swapper_update_share_and_counters_are_reported():
+    records = [{"step_s": 1.0, "forward": 0.6, "backward": 0.3, "optimizer": 0.1}] * 4
+    stats = {"io_wait_s": [0.9, 0.5, 0.4, 0.3], "optimizer_apply_s_steps": [0.0, 0.4, 0.5, 0.6],
+             "peak_pinned_bytes": 2**20, "nvme_read_bytes": 10}
+    m = M.summarize(step_records=records, warmup=1, tokens_per_step=10, losses=[1.0] * 4, engine_stats=stats,
+                    peak_rss=1.0, peak_gpu=None, nvme_read=None, nvme_write=None, extra={})
+    assert m["phases_s"]["optimizer_update"] == 0.5 and m["phases_s"]["io_wait"] == 0.4
+    assert m["swapper"] == {"peak_pinned_bytes": 2**20, "nvme_read_bytes": 10}

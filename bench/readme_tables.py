@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Write the README's results section from the committed rows under bench/results (never by hand).
+
+    python bench/readme_tables.py            # rewrites README.md between the results markers
+    python bench/readme_tables.py --print    # prints the section instead
+
+Sources: bench/results/io_bench/rows.jsonl (last row), bench/results/swap_step_time/rows.jsonl,
+bench/results/cpu_small/results.jsonl.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+BEGIN, END = "<!-- results:begin (bench/readme_tables.py) -->", "<!-- results:end -->"
+SETTINGS_BEGIN, SETTINGS_END = "<!-- settings:begin (bench/readme_tables.py) -->", "<!-- settings:end -->"
+
+
+def _rows(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def io_bench_section():
+    rows = _rows(os.path.join(ROOT, "bench", "results", "io_bench", "rows.jsonl"))
+    if not rows:
+        return ["(no io-bench rows yet: `python bench/io_bench.py --json >> bench/results/io_bench/rows.jsonl`)"]
+    row = rows[-1]
+    m, c = row["machine"], row.get("config", {})
+    out = [f"**I/O engines** (`aidaptiv-ds io-bench`): {m.get('cpu', '?')}, {m.get('cores', '?')} cores, kernel "
+           f"{m.get('kernel', '?')}, {m.get('disk', m.get('device', '?'))}; {c.get('size_mb', '?')} MiB per engine, "
+           f"{c.get('block_kb', '?')} KiB blocks, queue depth {c.get('queue_depth', '?')}, O_DIRECT, "
+           f"{c.get('repeat', '?')} interleaved repeats, medians; {row.get('time', '')}.", "",
+           "| engine | read GB/s | write GB/s | CPU s per GB read | CPU s per GB write | bytes verified |",
+           "|---|---|---|---|---|---|"]
+    for name, e in row["engines"].items():
+        if "error" in e:
+            out.append(f"| {name} | - | - | - | - | {e['error'][:80]} |")
+            continue
+        f = lambda k, d=2: "-" if e.get(k) is None else f"{e[k]:.{d}f}"
+        out.append(f"| {name} | {f('read_gbps')} | {f('write_gbps')} | {f('cpu_s_per_gb_read', 3)} | "
+                   f"{f('cpu_s_per_gb_write', 3)} | {e.get('verified', 'n/a')} |")
+    eng = row["engines"]
+    if "uring" in eng and "fio" in eng and "error" not in eng["fio"]:
+        out += ["", f"io_uring engine / fio io_uring: read {eng['uring']['read_gbps'] / eng['fio']['read_gbps']:.2f}x, "
+                    f"write {eng['uring']['write_gbps'] / eng['fio']['write_gbps']:.2f}x."]
+    if "uring" in eng and "deepspeed" in eng and "error" not in eng["deepspeed"]:
+        u, d = eng["uring"], eng["deepspeed"]
+        out.append(f"io_uring engine / DeepSpeed's libaio handle: read {u['read_gbps'] / d['read_gbps']:.2f}x, write "
+                   f"{u['write_gbps'] / d['write_gbps']:.2f}x; CPU per GB {u['cpu_s_per_gb_read'] / d['cpu_s_per_gb_read']:.2f}x "
+                   f"(read), {u['cpu_s_per_gb_write'] / d['cpu_s_per_gb_write']:.2f}x (write).")
+    return out
+
+
+def step_time_section():
+    path = os.path.join(ROOT, "bench", "results", "swap_step_time", "summary.md")
+    if not os.path.exists(path):
+        return ["(no step-time rows yet: `python bench/swap_step_time.py`)"]
+    with open(path) as f:
+        lines = f.read().strip().splitlines()
+    lines[0] = "**" + lines[0].lstrip("# ") + "** (`bench/swap_step_time.py`)"
+    return lines
+
+
+def sweep_section():
+    from aidaptiv_ds.harness.results import load_rows
+    out_dir = os.path.join(ROOT, "bench", "results", "cpu_small")
+    if not os.path.exists(os.path.join(out_dir, "results.jsonl")):
+        return ["(no sweep rows yet: `python bench/sweep.py --grid bench/grids/cpu_small.json --out bench/results/cpu_small`)"]
+    rows = {}
+    for r in load_rows(out_dir).rows:  # the newest row of each cell
+        rows[(r["model"], r["gpus"], r["micro_batch"], r["seq_len"], r["backend"])] = r
+    backends = ["zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv"]
+    shapes = sorted({k[:4] for k in rows}, key=lambda k: (["micro", "tiny", "small"].index(k[0])
+                                                           if k[0] in ("micro", "tiny", "small") else 9, k[1:]))
+    any_row = next(iter(rows.values()))
+    cap = (any_row.get("host_mem_cap") or {}).get("gb")
+    m = any_row.get("machine", {})
+    out = [f"**CPU sweep** (`bench/grids/cpu_small.json`, report in `bench/results/cpu_small/report.md`): tokens/s "
+           f"per cell, {m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores', '?')} cores, host memory capped at "
+           f"{cap} GiB per cell (cgroup), fp32, median step after warm-up; OOM: killed by the cap.", "",
+           "| model | processes | batch x seq | " + " | ".join(backends) + " |",
+           "|---|---|---|" + "---|" * len(backends)]
+    ratios = []
+    for shape in shapes:
+        cells = []
+        for b in backends:
+            r = rows.get(shape + (b,))
+            if r is None:
+                cells.append("-")
+            elif r["status"] == "ok":
+                cells.append(f"{r['tokens_per_s']:.0f}")
+            else:
+                cells.append(r["status"].upper() + ("*" if r.get("inferred") else ""))
+        a, z = rows.get(shape + ("aidaptiv",)), rows.get(shape + ("zero_infinity",))
+        if a and z and a["status"] == z["status"] == "ok":
+            ratios.append(a["tokens_per_s"] / z["tokens_per_s"])
+        out.append(f"| {shape[0]} | {shape[1]} | {shape[2]} x {shape[3]} | " + " | ".join(cells) + " |")
+    if ratios:
+        out += ["", f"aidaptiv / ZeRO-Infinity tokens/s over the {len(ratios)} cells both ran: median "
+                    f"**{statistics.median(ratios):.2f}x** (min {min(ratios):.2f}x, max {max(ratios):.2f}x)."]
+    only = [s for s in shapes if (rows.get(s + ("aidaptiv",)) or {}).get("status") == "ok"
+            and (rows.get(s + ("zero_infinity",)) or {}).get("status") != "ok"]
+    if only:
+        out.append("Cells only aidaptiv ran: " + ", ".join(f"{s[0]} {s[2]}x{s[3]} on {s[1]}" for s in only) + ".")
+    return out
+
+
+def settings_section():
+    """The block's settings, from the pydantic model (so the README cannot drift from the code)."""
+    from aidaptiv_ds.config import AidaptivConfig
+    out = ["| setting | default | meaning |", "|---|---|---|"]
+    for name, field in AidaptivConfig.model_fields.items():
+        default = field.default.value if hasattr(field.default, "value") else field.default
+        out.append(f"| `{name}` | `{json.dumps(default)}` | {field.description} |")
+    return "\n".join([SETTINGS_BEGIN, "", *out, "", SETTINGS_END])
+
+
+def section():
+    parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *sweep_section(), "", END]
+    return "\n".join(parts)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--print", action="store_true")
+    args = p.parse_args()
+    text = section()
+    if args.print:
+        print(settings_section() + "\n\n" + text)
+        return
+    readme = os.path.join(ROOT, "README.md")
+    with open(readme) as f:
+        content = f.read()
+    for begin, end_marker, body in ((BEGIN, END, text), (SETTINGS_BEGIN, SETTINGS_END, settings_section())):
+        start, end = content.index(begin), content.index(end_marker) + len(end_marker)
+        content = content[:start] + body + content[end:]
+    with open(readme, "w") as f:
+        f.write(content)
+
+
+if __name__ == "__main__":
+    main()
