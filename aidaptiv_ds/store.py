@@ -24,6 +24,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -34,7 +35,6 @@ from aidaptiv_ds.io import IOEngine, IORequest, PinnedPool
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
-_PROFILE = {} if os.environ.get("AIDAPTIV_PROFILE_WAITS") else None
 # The file grows in steps of this size (or the extent, if larger), so that allocating many small
 # extents does not call posix_fallocate for each of them.
 GROW_STEP = 256 * 1024 * 1024
@@ -370,18 +370,11 @@ class SwapStore:
         """Wait for one ticket; the time spent is counted as I/O wait."""
         if ticket.done():
             return ticket.wait()
-        import time
         t0 = time.perf_counter()
         try:
             return ticket.wait()
         finally:
-            dt = time.perf_counter() - t0
-            self.io_wait_s += dt
-            if _PROFILE is not None:
-                import traceback
-                caller = traceback.extract_stack(limit=4)[0].name
-                key = (ticket.what.split(" of ")[0].split(" ")[0] + "@" + caller)
-                _PROFILE[key] = _PROFILE.get(key, 0.0) + dt
+            self.io_wait_s += time.perf_counter() - t0
 
     def drain(self) -> None:
         """Wait for every request this store started."""

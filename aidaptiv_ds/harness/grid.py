@@ -23,7 +23,7 @@ BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
 # sizes; "micro" is defined by train and is the smallest). Used to order cells (small models first) and to
 # fill ``params`` in rows of cells that died before train could report its own count.
 PRESETS = {
-    "micro": None,
+    "micro": 4_720_896,
     "tiny": 58_000_000,
     "small": 226_000_000,
     "llama2-7b": 6_738_000_000,
@@ -34,6 +34,11 @@ PRESETS = {
     "llama3.1-70b": 70_554_000_000,
     "qwen2.5-72b": 72_706_000_000,
 }
+
+
+# ZeRO-3 state per parameter in fp32 with the optimizer offloaded: parameter, gradient, fp32 master and two
+# Adam moments, 4 bytes each.
+STATE_BYTES_PER_PARAM = 20
 
 
 class GridError(ValueError):
@@ -68,6 +73,8 @@ class ModelOverride(BaseModel):
     """GPU (process) counts for this model."""
     grad_accum: Optional[Union[int, list[int]]] = None
     """Gradient accumulation steps for this model (one value or a list)."""
+    aidaptiv_state_fraction: Optional[float] = Field(None, gt=0, lt=1)
+    """aidaptiv's host budget for this model, as a fraction of its ZeRO-3 state (see Grid)."""
     notes: Optional[str] = None
     """Where these values come from."""
 
@@ -117,6 +124,10 @@ class Grid(BaseModel):
     """GPU memory per process to emulate (e.g. 40 for an A100 40GB); --gpu-mem-cap-gb replaces it."""
     host_mem_cap_gb: Optional[float] = Field(None, gt=0)
     """Host memory per cell to emulate; --host-mem-cap-gb replaces it."""
+    aidaptiv_state_fraction: Optional[float] = Field(None, gt=0, lt=1)
+    """aidaptiv cells get a host budget (--host-budget) of this fraction of the model's ZeRO-3 state (20
+    bytes per parameter in fp32, split over the ranks), so that the RAM cache tier stays below the state and
+    most of it really moves through NVMe; unset: the config's budget."""
     per_model: dict[str, ModelOverride] = Field(default_factory=dict)
     """Per-model replacements of micro_batches / seq_lens / gpus / grad_accum."""
 
@@ -149,6 +160,14 @@ class Grid(BaseModel):
     @classmethod
     def _check_ga(cls, v):
         return _positive_unique("grad_accum", [v] if isinstance(v, int) else v)
+
+    def aidaptiv_budget_bytes(self, model: str, gpus: int) -> Optional[int]:
+        """Per-rank host budget of an aidaptiv cell (None: the config's own)."""
+        o = self.per_model.get(model) or ModelOverride()
+        fraction = o.aidaptiv_state_fraction or self.aidaptiv_state_fraction
+        if not fraction or not PRESETS.get(model):
+            return None
+        return int(fraction * STATE_BYTES_PER_PARAM * PRESETS[model] / gpus)
 
     def values_for(self, model: str) -> tuple[list[int], list[int], list[int], list[int]]:
         """(micro_batches, seq_lens, gpus, grad_accums) for one model, per_model overrides applied."""

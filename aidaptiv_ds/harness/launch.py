@@ -99,7 +99,8 @@ def launcher_args(cell: Cell, spec: LaunchSpec, port: int) -> list[str]:
 
 
 def launch_command(cell: Cell, spec: LaunchSpec, *, port: int, swap_dir: str, metrics_out: str, steps: int,
-                   warmup: int, gpu_mem_cap_gb: Optional[float] = None) -> list[str]:
+                   warmup: int, gpu_mem_cap_gb: Optional[float] = None,
+                   host_budget_bytes: Optional[int] = None) -> list[str]:
     """The whole command line of one cell (see the module docstring)."""
     module, *lead = shlex.split(spec.train)
     cmd = launcher_args(cell, spec, port) + ["--module", module, *lead]
@@ -116,4 +117,6 @@ def launch_command(cell: Cell, spec: LaunchSpec, *, port: int, swap_dir: str, me
     ]
     if gpu_mem_cap_gb is not None:
         cmd += ["--gpu-mem-cap-gb", f"{gpu_mem_cap_gb:g}"]
+    if host_budget_bytes is not None:
+        cmd += ["--host-budget", str(host_budget_bytes)]
     return cmd

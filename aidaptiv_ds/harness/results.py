@@ -58,6 +58,8 @@ class Row(BaseModel):
     key: str
     """Cell id: model__backend__gG__mbB__sL__gaA."""
     grid: Optional[str] = None
+    aidaptiv_host_budget_bytes: Optional[int] = None
+    """aidaptiv cells: the per-rank host budget the grid gave (--host-budget); None: the config's."""
     git_sha: Optional[str] = None
     git_dirty: Optional[bool] = None
     time_start: str

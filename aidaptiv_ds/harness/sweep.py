@@ -156,6 +156,7 @@ def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun]
         "row_id": uuid.uuid4().hex,
         "key": cell.id,
         "grid": ctx["grid"],
+        "aidaptiv_host_budget_bytes": _aidaptiv_budget(cell, ctx),
         "git_sha": ctx["git_sha"], "git_dirty": ctx["git_dirty"],
         "time_start": time_start, "time_end": time_end,
         "wall_s": round(run.wall_s, 3) if run else 0.0,
@@ -221,7 +222,12 @@ def _cell_paths(cell: Cell, ctx: dict) -> tuple[str, str, str]:
 def _command(cell: Cell, ctx: dict, port: int) -> list[str]:
     _, swap_dir, metrics_path = _cell_paths(cell, ctx)
     return launch_command(cell, ctx["spec"], port=port, swap_dir=swap_dir, metrics_out=metrics_path,
-                          steps=ctx["steps"], warmup=ctx["warmup"], gpu_mem_cap_gb=ctx["gpu_mem_cap_gb"])
+                          steps=ctx["steps"], warmup=ctx["warmup"], gpu_mem_cap_gb=ctx["gpu_mem_cap_gb"],
+                          host_budget_bytes=_aidaptiv_budget(cell, ctx))
+
+
+def _aidaptiv_budget(cell: Cell, ctx: dict) -> Optional[int]:
+    return ctx["grid_obj"].aidaptiv_budget_bytes(cell.model, cell.gpus) if cell.backend == "aidaptiv" else None
 
 
 def _run_one(cell: Cell, ctx: dict, tick) -> dict:
@@ -363,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     ctx = {
-        "out": out, "grid": grid.name, "git_sha": sha, "git_dirty": dirty, "steps": steps, "warmup": warmup,
+        "out": out, "grid": grid.name, "grid_obj": grid, "git_sha": sha, "git_dirty": dirty, "steps": steps, "warmup": warmup,
         "lr": grid.lr, "timeout_s": args.timeout_s if args.timeout_s is not None else grid.timeout_s,
         "gpu_mem_cap_gb": gpu_cap, "cap": cap, "spec": spec, "swap_root": swap_root, "env": env,
         "cwd": os.getcwd(), "machine": machine_info(swap_root or os.path.join(out, "cells")),

@@ -38,12 +38,9 @@ class SwapStats:
     """Counters the training loop reads through ``engine.aidaptiv_stats()``."""
 
     def __init__(self):
-        self.reset_step()
         self.peak_pinned_bytes = 0
         self.io_wait_steps = []        # I/O wait of each optimizer step (forward + backward + step), seconds
         self.apply_steps = []          # time applying optimizer updates during each step (incl. deferred)
-
-    def reset_step(self):
         self.optimizer_s = 0.0
         self.optimizer_apply_s = 0.0   # time spent applying optimizer updates (in step() or deferred)
         self.optimizer_io_wait_s = 0.0
