@@ -175,3 +175,16 @@ def test_plain_deepspeed_script_picks_up_the_block(tmp_path, autoload):
     assert p.returncode == 0, p.stdout[-4000:]
     # With the hook the block turns the swapper on; switched off, DeepSpeed runs the config as it is.
     assert f"SWAPPER {autoload == '1'}" in p.stdout
+
+
+@pytest.mark.parametrize("extra,reference_config,rel", [
+    # bf16: separate fp32 masters in the optimizer chunks, updated values converted into the parameters.
+    (("--dtype", "bf16"), "zero3_cpu_offload.json", 1e-5),
+    # Gradient accumulation: gradient buffers carried (and written out under pressure) across micro-steps.
+    (("--grad-accum", "3"), "zero3.json", 1e-5),
+], ids=["bf16", "grad-accum"])
+def test_other_paths_match_deepspeed(tmp_path, extra, reference_config, rel):
+    ref = train(tmp_path, os.path.join(CONFIGS, reference_config), "ref", *extra, steps=4)
+    m = train(tmp_path, aidaptiv_config(tmp_path), "aidaptiv", *extra, steps=4)
+    assert_same_losses(m["losses"], ref["losses"], rel=rel)
+    assert m["nvme_read_bytes"] > 0

@@ -29,7 +29,7 @@ def rows(out):
 
 def test_every_cell_has_a_row_and_the_report_is_made(sweep_out):
     got = rows(sweep_out)
-    assert len({r["key"] for r in got}) == 24
+    assert len({r["key"] for r in got}) == 20
     assert {r["backend"] for r in got} == {"zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv"}
     assert report([sweep_out, "--no-plots"]) == 0
     text = open(os.path.join(sweep_out, "report.md")).read()
