@@ -327,18 +327,19 @@ def to_deepspeed_config(ds_config: Dict[str, Any], cfg: AidaptivConfig) -> Dict[
     # Gathered parameters keep their partitions (views into our layer-group buffers) in host memory until
     # DeepSpeed releases them; on one rank on CPU the gathered parameter is that very buffer. DeepSpeed's
     # defaults (1e9 elements) keep every parameter live across the forward/backward turn, which ignores
-    # the budget: cap both to a quarter of it (but not below LIMIT_FLOOR elements, which small budgets
-    # would otherwise make so low that every module's parameters are gathered and released one by one).
-    # Groups released early stay cached while memory allows.
+    # the budget: cap both to a quarter of it. Groups released early stay cached while memory allows.
     elsize = 2 if (out.get("bf16") or {}).get("enabled") else 4
-    live = max(LIMIT_FLOOR, cfg.host_budget_bytes() // 4 // elsize)
+    live = max(1, cfg.host_budget_bytes() // 4 // elsize)
     zero["stage3_max_live_parameters"] = int(min(zero.get("stage3_max_live_parameters", live), live))
     zero["stage3_max_reuse_distance"] = int(min(zero.get("stage3_max_reuse_distance", 0), live))
     # ZeRO-3 holds views of every gradient partition of a reduce bucket until the whole bucket is
     # partitioned, so a bucket's gradients cannot leave host memory before then: keep buckets to an
-    # eighth of the budget (DeepSpeed's default, 5e8 elements, is the whole of most models), and at least
-    # LIMIT_FLOOR elements: every bucket is one collective, and many small ones slow the backward.
-    bucket = max(LIMIT_FLOOR, cfg.host_budget_bytes() // 8 // 4)
+    # eighth of the budget (DeepSpeed's default, 5e8 elements, is the whole of most models). Every bucket
+    # is one collective and many small ones slow the backward, so a small budget may give buckets up to a
+    # quarter of itself until they reach LIMIT_FLOOR elements; never more, or the gradients DeepSpeed
+    # holds views of crowd out the layer groups.
+    budget = cfg.host_budget_bytes()
+    bucket = max(1, budget // 8 // 4, min(LIMIT_FLOOR, budget // 4 // 4))
     zero["reduce_bucket_size"] = int(min(zero.get("reduce_bucket_size", 500_000_000), bucket))
     # DeepSpeed's own NVMe prefetch is replaced by our layer-group prefetch; its all-gather prefetch of
     # partitions already in memory stays.
@@ -347,7 +348,7 @@ def to_deepspeed_config(ds_config: Dict[str, Any], cfg: AidaptivConfig) -> Dict[
     return out
 
 
-# Lower bound of the DeepSpeed limits derived from the budget (elements): 64 MiB of fp32.
+# Reduce-bucket size (elements, 64 MiB of fp32) that small budgets grow their buckets towards.
 LIMIT_FLOOR = 1 << 24
 
 # 'auto' optimizer chunks: small enough that several fit in the host budget at once (the step keeps

@@ -262,7 +262,11 @@ class HostMemory:
                 if buf is not None:
                     break
                 s = self.pool.stats()
-                held = ", ".join(f"{name} {fn() / 2**20:.1f} MiB" for name, fn in self._holders)
+                amounts = [(name, fn()) for name, fn in self._holders]
+                # What no holder owns is buffers their owners let go while others still reference them
+                # (gradient views in a DeepSpeed reduce bucket): freed when those references drop.
+                amounts.append(("still referenced elsewhere", max(0, s["in_use"] - sum(a for _, a in amounts))))
+                held = ", ".join(f"{name} {amount / 2**20:.1f} MiB" for name, amount in amounts)
                 raise HostBudgetError(
                     f"host memory budget exhausted: {what} needs {nbytes / 2**20:.1f} MiB but "
                     f"{s['in_use'] / 2**20:.1f} of {s['capacity'] / 2**20:.1f} MiB are in use ({held}; largest "

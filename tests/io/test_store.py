@@ -108,4 +108,5 @@ def test_budget_is_enforced_reclaimers_run_and_the_error_says_what_holds_memory(
         mem.take(3 << 20, "c")
     assert "c needs 3.0 MiB" in str(e.value) and "test buffers" in str(e.value)
     assert "host_memory_budget" in str(e.value)
+    assert "still referenced elsewhere 2.0 MiB" in str(e.value)  # ``buf``: no holder owns it
     assert mem.try_take(3 << 20) is None  # non-blocking: no costly reclaimers, no error

@@ -98,8 +98,9 @@ def test_translation_routes_zero3_through_nvme_and_bounds_deepspeed_by_the_budge
     assert z["offload_param"]["device"] == "nvme" and z["offload_optimizer"]["device"] == "nvme"
     assert z["offload_param"]["nvme_path"] == str(tmp_path) and z["offload_param"]["max_in_cpu"] == 0
     assert z["stage3_param_persistence_threshold"] == 0
-    assert z["reduce_bucket_size"] == C.LIMIT_FLOOR  # 64 MiB / 32 is below the floor
-    assert z["stage3_max_live_parameters"] == C.LIMIT_FLOOR and z["stage3_max_reuse_distance"] == 0
+    # A small budget: buckets grow to a quarter of it (an eighth would make many small collectives).
+    assert z["reduce_bucket_size"] == 64 * 2**20 // 4 // 4
+    assert z["stage3_max_live_parameters"] == 64 * 2**20 // 4 // 4 and z["stage3_max_reuse_distance"] == 0
     big = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "8GiB"}), check_paths=False)
     zb = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big)["zero_optimization"]
     assert zb["reduce_bucket_size"] == 8 * 2**30 // 8 // 4 and zb["stage3_max_live_parameters"] == 8 * 2**30 // 16
