@@ -8,8 +8,11 @@ its build. So the sweep builds what its backends need first, in a separate proce
 """
 from __future__ import annotations
 
+import glob
+import os
 import subprocess
 import sys
+import time
 
 # DeepSpeed op builders each backend's cells load (CPU or CUDA builders alike, by name).
 OPS = {
@@ -38,19 +41,38 @@ for name in sys.argv[1:]:
 """
 
 
+def stale_locks(env, older_than_s: float = 600) -> list[str]:
+    """Build locks left in the extensions cache for longer than ``older_than_s``. torch takes a lock file
+    per op while it compiles and waits, without a word, for as long as that file exists: one left by a
+    build that was killed makes every later build of that op hang."""
+    root = env.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    now = time.time()
+    found = []
+    for path in sorted(glob.glob(os.path.join(root, "**", "lock"), recursive=True)):
+        try:
+            if now - os.path.getmtime(path) > older_than_s:
+                found.append(path)
+        except OSError:
+            continue  # a build finished and removed it meanwhile
+    return found
+
+
 def prebuild(backends, env, timeout_s: float = 1800) -> list[str]:
     """Build the ops the backends need; returns one line per op (never raises: a cell reports its own
     failure if an op is still missing)."""
     names = sorted({op for b in backends for op in OPS.get(b, [])})
     if not names:
         return []
+    warnings = [f"warning: build lock {path} is older than 10 minutes; if no build is running it was left by "
+                "a killed one and the build of that op waits for it forever: delete it"
+                for path in stale_locks(env)]
     try:
         p = subprocess.run([sys.executable, "-c", _SCRIPT, *names], env=env, capture_output=True, text=True,
                            timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return [f"building DeepSpeed ops {', '.join(names)} took longer than {timeout_s:.0f} s; cells will build them"]
+        return warnings + [f"building DeepSpeed ops {', '.join(names)} took longer than {timeout_s:.0f} s; cells will build them"]
     lines = [line for line in p.stdout.splitlines() if ": " in line and line.split(":")[0] in names]
     if p.returncode != 0 and not lines:
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
         lines = [f"building DeepSpeed ops failed: {tail[0]}"]
-    return lines
+    return warnings + lines
