@@ -58,17 +58,19 @@ def run_one(backend, args, swap_root, env):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default="tiny", help="model preset (default tiny: 58M parameters)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (64)")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per step (2)")
+    p.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included (12)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (2)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per backend, interleaved (3)")
     p.add_argument("--budget-fraction", type=float, default=0.25,
                    help="aidaptiv host budget as a fraction of the model state (default 0.25)")
-    p.add_argument("--backends", default="zero_infinity,aidaptiv,zero3")
+    p.add_argument("--backends", default="zero_infinity,aidaptiv,zero3",
+                   help="comma-separated backends (default: zero_infinity,aidaptiv,zero3)")
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "swap_step_time"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "swap_step_time"),
+                   help="folder for rows.jsonl and summary.md (bench/results/swap_step_time)")
     args = p.parse_args()
 
     from aidaptiv_ds.models import count_parameters, preset_config
