@@ -41,6 +41,16 @@ PRESETS = {
 STATE_BYTES_PER_PARAM = 20
 
 
+def _known_names(names, known, kind: str, field: str):
+    """``names`` unchanged when every one is in ``known`` and none repeats; ValueError otherwise."""
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown {kind} {unknown}: expected some of {list(known)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{field} has repeated names: {names}")
+    return names
+
+
 class GridError(ValueError):
     """A grid file that cannot be used; ``problems`` lists every problem found, not just the first."""
 
@@ -134,22 +144,12 @@ class Grid(BaseModel):
     @field_validator("models")
     @classmethod
     def _check_models(cls, v):
-        unknown = [m for m in v if m not in PRESETS]
-        if unknown:
-            raise ValueError(f"unknown model preset(s) {unknown}: expected some of {list(PRESETS)}")
-        if len(set(v)) != len(v):
-            raise ValueError(f"models has repeated names: {v}")
-        return v
+        return _known_names(v, PRESETS, "model preset(s)", "models")
 
     @field_validator("backends")
     @classmethod
     def _check_backends(cls, v):
-        unknown = [b for b in v if b not in BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown backend(s) {unknown}: expected some of {list(BACKENDS)}")
-        if len(set(v)) != len(v):
-            raise ValueError(f"backends has repeated names: {v}")
-        return v
+        return _known_names(v, BACKENDS, "backend(s)", "backends")
 
     @field_validator("micro_batches", "seq_lens", "gpus")
     @classmethod
