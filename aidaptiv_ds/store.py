@@ -26,7 +26,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -277,6 +277,56 @@ class HostMemory:
 
     def stats(self) -> dict:
         return self.pool.stats()
+
+
+class WriteBehind:
+    """Writes in flight whose source buffers must stay referenced until they complete.
+
+    Each entry is (ticket, buffer, frees): ``frees`` says whether finishing the write gives memory back to
+    the pool (a staging buffer) or not (a view of memory someone else owns). Callers hold their own lock
+    around every method but ``finish_all``, which takes it only to detach the entries.
+    """
+
+    def __init__(self, store: "SwapStore"):
+        self.store = store
+        self._items: List[Tuple[Any, torch.Tensor, bool]] = []
+
+    def add(self, ticket, buffer: torch.Tensor, frees: bool) -> None:
+        self._items.append((ticket, buffer, frees))
+
+    def held_bytes(self) -> int:
+        """Pool memory that finishing these writes would give back."""
+        return sum(b.numel() * b.element_size() for _, b, frees in self._items if frees)
+
+    def forget_finished(self) -> bool:
+        """Drop the writes that have completed (raising if one failed); True if any was dropped."""
+        still = []
+        for item in self._items:
+            if item[0].done():
+                self.store.wait(item[0])
+            else:
+                still.append(item)
+        dropped = len(still) < len(self._items)
+        self._items = still
+        return dropped
+
+    def finish_oldest(self, after_each: Optional[Callable[[], Any]] = None) -> bool:
+        """Wait for writes, oldest first, until one whose completion frees memory; True if one did."""
+        while self._items:
+            ticket, _, frees = self._items.pop(0)
+            self.store.wait(ticket)
+            if after_each is not None:
+                after_each()
+            if frees:
+                return True
+        return False
+
+    def finish_all(self, lock) -> None:
+        """Wait for every write (outside ``lock``, so that other threads can go on meanwhile)."""
+        with lock:
+            items, self._items = self._items, []
+        for ticket, _, _ in items:
+            self.store.wait(ticket)
 
 
 class SlotPool:

@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from aidaptiv_ds.store import ALIGN, Extent, Ticket, align_up
+from aidaptiv_ds.store import ALIGN, Extent, Ticket, WriteBehind, align_up
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class AidaptivOptimizerSwapper:
         self.swap_folder = runtime.space.deepspeed_dir
         self.groups: Dict[str, SubGroup] = {}  # DeepSpeed's fp32 partition ds_id -> sub-group
         self.by_index: List[SubGroup] = []
-        self._writes: List[tuple] = []         # (ticket, buffer kept alive until written, frees memory)
+        self._writes = WriteBehind(runtime.store)  # optimizer images and gradients being written
         self._lock = threading.RLock()
         self._pending: List[tuple] = []        # (sub-group, chunk) of the step being applied, in order
         self._cursor = 0                       # chunks of _pending already updated
@@ -181,8 +181,7 @@ class AidaptivOptimizerSwapper:
         mem.add_holder("resident optimizer state", lambda: sum(
             sg.region.reserved for sg in self.by_index if sg.resident))
         mem.add_holder("gradients", lambda: sum(sg.part for sg in self.by_index if sg.grad is not None))
-        mem.add_holder("optimizer writes", lambda: sum(
-            b.numel() * b.element_size() for _, b, frees in self._writes if frees))
+        mem.add_holder("optimizer writes", self._writes.held_bytes)
         mem.add_holder("optimizer chunks", lambda: sum(
             c.image_bytes for sg in self.by_index if not sg.resident for c in sg.chunks if c.buffer is not None))
 
@@ -250,7 +249,7 @@ class AidaptivOptimizerSwapper:
                 buf = self.runtime.memory.take(c.part, f"initial master weights of sub-group {sg.index}")
                 buf[:c.numel * 4].view(FP32).copy_(flat[c.start:c.start + c.numel])
                 t = self.runtime.store.write_span(self.file, c.offset, buf, f"master of sub-group {sg.index}")
-                self._writes.append((t, buf, True))
+                self._writes.add(t, buf, True)
 
     def initialize_from_swapped_fp16_params(self, *args, **kwargs):
         raise NotImplementedError("aidaptiv configures offload_optimizer.fast_init=false; this path is unused")
@@ -584,7 +583,7 @@ class AidaptivOptimizerSwapper:
             return
         t = self.runtime.store.write_span(self.file, c.offset, c.buffer[:c.image_bytes],
                                           f"optimizer state of sub-group {sg.index}")
-        self._writes.append((t, c.buffer, True))
+        self._writes.add(t, c.buffer, True)
         c.buffer = None
         c.grad_view = None
 
@@ -640,7 +639,7 @@ class AidaptivOptimizerSwapper:
             self._sync_device()
             buf = sg.grad.view(torch.uint8)
             t = self.runtime.store.write_span(self.file, sg.grad_extent.offset, buf, f"gradients of sub-group {sg.index}")
-            self._writes.append((t, buf, True))
+            self._writes.add(t, buf, True)
             sg.grad = None
             sg.grad_on_disk = True
             return True
@@ -659,34 +658,18 @@ class AidaptivOptimizerSwapper:
 
     # ------------------------------------------------------------------ write-behind
     def _forget_finished_writes(self) -> bool:
-        n = len(self._writes)
-        self.poll()
-        return len(self._writes) < n
+        with self._lock:
+            return self._writes.forget_finished()
 
     def _reclaim_write(self) -> bool:
         with self._lock:
-            while self._writes:
-                t, _, frees = self._writes.pop(0)
-                self.runtime.store.wait(t)
-                if frees:
-                    return True
-            return False
+            return self._writes.finish_oldest()
 
     def drain(self) -> None:
-        with self._lock:
-            items, self._writes = self._writes, []
-        for t, _, _ in items:
-            self.runtime.store.wait(t)
+        self._writes.finish_all(self._lock)
 
     def poll(self) -> None:
-        with self._lock:
-            still = []
-            for item in self._writes:
-                if item[0].done():
-                    self.runtime.store.wait(item[0])
-                else:
-                    still.append(item)
-            self._writes = still
+        self._forget_finished_writes()
 
 
 class GradientPartitions:

@@ -31,7 +31,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from aidaptiv_ds.store import Extent, HostBudgetError, SlotPool, Ticket, aligned_empty, align_up, as_bytes
+from aidaptiv_ds.store import (Extent, HostBudgetError, SlotPool, Ticket, WriteBehind, aligned_empty, align_up,
+                                as_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,9 @@ class AidaptivParamSwapper:
         self._clock = itertools.count(1)
         self._init_buffers: Dict[int, torch.Tensor] = {}
         self._inflight_params: list = []
-        # (ticket, buffer, frees): updated partitions being written; ``buffer`` is referenced so that it
-        # cannot return to the pool before the write completes, ``frees`` says whether finishing the write
-        # gives memory back (a staging buffer) or not (a view of a cached group).
-        self._write_behind: List[tuple] = []
+        # Updated partitions being written: staging buffers (finishing frees them) or views of a cached
+        # group (finishing frees nothing).
+        self._write_behind = WriteBehind(self.runtime.store)
         self.invalid_buffer = _empty(self.dtype)
 
     # ---------------------------------------------------------------- DeepSpeed's interface
@@ -337,7 +337,7 @@ class AidaptivParamSwapper:
             t = self.runtime.store.write_span(self.runtime.params_file, r.lo, r.buffer,
                                               f"updated partitions from {r.lo}")
             # A view of a cached group frees nothing when written; a staging buffer does.
-            self._write_behind.append((t, r.buffer, r.group is None))
+            self._write_behind.add(t, r.buffer, r.group is None)
             if r.group is not None:
                 r.group.writes.append(t)
             if r.pinned:
@@ -387,8 +387,7 @@ class AidaptivParamSwapper:
             self.runtime.memory.add_reclaimer("finished parameter writes", self._forget_finished_writes, cheap=True)
             self.runtime.memory.add_reclaimer("parameter write-behind", self._reclaim_write)
             self.runtime.memory.add_holder("layer-group slots", lambda: self.slots.region.numel())
-            self.runtime.memory.add_holder("parameter writes", lambda: sum(
-                b.numel() for _, b, frees in self._write_behind if frees))
+            self.runtime.memory.add_holder("parameter writes", self._write_behind.held_bytes)
             self.planned = True
 
     def _make_contiguous(self, g: LayerGroup) -> None:
@@ -556,26 +555,17 @@ class AidaptivParamSwapper:
         return False
 
     def _forget_finished_writes(self) -> bool:
-        n = len(self._write_behind)
-        self.poll_writes()
-        return len(self._write_behind) < n
+        with self._lock:
+            self._drop_finished_ghosts()
+            return self._write_behind.forget_finished()
 
     def _reclaim_write(self) -> bool:
         """Finish the oldest write-behind of updated partitions and free its buffer."""
         with self._lock:
-            while self._write_behind:
-                t, _, frees = self._write_behind.pop(0)
-                self.runtime.store.wait(t)
-                self._drop_finished_ghosts()
-                if frees:
-                    return True
-            return False
+            return self._write_behind.finish_oldest(after_each=self._drop_finished_ghosts)
 
     def drain_writes(self) -> None:
-        with self._lock:
-            items, self._write_behind = self._write_behind, []
-        for t, _, _ in items:
-            self.runtime.store.wait(t)
+        self._write_behind.finish_all(self._lock)
 
     def _drop_finished_ghosts(self) -> bool:
         """Give back the slots of evicted groups whose write-throughs have finished."""
@@ -590,15 +580,7 @@ class AidaptivParamSwapper:
 
     def poll_writes(self) -> None:
         """Forget finished write-behinds so their buffers return to the pool (raising if one failed)."""
-        with self._lock:
-            self._drop_finished_ghosts()
-            still = []
-            for item in self._write_behind:
-                if item[0].done():
-                    self.runtime.store.wait(item[0])
-                else:
-                    still.append(item)
-            self._write_behind = still
+        self._forget_finished_writes()
 
     def drop_cache(self) -> None:
         """Forget every cached group (after a checkpoint load replaced the bytes on disk)."""

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.store import ALIGN, HostBudgetError, HostMemory, SwapSpace, SwapStore, aligned_empty, align_up
+import threading
+
+from aidaptiv_ds.store import (ALIGN, HostBudgetError, HostMemory, SwapSpace, SwapStore, WriteBehind, aligned_empty,
+                             align_up)
 
 
 @pytest.fixture
@@ -84,6 +87,29 @@ def test_read_after_write_and_write_after_read_are_ordered(tmp_path, engine):
         dst = aligned_empty(ext.reserved)
         store.wait(store.read_span(f, ext.offset, dst, "r"))  # must see the write above
         assert torch.equal(src, dst)
+    store.drain()
+
+
+def test_write_behind_counts_freeing_buffers_and_finishes_oldest_first(tmp_path, engine):
+    space = SwapSpace(str(tmp_path), rank=0)
+    store = SwapStore(engine, space)
+    f = space.create_file("x.swp", engine)
+    ext = f.allocate(3 * ALIGN)
+    wb = WriteBehind(store)
+    bufs = [aligned_empty(ALIGN) for _ in range(3)]
+    for i, (buf, frees) in enumerate(zip(bufs, (False, True, True))):
+        buf.fill_(i + 1)
+        wb.add(store.write_span(f, ext.offset + i * ALIGN, buf, f"w{i}"), buf, frees)
+    assert wb.held_bytes() == 2 * ALIGN  # the first buffer is a view someone else owns
+    waited = []
+    # Finishing stops at the first write that frees memory: the non-freeing one before it goes too.
+    assert wb.finish_oldest(after_each=lambda: waited.append(1)) and waited == [1, 1]
+    assert wb.held_bytes() == ALIGN
+    wb.finish_all(threading.Lock())
+    assert wb.held_bytes() == 0 and not wb.finish_oldest() and not wb.forget_finished()
+    back = aligned_empty(3 * ALIGN)
+    store.wait(store.read_span(f, ext.offset, back, "r"))
+    assert [int(back[i * ALIGN]) for i in range(3)] == [1, 2, 3]
     store.drain()
 
 
