@@ -34,6 +34,20 @@ def run_train(args, cwd, timeout=600, launcher_procs=None):
     return p.returncode, p.stdout
 
 
+def failure_excerpt(log, tail=2500):
+    """What a failed multi-rank run's log says about why: every rank's status line and the last lines of each
+    traceback (the first rank to fail is usually not the last to print), then the log's tail."""
+    lines = log.splitlines()
+    picked = [ln for ln in lines if "status=" in ln or "exits with return code" in ln]
+    for i, ln in enumerate(lines):
+        if ln.lstrip().startswith("Traceback (most recent call last)"):
+            end = i + 1
+            while end < len(lines) and (lines[end].startswith((" ", "\t")) or not lines[end].strip()):
+                end += 1
+            picked += ["--- traceback ending:", *lines[max(i + 1, end - 6):end + 1]]
+    return "\n".join(["=== status lines and tracebacks", *picked, "=== log tail", log[-tail:]])
+
+
 def read_metrics(path):
     with open(path) as f:
         return json.load(f)

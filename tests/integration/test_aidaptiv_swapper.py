@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import CONFIGS, REPO, _free_port, child_env, read_metrics, run_train
+from helpers import CONFIGS, REPO, _free_port, child_env, failure_excerpt, read_metrics, run_train
 
 BUDGET = "40MiB"
 STEPS = 4
@@ -37,7 +37,7 @@ def train(tmp_path, config, name, *extra, procs=None, steps=STEPS):
     out = tmp_path / f"{name}.json"
     rc, log = run_train(["--config", config, *COMMON, "--steps", str(steps), "--metrics-out", str(out), *extra],
                         cwd=tmp_path, launcher_procs=procs)
-    assert rc == 0, log[-4000:]
+    assert rc == 0, failure_excerpt(log)
     return read_metrics(out)
 
 
