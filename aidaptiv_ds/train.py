@@ -223,6 +223,9 @@ class Run:
         random.seed(a.seed)
         torch.manual_seed(a.seed)
         deepspeed.init_distributed()
+        # DeepSpeed's CPU communicator leaves a 66 MiB /dev/shm segment per rank behind (see dist_shm).
+        from aidaptiv_ds import dist_shm
+        dist_shm.release_after_barrier()
         if self.cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             if a.gpu_mem_cap_gb:

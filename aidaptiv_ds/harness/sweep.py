@@ -412,6 +412,13 @@ def run(args: argparse.Namespace) -> int:
                 print(shlex.join(_command(cell, ctx, port=29500)))
         return 0
 
+    # Cells run under host-memory caps: RAM that earlier DeepSpeed CPU runs left in /dev/shm is RAM the
+    # cells do not have.
+    from aidaptiv_ds import dist_shm
+    removed, freed = dist_shm.remove_stale_segments()
+    if removed:
+        print(dist_shm.describe_removed(removed, freed), file=sys.stderr)
+
     if args.prebuild:
         from aidaptiv_ds.harness.prebuild import prebuild
         for line in prebuild({c.backend for c in cells}, env):
