@@ -1,11 +1,11 @@
 """DeepSpeed's shared-memory all-reduce segments on CPU: release ours, remove ones earlier runs leaked.
 
-On the CPU accelerator, when every rank is on one machine (the deepspeed launcher sets LOCAL_SIZE), DeepSpeed
-0.19.8's communicator creates one POSIX shared-memory segment per rank (66 MiB each,
-/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>) and never unlinks it. Training
-does not use it (only inference all-reduce does), yet every 2-rank run leaves 132 MiB of RAM behind in tmpfs
-until reboot: a few hundred runs of a sweep or a test suite fill /dev/shm and starve the host of the memory
-the runs themselves need.
+On the CPU accelerator, when every rank is on one machine (the deepspeed launcher sets LOCAL_SIZE, also for
+a single process), DeepSpeed 0.19.8's communicator creates one POSIX shared-memory segment per rank (66 MiB
+each, /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>) and never unlinks it.
+Training does not use it (only inference all-reduce does), yet every such run leaves 66 MiB of RAM per rank
+behind in tmpfs until reboot: a few hundred runs of a sweep or a test suite fill /dev/shm and starve the host
+of the memory the runs themselves need.
 
 Each rank maps every rank's segment while the process group starts, so once all ranks have passed a barrier
 after that, a rank may unlink its own name: the mappings stay valid until the processes exit, and nothing is
@@ -39,13 +39,16 @@ def release_own_segment(rank: int, env=None, shm_dir: str = SHM_DIR) -> bool:
 
 
 def release_after_barrier() -> bool:
-    """In a multi-rank CPU job whose process group is up: barrier, then unlink this rank's segment. Every rank
-    must call it (the barrier is a collective); a no-op on one rank or on CUDA, where DeepSpeed uses NCCL."""
+    """In a CPU job whose process group is up: barrier (with more than one rank), then unlink this rank's
+    segment. Every rank must call it (the barrier is a collective). One rank counts too: under the deepspeed
+    launcher with one process, LOCAL_SIZE is 1 and DeepSpeed makes rank 0's segment all the same. A no-op on
+    CUDA, where DeepSpeed uses NCCL and makes none."""
     import torch
     import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() < 2 or torch.cuda.is_available():
+    if not dist.is_initialized() or torch.cuda.is_available():
         return False
-    dist.barrier()
+    if dist.get_world_size() > 1:
+        dist.barrier()
     return release_own_segment(dist.get_rank())
 
 
