@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import os
 import time
+import warnings
 
 SHM_DIR = "/dev/shm"
 PREFIX = "deepspeed_allreduce_buffer"
@@ -31,10 +32,16 @@ def own_segment(rank: int, env=None, shm_dir: str = SHM_DIR) -> str:
 def release_own_segment(rank: int, env=None, shm_dir: str = SHM_DIR) -> bool:
     """Unlink this rank's segment. Call only after every rank has passed a barrier that follows
     deepspeed.init_distributed (each rank opens the others' segments there). True if there was one."""
+    path = own_segment(rank, env, shm_dir)
     try:
-        os.unlink(own_segment(rank, env, shm_dir))
+        os.unlink(path)
         return True
-    except FileNotFoundError:   # the communicator was not built or not used (one rank, CUDA, torchrun)
+    except FileNotFoundError:   # the communicator was not built or not used (CUDA, torchrun, no launcher)
+        return False
+    except OSError as e:        # a leak is no reason to stop a training run: say so and go on
+        warnings.warn(f"could not remove DeepSpeed's shared-memory segment {path}: {e.strerror} (errno {e.errno}); "
+                      "it holds RAM until removed: delete it once the run has ended",
+                      RuntimeWarning, stacklevel=2)
         return False
 
 

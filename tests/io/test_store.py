@@ -2,13 +2,12 @@
 import errno
 import os
 import stat
+import threading
 
 import pytest
 import torch
 
 from aidaptiv_ds.io import IOEngine, PinnedPool
-import threading
-
 from aidaptiv_ds.store import (ALIGN, HostBudgetError, HostMemory, SwapSpace, SwapStore, WriteBehind, aligned_empty,
                              align_up)
 

@@ -3,6 +3,8 @@ import mmap
 import os
 import time
 
+import pytest
+
 from aidaptiv_ds import dist_shm
 
 
@@ -27,6 +29,15 @@ def test_release_unlinks_only_this_ranks_segment(tmp_path):
     assert dist_shm.release_own_segment(0, env, str(tmp_path)) is True
     assert not os.path.exists(mine) and os.path.exists(other)
     assert dist_shm.release_own_segment(0, env, str(tmp_path)) is False   # nothing to release: no error
+
+
+def test_a_segment_that_cannot_be_removed_is_a_warning_not_an_error(tmp_path):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "30005"}
+    path = _segment(tmp_path, 30005, 0)
+    os.unlink(path)
+    os.mkdir(path)   # unlink() of a directory fails with EISDIR (or EPERM): stands in for any other error
+    with pytest.warns(RuntimeWarning, match="could not remove DeepSpeed's shared-memory segment"):
+        assert dist_shm.release_own_segment(0, env, str(tmp_path)) is False
 
 
 def test_stale_means_old_and_mapped_by_no_live_process(tmp_path):
