@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -19,6 +20,41 @@ def pytest_sessionstart(session):
     removed, freed = dist_shm.remove_stale_segments()
     if removed:
         print(f"\naidaptiv-ds tests: {dist_shm.describe_removed(removed, freed)}")
+
+
+# A phase (setup, call or teardown) of one test that runs longer than this fails with a traceback of where it
+# was, instead of holding CI until its own time limit ends the whole run with no report. The slowest phase
+# takes about a minute on a 2-core machine; the limit leaves room for a much slower disk.
+PHASE_LIMIT_S = int(os.environ.get("AIDAPTIV_TEST_PHASE_LIMIT_S", "900"))
+
+
+class PhaseTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise PhaseTimeout(f"test phase still running after {PHASE_LIMIT_S} s (AIDAPTIV_TEST_PHASE_LIMIT_S); "
+                       "the traceback shows where it was")
+
+
+def _limited(phase):
+    @pytest.hookimpl(hookwrapper=True)
+    def hook(item, *args):
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
+        signal.alarm(PHASE_LIMIT_S)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+    hook.__name__ = f"pytest_runtest_{phase}"
+    return hook
+
+
+if PHASE_LIMIT_S > 0:
+    pytest_runtest_setup = _limited("setup")
+    pytest_runtest_call = _limited("call")
+    pytest_runtest_teardown = _limited("teardown")
 
 
 @pytest.fixture

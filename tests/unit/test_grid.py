@@ -75,7 +75,7 @@ def test_siddhi_has_table_iii_and_figure_2_batches():
 
 def test_ci_grid_is_cheap():
     cells = _cells("cpu_ci.json")
-    assert len(cells) <= 10  # at ~25-30 s of DeepSpeed start-up per cell this stays under ~5 minutes
+    assert len(cells) <= 8  # CI runs the 1-process half: 4 cells of 10-30 s of mostly DeepSpeed start-up
     assert {c.model for c in cells} <= {"micro", "tiny"}
     assert {c.backend for c in cells} == set(BACKENDS)
 
