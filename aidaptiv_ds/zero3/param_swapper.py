@@ -287,11 +287,18 @@ class AidaptivParamSwapper:
         with self._lock:
             for run in self._runs(pieces):
                 r = MasterRun.plan(self, run)
+                g = run[0][0].group
                 if r.group is not None:
                     # Write through: a read of the cached copy still in flight must land first, or it would
                     # bring back old values.
                     self._wait_group(r.group)
                     r.buffer = r.group.buffer[r.lo - r.group.offset:r.hi - r.group.offset]
+                elif g is not None and g.ghost:
+                    # Evicted while a write-through from its slot is in flight: the next read of the group
+                    # takes that slot back as it is, so these bytes must land in it too. Written from the
+                    # slot, the write also keeps the slot from being given away before it completes.
+                    r.group = g
+                    r.buffer = self.slots.view(g.slot, g.nbytes)[r.lo - g.offset:r.hi - g.offset]
                 else:
                     r.buffer = mem.take(r.hi - r.lo, "writing updated parameters") if mem is not None \
                         else aligned_empty(r.hi - r.lo)
