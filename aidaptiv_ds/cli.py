@@ -7,7 +7,10 @@ happen inside ``run``.
 """
 import argparse
 import importlib
+import os
 import sys
+
+from aidaptiv_ds.harness.prebuild import put_build_tools_first
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
@@ -61,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    # Every subcommand may make DeepSpeed compile an op; this process and everything it starts (launcher
+    # ranks, sweep cells) then use the same build tools as every other run sharing the op cache.
+    put_build_tools_first(os.environ)
     args = parse_args(argv)
     return int(args._module.run(args) or 0)
 

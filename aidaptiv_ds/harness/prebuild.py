@@ -41,6 +41,19 @@ for name in sys.argv[1:]:
 """
 
 
+def put_build_tools_first(env) -> None:
+    """Put the directory of this Python's executables (the virtual environment's bin) first on ``env``'s
+    PATH, once. torch compiles DeepSpeed's ops with whichever ``ninja`` PATH finds first, and ninja 1.13
+    (the one requirements.txt installs there) and 1.11 (e.g. Debian's /usr/bin/ninja) hash build commands
+    differently: each takes the other's build log for changed commands and recompiles every object. With
+    processes that see different PATHs sharing one TORCH_EXTENSIONS_DIR (a sweep's cells, a launcher's
+    ranks, the tests), every switch rebuilt async_io or CPU Adam, minutes each on a small machine."""
+    bindir = os.path.dirname(sys.executable)
+    parts = env.get("PATH", "").split(os.pathsep) if env.get("PATH") else []
+    if parts[:1] != [bindir]:
+        env["PATH"] = os.pathsep.join([bindir] + [p for p in parts if p != bindir])
+
+
 def stale_locks(env, older_than_s: float = 600) -> list[str]:
     """Build locks left in the extensions cache for longer than ``older_than_s``. torch takes a lock file
     per op while it compiles and waits, without a word, for as long as that file exists: one left by a

@@ -40,6 +40,7 @@ from aidaptiv_ds.harness.hostcap import MECHANISMS, probe_cgroup
 from aidaptiv_ds.harness.launch import LaunchSpec, config_path, free_port, launch_command, train_spec
 from aidaptiv_ds.harness.machine import gpus as detect_gpus, machine_info
 from aidaptiv_ds.harness.outcome import Outcome, classify
+from aidaptiv_ds.harness.prebuild import put_build_tools_first
 from aidaptiv_ds.harness.results import RESULTS_FILE, Row, append_row, git_state, load_rows, write_row_file
 
 
@@ -367,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(swap_root, exist_ok=True)
     sha, dirty = git_state()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    put_build_tools_first(env)
     ctx = {
         "out": out, "grid": grid.name, "grid_obj": grid, "git_sha": sha, "git_dirty": dirty, "steps": steps, "warmup": warmup,
         "lr": grid.lr, "timeout_s": args.timeout_s if args.timeout_s is not None else grid.timeout_s,
