@@ -1,5 +1,11 @@
-"""ZeRO-Infinity (ZeRO-3, parameters and optimizer state on NVMe) trains to the same losses, bit for bit, with
-our aio_handle as with DeepSpeed's libaio one; only the handle differs between the two runs."""
+"""ZeRO-Infinity (ZeRO-3, parameters and optimizer state on NVMe) trains to the same losses with our aio_handle
+as with DeepSpeed's libaio one; only the handle differs between the two runs.
+
+The first step is compared bit for bit, later steps to 1e-5 relative. DeepSpeed 0.19.8's ZeRO-Infinity is not
+bit-reproducible from run to run whichever handle it uses: in a fresh clone's test run the libaio run's
+second loss was 7.6557593 where both handles otherwise give 7.6557412 (and our handle's once 7.6557546),
+about 2e-6 relative, twice in about fifty runs. The bytes each handle reads and writes are compared
+exactly in tests/io/test_aio_handle.py."""
 import json
 import os
 import subprocess
@@ -42,5 +48,7 @@ def test_zero_infinity_losses_identical_with_our_handle(tmp_path):
     assert ours["bytes_read"]["param_read"] > 0 and ours["bytes_written"]["param_write"] > 0
     assert ours["bytes_read"]["optimizer"] > 0 and ours["bytes_written"]["optimizer"] > 0
     assert ours["swap_files"] == theirs["swap_files"] > 0
-    assert len(ours["losses"]) == 4
-    assert ours["losses"] == theirs["losses"], f"libaio {theirs['losses']} vs ours {ours['losses']}"
+    assert len(ours["losses"]) == len(theirs["losses"]) == 4
+    assert ours["losses"][0] == theirs["losses"][0], f"libaio {theirs['losses']} vs ours {ours['losses']}"
+    for a, b in zip(ours["losses"][1:], theirs["losses"][1:]):
+        assert abs(a - b) <= 1e-5 * abs(b), f"libaio {theirs['losses']} vs ours {ours['losses']}"
