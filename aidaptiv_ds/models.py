@@ -229,7 +229,6 @@ def build_model(spec: ModelSpec, dtype, init_context=None, ds_config: dict | Non
     itself wraps construction in zero.Init when an ``HfDeepSpeedConfig`` is alive, which this function keeps
     alive on the returned model (``model._aidaptiv_hf_ds_config``).
     """
-    import torch
     if spec.hf_dir is not None:
         hf_ds = None
         if init_context is not None and ds_config is not None:

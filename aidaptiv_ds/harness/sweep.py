@@ -37,7 +37,7 @@ from typing import Optional
 from aidaptiv_ds.harness.cellrun import CellRun, run_cell
 from aidaptiv_ds.harness.grid import BACKENDS, PRESETS, Cell, GridError, enumerate_cells, load_grid
 from aidaptiv_ds.harness.hostcap import MECHANISMS, probe_cgroup
-from aidaptiv_ds.harness.launch import LaunchSpec, config_path, free_port, launch_command, train_spec
+from aidaptiv_ds.harness.launch import LaunchSpec, free_port, launch_command, train_spec
 from aidaptiv_ds.harness.machine import gpus as detect_gpus, machine_info
 from aidaptiv_ds.harness.outcome import Outcome, classify
 from aidaptiv_ds.harness.prebuild import put_build_tools_first

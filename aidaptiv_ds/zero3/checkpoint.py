@@ -25,8 +25,6 @@ from typing import Dict, List, Optional
 
 import torch
 
-from aidaptiv_ds.store import align_up
-
 log = logging.getLogger(__name__)
 
 FORMAT = 1

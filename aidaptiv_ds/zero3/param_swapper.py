@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from aidaptiv_ds.store import (Extent, HostBudgetError, SlotPool, Ticket, WriteBehind, aligned_empty, align_up,
+from aidaptiv_ds.store import (Extent, HostBudgetError, SlotPool, Ticket, WriteBehind, aligned_empty,
                                 as_bytes)
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ the swappers switch to group-granular, prefetched, pooled I/O.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time

@@ -7,7 +7,6 @@ import platform
 import re
 
 import pytest
-import torch
 
 from aidaptiv_ds.io import Backend, IOEngine, PinnedPool
 

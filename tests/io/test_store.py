@@ -1,5 +1,4 @@
 """Swap space and store: privacy rules, extents, hazards between requests, the host budget."""
-import errno
 import os
 import stat
 import threading
@@ -8,8 +7,8 @@ import pytest
 import torch
 
 from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.store import (ALIGN, HostBudgetError, HostMemory, SwapSpace, SwapStore, WriteBehind, aligned_empty,
-                             align_up)
+from aidaptiv_ds.store import (ALIGN, HostBudgetError, HostMemory, SwapSpace, SwapStore, WriteBehind,
+                             aligned_empty)
 
 
 @pytest.fixture

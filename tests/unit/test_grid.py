@@ -1,7 +1,6 @@
 """Grid files: every shipped grid validates, the paper grids have the published values, and a bad grid
 reports all of its problems at once."""
 import glob
-import json
 import os
 
 import pytest

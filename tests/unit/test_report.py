@@ -1,6 +1,5 @@
 """The report from a synthetic results.jsonl: the right numbers in the right cells, OOM/ERR/TIMEOUT,
 published columns beside ours, the aidaptiv / zero_infinity median, failures, figures."""
-import json
 import os
 import uuid
 
