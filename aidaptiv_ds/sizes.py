@@ -1,0 +1,57 @@
+"""Byte sizes: the one parser of size strings, the unit constants, O_DIRECT alignment, element sizes.
+
+One meaning everywhere (the README's): decimal units are powers of 1000 ("4GB" is 4,000,000,000 bytes),
+binary units powers of 1024 ("4GiB" is 4 x 2^30); a bare "k", "M", "G" or "T" is binary, as in ``dd``
+and ``fio`` ("1M" is 1,048,576). This module imports nothing of ours and no torch at import time, so every
+layer (config, engine, harness, planner) may use it.
+"""
+from __future__ import annotations
+
+import re
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+# O_DIRECT needs offsets, lengths and buffer addresses in multiples of the logical block size; 4 KiB is a
+# multiple of every block size in use (512 B and 4 KiB sectors), so the engine, the swap store and every
+# layout aligns to it.
+ALIGN = 4096
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1,
+          "k": KiB, "ki": KiB, "kib": KiB, "kb": 10**3,
+          "m": MiB, "mi": MiB, "mib": MiB, "mb": 10**6,
+          "g": GiB, "gi": GiB, "gib": GiB, "gb": 10**9,
+          "t": TiB, "ti": TiB, "tib": TiB, "tb": 10**12}
+
+
+def parse_size(value, what: str = "size") -> int:
+    """Bytes from an int or a size string: "268435456", "256MiB", "4GB" (decimal), "4GiB", "1M" (binary).
+
+    Raises ValueError naming ``what`` (the setting or variable) and the accepted forms."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size in bytes, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what}: a size cannot be negative, got {value}")
+        return value
+    text = str(value)
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"{what}={text!r} is not a size: use bytes (268435456) or a number with a unit: "
+                         "KiB/MiB/GiB/TiB (powers of 1024; also k/M/G/T), KB/MB/GB/TB (powers of 1000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
+    return (n + a - 1) // a * a
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of a torch dtype (or of the names "fp32", "bf16", "fp16")."""
+    if isinstance(dtype, str):
+        return {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[dtype]
+    return dtype.itemsize
