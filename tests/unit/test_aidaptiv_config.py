@@ -142,15 +142,6 @@ def test_a_share_of_ram_means_the_cgroup_limit_when_lower(tmp_path):
     assert C._cgroup_memory_limit(str(proc), str(tmp_path)) is None
 
 
-def test_harness_presets_are_trains_presets():
-    from aidaptiv_ds.harness.grid import PRESETS as HARNESS
-    from aidaptiv_ds.models import PRESETS, count_parameters, preset_config
-    assert set(HARNESS) == set(PRESETS)
-    for name, nominal in HARNESS.items():
-        if nominal:
-            assert abs(count_parameters(preset_config(name)) - nominal) / nominal < 0.02, name
-
-
 def counting(monkeypatch, module, name, returns=None):
     """Replace module.name by a stub that counts its calls (and returns ``returns``), or, with
     returns=..., by a wrapper of the original."""
