@@ -216,9 +216,7 @@ class SwapSettings:
         cfg = block if isinstance(block, AidaptivConfig) else _parse_block(block)
         if not cfg.nvme_path:
             raise ConfigError([_NVME_PATH_REQUIRED])
-        nbytes, fraction = parse_budget(cfg.host_memory_budget)
-        if nbytes is None:
-            nbytes = int(fraction * (ram_bytes if ram_bytes is not None else total_ram_bytes()))
+        nbytes = _budget_bytes(cfg.host_memory_budget, ram_bytes)
         chunk = cfg.optimizer_chunk_numel
         if chunk == "auto":
             chunk = max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, nbytes // 512))
@@ -234,6 +232,14 @@ class SwapSettings:
         out["backend"] = self.backend.value
         out["host_memory_budget"] = out.pop("host_budget_bytes")
         return {"enabled": True, **out}
+
+
+def _budget_bytes(host_memory_budget, ram_bytes: Optional[int]) -> int:
+    """The budget in bytes; a share of RAM is a share of ``ram_bytes`` (read here when None)."""
+    nbytes, fraction = parse_budget(host_memory_budget)
+    if nbytes is not None:
+        return nbytes
+    return int(fraction * (ram_bytes if ram_bytes is not None else total_ram_bytes()))
 
 
 _NVME_PATH_REQUIRED = f"{BLOCK}.nvme_path is required when {BLOCK}.enabled is true: a directory on NVMe"
@@ -356,8 +362,7 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
         elif check_paths:
             problems.extend(_check_nvme_path(cfg.nvme_path, needed_bytes))
         ram = total_ram_bytes()
-        nbytes, fraction = parse_budget(cfg.host_memory_budget)
-        budget = nbytes if nbytes is not None else int(fraction * ram)
+        budget = _budget_bytes(cfg.host_memory_budget, ram)
         if budget > ram:
             problems.append(f"{BLOCK}.host_memory_budget is {budget / GiB:.2f} GiB but this process may use "
                             f"{ram / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (for "
