@@ -34,7 +34,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from aidaptiv_ds.io import ALIGNMENT, IOEngine, IORequest, PinnedPool
+from aidaptiv_ds.io import IOEngine, IORequest, PinnedPool
+from aidaptiv_ds.sizes import ALIGN, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class AioHandle:
         self._single_submit, self._overlap_events = bool(single_submit), bool(overlap_events)
         self._intra_op_parallelism = int(intra_op_parallelism)
         # Our pieces are O_DIRECT blocks: round DeepSpeed's block size up to a 4 KiB multiple.
-        engine_block = -(-self._block_size // ALIGNMENT) * ALIGNMENT
+        engine_block = align_up(self._block_size)
         self._engine = IOEngine(block_size=engine_block, queue_depth=min(self._queue_depth, 4096),
                                 threads=max(4, self._intra_op_parallelism))
         self._ops: List[_Op] = []
@@ -247,7 +248,7 @@ class AioHandle:
 
     def _direct_ok(self, buffer: torch.Tensor) -> bool:
         return (buffer.device.type == "cpu" and buffer.is_contiguous()
-                and buffer.data_ptr() % ALIGNMENT == 0)
+                and buffer.data_ptr() % ALIGN == 0)
 
     def _bounce(self, buffer: torch.Tensor) -> torch.Tensor:
         """A pinned, aligned tensor of buffer's dtype and shape, from this handle's bounce pool."""
@@ -263,7 +264,7 @@ class AioHandle:
         return flat.view(buffer.shape)
 
     def _submit(self, is_read: bool, buffer: torch.Tensor, filename: str, offset: int, validate: bool) -> _Op:
-        if offset % ALIGNMENT:
+        if offset % ALIGN:
             self._buffered_io(is_read, buffer, filename, offset)
             return _Op(None, self._validator(buffer, filename, offset) if validate else None)
         direct = self._direct_ok(buffer)

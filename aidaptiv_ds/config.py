@@ -1,49 +1,45 @@
-"""The ``"aidaptiv"`` block of a DeepSpeed JSON config: its model, validation, and translation.
+"""The ``"aidaptiv"`` block of a DeepSpeed JSON config: its model, its validation, its one resolution, and
+the translation DeepSpeed needs.
 
 A user enables our swapper by adding a top-level block to an ordinary DeepSpeed ZeRO-3 config::
 
     "aidaptiv": {"enabled": true, "nvme_path": "/mnt/nvme/swap", "host_memory_budget": "25%"}
 
-:func:`validate` checks the block and the parts of the DeepSpeed config it depends on, and reports every
-problem at once, before any file is opened. :func:`to_deepspeed_config` then writes the offload settings
-DeepSpeed needs to take its NVMe code paths (where our swappers are plugged in); the user never sets
-buffer counts or buffer sizes. DeepSpeed itself ignores unknown top-level keys, so the block stays in the
-config that DeepSpeed sees and our swappers read it back from ``DeepSpeedConfig._param_dict``.
+:func:`validate` checks the block and the parts of the DeepSpeed config it depends on, reports every
+problem at once before any file is opened, and resolves the block into :class:`SwapSettings`: a frozen
+object with the budget in bytes, the optimizer chunk in elements and an absolute swap path, which every
+layer below receives instead of re-deriving anything. :func:`to_deepspeed_config` then writes the offload
+settings DeepSpeed needs to take its NVMe code paths (where our swappers are plugged in); the user never
+sets buffer counts or buffer sizes.
+
+:func:`resolve` does both once per config per process (``zero_init`` and ``initialize`` get the same
+config; so do DeepSpeed's two entry points under the Hugging Face Trainer). DeepSpeed ignores unknown
+top-level keys, so the translated config keeps the block, in resolved form; DeepSpeed hands our
+parameter-swapper factory only its config object, and :func:`settings_for` maps that block back to the
+settings resolved for it.
 """
 from __future__ import annotations
 
 import copy
-import enum
+import dataclasses
+import json
 import os
-import re
 import shutil
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from aidaptiv_ds.ds_config import ConfigError, dtype_name
+from aidaptiv_ds.io_backend import Backend
+from aidaptiv_ds.sizes import ALIGN, GiB, KiB, MiB, dtype_bytes, parse_size
+
 BLOCK = "aidaptiv"
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
-
-
-class Backend(str, enum.Enum):
-    """Which I/O backend the engine uses."""
-
-    io_uring = "io_uring"
-    posix = "posix"
-    auto = "auto"
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "ki": KiB, "m": 10**6, "mb": 10**6, "mib": MiB,
-          "mi": MiB, "g": 10**9, "gb": 10**9, "gib": GiB, "gi": GiB, "t": 10**12, "tb": 10**12, "tib": 1024 * GiB,
-          "ti": 1024 * GiB}
 
 
 def parse_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional[float]]:
     """Return (bytes, fraction_of_ram): an int is bytes, a float in (0, 1) or "N%" is a fraction of RAM,
-    a string with a unit ("512MiB", "4GB") is bytes."""
+    a string with a unit is bytes as :func:`aidaptiv_ds.sizes.parse_size` reads it ("4GB" decimal,
+    "512MiB" binary)."""
     if isinstance(value, bool):
         raise ValueError("expected bytes, a fraction of RAM or a size string, got a boolean")
     if isinstance(value, int):
@@ -60,11 +56,11 @@ def parse_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional
         if not 0.0 < pct < 100.0:
             raise ValueError(f"a percentage of RAM must be between 0 and 100 (exclusive), got {text}")
         return None, pct / 100.0
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"'{text}' is not a size: use bytes (268435456), a unit (256MiB, 4GB) or a share of RAM (25%)")
-    number, unit = float(m.group(1)), (m.group(2) or "").lower()
-    nbytes = int(number * _UNITS[unit])
+    try:
+        nbytes = parse_size(text)
+    except ValueError:
+        raise ValueError(f"'{text}' is not a size: use bytes (268435456), a unit (256MiB, 4GB) or a share of "
+                         "RAM (25%)") from None
     if nbytes <= 0:
         raise ValueError(f"a byte budget must be positive, got {text}")
     return nbytes, None
@@ -123,7 +119,7 @@ class AidaptivConfig(BaseModel):
     nvme_path: Optional[str] = Field(None, description="Directory for the swap space (one subfolder per rank). It must "
                                                         "exist, be writable and sit on a filesystem that supports "
                                                         "O_DIRECT (not tmpfs).")
-    backend: Backend = Field(Backend.auto, description="I/O backend: io_uring, posix (thread pool) or auto (io_uring, "
+    backend: Backend = Field(Backend.AUTO, description="I/O backend: io_uring, posix (thread pool) or auto (io_uring, "
                                                        "falling back to posix with a message).")
     block_size: int = Field(1 * MiB, ge=4 * KiB, le=64 * MiB, description="Bytes per I/O piece; a larger transfer is "
                                                                            "split into pieces of this size.")
@@ -174,22 +170,79 @@ class AidaptivConfig(BaseModel):
     @field_validator("block_size")
     @classmethod
     def _check_block(cls, value):
-        if value % (4 * KiB):
-            raise ValueError(f"block_size must be a multiple of 4096 bytes (O_DIRECT), got {value}")
+        if value % ALIGN:
+            raise ValueError(f"block_size must be a multiple of {ALIGN} bytes (O_DIRECT), got {value}")
         return value
 
-    def host_budget_bytes(self) -> int:
-        nbytes, fraction = parse_budget(self.host_memory_budget)
-        return nbytes if nbytes is not None else int(fraction * total_ram_bytes())
+
+# 'auto' optimizer chunks: small enough that several fit in the host budget at once (the step keeps
+# reads ahead and writes behind in flight), large enough that each read and write is a long sequential
+# request (at least 3 MiB of master and moments).
+AUTO_CHUNK_MIN = 1 << 18
+AUTO_CHUNK_MAX = 1 << 25
 
 
-class ConfigError(ValueError):
-    """Every problem found in a config, reported together."""
+@dataclasses.dataclass(frozen=True)
+class SwapSettings:
+    """An enabled ``"aidaptiv"`` block, resolved: what the swappers, the planner and the engine read.
 
-    def __init__(self, problems: List[str], source: str = "DeepSpeed config"):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problem(s) in the {source}:\n{lines}")
+    The names are the block's, except that ``host_memory_budget`` (bytes, a share of RAM or a size string)
+    becomes ``host_budget_bytes`` and ``optimizer_chunk_numel`` is always a number ("auto" is sized from
+    the budget here). ``nvme_path`` is absolute. Made by :meth:`from_block`, once per config."""
+
+    nvme_path: str
+    backend: Backend
+    block_size: int
+    queue_depth: int
+    io_threads: int
+    register_buffers: bool
+    sqpoll: bool
+    host_budget_bytes: int
+    layer_group_size: int
+    prefetch_depth: int
+    optimizer_chunk_numel: int
+    deferred_update: bool
+    cache_optimizer_state: bool
+    keep_swap_files: bool
+
+    @classmethod
+    def from_block(cls, block: Union[Dict[str, Any], AidaptivConfig], ram_bytes: Optional[int] = None
+                   ) -> "SwapSettings":
+        """Resolve a block (a dict, or one pydantic already parsed) that names its ``nvme_path``.
+
+        ``ram_bytes`` is the memory this process may use; it is read (:func:`total_ram_bytes`, which reads
+        the cgroup files) only when the budget is a share of RAM and it is not given. Raises
+        :class:`ConfigError` for a block that does not parse or has no ``nvme_path``."""
+        cfg = block if isinstance(block, AidaptivConfig) else _parse_block(block)
+        if not cfg.nvme_path:
+            raise ConfigError([_NVME_PATH_REQUIRED])
+        nbytes = _budget_bytes(cfg.host_memory_budget, ram_bytes)
+        chunk = cfg.optimizer_chunk_numel
+        if chunk == "auto":
+            chunk = max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, nbytes // 512))
+        same = cfg.model_dump(exclude={"enabled", "nvme_path", "host_memory_budget", "optimizer_chunk_numel"})
+        return cls(nvme_path=os.path.abspath(cfg.nvme_path), host_budget_bytes=nbytes,
+                   optimizer_chunk_numel=chunk, **same)
+
+    def block(self) -> Dict[str, Any]:
+        """These settings as an ``"aidaptiv"`` block with every value explicit (bytes, elements, an absolute
+        path): what the translated DeepSpeed config carries. Resolving it again gives these settings
+        without reading the machine."""
+        out = dataclasses.asdict(self)
+        out["backend"] = self.backend.value
+        out["host_memory_budget"] = out.pop("host_budget_bytes")
+        return {"enabled": True, **out}
+
+
+def _budget_bytes(host_memory_budget, ram_bytes: Optional[int]) -> int:
+    """The budget in bytes; a share of RAM is a share of ``ram_bytes`` (read here when None)."""
+    nbytes, fraction = parse_budget(host_memory_budget)
+    if nbytes is not None:
+        return nbytes
+    return int(fraction * (ram_bytes if ram_bytes is not None else total_ram_bytes()))
+
+
+_NVME_PATH_REQUIRED = f"{BLOCK}.nvme_path is required when {BLOCK}.enabled is true: a directory on NVMe"
 
 
 def _pydantic_problems(err: ValidationError) -> List[str]:
@@ -203,6 +256,15 @@ def _pydantic_problems(err: ValidationError) -> List[str]:
             msg = f"unknown setting (known: {fields})"
         out.append(f"{where}: {msg}")
     return out
+
+
+def _parse_block(block) -> AidaptivConfig:
+    if not isinstance(block, dict):
+        raise ConfigError([f"{BLOCK} must be an object, got {type(block).__name__}"])
+    try:
+        return AidaptivConfig.model_validate(block)
+    except ValidationError as err:
+        raise ConfigError(_pydantic_problems(err)) from None
 
 
 def block_of(ds_config) -> Optional[Dict[str, Any]]:
@@ -236,36 +298,39 @@ def _check_nvme_path(path: str, needed_bytes: Optional[int]) -> List[str]:
     if fstype in ("tmpfs", "ramfs"):
         problems.append(f"{BLOCK}.nvme_path {path} is on {fstype}, which is RAM and does not support O_DIRECT: "
                         "choose a directory on an NVMe (or other block-device) filesystem")
-    if needed_bytes is not None:
-        free = shutil.disk_usage(path).free
-        if free < needed_bytes:
-            problems.append(f"{BLOCK}.nvme_path {path} has {free / GiB:.2f} GiB free but the model state needs "
-                            f"{needed_bytes / GiB:.2f} GiB on this rank: free space or choose a larger disk")
-    return problems
+    return problems + _free_space_problems(path, needed_bytes)
+
+
+def _free_space_problems(path: str, needed_bytes: Optional[int]) -> List[str]:
+    if needed_bytes is None:
+        return []
+    free = shutil.disk_usage(path).free
+    if free >= needed_bytes:
+        return []
+    return [f"{BLOCK}.nvme_path {path} has {free / GiB:.2f} GiB free but the model state needs "
+            f"{needed_bytes / GiB:.2f} GiB on this rank: free space or choose a larger disk"]
 
 
 def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
-             check_paths: bool = True) -> Optional[AidaptivConfig]:
-    """Validate the aidaptiv block and what it needs from the rest of the config.
+             check_paths: bool = True) -> Optional[SwapSettings]:
+    """Validate the aidaptiv block and what it needs from the rest of the config, and resolve it.
 
-    Returns the parsed block, or None when there is no enabled block. Raises :class:`ConfigError` listing
-    every problem. ``needed_bytes`` (swap bytes of this rank's model state), when known, is checked against
-    the free space of ``nvme_path``.
+    Returns the resolved settings, or None when there is no enabled block. Raises :class:`ConfigError`
+    listing every problem. ``needed_bytes`` (swap bytes of this rank's model state), when known, is checked
+    against the free space of ``nvme_path``. The machine's memory (and its cgroup limit) is read once.
     """
     block = block_of(ds_config)
     if block is None:
         return None
     problems: List[str] = []
-    if not isinstance(block, dict):
-        raise ConfigError([f"{BLOCK} must be an object, got {type(block).__name__}"])
     try:
-        cfg = AidaptivConfig.model_validate(block)
-    except ValidationError as err:
-        problems.extend(_pydantic_problems(err))
+        cfg = _parse_block(block)
+    except ConfigError as err:
+        if not isinstance(block, dict):
+            raise
+        problems.extend(err.problems)
         cfg = None
     if cfg is not None and not cfg.enabled:
-        if problems:
-            raise ConfigError(problems)
         return None
 
     zero = ds_config.get("zero_optimization", {}) or {}
@@ -290,35 +355,43 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
             problems.append(f"{key}.enabled is true: aidaptiv supports fp32 and bf16 training; use \"bf16\": "
                             "{\"enabled\": true} for mixed precision")
 
+    ram = None
     if cfg is not None:
         if not cfg.nvme_path:
-            problems.append(f"{BLOCK}.nvme_path is required when {BLOCK}.enabled is true: a directory on NVMe")
+            problems.append(_NVME_PATH_REQUIRED)
         elif check_paths:
             problems.extend(_check_nvme_path(cfg.nvme_path, needed_bytes))
-        budget = cfg.host_budget_bytes()
         ram = total_ram_bytes()
+        budget = _budget_bytes(cfg.host_memory_budget, ram)
         if budget > ram:
             problems.append(f"{BLOCK}.host_memory_budget is {budget / GiB:.2f} GiB but this process may use "
                             f"{ram / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (for "
                             "example \"25%\")")
     if problems:
         raise ConfigError(problems)
-    return cfg
+    return SwapSettings.from_block(cfg, ram)
 
 
-def to_deepspeed_config(ds_config: Dict[str, Any], cfg: AidaptivConfig) -> Dict[str, Any]:
-    """Return a copy of ``ds_config`` with the ZeRO-3 settings that route DeepSpeed through our swappers.
+# Reduce-bucket size (elements, 64 MiB of fp32) that small budgets grow their buckets towards.
+LIMIT_FLOOR = 1 << 24
+
+
+def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings) -> Dict[str, Any]:
+    """Return a copy of ``ds_config`` with the ZeRO-3 settings that route DeepSpeed through our swappers,
+    and with the block replaced by ``settings.block()`` (registered, so :func:`settings_for` finds
+    ``settings`` from DeepSpeed's config object).
 
     DeepSpeed takes its NVMe code paths only when offload devices say "nvme"; our classes replace the
     swappers behind those paths, so DeepSpeed's own buffer_count/buffer_size/max_in_cpu values below are
     placeholders it validates but we do not use.
     """
     out = copy.deepcopy(ds_config)
+    budget = settings.host_budget_bytes
     zero = out.setdefault("zero_optimization", {})
     zero["stage"] = 3
-    zero["offload_param"] = {"device": "nvme", "nvme_path": cfg.nvme_path, "pin_memory": False,
+    zero["offload_param"] = {"device": "nvme", "nvme_path": settings.nvme_path, "pin_memory": False,
                              "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 0}
-    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": cfg.nvme_path, "pin_memory": False,
+    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": settings.nvme_path, "pin_memory": False,
                                  "pipeline_read": False, "pipeline_write": False, "fast_init": False,
                                  "buffer_count": 4}
     # Small parameters are swapped like the rest (DeepSpeed keeps those under its persistence threshold
@@ -328,8 +401,7 @@ def to_deepspeed_config(ds_config: Dict[str, Any], cfg: AidaptivConfig) -> Dict[
     # DeepSpeed releases them; on one rank on CPU the gathered parameter is that very buffer. DeepSpeed's
     # defaults (1e9 elements) keep every parameter live across the forward/backward turn, which ignores
     # the budget: cap both to a quarter of it. Groups released early stay cached while memory allows.
-    elsize = 2 if (out.get("bf16") or {}).get("enabled") else 4
-    live = max(1, cfg.host_budget_bytes() // 4 // elsize)
+    live = max(1, budget // 4 // dtype_bytes(dtype_name(out)))
     zero["stage3_max_live_parameters"] = int(min(zero.get("stage3_max_live_parameters", live), live))
     zero["stage3_max_reuse_distance"] = int(min(zero.get("stage3_max_reuse_distance", 0), live))
     # ZeRO-3 holds views of every gradient partition of a reduce bucket until the whole bucket is
@@ -338,32 +410,70 @@ def to_deepspeed_config(ds_config: Dict[str, Any], cfg: AidaptivConfig) -> Dict[
     # is one collective and many small ones slow the backward, so a small budget may give buckets up to a
     # quarter of itself until they reach LIMIT_FLOOR elements; never more, or the gradients DeepSpeed
     # holds views of crowd out the layer groups.
-    budget = cfg.host_budget_bytes()
     bucket = max(1, budget // 8 // 4, min(LIMIT_FLOOR, budget // 4 // 4))
     zero["reduce_bucket_size"] = int(min(zero.get("reduce_bucket_size", 500_000_000), bucket))
     # DeepSpeed's own NVMe prefetch is replaced by our layer-group prefetch; its all-gather prefetch of
     # partitions already in memory stays.
-    zero["sub_group_size"] = optimizer_chunk_numel(cfg)
-    out[BLOCK] = cfg.model_dump(mode="json")
+    zero["sub_group_size"] = settings.optimizer_chunk_numel
+    # Gradients are accumulated in fp32 in our per-sub-group buffers, which are also what the optimizer
+    # steps on: no conversion copy at the accumulation boundary.
+    out.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
+    out[BLOCK] = settings.block()
+    _settings_by_block.setdefault(_key(out[BLOCK]), settings)
     return out
 
 
-# Reduce-bucket size (elements, 64 MiB of fp32) that small budgets grow their buckets towards.
-LIMIT_FLOOR = 1 << 24
-
-# 'auto' optimizer chunks: small enough that several fit in the host budget at once (the step keeps
-# reads ahead and writes behind in flight), large enough that each read and write is a long sequential
-# request (at least 3 MiB of master and moments).
-AUTO_CHUNK_MIN = 1 << 18
-AUTO_CHUNK_MAX = 1 << 25
+def _key(obj) -> str:
+    """A config's content as one string (the key of the registries below)."""
+    return json.dumps(obj, sort_keys=True, default=str)
 
 
-def optimizer_chunk_numel(cfg: AidaptivConfig) -> int:
-    if isinstance(cfg.optimizer_chunk_numel, int):
-        return cfg.optimizer_chunk_numel
-    return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, cfg.host_budget_bytes() // 512))
+# Settings by the resolved block a translated config carries: DeepSpeed builds our parameter swapper from
+# nothing but its config object, whose raw dict still holds that block.
+_settings_by_block: Dict[str, SwapSettings] = {}
+# Configs resolved in this process, by content and working directory (a relative nvme_path depends on it),
+# with their translation: zero_init and initialize get the same config (train, the HF Trainer), and a
+# translated config may come back; the key of each translation maps to the same pair.
+_resolved: Dict[str, Tuple[Dict[str, Any], SwapSettings]] = {}
 
 
-def swap_bytes_per_param(param_dtype_bytes: int) -> int:
-    """NVMe bytes one parameter's state takes: its partition, fp32 master, two Adam moments, fp32 gradient."""
-    return param_dtype_bytes + 4 + 4 + 4 + 4
+def resolve(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None
+            ) -> Tuple[Dict[str, Any], Optional[SwapSettings]]:
+    """(the config DeepSpeed should get, its resolved settings); ``(ds_config, None)`` without an enabled
+    block.
+
+    Validation, resolution and translation happen once per config in a process: a config seen before, or
+    the translation of one, gets the same settings object and a copy of the same translation.
+    ``needed_bytes`` (swap bytes of this rank's model state), when given, is checked against the free space
+    of ``nvme_path`` on every call, since the model may be known only on the second one.
+    """
+    key = _key([os.getcwd(), ds_config])
+    hit = _resolved.get(key)
+    if hit is None:
+        settings = validate(ds_config, needed_bytes=needed_bytes)
+        if settings is None:
+            return ds_config, None
+        hit = (to_deepspeed_config(ds_config, settings), settings)
+        _resolved[key] = hit
+        _resolved[_key([os.getcwd(), hit[0]])] = hit
+    else:
+        problems = _free_space_problems(hit[1].nvme_path, needed_bytes)
+        if problems:
+            raise ConfigError(problems)
+    return copy.deepcopy(hit[0]), hit[1]
+
+
+def settings_for(ds_config) -> Optional[SwapSettings]:
+    """The settings of a config dict or of DeepSpeed's config object; None without an enabled block.
+
+    A block that came through :func:`resolve` maps to the settings resolved then. One that did not
+    (DeepSpeed called directly with an enabled block, the swappers installed by an earlier run) is
+    resolved here, once."""
+    block = block_of(ds_config)
+    if not (isinstance(block, dict) and block.get("enabled")):
+        return None
+    key = _key(block)
+    settings = _settings_by_block.get(key)
+    if settings is None:
+        settings = _settings_by_block.setdefault(key, SwapSettings.from_block(block))
+    return settings

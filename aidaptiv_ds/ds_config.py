@@ -1,7 +1,9 @@
 """The DeepSpeed JSON a training run is launched with: read it, apply command-line overrides, check it.
 
-Kept separate from ``aidaptiv_ds.config`` (the pydantic model of our own "aidaptiv" block): this module only
-edits the DeepSpeed dict and never validates our block, which is the swapper's business.
+:func:`load` is the package's one reader of DeepSpeed configs (a dict, a JSON/hjson file, or None), and
+:class:`ConfigError` the one error for a config that cannot run, whichever part of it is wrong. This module
+only edits the DeepSpeed dict; our own ``"aidaptiv"`` block is validated by :mod:`aidaptiv_ds.config`. It
+imports no torch and nothing of ours, so the harness may import its names (``BACKENDS``).
 """
 from __future__ import annotations
 
@@ -9,19 +11,38 @@ import copy
 import json
 import math
 import os
+from typing import Iterable, Optional, Union
 
+# The four configurations we compare, in report column order; each has its ds_configs/<backend>.json, and
+# backend() tells which one a config is.
 BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
-    """A DeepSpeed config that cannot be run as given; the message lists every problem found."""
+    """A config that cannot be run as given; ``problems`` lists every problem found, not just the first.
+
+    Raised for the DeepSpeed config, for our ``"aidaptiv"`` block and for a host budget too small for the
+    model: one type, so that callers catch one thing and users read one format."""
+
+    def __init__(self, problems: Union[str, Iterable[str]], source: str = "DeepSpeed config"):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} problems in the {source}:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
 
 
-def load(path: str) -> dict:
-    """Read a DeepSpeed config: strict JSON, or hjson (which DeepSpeed itself accepts) when installed."""
+def load(config, what: str = "DeepSpeed config") -> Optional[dict]:
+    """A DeepSpeed config given as a dict (returned as it is), a path to strict JSON or to hjson (which
+    DeepSpeed itself accepts), or None (returned as None). ``what`` names the config in errors (the CLI
+    passes "--config")."""
+    if config is None or isinstance(config, dict):
+        return config
+    path = os.fspath(config)
     if not os.path.isfile(path):
-        raise ConfigError(f"--config {path} does not exist: give a DeepSpeed JSON file (see ds_configs/)")
+        raise ConfigError(f"{what} {path} does not exist: give a DeepSpeed JSON file (see ds_configs/)")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     try:
@@ -30,13 +51,13 @@ def load(path: str) -> dict:
         try:
             import hjson
         except ImportError:
-            raise ConfigError(f"--config {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise ConfigError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
         try:
             cfg = json.loads(json.dumps(hjson.loads(text)))
         except Exception as e2:  # hjson raises its own HjsonDecodeError
-            raise ConfigError(f"--config {path} is neither JSON nor hjson ({e2})") from None
+            raise ConfigError(f"{what} {path} is neither JSON nor hjson ({e2})") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"--config {path} must hold a JSON object, not {type(cfg).__name__}")
+        raise ConfigError(f"{what} {path} must hold a JSON object, not {type(cfg).__name__}")
     return cfg
 
 
@@ -164,4 +185,4 @@ def check(cfg: dict, *, world_size: int, largest_param_numel: int | None = None,
                 f"partition of {model_name} ({partition} elements with {world_size} rank(s)): DeepSpeed would assert "
                 f"mid-step; raise buffer_size to at least {partition}")
     if problems:
-        raise ConfigError("; ".join(problems))
+        raise ConfigError(problems)

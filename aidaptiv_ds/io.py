@@ -16,13 +16,13 @@ lengths may be anything. Failed system calls raise OSError with errno and filena
 PermissionError, ...); bad arguments raise ValueError.
 
 Settings come from defaults, then environment variables, then arguments (the later wins):
-AIDAPTIV_BACKEND (auto | io_uring | posix), AIDAPTIV_BLOCK_SIZE (bytes, or with a K/M/G suffix),
+AIDAPTIV_BACKEND (auto | io_uring | posix), AIDAPTIV_BLOCK_SIZE (bytes, or a size such as 1M or 256KiB, read by
+:func:`aidaptiv_ds.sizes.parse_size`),
 AIDAPTIV_QUEUE_DEPTH.
 """
 from __future__ import annotations
 
 import copy
-import enum
 import logging
 import os
 import threading
@@ -31,10 +31,16 @@ from typing import Optional, Union
 import torch
 
 from aidaptiv_ds import _C
+from aidaptiv_ds.io_backend import Backend
+from aidaptiv_ds.sizes import ALIGN, align_up, parse_size
 
 logger = logging.getLogger(__name__)
 
-ALIGNMENT = int(_C.ALIGNMENT)  # bytes: O_DIRECT buffer and offset alignment
+# The engine is compiled with its own copy of the O_DIRECT alignment; a build that disagrees with
+# sizes.ALIGN would accept buffers the Python layers never align for.
+if int(_C.ALIGNMENT) != ALIGN:
+    raise ImportError(f"aidaptiv_ds._C was built with O_DIRECT alignment {int(_C.ALIGNMENT)} but the package "
+                      f"aligns to {ALIGN}: rebuild the extension (pip install -e .)")
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_THREADS = 4
@@ -52,40 +58,9 @@ def _log_once(message: str) -> None:
     logger.warning(message)
 
 
-class Backend(str, enum.Enum):
-    """Which engine does the I/O. AUTO tries io_uring and falls back to POSIX, saying why."""
-
-    IO_URING = "io_uring"
-    POSIX = "posix"
-    AUTO = "auto"
-
-    @classmethod
-    def parse(cls, value: Union[str, "Backend"], source: str = "backend") -> "Backend":
-        if isinstance(value, Backend):
-            return value
-        name = str(value).strip().lower()
-        aliases = {"uring": "io_uring", "iouring": "io_uring", "io-uring": "io_uring"}
-        try:
-            return cls(aliases.get(name, name))
-        except ValueError:
-            raise ValueError(f"{source} {value!r} is not a backend: expected auto, io_uring or posix") from None
-
-
 _TO_C = {Backend.IO_URING: _C.BackendKind.IO_URING, Backend.POSIX: _C.BackendKind.POSIX,
          Backend.AUTO: _C.BackendKind.AUTO}
 _FROM_NAME = {"io_uring": Backend.IO_URING, "posix": Backend.POSIX}
-
-
-def _parse_size(text: str, source: str) -> int:
-    """'1048576', '1M', '512k' -> bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in units:
-            return int(t[:-1]) * units[t[-1]]
-        return int(t)
-    except ValueError:
-        raise ValueError(f"{source}={text!r} is not a size: expected bytes such as 1048576 or 1M") from None
 
 
 def resolve_settings(backend=None, block_size=None, queue_depth=None) -> dict:
@@ -95,7 +70,7 @@ def resolve_settings(backend=None, block_size=None, queue_depth=None) -> dict:
     if env.get("AIDAPTIV_BACKEND"):
         settings["backend"] = Backend.parse(env["AIDAPTIV_BACKEND"], "AIDAPTIV_BACKEND")
     if env.get("AIDAPTIV_BLOCK_SIZE"):
-        settings["block_size"] = _parse_size(env["AIDAPTIV_BLOCK_SIZE"], "AIDAPTIV_BLOCK_SIZE")
+        settings["block_size"] = parse_size(env["AIDAPTIV_BLOCK_SIZE"], "AIDAPTIV_BLOCK_SIZE")
     if env.get("AIDAPTIV_QUEUE_DEPTH"):
         try:
             settings["queue_depth"] = int(env["AIDAPTIV_QUEUE_DEPTH"])
@@ -355,7 +330,7 @@ class IOEngine:
             if self.pool is None:
                 raise ValueError(f"{name} needs a staging tensor or an IOEngine created with a pool")
             nbytes = tensor.numel() * tensor.element_size()
-            half = min(8 << 20, max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT))
+            half = min(8 << 20, max(ALIGN, align_up(nbytes)))
             staging = self.pool.allocate(2 * half, torch.uint8)
         return getattr(self._engine, name)(tensor, self._file_arg(file), int(offset), staging)
 

@@ -1,9 +1,10 @@
 """Model presets: decoder-only transformer shapes built from a transformers config with random weights.
 
-Each preset is the published hyperparameter set of a model family (or one of two small shapes of our own),
+Each preset is the published hyperparameter set of a model family (or one of three small shapes of our own),
 so that benchmarks move the same bytes as the real model without downloading any weights. Parameter counts
 come from the config arithmetic (``count_parameters``), never from a materialised model, so a 72B preset can
-be sized on a laptop.
+be sized on a laptop. Torch and transformers are imported only when a config or a model is made, so the
+harness reads ``PRESETS`` without them.
 
 Our own shapes:
 
@@ -26,42 +27,52 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 
-# Published hyperparameters, from each model's config.json on the Hugging Face hub.
+# Published hyperparameters, from each model's config.json on the Hugging Face hub, and the parameter
+# count each model is known by (``nominal_params``: a published model's size, rounded; within 2% of the
+# shape's count). The harness orders and sizes sweep cells by it and reports it for cells that died before
+# train counted the model; train counts from the shape (count_parameters).
 PRESETS: dict[str, dict] = {
-    "micro": dict(family="llama", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, intermediate_size=2048, vocab_size=2048, rope_theta=10000.0,
-                  max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "tiny": dict(family="llama", hidden_size=768, num_hidden_layers=6, num_attention_heads=12,
-                 num_key_value_heads=12, intermediate_size=2048, vocab_size=10000, rope_theta=10000.0,
-                 max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "small": dict(family="llama", hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
-                  num_key_value_heads=16, intermediate_size=2816, vocab_size=10000, rope_theta=10000.0,
-                  max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama2-7b": dict(family="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, intermediate_size=11008, vocab_size=32000, rope_theta=10000.0,
-                      max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama2-13b": dict(family="llama", hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
-                       num_key_value_heads=40, intermediate_size=13824, vocab_size=32000, rope_theta=10000.0,
-                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama2-70b": dict(family="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, intermediate_size=28672, vocab_size=32000, rope_theta=10000.0,
-                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama3.1-8b": dict(family="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+    "micro": dict(nominal_params=4_720_896, family="llama", hidden_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, intermediate_size=2048, vocab_size=2048,
+                  rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny": dict(nominal_params=58_000_000, family="llama", hidden_size=768, num_hidden_layers=6,
+                 num_attention_heads=12, num_key_value_heads=12, intermediate_size=2048, vocab_size=10000,
+                 rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "small": dict(nominal_params=226_000_000, family="llama", hidden_size=1024, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=16, intermediate_size=2816, vocab_size=10000,
+                  rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama2-7b": dict(nominal_params=6_738_000_000, family="llama", hidden_size=4096, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+                      rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False),
+    "llama2-13b": dict(nominal_params=13_016_000_000, family="llama", hidden_size=5120, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40, intermediate_size=13824, vocab_size=32000,
+                       rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+    "llama2-70b": dict(nominal_params=68_977_000_000, family="llama", hidden_size=8192, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=32000,
+                       rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+    "llama3.1-8b": dict(nominal_params=8_030_000_000, family="llama", hidden_size=4096, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                        rope_theta=500000.0,
                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama3.1-70b": dict(family="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                         num_key_value_heads=8, intermediate_size=28672, vocab_size=128256, rope_theta=500000.0,
+    "llama3.1-70b": dict(nominal_params=70_554_000_000, family="llama", hidden_size=8192, num_hidden_layers=80,
+                         num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                         rope_theta=500000.0,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                            high_freq_factor=4.0, original_max_position_embeddings=8192),
                          max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, rope_theta=1000000.0,
-                       max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "qwen2.5-72b": dict(family="qwen2", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, intermediate_size=29568, vocab_size=152064, rope_theta=1000000.0,
-                        max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen2.5-7b": dict(nominal_params=7_616_000_000, family="qwen2", hidden_size=3584, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                       rope_theta=1000000.0, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+    "qwen2.5-72b": dict(nominal_params=72_706_000_000, family="qwen2", hidden_size=8192, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, intermediate_size=29568, vocab_size=152064,
+                        rope_theta=1000000.0, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False),
 }
 
 # Qwen2 puts a bias on the q, k and v projections; Llama has no biases.
@@ -103,12 +114,19 @@ def preset_names() -> list[str]:
     return list(PRESETS)
 
 
+def nominal_parameters(name: str) -> int | None:
+    """The parameter count a preset is known by (see PRESETS), or None for a name that is no preset."""
+    preset = PRESETS.get(name)
+    return preset["nominal_params"] if preset else None
+
+
 def preset_config(name: str):
     """The transformers config of a preset (no weights)."""
     if name not in PRESETS:
         raise ValueError(f"model preset {name!r} is unknown: choose one of {', '.join(PRESETS)} "
                          "or give a local Hugging Face model directory")
     p = dict(PRESETS[name])
+    p.pop("nominal_params")
     family = p.pop("family")
     rope = {"rope_type": "default", "rope_theta": p.pop("rope_theta")}
     rope.update(p.pop("rope_scaling", None) or {})

@@ -1,4 +1,5 @@
-"""Byte sizes: the one parser of size strings, the unit constants, O_DIRECT alignment, element sizes.
+"""Byte sizes: the one parser of size strings, the unit constants, O_DIRECT alignment, element sizes and
+the bytes of training state per parameter.
 
 One meaning everywhere (the README's): decimal units are powers of 1000 ("4GB" is 4,000,000,000 bytes),
 binary units powers of 1024 ("4GiB" is 4 x 2^30); a bare "k", "M", "G" or "T" is binary, as in ``dd``
@@ -55,3 +56,10 @@ def dtype_bytes(dtype) -> int:
     if isinstance(dtype, str):
         return {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[dtype]
     return dtype.itemsize
+
+
+def state_bytes_per_param(param_bytes: int = 4) -> int:
+    """Bytes of training state one parameter carries under ZeRO-3 with Adam: the parameter itself
+    (``param_bytes``: 4 in fp32, 2 in bf16), an fp32 gradient, an fp32 master copy and two fp32 moments.
+    What the swap space holds per parameter, and what a sweep sizes host budgets against (20 in fp32)."""
+    return param_bytes + 4 + 4 + 4 + 4

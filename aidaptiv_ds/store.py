@@ -31,17 +31,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from aidaptiv_ds.io import IOEngine, IORequest, PinnedPool
+from aidaptiv_ds.sizes import ALIGN, align_up  # the swappers import these two from here too
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
 # The file grows in steps of this size (or the extent, if larger), so that allocating many small
 # extents does not call posix_fallocate for each of them.
 GROW_STEP = 256 * 1024 * 1024
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 class HostBudgetError(MemoryError):

@@ -180,7 +180,7 @@ class Run:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)} must be at least 1")
         if a.save_every < 0 or a.warmup < 0:
             raise ValueError("--save-every and --warmup must not be negative")
-        cfg = ds_config.load(a.config)
+        cfg = ds_config.load(a.config, what="--config")
         cfg = ds_config.apply_overrides(cfg, micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
                                         nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
                                         dtype=a.dtype, host_budget=a.host_budget)

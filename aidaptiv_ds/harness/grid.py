@@ -16,29 +16,9 @@ from typing import Iterable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-# The four backends: names of files in ds_configs/ (ds_configs/<backend>.json), in report column order.
-BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
-
-# Model presets understood by ``aidaptiv-ds train --model``, with nominal parameter counts (published model
-# sizes; "micro" is defined by train and is the smallest). Used to order cells (small models first) and to
-# fill ``params`` in rows of cells that died before train could report its own count.
-PRESETS = {
-    "micro": 4_720_896,
-    "tiny": 58_000_000,
-    "small": 226_000_000,
-    "llama2-7b": 6_738_000_000,
-    "qwen2.5-7b": 7_616_000_000,
-    "llama3.1-8b": 8_030_000_000,
-    "llama2-13b": 13_016_000_000,
-    "llama2-70b": 68_977_000_000,
-    "llama3.1-70b": 70_554_000_000,
-    "qwen2.5-72b": 72_706_000_000,
-}
-
-
-# ZeRO-3 state per parameter in fp32 with the optimizer offloaded: parameter, gradient, fp32 master and two
-# Adam moments, 4 bytes each.
-STATE_BYTES_PER_PARAM = 20
+from aidaptiv_ds.ds_config import BACKENDS
+from aidaptiv_ds.models import PRESETS, nominal_parameters
+from aidaptiv_ds.sizes import state_bytes_per_param
 
 
 def _known_names(names, known, kind: str, field: str):
@@ -165,9 +145,10 @@ class Grid(BaseModel):
         """Per-rank host budget of an aidaptiv cell (None: the config's own)."""
         o = self.per_model.get(model) or ModelOverride()
         fraction = o.aidaptiv_state_fraction or self.aidaptiv_state_fraction
-        if not fraction or not PRESETS.get(model):
+        if not fraction or not nominal_parameters(model):
             return None
-        return int(fraction * STATE_BYTES_PER_PARAM * PRESETS[model] / gpus)
+        # ZeRO-3 state of the model in fp32 with the optimizer offloaded, shared by the ranks.
+        return int(fraction * state_bytes_per_param() * nominal_parameters(model) / gpus)
 
     def values_for(self, model: str) -> tuple[list[int], list[int], list[int], list[int]]:
         """(micro_batches, seq_lens, gpus, grad_accums) for one model, per_model overrides applied."""
@@ -277,7 +258,7 @@ def cell_id(model: str, backend: str, gpus: int, micro_batch: int, seq_len: int,
 
 
 def _model_rank(model: str) -> tuple:
-    return (PRESETS.get(model) or 0, model)
+    return (nominal_parameters(model) or 0, model)
 
 
 def enumerate_cells(grid: Grid, backends: Optional[list[str]] = None,

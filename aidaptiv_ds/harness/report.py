@@ -16,10 +16,11 @@ import sys
 from collections import Counter, defaultdict
 from typing import Optional
 
+from aidaptiv_ds.ds_config import BACKENDS
 from aidaptiv_ds.harness import published
-from aidaptiv_ds.harness.grid import BACKENDS, PRESETS
 from aidaptiv_ds.harness.machine import summary as machine_summary
 from aidaptiv_ds.harness.results import RESULTS_FILE, load_rows
+from aidaptiv_ds.models import nominal_parameters
 
 SHORT = {"zero3": "ZeRO-3", "zero3_cpu_offload": "ZeRO-3 CPU offload", "zero_infinity": "ZeRO-Infinity",
          "aidaptiv": "aidaptiv"}
@@ -327,7 +328,7 @@ def signal65_section(rows: list[dict]) -> str:
         return ""
     backends = _order_backends(sel)
     body = []
-    for model, seq, mb, g in sorted(keys, key=lambda k: (PRESETS.get(k[0]) or 0, k[3])):
+    for model, seq, mb, g in sorted(keys, key=lambda k: (nominal_parameters(k[0]) or 0, k[3])):
         ours = {r["backend"]: r for r in sel if (r["model"], r["seq_len"], r["micro_batch"], r["gpus"]) == (model, seq, mb, g)}
         if not ours:
             continue
@@ -488,10 +489,11 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
     fig_dir = os.path.join(out_dir, "figures")
     figures: list[str] = []
     used_sources: set[str] = set()
-    models = sorted({r["model"] for r in rows}, key=lambda m: (PRESETS.get(m) or 0, m))
+    models = sorted({r["model"] for r in rows}, key=lambda m: (nominal_parameters(m) or 0, m))
     for model in models:
         mrows = [r for r in rows if r["model"] == model]
-        params = next((r["params"] for r in mrows if r.get("params_source") == "metrics"), None) or PRESETS.get(model)
+        params = (next((r["params"] for r in mrows if r.get("params_source") == "metrics"), None)
+                  or nominal_parameters(model))
         ptxt = f" ({params / 1e9:.2f} B parameters)" if params and params >= 1e9 else \
             f" ({params / 1e6:.1f} M parameters)" if params else ""
         table, sources = throughput_table(model, mrows)

@@ -34,14 +34,16 @@ import sys
 import uuid
 from typing import Optional
 
+from aidaptiv_ds.ds_config import BACKENDS
 from aidaptiv_ds.harness.cellrun import CellRun, run_cell
-from aidaptiv_ds.harness.grid import BACKENDS, PRESETS, Cell, GridError, enumerate_cells, load_grid
+from aidaptiv_ds.harness.grid import Cell, GridError, enumerate_cells, load_grid
 from aidaptiv_ds.harness.hostcap import MECHANISMS, probe_cgroup
 from aidaptiv_ds.harness.launch import LaunchSpec, free_port, launch_command, train_spec
 from aidaptiv_ds.harness.machine import gpus as detect_gpus, machine_info
 from aidaptiv_ds.harness.outcome import Outcome, classify
 from aidaptiv_ds.harness.prebuild import put_build_tools_first
 from aidaptiv_ds.harness.results import RESULTS_FILE, Row, append_row, git_state, load_rows, write_row_file
+from aidaptiv_ds.models import nominal_parameters
 
 
 def _int_list(text: str) -> list[int]:
@@ -152,6 +154,7 @@ def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun]
     total_timed = sum(timed) if timed else None
     rd, wr = m.get("nvme_read_bytes"), m.get("nvme_write_bytes")
     params = m.get("params") if isinstance(m.get("params"), int) else None
+    nominal = nominal_parameters(cell.model)
     cap = dict(ctx["cap"], **(cap_used or {}))
     row = {
         "row_id": uuid.uuid4().hex,
@@ -163,8 +166,8 @@ def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun]
         "wall_s": round(run.wall_s, 3) if run else 0.0,
         "machine": ctx["machine"],
         "backend": cell.backend, "model": cell.model,
-        "params": params if params is not None else PRESETS.get(cell.model),
-        "params_source": "metrics" if params is not None else ("nominal" if PRESETS.get(cell.model) else None),
+        "params": params if params is not None else nominal,
+        "params_source": "metrics" if params is not None else ("nominal" if nominal else None),
         "micro_batch": cell.micro_batch, "seq_len": cell.seq_len, "gpus": cell.gpus,
         "nodes": ctx["spec"].nodes_for(cell), "grad_accum": cell.grad_accum,
         "steps": ctx["steps"], "warmup": ctx["warmup"], "lr": ctx["lr"],

@@ -1,35 +1,24 @@
 """``initialize`` and ``zero_init``: DeepSpeed's entry points with the ``"aidaptiv"`` block honoured.
 
-Both take what DeepSpeed's take. Without an enabled block they are DeepSpeed's, untouched. With one, the
-config is validated (every problem reported at once, before any file is opened), rewritten so ZeRO-3
-takes its NVMe paths, our swappers are installed, and the engine returned by ``initialize`` gains
+Both take what DeepSpeed's take (a config as a dict or a JSON/hjson path, read by
+:func:`aidaptiv_ds.ds_config.load`). Without an enabled block they are DeepSpeed's, untouched. With one,
+the config is validated (every problem reported at once, before any file is opened) and resolved, once
+per config even when both are called with it, rewritten so ZeRO-3 takes its NVMe paths, our swappers are
+installed, and the engine returned by ``initialize`` gains
 ``aidaptiv_stats()`` and checkpoints that carry every byte of the swapped state.
 """
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from typing import Any, Dict, Optional, Tuple
 
 from aidaptiv_ds import config as aconfig
+from aidaptiv_ds.ds_config import dtype_name, load as load_config
+from aidaptiv_ds.sizes import dtype_bytes, state_bytes_per_param
 
 log = logging.getLogger(__name__)
-
-
-def load_config(config) -> Optional[Dict[str, Any]]:
-    """A DeepSpeed config given as a dict, a path to JSON/hjson, or None."""
-    if config is None or isinstance(config, dict):
-        return config
-    path = os.fspath(config)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        import hjson
-        return json.loads(json.dumps(hjson.loads(text)))
 
 
 def _model_numel(model) -> int:
@@ -43,22 +32,19 @@ def needed_swap_bytes(model, ds_config: Dict[str, Any], world_size: int) -> Opti
     numel = _model_numel(model)
     if not numel:
         return None
-    elsize = 2 if (ds_config.get("bf16") or {}).get("enabled") else 4
-    return aconfig.swap_bytes_per_param(elsize) * -(-numel // max(1, world_size))
+    return state_bytes_per_param(dtype_bytes(dtype_name(ds_config))) * -(-numel // max(1, world_size))
 
 
-def prepare(ds_config: Dict[str, Any], model=None, world_size: int = 1) -> Tuple[Dict[str, Any], Optional[object]]:
-    """Validate and translate; returns (config for DeepSpeed, parsed block or None)."""
-    cfg = aconfig.validate(ds_config, needed_bytes=needed_swap_bytes(model, ds_config, world_size))
-    if cfg is None:
+def prepare(ds_config: Dict[str, Any], model=None, world_size: int = 1
+            ) -> Tuple[Dict[str, Any], Optional[aconfig.SwapSettings]]:
+    """Validate, resolve and translate (once per config: see :func:`aidaptiv_ds.config.resolve`) and install
+    our swappers; returns (config for DeepSpeed, resolved settings or None)."""
+    translated, settings = aconfig.resolve(ds_config, needed_bytes=needed_swap_bytes(model, ds_config, world_size))
+    if settings is None:
         return ds_config, None
     from aidaptiv_ds.zero3.install import install
     install()
-    out = aconfig.to_deepspeed_config(ds_config, cfg)
-    # Gradients are accumulated in fp32 in our per-sub-group buffers, which are also what the optimizer
-    # steps on: no conversion copy at the accumulation boundary.
-    out.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
-    return out, cfg
+    return translated, settings
 
 
 def _return_freed_heap() -> None:
@@ -103,13 +89,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         args = copy.copy(args)
         args.deepspeed_config = None  # DeepSpeed refuses a config given both ways
     ds_config = load_config(source)
-    translated, cfg = (ds_config, None) if ds_config is None else prepare(ds_config, model, _world_size())
+    translated, settings = (ds_config, None) if ds_config is None else prepare(ds_config, model, _world_size())
     engine, opt, loader, sched = original_initialize(deepspeed)(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, config=translated, **kwargs)
     from aidaptiv_ds import dist_shm   # DeepSpeed's CPU communicator would leak its /dev/shm segments
     dist_shm.release_after_barrier()
-    if cfg is not None:
+    if settings is not None:
         runtime = getattr(engine.optimizer, "_aidaptiv", None)
         if runtime is None:
             raise RuntimeError("aidaptiv is enabled but DeepSpeed did not build the aidaptiv ZeRO-3 optimizer: "

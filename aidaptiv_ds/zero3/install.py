@@ -1,4 +1,4 @@
-"""Put our swappers into DeepSpeed ZeRO-3: the only place that replaces DeepSpeed names.
+"""Put our swappers into DeepSpeed ZeRO-3: its parameter swapper and its ZeRO-3 optimizer are replaced by ours.
 
 After :func:`install`, DeepSpeed builds :class:`AidaptivParamSwapper` instead of its own parameter
 swapper, and :class:`AidaptivZeroOptimizer` instead of its ZeRO-3 optimizer, for every config; both defer
@@ -10,7 +10,7 @@ import atexit
 import logging
 import weakref
 
-from aidaptiv_ds.config import AidaptivConfig, block_of
+from aidaptiv_ds.config import settings_for
 from aidaptiv_ds.zero3 import compat
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,12 @@ def install() -> None:
     deepspeed_swapper = partition_parameters.AsyncPartitionedParameterSwapper
 
     def parameter_swapper(ds_config, model_dtype):
-        block = block_of(ds_config) or {}
-        if not block.get("enabled"):
+        # DeepSpeed passes only its config object: the settings resolved for its "aidaptiv" block are
+        # looked up, not parsed again.
+        settings = settings_for(ds_config)
+        if settings is None:
             return deepspeed_swapper(ds_config, model_dtype)
-        runtime = SwapRuntime(AidaptivConfig.model_validate(block), dist.get_rank(), model_dtype)
+        runtime = SwapRuntime(settings, dist.get_rank(), model_dtype)
         _runtimes.add(runtime)
         return AidaptivParamSwapper(runtime)
 

@@ -16,13 +16,11 @@ from typing import List, Set
 
 import torch
 
-from aidaptiv_ds.config import ConfigError
-from aidaptiv_ds.store import align_up
+from aidaptiv_ds.ds_config import ConfigError
+from aidaptiv_ds.sizes import MiB, align_up, dtype_bytes
 from aidaptiv_ds.zero3.layer_groups import partition_into_groups
-from aidaptiv_ds.config import optimizer_chunk_numel
 from aidaptiv_ds.zero3.optimizer_swapper import PARTS, READ_AHEAD
 
-MiB = 2**20
 log = logging.getLogger(__name__)
 
 
@@ -66,8 +64,8 @@ def _group_bytes(records, module, layer_group_size: int) -> List[int]:
 
 
 def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
-    cfg = runtime.cfg
-    budget = cfg.host_budget_bytes()
+    cfg = runtime.cfg  # SwapSettings: budget and chunk already resolved
+    budget = cfg.host_budget_bytes
     records = runtime.param_swapper.records
     # The configured layer_group_size is an upper bound: groups shrink until the one computing, the ones
     # prefetched and one kept across the forward/backward turn fit in half the budget, or prefetch could
@@ -81,10 +79,10 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
         log.info("aidaptiv: layer groups of %d layers instead of %d, so that prefetching %d ahead fits the "
                  "%.1f MiB host budget", layer_group_size, cfg.layer_group_size, cfg.prefetch_depth, budget / MiB)
     part = lambda n: align_up(n * 4)  # one fp32 vector of a sub-group
-    chunk = optimizer_chunk_numel(cfg)
+    chunk = cfg.optimizer_chunk_numel
     slot = align_up(max(group_bytes))  # every layer group occupies one slot of the largest group's size
     largest_sub = max(sub_group_numels)
-    elsize = torch_elsize(runtime.model_dtype)
+    elsize = dtype_bytes(runtime.model_dtype)
     parts = 2 if runtime.model_dtype == torch.float32 else PARTS  # chunk image parts (fp32: no master)
     # Slots: the group computing, the ones being prefetched, and one more (the forward/backward turn,
     # or the group whose update is being applied).
@@ -118,8 +116,3 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
     slots = min(len(group_bytes), min_slots + max(0, leftover) // slot)
     return RunPlan(budget, pool, min_slots * slot + general, group_bytes, list(sub_group_numels), chunk,
                    layer_group_size, resident, slots, sum(resident_cost(sub_group_numels[i]) for i in resident))
-
-
-def torch_elsize(dtype) -> int:
-    import torch
-    return torch.empty(0, dtype=dtype).element_size()

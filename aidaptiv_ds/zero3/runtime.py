@@ -1,7 +1,7 @@
-"""What one rank's swappers share: the config, the I/O engine, the swap space, host memory and statistics.
+"""What one rank's swappers share: the resolved settings, the I/O engine, the swap space, host memory and statistics.
 
 A runtime is born when DeepSpeed builds the parameter swapper (inside ``zero.Init`` or the engine's
-conversion of an ordinary module), at which point only the config is known: parameters are written to
+conversion of an ordinary module), at which point only the settings are known: parameters are written to
 NVMe one by one from ordinary aligned buffers. When the ZeRO-3 optimizer is built, the model and its
 sub-groups are known; :meth:`SwapRuntime.start_training` then sizes the one pinned pool from the model
 (bounded by the host budget), reopens the files on an engine that registers that pool with io_uring, and
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from aidaptiv_ds.config import AidaptivConfig
+from aidaptiv_ds.config import SwapSettings
 from aidaptiv_ds.io import IOEngine, PinnedPool
 from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
 
@@ -50,8 +50,8 @@ class SwapStats:
 
 
 class SwapRuntime:
-    def __init__(self, cfg: AidaptivConfig, rank: int, model_dtype: torch.dtype):
-        self.cfg = cfg
+    def __init__(self, cfg: SwapSettings, rank: int, model_dtype: torch.dtype):
+        self.cfg = cfg  # the resolved "aidaptiv" block, shared with the swappers, the planner and the prefetcher
         self.rank = rank
         _ignore_sigxfsz()
         self.model_dtype = model_dtype
@@ -76,7 +76,7 @@ class SwapRuntime:
 
     def _make_engine(self, pool):
         c = self.cfg
-        return IOEngine(backend=c.backend.value, block_size=c.block_size, queue_depth=c.queue_depth,
+        return IOEngine(backend=c.backend, block_size=c.block_size, queue_depth=c.queue_depth,
                         threads=c.io_threads, pool=pool if c.register_buffers else None, sqpoll=c.sqpoll)
 
     def start_training(self, pool_bytes: int) -> None:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from aidaptiv_ds.harness.grid import STATE_BYTES_PER_PARAM
+from aidaptiv_ds.sizes import state_bytes_per_param
 from aidaptiv_ds.harness.report import main as report
 from aidaptiv_ds.harness.sweep import main as sweep
 from helpers import REPO
@@ -48,6 +48,6 @@ def test_aidaptiv_cell_streams_its_state_through_the_disk(sweep_out):
     """The grid's budget (0.4 of the state) is below the model state, so parameters and optimizer state are
     read back from the swap files every step."""
     row = next(r for r in rows(sweep_out) if r["backend"] == "aidaptiv")
-    state = STATE_BYTES_PER_PARAM * row["params"]
+    state = state_bytes_per_param() * row["params"]
     assert 0 < row["aidaptiv_host_budget_bytes"] < state
     assert row["nvme_read_bytes"] > 0 and row["nvme_write_bytes"] > 0

@@ -8,7 +8,7 @@ import textwrap
 import torch
 
 import aidaptiv_ds
-from aidaptiv_ds.io import ALIGNMENT
+from aidaptiv_ds.sizes import ALIGN
 
 BACKENDS = ["io_uring", "posix"]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(aidaptiv_ds.__file__)))
@@ -21,8 +21,8 @@ def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
 
 def plain_aligned(n: int) -> torch.Tensor:
     """A 4 KiB-aligned uint8 tensor from torch's ordinary allocator (not from any pool)."""
-    base = torch.empty(n + ALIGNMENT, dtype=torch.uint8)
-    skip = (-base.data_ptr()) % ALIGNMENT
+    base = torch.empty(n + ALIGN, dtype=torch.uint8)
+    skip = (-base.data_ptr()) % ALIGN
     return base[skip:skip + n]
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from aidaptiv_ds.config import AidaptivConfig
+from aidaptiv_ds.config import SwapSettings
 from aidaptiv_ds.zero3.param_swapper import AidaptivParamSwapper
 from aidaptiv_ds.zero3.runtime import SwapRuntime
 
@@ -23,7 +23,8 @@ def swapper(tmp_path):
     """Two layer groups (two Linear layers: weight and bias each) on disk, one slot."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64))
-    runtime = SwapRuntime(AidaptivConfig(enabled=True, nvme_path=str(tmp_path)), rank=0, model_dtype=torch.float32)
+    settings = SwapSettings.from_block({"enabled": True, "nvme_path": str(tmp_path)})
+    runtime = SwapRuntime(settings, rank=0, model_dtype=torch.float32)
     sw = AidaptivParamSwapper(runtime)
     for i, p in enumerate(model.parameters()):
         p.ds_id = i

@@ -72,6 +72,13 @@ def test_settings_precedence(monkeypatch):
         resolve_settings()
 
 
+def test_block_size_variable_reads_sizes_like_the_config(monkeypatch):
+    """One parser (aidaptiv_ds.sizes): 1M and 1MiB are 2^20, 1MB is 10^6, as the README documents."""
+    for text, expected in (("1M", 1 << 20), ("1MiB", 1 << 20), ("1MB", 10**6), ("64k", 64 << 10)):
+        monkeypatch.setenv("AIDAPTIV_BLOCK_SIZE", text)
+        assert resolve_settings()["block_size"] == expected, text
+
+
 def test_bad_settings_raise_value_error():
     with pytest.raises(ValueError, match="block_size 1000"):
         IOEngine(block_size=1000)

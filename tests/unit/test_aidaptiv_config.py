@@ -1,6 +1,8 @@
 """The "aidaptiv" block: every problem reported at once, before any file is opened; the translation into
 the ZeRO-3 settings DeepSpeed needs."""
+import dataclasses
 import os
+import types
 
 import pytest
 
@@ -29,7 +31,7 @@ def test_no_block_or_disabled_block_leaves_deepspeed_alone(tmp_path):
 
 def test_a_good_block_parses(tmp_path):
     cfg = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "256MiB"}))
-    assert cfg.host_budget_bytes() == 256 * 2**20 and cfg.layer_group_size == 4 and cfg.backend == C.Backend.auto
+    assert cfg.host_budget_bytes == 256 * 2**20 and cfg.layer_group_size == 4 and cfg.backend == C.Backend.AUTO
 
 
 def test_unknown_key_names_the_known_ones(tmp_path):
@@ -104,7 +106,7 @@ def test_translation_routes_zero3_through_nvme_and_bounds_deepspeed_by_the_budge
     big = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "8GiB"}), check_paths=False)
     zb = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big)["zero_optimization"]
     assert zb["reduce_bucket_size"] == 8 * 2**30 // 8 // 4 and zb["stage3_max_live_parameters"] == 8 * 2**30 // 16
-    assert z["sub_group_size"] == C.optimizer_chunk_numel(cfg)
+    assert z["sub_group_size"] == cfg.optimizer_chunk_numel
     assert out["aidaptiv"]["enabled"] is True
 
 
@@ -140,10 +142,97 @@ def test_a_share_of_ram_means_the_cgroup_limit_when_lower(tmp_path):
     assert C._cgroup_memory_limit(str(proc), str(tmp_path)) is None
 
 
-def test_harness_presets_are_trains_presets():
-    from aidaptiv_ds.harness.grid import PRESETS as HARNESS
-    from aidaptiv_ds.models import PRESETS, count_parameters, preset_config
-    assert set(HARNESS) == set(PRESETS)
-    for name, nominal in HARNESS.items():
-        if nominal:
-            assert abs(count_parameters(preset_config(name)) - nominal) / nominal < 0.02, name
+def counting(monkeypatch, module, name, returns=None):
+    """Replace module.name by a stub that counts its calls (and returns ``returns``), or, with
+    returns=..., by a wrapper of the original."""
+    original = getattr(module, name)
+    calls = []
+
+    def stub(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs) if returns is ... else returns
+    monkeypatch.setattr(module, name, stub)
+    return calls
+
+
+def test_a_share_of_ram_reads_the_cgroup_once_per_resolution(tmp_path, monkeypatch):
+    reads = counting(monkeypatch, C, "_cgroup_memory_limit", returns=None)
+    settings = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "10%"}))
+    assert len(reads) == 1
+    assert settings.host_budget_bytes == int(0.1 * C.total_ram_bytes())
+    assert settings.optimizer_chunk_numel == max(C.AUTO_CHUNK_MIN, min(C.AUTO_CHUNK_MAX, settings.host_budget_bytes // 512))
+
+
+def test_a_config_is_validated_and_resolved_once(tmp_path, monkeypatch):
+    """zero_init and initialize (train, the HF Trainer) resolve the same dict; a translated dict may come back;
+    DeepSpeed's config object reaches the swapper factory: one validation, one reading of the machine."""
+    reads = counting(monkeypatch, C, "_cgroup_memory_limit", returns=None)
+    validations = counting(monkeypatch, C, "validate", returns=...)
+    cfg = ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "25%"})
+    translated, settings = C.resolve(cfg)
+    again, same = C.resolve(cfg, needed_bytes=1 << 20)
+    assert same is settings and again == translated and again is not translated
+    assert C.resolve(translated)[1] is settings
+    assert C.settings_for(types.SimpleNamespace(_param_dict=translated)) is settings
+    assert len(validations) == 1 and len(reads) == 1
+    # The model, known only on the second call, is still checked against the free space.
+    with pytest.raises(C.ConfigError, match="GiB free but the model state needs"):
+        C.resolve(cfg, needed_bytes=1 << 60)
+    assert len(validations) == 1
+
+
+def test_prepare_twice_validates_once(tmp_path, monkeypatch):
+    from aidaptiv_ds.zero3 import initialize, install
+    installs = counting(monkeypatch, install, "install")
+    validations = counting(monkeypatch, C, "validate", returns=...)
+    reads = counting(monkeypatch, C, "_cgroup_memory_limit", returns=None)
+    cfg = ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "20%"}, bf16={"enabled": True})
+    first, settings = initialize.prepare(cfg, None, 1)
+    second, same = initialize.prepare(cfg, None, 1)
+    assert same is settings and first == second and len(installs) == 2
+    assert len(validations) == 1 and len(reads) == 1
+    assert first["zero_optimization"]["stage3_max_live_parameters"] == settings.host_budget_bytes // 4 // 2
+    assert initialize.prepare(ds(), None, 1) == (ds(), None)
+
+
+def test_the_translated_block_is_the_resolution_written_out(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    settings = C.validate(ds({"enabled": True, "nvme_path": ".", "host_memory_budget": "1GB", "backend": "posix"}))
+    assert settings.nvme_path == str(tmp_path) and settings.backend is C.Backend.POSIX
+    block = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": "."}), settings)["aidaptiv"]
+    assert block["host_memory_budget"] == 10**9 and block["nvme_path"] == str(tmp_path)
+    assert block["optimizer_chunk_numel"] == settings.optimizer_chunk_numel and block["backend"] == "posix"
+    # Resolving the written-out block gives the same settings without reading the machine.
+    reads = counting(monkeypatch, C, "total_ram_bytes", returns=1)
+    assert C.SwapSettings.from_block(block) == settings and not reads
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.host_budget_bytes = 1
+
+
+def test_settings_carry_every_setting_of_the_block():
+    names = {f.name for f in dataclasses.fields(C.SwapSettings)}
+    assert names == set(C.AidaptivConfig.model_fields) - {"enabled", "host_memory_budget"} | {"host_budget_bytes"}
+
+
+def test_a_block_deepspeed_got_without_resolve_is_resolved_once(tmp_path, monkeypatch):
+    parses = counting(monkeypatch, C.AidaptivConfig, "model_validate", returns=...)
+    obj = types.SimpleNamespace(_param_dict=ds({"enabled": True, "nvme_path": str(tmp_path), "sqpoll": True,
+                                                "host_memory_budget": 3 << 20}))
+    first = C.settings_for(obj)
+    assert C.settings_for(obj) is first and first.sqpoll and first.host_budget_bytes == 3 << 20
+    assert len(parses) == 1
+    assert C.settings_for(ds({"enabled": False})) is None and C.settings_for(ds()) is None
+
+
+def test_one_error_type_for_every_config_problem(tmp_path):
+    from aidaptiv_ds import ds_config
+    assert C.ConfigError is ds_config.ConfigError and issubclass(C.ConfigError, ValueError)
+    with pytest.raises(ds_config.ConfigError) as block_error:
+        C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "queue_depth": 0}))
+    with pytest.raises(C.ConfigError) as file_error:
+        ds_config.load(str(tmp_path / "missing.json"))
+    assert type(block_error.value) is type(file_error.value)
+    assert file_error.value.problems == [str(file_error.value)]
+    two = C.ConfigError(["a is wrong", "b is wrong"])
+    assert two.problems == ["a is wrong", "b is wrong"] and str(two).splitlines()[1:] == ["  - a is wrong",
+                                                                                          "  - b is wrong"]

@@ -2,6 +2,8 @@
 reports all of its problems at once."""
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -134,3 +136,11 @@ def test_unreadable_and_invalid_json(tmp_path):
 def test_presets_cover_the_contract():
     assert set(PRESETS) == {"micro", "tiny", "small", "llama2-7b", "llama2-13b", "llama2-70b", "llama3.1-8b",
                             "llama3.1-70b", "qwen2.5-7b", "qwen2.5-72b"}
+
+
+def test_the_harness_reads_presets_and_backends_without_torch():
+    """grid takes the presets and backend names from the product's one table and tuple, as plain data."""
+    code = ("import sys; import aidaptiv_ds.harness.grid, aidaptiv_ds.harness.report, aidaptiv_ds.harness.sweep; "
+            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
