@@ -17,50 +17,51 @@ def test_uring_submit_failure_never_hands_the_kernel_a_failed_piece(tmp_path):
     # One io_uring_submit fails (EIO): the pieces still in the submission queue fail at once and their waiter
     # may free or reuse the buffer. The shutdown wake-up then submits for real; before the fix it handed the
     # kernel those stale reads, which wrote the file into the buffer and completed slots whose request was
-    # gone (a null dereference in the completion thread).
+    # gone (a null dereference in the completion thread). The read is 4 pieces in a ring of 8, so that the
+    # wake-up NOP finds room in the submission queue. The file is kept open (a file id, not a path), as the
+    # swappers do, so a stale read would find its descriptor. Once into a registered (fixed) buffer, once into
+    # a plain one.
     path = tmp_path / "pattern.bin"
-    path.write_bytes(b"\x5a" * (4 << 20))
+    path.write_bytes(b"\x5a" * (1 << 20))
     code = f"""
         import errno, json, time, torch
         from aidaptiv_ds import _C
         from aidaptiv_ds.io import IOEngine, PinnedPool
-        pool = PinnedPool(16 << 20)
-        engine = IOEngine(backend="io_uring", pool=pool, block_size=256 << 10, queue_depth=8)
-        buffers = [pool.allocate(4 << 20), torch.empty(0)]
-        plain = torch.empty((4 << 20) + 4096, dtype=torch.uint8)
+        pool = PinnedPool(4 << 20)
+        plain = torch.empty((1 << 20) + 4096, dtype=torch.uint8)
         skip = (-plain.data_ptr()) % 4096
-        buffers[1] = plain[skip:skip + (4 << 20)]  # not registered: plain io_uring reads
-        for b in buffers:
-            b.fill_(0xAA)
-        out = {{"errors": []}}
-        _C._testing_fail_next_submits(errno.EIO, 1)
-        requests = [engine.read_async(b, {str(path)!r}) for b in buffers]
-        for r in requests:
+        out = {{}}
+        for kind, buf in (("registered", pool.allocate(1 << 20)), ("plain", plain[skip:skip + (1 << 20)])):
+            engine = IOEngine(backend="io_uring", pool=pool, block_size=256 << 10, queue_depth=8)
+            buf.fill_(0xAA)
+            f = engine.open({str(path)!r})
+            _C._testing_fail_next_submits(errno.EIO, 1)
             try:
-                r.wait()
-                out["errors"].append(None)
+                engine.read(buf, f)
+                error = None
             except OSError as e:
-                out["errors"].append([e.errno, e.filename, str(e)])
-        try:
-            engine.read_async(pool.allocate(4096), {str(path)!r}).wait()
-            out["later"] = None
-        except OSError as e:
-            out["later"] = e.errno
-        engine.shutdown()
-        time.sleep(0.5)  # room for any stray completion to land
-        out["untouched"] = [bool((b == 0xAA).all()) for b in buffers]
+                error = [e.errno, e.filename, str(e)]
+            try:
+                engine.read(pool.allocate(4096), f)
+                later = None
+            except OSError as e:
+                later = e.errno
+            engine.shutdown()
+            time.sleep(0.5)  # room for any stray completion to land
+            out[kind] = {{"error": error, "later": later, "untouched": bool((buf == 0xAA).all())}}
         print(json.dumps(out))
     """
     result = run_child(code, timeout=60)
     assert result.returncode == 0, f"child died ({result.returncode}):\n{result.stderr[-3000:]}"
     out = json.loads(result.stdout)
-    first = out["errors"][0]
-    assert first is not None, "the read whose submission failed succeeded"
-    assert first[0] == errno.EIO and first[1] == str(path)
-    assert "submitting to io_uring failed" in first[2] and "backend='posix'" in first[2]
-    assert all(e is not None and e[0] == errno.EIO for e in out["errors"])
-    assert out["later"] == errno.EIO  # the ring stays refused, with the same error
-    assert out["untouched"] == [True, True], "the kernel wrote into a buffer after its request had failed"
+    for kind in ("registered", "plain"):
+        case = out[kind]
+        assert case["error"] is not None, f"{kind}: the read whose submission failed succeeded"
+        err, filename, message = case["error"]
+        assert err == errno.EIO and filename == str(path)
+        assert "submitting to io_uring failed" in message and "backend='posix'" in message
+        assert case["later"] == errno.EIO  # the ring stays refused, with the same error
+        assert case["untouched"], f"{kind}: the kernel wrote into the buffer after its request had failed"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
