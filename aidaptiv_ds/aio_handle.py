@@ -21,7 +21,13 @@ Deliberate differences (errors are never silent here):
   transfer nothing when they are not aligned); they do not print timings; validate=True compares with a
   buffered read and raises on a mismatch.
 - A file offset that is not 4 KiB aligned is served by a buffered pread/pwrite at submission time.
-- The fd form of async_pwrite writes synchronously through that descriptor (it was opened without O_DIRECT).
+- The file-descriptor form of async_pwrite (``async_pwrite(buffer, fd, file_offset)``, also with ``fd=``;
+  DeepSpeed's FastFileWriter uses it with an O_DIRECT descriptor) writes synchronously through that
+  descriptor, from a pinned 4 KiB aligned bounce copy when the buffer is not one itself (as DeepSpeed bounces
+  unpinned buffers), and returns 0; the next wait() counts it. The descriptor stays open (the caller's).
+
+Every keyword name of DeepSpeed's bindings is accepted, including its spelling ``example_tenosr`` in
+new_cpu_locked_tensor and ``async`` in pread/pwrite (passed as ``**{"async": True}``).
 """
 from __future__ import annotations
 
@@ -128,8 +134,18 @@ class AioHandle:
         return self._intra_op_parallelism * DEEPSPEED_ALIGNMENT
 
     # -- pinned tensors -----------------------------------------------------------------------------
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
-        """A page-locked, 4 KiB aligned CPU tensor of num_elem elements of example_tensor's dtype."""
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Optional[torch.Tensor] = None,
+                              **kwargs) -> torch.Tensor:
+        """A page-locked, 4 KiB aligned CPU tensor of num_elem elements of example_tensor's dtype. DeepSpeed
+        0.19's binding names the second argument ``example_tenosr``; both spellings are accepted."""
+        if "example_tenosr" in kwargs:
+            if example_tensor is not None:
+                raise TypeError("aio_handle.new_cpu_locked_tensor: example_tensor given twice "
+                                "(as example_tensor and example_tenosr)")
+            example_tensor = kwargs.pop("example_tenosr")
+        self._reject_unknown(kwargs)
+        if example_tensor is None:
+            raise TypeError("aio_handle.new_cpu_locked_tensor: missing argument example_tensor")
         nbytes = max(1, int(num_elem) * example_tensor.element_size())
         pool = PinnedPool(nbytes)
         tensor = pool.allocate(int(num_elem), example_tensor.dtype)
@@ -148,13 +164,22 @@ class AioHandle:
     def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
         return self.pread(buffer, filename, False, True, file_offset)
 
-    def async_pwrite(self, buffer: torch.Tensor, filename, file_offset: int = 0) -> int:
-        if isinstance(filename, int):  # DeepSpeed's overload taking an open descriptor
+    def async_pwrite(self, buffer: torch.Tensor, filename=None, file_offset: int = 0, *, fd: Optional[int] = None
+                     ) -> int:
+        """DeepSpeed's two overloads: (buffer, filename, file_offset) and (buffer, fd, file_offset), the
+        descriptor given by position or as fd=."""
+        if fd is not None and filename is not None:
+            raise TypeError("aio_handle.async_pwrite takes a filename or an fd, not both")
+        if fd is None and isinstance(filename, int) and not isinstance(filename, bool):
+            fd, filename = filename, None
+        if fd is not None:
             self._check_parallel(buffer, "write")
-            self._write_fd(buffer, filename, int(file_offset))
+            self._write_fd(buffer, int(fd), int(file_offset))
             with self._lock:
                 self._ops.append(_Op(None))
             return 0
+        if filename is None:
+            raise TypeError("aio_handle.async_pwrite: missing argument filename (or fd)")
         return self.pwrite(buffer, filename, False, True, file_offset)
 
     def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
@@ -327,14 +352,26 @@ class AioHandle:
                 os.close(fd)
 
     def _write_fd(self, buffer: torch.Tensor, fd: int, offset: int) -> None:
-        self._pwrite_all(fd, self._host_bytes(buffer), offset)
+        # The descriptor may be O_DIRECT (DeepSpeed's FastFileWriter opens it so), which needs an aligned
+        # buffer: write from a bounce copy unless the buffer is one itself.
+        source = buffer if self._direct_ok(buffer) else self._bounce(buffer).copy_(buffer)
+        try:
+            self._pwrite_all(fd, self._host_bytes(source), offset)
+        except OSError as e:
+            advice = ("an O_DIRECT descriptor needs a size and offset that are multiples of the disk block"
+                      if e.errno == errno.EINVAL else "check that the descriptor is open for writing and the disk")
+            raise OSError(e.errno, f"write of {source.numel() * source.element_size()} bytes at offset {offset} "
+                          f"to descriptor {fd} failed: {e.strerror}: {advice}") from e
 
     @staticmethod
     def _pwrite_all(fd: int, data, offset: int) -> None:
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
+            n = os.pwrite(fd, view[done:], offset + done)
+            if n == 0:  # never loop forever on a descriptor that accepts nothing
+                raise OSError(errno.EIO, f"write at offset {offset + done} accepted no bytes: check the disk")
+            done += n
 
     def __del__(self):
         engine = getattr(self, "_engine", None)

@@ -218,6 +218,7 @@ class IOEngine:
         self._files: dict = {}
         self._lock = threading.Lock()
         self.closed = False
+        self._direct_fallbacks_logged = False
         for note in (self._engine.fallback_reason, self._engine.fixed_buffers_note, self._engine.setup_note):
             if note:
                 _log_once(note)
@@ -336,14 +337,25 @@ class IOEngine:
 
     # -- lifetime and stats -------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters since creation: bytes/requests read and written, errors, in_flight, wait_seconds."""
+        """Counters since creation: bytes/requests read and written, errors, in_flight, wait_seconds, and
+        direct_fallbacks (O_DIRECT pieces the kernel refused with EINVAL, retried through the page cache)."""
         s = self._engine.stats()
         out = {"backend": self.backend.value, "fixed_buffers": self.fixed_buffers}
-        out.update({k: getattr(s, k) for k in
-                    ("bytes_read", "bytes_written", "reads", "writes", "errors", "in_flight", "wait_seconds")})
+        out.update({k: getattr(s, k) for k in ("bytes_read", "bytes_written", "reads", "writes", "errors",
+                                               "in_flight", "wait_seconds", "direct_fallbacks")})
+        self._log_direct_fallbacks(s.direct_fallbacks)
         if self.pool is not None:
             out["pool"] = self.pool.stats()
         return out
+
+    def _log_direct_fallbacks(self, count: int) -> None:
+        """Warn once per engine (from stats() or shutdown()) that O_DIRECT fell back to the page cache."""
+        if count and not self._direct_fallbacks_logged:
+            self._direct_fallbacks_logged = True
+            logger.warning("%d O_DIRECT transfer(s) were refused with EINVAL and retried through the page cache "
+                           "(slower, and they use page-cache memory): a file-size limit (ulimit -f) or the "
+                           "filesystem cut them at an unaligned byte; put nvme_path on a filesystem that "
+                           "supports O_DIRECT (ext4, xfs) and check ulimit -f", count)
 
     def shutdown(self) -> None:
         """Wait for all I/O, close all files and stop the engine's threads. Errors of requests nobody
@@ -356,6 +368,7 @@ class IOEngine:
             logger.warning("I/O error at engine shutdown (no one waited for it): %s", e)
         finally:
             self._engine.shutdown()
+            self._log_direct_fallbacks(self._engine.stats().direct_fallbacks)
             with self._lock:
                 for f in self._files.values():
                     f.closed = True

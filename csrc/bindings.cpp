@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "aidaptiv/detail/test_hooks.hpp"
 #include "aidaptiv/engine.hpp"
 #include "aidaptiv/error.hpp"
 #include "aidaptiv/pinned_pool.hpp"
@@ -76,7 +77,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("writes", &EngineStats::writes)
       .def_readonly("errors", &EngineStats::errors)
       .def_readonly("in_flight", &EngineStats::in_flight)
-      .def_readonly("wait_seconds", &EngineStats::wait_seconds);
+      .def_readonly("wait_seconds", &EngineStats::wait_seconds)
+      .def_readonly("direct_fallbacks", &EngineStats::direct_fallbacks);
+
+  // Fault injection for the test suite only (see detail/test_hooks.hpp); process-wide, so tests arm
+  // them in a child process. Never call these in a job.
+  m.def("_testing_fail_next_submits", &aidaptiv::detail::testing::fail_next_submits, py::arg("errno"),
+        py::arg("count") = 1, "TEST HOOK: the next `count` io_uring submissions fail with errno.");
+  m.def("_testing_throw_in_next_completions", &aidaptiv::detail::testing::throw_in_next_completions, py::arg("count") = 1,
+        "TEST HOOK: the next `count` completion checks (io_uring reaper, POSIX workers) throw std::bad_alloc.");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const EngineOptions&, std::shared_ptr<PinnedPool>>(), py::arg("options"),

@@ -237,6 +237,7 @@ EngineStats Engine::stats() const {
   s.reads = counters_.reads;
   s.writes = counters_.writes;
   s.errors = counters_.errors;
+  s.direct_fallbacks = counters_.direct_fallbacks;
   s.wait_seconds = static_cast<double>(counters_.wait_ns.load()) * 1e-9;
   std::lock_guard<std::mutex> lock(mu_);
   s.in_flight = requests_.size();

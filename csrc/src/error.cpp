@@ -2,11 +2,81 @@
 
 #include <cstring>
 
+// strerrorname_np appeared in glibc 2.32; older glibc (and other C libraries) get the table below.
+// AIDAPTIV_NO_STRERRORNAME_NP selects the table anyway (tests/build compiles it that way).
+#if defined(__GLIBC__) && defined(__GLIBC_PREREQ) && !defined(AIDAPTIV_NO_STRERRORNAME_NP)
+#if __GLIBC_PREREQ(2, 32)
+#define AIDAPTIV_HAVE_STRERRORNAME_NP 1
+#endif
+#endif
+
 namespace aidaptiv {
 
+namespace {
+
+#ifdef AIDAPTIV_HAVE_STRERRORNAME_NP
+const char* errno_name(int err) { return strerrorname_np(err); }  // NULL for unknown codes
+#else
+// The codes file I/O, io_uring and memory locking can answer; others print as "errno N".
+const char* errno_name(int err) {
+  switch (err) {
+#define AIDAPTIV_ERRNO_NAME(code) \
+  case code:                      \
+    return #code;
+    AIDAPTIV_ERRNO_NAME(EPERM)
+    AIDAPTIV_ERRNO_NAME(ENOENT)
+    AIDAPTIV_ERRNO_NAME(ESRCH)
+    AIDAPTIV_ERRNO_NAME(EINTR)
+    AIDAPTIV_ERRNO_NAME(EIO)
+    AIDAPTIV_ERRNO_NAME(ENXIO)
+    AIDAPTIV_ERRNO_NAME(E2BIG)
+    AIDAPTIV_ERRNO_NAME(EBADF)
+    AIDAPTIV_ERRNO_NAME(EAGAIN)
+    AIDAPTIV_ERRNO_NAME(ENOMEM)
+    AIDAPTIV_ERRNO_NAME(EACCES)
+    AIDAPTIV_ERRNO_NAME(EFAULT)
+    AIDAPTIV_ERRNO_NAME(EBUSY)
+    AIDAPTIV_ERRNO_NAME(EEXIST)
+    AIDAPTIV_ERRNO_NAME(EXDEV)
+    AIDAPTIV_ERRNO_NAME(ENODEV)
+    AIDAPTIV_ERRNO_NAME(ENOTDIR)
+    AIDAPTIV_ERRNO_NAME(EISDIR)
+    AIDAPTIV_ERRNO_NAME(EINVAL)
+    AIDAPTIV_ERRNO_NAME(ENFILE)
+    AIDAPTIV_ERRNO_NAME(EMFILE)
+    AIDAPTIV_ERRNO_NAME(ETXTBSY)
+    AIDAPTIV_ERRNO_NAME(EFBIG)
+    AIDAPTIV_ERRNO_NAME(ENOSPC)
+    AIDAPTIV_ERRNO_NAME(ESPIPE)
+    AIDAPTIV_ERRNO_NAME(EROFS)
+    AIDAPTIV_ERRNO_NAME(EMLINK)
+    AIDAPTIV_ERRNO_NAME(EPIPE)
+    AIDAPTIV_ERRNO_NAME(ERANGE)
+    AIDAPTIV_ERRNO_NAME(EDEADLK)
+    AIDAPTIV_ERRNO_NAME(ENAMETOOLONG)
+    AIDAPTIV_ERRNO_NAME(ENOLCK)
+    AIDAPTIV_ERRNO_NAME(ENOSYS)
+    AIDAPTIV_ERRNO_NAME(ENOTEMPTY)
+    AIDAPTIV_ERRNO_NAME(ELOOP)
+    AIDAPTIV_ERRNO_NAME(ENODATA)
+    AIDAPTIV_ERRNO_NAME(ETIME)
+    AIDAPTIV_ERRNO_NAME(EOVERFLOW)
+    AIDAPTIV_ERRNO_NAME(EOPNOTSUPP)
+    AIDAPTIV_ERRNO_NAME(ECANCELED)
+    AIDAPTIV_ERRNO_NAME(ETIMEDOUT)
+    AIDAPTIV_ERRNO_NAME(EDQUOT)
+    AIDAPTIV_ERRNO_NAME(ESTALE)
+#undef AIDAPTIV_ERRNO_NAME
+    default:
+      return nullptr;
+  }
+}
+#endif
+
+}  // namespace
+
 std::string errno_text(int err) {
-  // strerrorname_np is glibc >= 2.32; it returns NULL for unknown codes.
-  const char* name = strerrorname_np(err);
+  const char* name = errno_name(err);
   std::string text = name ? name : ("errno " + std::to_string(err));
   return text + " (" + std::strerror(err) + ")";
 }

@@ -10,11 +10,17 @@
 #include <vector>
 
 #include "aidaptiv/detail/backend.hpp"
+#include "aidaptiv/detail/test_hooks.hpp"
 #include "aidaptiv/error.hpp"
 
 namespace aidaptiv::detail {
 
 namespace {
+
+// What a request fails with when a worker could not check one of its transfers.
+constexpr const char* kWorkerFailure =
+    "an I/O worker thread ran out of memory while checking this transfer, so its result is unknown "
+    "(ENOMEM): free host memory (or lower threads) and submit the request again";
 
 class PosixBackend final : public Backend {
  public:
@@ -44,24 +50,30 @@ class PosixBackend final : public Backend {
   }
 
  private:
+  // A worker never ends before shutdown: an exception while it checks a transfer (an allocation
+  // failing as an error message is built, or the test hook) fails that piece's request with ENOMEM and
+  // the worker goes on, so no waiter hangs on a piece nobody holds. The transfer itself has returned by
+  // then, so failing the piece releases no buffer under I/O.
   void work() noexcept {
-    try {
-      std::unique_lock<std::mutex> lock(mu_);
-      for (;;) {
-        Piece p;
-        cv_.wait(lock, [&] { return queue_.next(&p) || stopping_; });
-        if (!p.req) return;  // stopping, and nothing left to cut
-        bool again;
-        do {
-          const int fd = p.fd();
-          lock.unlock();
-          const int64_t res = fd < 0 ? fd : transfer(p, fd);
-          lock.lock();
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      Piece p;
+      cv_.wait(lock, [&] { return queue_.next(&p) || stopping_; });
+      if (!p.req) return;  // stopping, and nothing left to cut
+      bool again = true;
+      while (again) {
+        const int fd = p.fd();
+        lock.unlock();
+        const int64_t res = fd < 0 ? fd : transfer(p, fd);
+        lock.lock();
+        try {
+          testing::maybe_throw_in_completion();
           again = queue_.complete(p, res);
-        } while (again);
+        } catch (...) {
+          queue_.fail_noexcept(p, ENOMEM, kWorkerFailure);
+          again = false;
+        }
       }
-    } catch (...) {
-      // Only allocation failures can get here; nothing may escape a thread.
     }
   }
 

@@ -64,19 +64,39 @@ void PieceQueue::finish(Piece& p) {
 void PieceQueue::fail(Piece& p, int err, const std::string& what_happened) {
   Request* r = p.req;
   if (!r->failed) {
-    r->failed = true;
-    r->error.err = err;
+    mark_failed(r, err);
     r->error.path = r->file->path();
     r->error.message = what_happened;
-    counters_->errors++;
-    // Stop cutting: the rest of a failed request would only add noise (and writes past a limit).
-    if (r->queued) {
-      std::deque<Request*>& q_ = queue_of(r);
-      q_.erase(std::find(q_.begin(), q_.end(), r));
-      r->queued = false;
+  }
+  finish(p);
+}
+
+void PieceQueue::fail_noexcept(Piece& p, int err, const char* what_happened) noexcept {
+  Request* r = p.req;
+  if (!r) return;
+  if (!r->failed) {
+    mark_failed(r, err);
+    try {
+      r->error.path = r->file->path();
+      r->error.message = describe(p) + " failed: " + what_happened;
+    } catch (...) {
+      // Out of memory again: the request still fails, with errno and as much text as could be kept.
     }
   }
   finish(p);
+}
+
+void PieceQueue::mark_failed(Request* r, int err) noexcept {
+  r->failed = true;
+  r->error.err = err;
+  counters_->errors++;
+  // Stop cutting: the rest of a failed request would only add noise (and writes past a limit). A deque
+  // erase moves elements and never allocates.
+  if (r->queued) {
+    std::deque<Request*>& q_ = queue_of(r);
+    q_.erase(std::find(q_.begin(), q_.end(), r));
+    r->queued = false;
+  }
 }
 
 namespace {
@@ -92,8 +112,11 @@ bool PieceQueue::complete(Piece& p, int64_t res) {
   if (res == -EINVAL && !p.buffered && !p.einval_retried) {
     // Our O_DIRECT pieces are 4 KiB aligned; the kernel still answers EINVAL when it cut the transfer
     // at an unaligned byte (a file-size limit, say). The buffered descriptor reports the real cause.
+    // Counted (stats().direct_fallbacks, logged once by aidaptiv_ds.io) because a filesystem that
+    // refuses O_DIRECT this way would otherwise run every such piece through the page cache unseen.
     p.einval_retried = true;
     p.buffered = true;
+    counters_->direct_fallbacks++;
     return true;
   }
   if (res < 0) {

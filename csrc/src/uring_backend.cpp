@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "aidaptiv/detail/backend.hpp"
+#include "aidaptiv/detail/test_hooks.hpp"
 #include "aidaptiv/error.hpp"
 #include "aidaptiv/pinned_pool.hpp"
 
@@ -33,6 +34,14 @@ namespace aidaptiv::detail {
 namespace {
 
 constexpr uint64_t kStopTag = ~0ull;
+// An SQE whose piece was failed before the kernel took it, rewritten as a NOP (see
+// fail_unsubmitted_locked); its completion is ignored.
+constexpr uint64_t kNeutralisedTag = ~0ull - 1;
+
+// What a request fails with when the completion thread could not check one of its transfers.
+constexpr const char* kCompletionThreadFailure =
+    "the io_uring completion thread ran out of memory while checking this transfer, so its result is "
+    "unknown (ENOMEM): free host memory (or lower queue_depth) and submit the request again";
 
 std::string uring_setup_advice(int err) {
   switch (err) {
@@ -204,28 +213,28 @@ class UringBackend final : public Backend {
   }
 
   void fill_locked() {
-    // Retries and short-transfer remainders first: they already hold slots.
-    while (!retry_.empty()) {
-      if (!prep_locked(retry_.back())) return;
-      retry_.pop_back();
-    }
-    Piece p;
-    while (!free_.empty() && queue_.next(&p)) {
+    for (;;) {
+      // Retries and short-transfer remainders first: they already hold slots. A slot stays in retry_
+      // until its SQE is prepared, so an exception in prep_locked never loses a piece.
+      while (!retry_.empty()) {
+        if (!prep_locked(retry_.back())) return;
+        retry_.pop_back();
+      }
+      Piece p;
+      if (free_.empty() || !queue_.next(&p)) return;
       const uint32_t slot = free_.back();
       free_.pop_back();
       slots_[slot] = p;
       in_flight_++;
-      if (!prep_locked(slot)) {
-        retry_.push_back(slot);
-        return;
-      }
+      retry_.push_back(slot);  // capacity reserved: never allocates
     }
   }
 
   void submit_locked() {
     int busy_rounds = 0;
     while (io_uring_sq_ready(&ring_) > 0) {
-      const int ret = io_uring_submit(&ring_);
+      int ret = testing::take_submit_failure();
+      if (ret == 0) ret = io_uring_submit(&ring_);
       if (ret > 0 || ret == -EINTR) continue;
       const unsigned unsubmitted = io_uring_sq_ready(&ring_);
       if ((ret == 0 || ret == -EAGAIN || ret == -EBUSY) && busy_rounds++ < 10000) {
@@ -244,78 +253,127 @@ class UringBackend final : public Backend {
   // Submission is broken for good: the SQEs the kernel has not consumed stay unsubmitted forever (no
   // one enters the ring to submit again), so their pieces fail now; pieces already in the kernel are
   // still reaped, so no buffer is released under I/O.
-  void fail_unsubmitted_locked(int err) {
+  //
+  // A failed piece's waiter may free its buffer at once, yet its SQE is still in the SQ, and any later
+  // io_uring_submit (the shutdown wake-up, a retry after a transient error) would hand it to the kernel,
+  // which would then write into freed memory and complete a slot whose piece is gone. So each such SQE
+  // is rewritten in place as a NOP whose completion is ignored, before its piece is failed. The
+  // unsubmitted SQEs are those from the kernel's head to liburing's local tail (sqe_tail, which also
+  // covers SQEs not yet flushed to the shared tail); liburing 2.3 maps SQ slots to SQEs one to one.
+  void fail_unsubmitted_locked(int err) noexcept {
     submit_err_ = err;
-    submit_err_message_ = "submitting to io_uring failed: " + errno_text(err) +
-                          ": the ring cannot take more work; recreate the engine or use backend='posix'";
-    const unsigned mask = *ring_.sq.kring_mask;
+    try {
+      submit_err_message_ = "submitting to io_uring failed: " + errno_text(err) +
+                            ": the ring cannot take more work; recreate the engine or use backend='posix'";
+    } catch (...) {
+      // Out of memory: the requests still fail, with the errno and a shorter message.
+    }
+    const char* message = submit_err_message_.empty() ? "submitting to io_uring failed" : submit_err_message_.c_str();
+    const unsigned mask = ring_.sq.ring_mask;
     const unsigned head = io_uring_smp_load_acquire(ring_.sq.khead);
-    const unsigned tail = *ring_.sq.ktail;
+    const unsigned tail = ring_.sq.sqe_tail;
     for (unsigned i = head; i != tail; ++i) {
-      const uint64_t slot = ring_.sq.sqes[ring_.sq.array[i & mask]].user_data;
-      if (slot == kStopTag || slot >= slots_.size() || !slots_[slot].req) continue;
-      queue_.fail(slots_[slot], err, PieceQueue::describe(slots_[slot]) + " was not started: " + submit_err_message_);
+      io_uring_sqe* sqe = &ring_.sq.sqes[i & mask];
+      const uint64_t slot = sqe->user_data;
+      if (slot == kStopTag || slot == kNeutralisedTag) continue;
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data64(sqe, kNeutralisedTag);
+      if (slot >= slots_.size() || !slots_[slot].req) continue;
+      queue_.fail_noexcept(slots_[slot], err, message);
       release_locked(static_cast<uint32_t>(slot));
     }
+    fail_retries_locked(err, message);
+    try {
+      queue_.fail_all_queued(err, submit_err_message_);
+    } catch (...) {
+      // fail_all_queued only allocates its local copy of the queue; the next submit or completion
+      // tries again (submit_err_ is set).
+    }
+  }
+
+  // Pieces waiting for a retry are in no SQE: once submission is broken they fail at once.
+  void fail_retries_locked(int err, const char* message) noexcept {
     for (uint32_t slot : retry_) {
       if (!slots_[slot].req) continue;
-      queue_.fail(slots_[slot], err, PieceQueue::describe(slots_[slot]) + " was not started: " + submit_err_message_);
+      queue_.fail_noexcept(slots_[slot], err, message);
       release_locked(slot);
     }
     retry_.clear();
-    queue_.fail_all_queued(err, submit_err_message_);
   }
 
-  void reap_loop() noexcept {
+  // Checks one completion. An exception here (an allocation failing while an error message is built,
+  // or the test hook) fails the piece's request with ENOMEM instead of ending the thread: the kernel is
+  // done with this piece, so failing it releases no buffer under I/O, and its waiter wakes.
+  void complete_locked(uint32_t slot, int res) noexcept {
+    if (!slots_[slot].req) return;  // never dereference a slot whose piece is gone
     try {
-      int wait_errors = 0;
-      for (;;) {
-        io_uring_cqe* cqe = nullptr;
-        int ret;
-        if (features_ & IORING_FEAT_EXT_ARG) {
-          // With EXT_ARG the timeout travels in the syscall; without it liburing would queue a timeout
-          // SQE from this thread, which would race the submitters on the SQ.
-          // Wake for a batch: with many pieces in flight, waiting for an eighth of them to complete still
-          // keeps the queue nearly full and divides wake-ups and refill syscalls by that much. The count
-          // can only be too low (pieces only leave flight here), never strand the wait.
-          const unsigned wait_nr = std::max(1u, in_kernel_.load(std::memory_order_relaxed) / 8);
-          __kernel_timespec ts{1, 0};
-          ret = io_uring_wait_cqes(&ring_, &cqe, wait_nr, &ts, nullptr);
-        } else {
-          ret = io_uring_wait_cqe(&ring_, &cqe);
-        }
-        if (ret < 0) {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (stopping_ && in_flight_ == 0) return;
-          if (ret == -ETIME || ret == -EINTR || ret == -EAGAIN) continue;
-          // Unexpected: keep trying (never release buffers the kernel may still write), slowly.
-          if (++wait_errors > 3) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-          continue;
-        }
-        wait_errors = 0;
-        const unsigned n = io_uring_peek_batch_cqe(&ring_, cqes_.data(), static_cast<unsigned>(cqes_.size()));
-        std::lock_guard<std::mutex> lock(mu_);
-        for (unsigned i = 0; i < n; ++i) {
-          const uint64_t tag = io_uring_cqe_get_data64(cqes_[i]);
-          if (tag == kStopTag || tag >= slots_.size()) continue;
-          const uint32_t slot = static_cast<uint32_t>(tag);
-          if (queue_.complete(slots_[slot], cqes_[i]->res))
-            retry_.push_back(slot);
-          else
-            release_locked(slot);
-        }
-        io_uring_cq_advance(&ring_, n);
-        if (!submit_err_) {
-          fill_locked();
-          submit_locked();
-        }
-        in_kernel_.store(in_flight_ - static_cast<unsigned>(retry_.size()), std::memory_order_relaxed);
-        if (stopping_ && in_flight_ == 0) return;
+      testing::maybe_throw_in_completion();
+      if (queue_.complete(slots_[slot], res)) {
+        retry_.push_back(slot);  // capacity reserved: never allocates
+        return;
       }
     } catch (...) {
-      // Only allocation failures can get here. Nothing may escape a thread; the requests in flight
-      // can no longer be tracked, so the process would hang in wait rather than corrupt memory.
+      queue_.fail_noexcept(slots_[slot], ENOMEM, kCompletionThreadFailure);
     }
+    release_locked(slot);
+  }
+
+  // Never returns while pieces are in the kernel: their buffers may still be written, so the thread
+  // keeps reaping whatever fails around it (an exception outside the checking of one completion, in
+  // refilling or submitting, is retried after a pause).
+  void reap_loop() noexcept {
+    int wait_errors = 0;
+    for (;;) {
+      try {
+        if (reap_once(&wait_errors)) return;
+      } catch (...) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  }
+
+  // One wait and one batch of completions; true when the backend is stopping and nothing is in flight.
+  bool reap_once(int* wait_errors) {
+    io_uring_cqe* cqe = nullptr;
+    int ret;
+    if (features_ & IORING_FEAT_EXT_ARG) {
+      // With EXT_ARG the timeout travels in the syscall; without it liburing would queue a timeout
+      // SQE from this thread, which would race the submitters on the SQ.
+      // Wake for a batch: with many pieces in flight, waiting for an eighth of them to complete still
+      // keeps the queue nearly full and divides wake-ups and refill syscalls by that much. The count
+      // can only be too low (pieces only leave flight here), never strand the wait.
+      const unsigned wait_nr = std::max(1u, in_kernel_.load(std::memory_order_relaxed) / 8);
+      __kernel_timespec ts{1, 0};
+      ret = io_uring_wait_cqes(&ring_, &cqe, wait_nr, &ts, nullptr);
+    } else {
+      ret = io_uring_wait_cqe(&ring_, &cqe);
+    }
+    if (ret < 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_ && in_flight_ == 0) return true;
+      if (ret == -ETIME || ret == -EINTR || ret == -EAGAIN) return false;
+      // Unexpected: keep trying (never release buffers the kernel may still write), slowly.
+      if (++*wait_errors > 3) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return false;
+    }
+    *wait_errors = 0;
+    const unsigned n = io_uring_peek_batch_cqe(&ring_, cqes_.data(), static_cast<unsigned>(cqes_.size()));
+    std::lock_guard<std::mutex> lock(mu_);
+    for (unsigned i = 0; i < n; ++i) {
+      const uint64_t tag = io_uring_cqe_get_data64(cqes_[i]);
+      if (tag >= slots_.size()) continue;  // the stop NOP, a neutralised SQE
+      complete_locked(static_cast<uint32_t>(tag), cqes_[i]->res);
+    }
+    io_uring_cq_advance(&ring_, n);
+    if (!submit_err_) {
+      fill_locked();
+      submit_locked();
+    } else {
+      // Remainders of short transfers that completed after submission broke can never go out again.
+      fail_retries_locked(submit_err_, submit_err_message_.c_str());
+    }
+    in_kernel_.store(in_flight_ - static_cast<unsigned>(retry_.size()), std::memory_order_relaxed);
+    return stopping_ && in_flight_ == 0;
   }
 
   io_uring ring_{};

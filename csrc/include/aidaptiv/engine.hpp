@@ -42,6 +42,7 @@ struct EngineStats {
   uint64_t errors = 0;             // failed requests
   uint64_t in_flight = 0;          // requests submitted and not yet collected by wait
   double wait_seconds = 0;         // time spent blocked in wait() and wait_all()
+  uint64_t direct_fallbacks = 0;   // O_DIRECT pieces answered EINVAL and retried through the page cache
 };
 
 // A file given by the id open() returned, or by path (opened for this one request and closed when it

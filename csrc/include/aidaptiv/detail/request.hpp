@@ -34,6 +34,9 @@ struct RequestError {
 struct Counters {
   std::atomic<uint64_t> bytes_read{0}, bytes_written{0}, reads{0}, writes{0}, errors{0};
   std::atomic<uint64_t> wait_ns{0};
+  // O_DIRECT pieces the kernel answered EINVAL and that were retried through the page cache (see
+  // PieceQueue::complete): each is a silent slow path, so it is counted and reported.
+  std::atomic<uint64_t> direct_fallbacks{0};
 };
 
 class Request {
@@ -128,6 +131,10 @@ class PieceQueue {
   void finish(Piece& p);
   // A piece failed with errno err: keeps the request's first error, stops cutting it, finishes p.
   void fail(Piece& p, int err, const std::string& what_happened);
+  // The same for a completion thread that caught an exception: finishes p even when building the
+  // message runs out of memory (the request then fails with err and whatever message could be kept),
+  // so that no waiter hangs. Does nothing when p is already finished (p.req is null).
+  void fail_noexcept(Piece& p, int err, const char* what_happened) noexcept;
   // Applies one transfer result (bytes moved, or -errno) to p, checking it the way every completion
   // must be checked. Returns true when p must be submitted again (a short transfer's remainder, or a
   // retry); otherwise p is finished (or failed) and its slot may be reused.
@@ -140,6 +147,8 @@ class PieceQueue {
 
  private:
   void maybe_complete(Request* r);
+  // Records r's failure (errno only) and takes it out of the queue; the caller fills in the message.
+  void mark_failed(Request* r, int err) noexcept;
 
   std::deque<Request*>& queue_of(const Request* r) { return r->op == Op::Read ? reads_ : writes_; }
 
