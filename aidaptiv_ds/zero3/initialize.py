@@ -107,7 +107,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, opt, loader, sched = original_initialize(deepspeed)(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, config=translated, **kwargs)
-    from aidaptiv_ds import dist_shm   # DeepSpeed's CPU communicator would leak its /dev/shm segments
+    from aidaptiv_ds.zero3 import dist_shm   # DeepSpeed's CPU communicator would leak its /dev/shm segments
     dist_shm.release_after_barrier()
     if cfg is not None:
         runtime = getattr(engine.optimizer, "_aidaptiv", None)
