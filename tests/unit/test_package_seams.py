@@ -61,11 +61,31 @@ def _dotted(node: ast.AST) -> Optional[Tuple[str, List[str]]]:
     return (node.id, attrs[::-1]) if isinstance(node, ast.Name) else None
 
 
+def _source_in_strings(tree: ast.AST) -> List[Tuple[int, ast.AST]]:
+    """(line, tree) of every string constant that is Python importing something (a script for ``python -c``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import " in node.value:
+            try:
+                out.append((node.lineno, ast.parse(node.value)))
+            except SyntaxError:
+                continue
+    return out
+
+
 def deepspeed_uses(module: str, path: pathlib.Path) -> List[Tuple[int, str]]:
     """(line, dotted name) for every DeepSpeed import of the file, wherever it is (``from deepspeed.a import
-    b`` reads ``deepspeed.a.b``), and every attribute chain on a name bound to DeepSpeed (``deepspeed.a.b``,
-    also through ``import deepspeed as ds``)."""
+    b`` reads ``deepspeed.a.b``), also in Python code held in a string (a script run with ``python -c``), and
+    every attribute chain on a name bound to DeepSpeed (``deepspeed.a.b``, also through
+    ``import deepspeed as ds``)."""
     tree = _parse(path)
+    for line, script in _source_in_strings(tree):
+        for node in ast.walk(script):
+            node.lineno = line   # report the string's line in the file
+        for parent in ast.walk(script):
+            for child in ast.iter_child_nodes(parent):
+                child.parent = parent
+        tree.body.append(script)
     bound: Dict[str, str] = {}   # local name -> the DeepSpeed module or object it is bound to
     found = []
     for node in ast.walk(tree):
@@ -118,14 +138,17 @@ def test_the_checker_sees_every_kind_of_deepspeed_use(tmp_path):
                       "    from deepspeed.accelerator import get_accelerator\n"
                       "    deepspeed.utils.logger.setLevel(30)\n"
                       "    deepspeed.zero.Init(config_dict_or_path={})\n"
-                      "    return s3.DeepSpeedZeroOptimizer_Stage3, deepspeed.__version__.split('+')\n")
+                      "    return s3.DeepSpeedZeroOptimizer_Stage3, deepspeed.__version__.split('+')\n"
+                      "SCRIPT = 'import sys\\nfrom deepspeed.ops.op_builder import CPUAdamBuilder\\n'\n")
     names = [name for _, name in deepspeed_uses("probe", source)]
     assert "deepspeed.runtime.zero.stage3" in names
     assert "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3" in names
     assert "deepspeed.accelerator.get_accelerator" in names
     assert "deepspeed.utils.logger.setLevel" in names
+    assert "deepspeed.ops.op_builder.CPUAdamBuilder" in names
     assert sorted(n for n in names if not _allowed(n, PUBLIC_DEEPSPEED)) == [
-        "deepspeed.accelerator.get_accelerator", "deepspeed.runtime.zero.stage3",
+        "deepspeed.accelerator.get_accelerator", "deepspeed.ops.op_builder.CPUAdamBuilder",
+        "deepspeed.runtime.zero.stage3",
         "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "deepspeed.utils.logger.setLevel"]
 
 
