@@ -14,7 +14,8 @@ stages or caches their contents.
   requests that overlap on disk, so a read never sees a half-written extent and a write-behind never races
   the read-ahead of the same bytes.
 
-Nothing here knows about DeepSpeed; :mod:`aidaptiv_ds.zero3` decides what goes where.
+Nothing here knows about DeepSpeed or its layouts; :mod:`aidaptiv_ds.zero3` decides what goes where (and asks
+for any folder DeepSpeed needs with :meth:`SwapSpace.make_subdir`).
 """
 from __future__ import annotations
 
@@ -70,11 +71,21 @@ class SwapSpace:
         self.keep_files = keep_files
         self.path = os.path.join(self.nvme_path, "aidaptiv-swap", f"rank{rank}")
         self.files: List[SwapFile] = []
+        self.subdirs: List[str] = []
         self._make_private_dir(os.path.dirname(self.path))
         self._make_private_dir(self.path)
-        # An empty folder DeepSpeed's NVMe checkpoint code may copy (see zero3.checkpoint).
-        self.deepspeed_dir = os.path.join(self.path, "deepspeed")
-        self._make_private_dir(self.deepspeed_dir)
+
+    def make_subdir(self, name: str) -> str:
+        """A private folder ``name`` in this rank's directory (0700, same rules as the directory itself), for a
+        caller that must hand someone a path inside the swap space; removed with what it holds at close unless
+        files are kept."""
+        if not name or name in (".", "..") or os.sep in name:
+            raise ValueError(f"swap sub-folder name {name!r}: expected one plain folder name")
+        path = os.path.join(self.path, name)
+        self._make_private_dir(path)
+        if path not in self.subdirs:
+            self.subdirs.append(path)
+        return path
 
     @staticmethod
     def _make_private_dir(path: str) -> None:
@@ -130,7 +141,9 @@ class SwapSpace:
                     pass
         self.files = []
         if not self.keep_files:
-            shutil.rmtree(self.deepspeed_dir, ignore_errors=True)
+            for d in self.subdirs:
+                shutil.rmtree(d, ignore_errors=True)
+            self.subdirs = []
             for d in (self.path, os.path.dirname(self.path)):
                 try:
                     os.rmdir(d)

@@ -219,12 +219,13 @@ class Run:
         import torch
         a = self.args
         if not a.verbose:
-            deepspeed.utils.logger.setLevel(logging.WARNING)
+            from aidaptiv_ds.zero3.compat import set_deepspeed_log_level
+            set_deepspeed_log_level(logging.WARNING)
         random.seed(a.seed)
         torch.manual_seed(a.seed)
         deepspeed.init_distributed()
         # DeepSpeed's CPU communicator leaves a 66 MiB /dev/shm segment per rank behind (see dist_shm).
-        from aidaptiv_ds import dist_shm
+        from aidaptiv_ds.zero3 import dist_shm
         dist_shm.release_after_barrier()
         if self.cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -281,7 +282,8 @@ class Run:
         and say which. Our own swapper (backend aidaptiv) cleans up after itself."""
         if getattr(self, "backend", None) != "zero_infinity":
             return
-        dirs = [d for p in self.info.get("nvme_paths") or [] for d in _deepspeed_swap_dirs(p, self.rank)]
+        from aidaptiv_ds.zero3.compat import zero_infinity_swap_dirs
+        dirs = [d for p in self.info.get("nvme_paths") or [] for d in zero_infinity_swap_dirs(p, self.rank)]
         if not dirs:
             return
         if self.args.keep_swap:
@@ -403,20 +405,6 @@ class Run:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def _deepspeed_swap_dirs(nvme_path: str, rank: int) -> list[str]:
-    """This rank's folders in DeepSpeed 0.19.8's swap layout: <nvme_path>/zero_stage_3/{float32params,
-    bfloat16params,optimizer,...}/rank<r>."""
-    base = os.path.join(nvme_path, "zero_stage_3")
-    if not os.path.isdir(base) or os.path.islink(base):
-        return []
-    found = []
-    for kind in sorted(os.listdir(base)):
-        d = os.path.join(base, kind, f"rank{rank}")
-        if os.path.isdir(d) and not os.path.islink(d):
-            found.append(d)
-    return found
 
 
 def _write_metrics(run: Run, metrics: dict, failed: bool) -> None:

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Thin entry: `python bench/report.py DIR` is `aidaptiv-ds report DIR` (see aidaptiv_ds/harness/report.py)."""
+"""Thin entry: `python bench/report.py ARGS` is `aidaptiv-ds report ARGS` from this checkout."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from aidaptiv_ds.harness.report import main  # noqa: E402
+from aidaptiv_ds.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["report", *sys.argv[1:]]))

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Thin entry: `python bench/sweep.py ...` is `aidaptiv-ds sweep ...` (see aidaptiv_ds/harness/sweep.py)."""
+"""Thin entry: `python bench/sweep.py ARGS` is `aidaptiv-ds sweep ARGS` from this checkout."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from aidaptiv_ds.harness.sweep import main  # noqa: E402
+from aidaptiv_ds.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["sweep", *sys.argv[1:]]))

@@ -14,14 +14,14 @@ from helpers import REPO  # noqa: E402
 
 
 def pytest_sessionstart(session):
-    """Free the RAM that DeepSpeed runs of earlier sessions left in /dev/shm (aidaptiv_ds.dist_shm): on a
+    """Free the RAM that DeepSpeed runs of earlier sessions left in /dev/shm (aidaptiv_ds.zero3.dist_shm): on a
     machine that has run this suite many times it is gigabytes the multi-rank tests then lack."""
-    from aidaptiv_ds import dist_shm
+    from aidaptiv_ds import remove_leaked_shared_memory
     from aidaptiv_ds.harness.prebuild import put_build_tools_first
     put_build_tools_first(os.environ)  # one ninja for every DeepSpeed op build of the session and its children
-    removed, freed = dist_shm.remove_stale_segments()
+    removed = remove_leaked_shared_memory()
     if removed:
-        print(f"\naidaptiv-ds tests: {dist_shm.describe_removed(removed, freed)}")
+        print(f"\naidaptiv-ds tests: {removed}")
 
 
 # A phase (setup, call or teardown) of one test that runs longer than this fails with a traceback of where it

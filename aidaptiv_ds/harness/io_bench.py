@@ -231,9 +231,11 @@ class DeepSpeedEngine:
     def __init__(self, shared: dict, block: int, queue_depth: int):
         import torch
 
-        from aidaptiv_ds.zero3.aio_builder import deepspeed_aio_handle
+        # The baseline, straight from DeepSpeed: its op builder compiles async_io just in time if
+        # TORCH_EXTENSIONS_DIR has no build of it, and raises what the build raises.
+        from deepspeed.ops.op_builder import AsyncIOBuilder
 
-        self.handle = deepspeed_aio_handle()(block, queue_depth, False, True, 1)
+        self.handle = AsyncIOBuilder().load(verbose=False).aio_handle(block, queue_depth, False, True, 1)
         self.reference = shared["reference"]
         self.buffer = self.handle.new_cpu_locked_tensor(self.reference.numel(), torch.empty(0, dtype=torch.uint8))
 

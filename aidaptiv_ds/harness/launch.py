@@ -1,4 +1,4 @@
-"""The command that launches one cell: the only place that knows the deepspeed launcher's and train's flags.
+"""The command that launches one cell of a sweep: the deepspeed launcher's flags and train's flags for it.
 
     deepspeed --num_accelerators G --master_port P --no_local_rank --module aidaptiv_ds train
         --config ds_configs/<backend>.json --model <preset> --seq-len L --micro-batch B --grad-accum A

@@ -4,7 +4,8 @@ DeepSpeed compiles some of its ops (CPU Adam, async_io, FusedAdam, the shared-me
 first time a process needs them and caches them in TORCH_EXTENSIONS_DIR. Inside a cell that would count
 against the cell's timeout, and under a host memory cap the compilers themselves are killed (a C++
 compile takes about a GiB per job): a ZeRO-Infinity cell would be recorded as out of memory because of
-its build. So the sweep builds what its backends need first, in a separate process with no cap.
+its build. So the sweep builds what its backends need first, in a separate process with no cap
+(``python -m aidaptiv_ds.zero3.op_builds NAMES``).
 """
 from __future__ import annotations
 
@@ -22,23 +23,8 @@ OPS = {
     "aidaptiv": ["CPUAdamBuilder", "ShareMemCommBuilder"],
 }
 
-_SCRIPT = """
-import sys
-from deepspeed.accelerator import get_accelerator
-for name in sys.argv[1:]:
-    builder = get_accelerator().get_op_builder(name)
-    if builder is None:
-        print(f"{name}: not used by this accelerator")
-        continue
-    if not builder().is_compatible():
-        print(f"{name}: not compatible here (the cells that need it will say why)")
-        continue
-    try:
-        builder().load(verbose=False)
-        print(f"{name}: ready")
-    except Exception as e:
-        print(f"{name}: build failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}")
-"""
+# The module that builds them, run as a process of its own (see the module docstring).
+BUILD_MODULE = "aidaptiv_ds.zero3.op_builds"
 
 
 def put_build_tools_first(env) -> None:
@@ -80,7 +66,7 @@ def prebuild(backends, env, timeout_s: float = 1800) -> list[str]:
                 "a killed one and the build of that op waits for it forever: delete it"
                 for path in stale_locks(env)]
     try:
-        p = subprocess.run([sys.executable, "-c", _SCRIPT, *names], env=env, capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-m", BUILD_MODULE, *names], env=env, capture_output=True, text=True,
                            timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return warnings + [f"building DeepSpeed ops {', '.join(names)} took longer than {timeout_s:.0f} s; cells will build them"]

@@ -418,10 +418,10 @@ def run(args: argparse.Namespace) -> int:
 
     # Cells run under host-memory caps: RAM that earlier DeepSpeed CPU runs left in /dev/shm is RAM the
     # cells do not have.
-    from aidaptiv_ds import dist_shm
-    removed, freed = dist_shm.remove_stale_segments()
+    from aidaptiv_ds import remove_leaked_shared_memory
+    removed = remove_leaked_shared_memory()
     if removed:
-        print(dist_shm.describe_removed(removed, freed), file=sys.stderr)
+        print(removed, file=sys.stderr)
 
     if args.prebuild:
         from aidaptiv_ds.harness.prebuild import prebuild

@@ -1,16 +1,45 @@
-"""The DeepSpeed versions we support and the private names we touch, in one place.
+"""The DeepSpeed versions we support, and the names and layouts of DeepSpeed's that are not its public API but
+that we rely on: private (name-mangled) attributes, the modules whose bindings we replace, where ZeRO-Infinity
+keeps its swap files, what its CPU communicator calls its shared-memory segments.
 
 We replace ZeRO-3 internals (the parameter and optimizer swappers, the optimizer's gradient buffer, the
-coordinator's NVMe prefetch); their names and contracts move between DeepSpeed releases, so we refuse
-versions we have not tested instead of failing somewhere in the middle of a run.
+coordinator's NVMe prefetch, the swappers' I/O handle builder); their names and contracts move between
+DeepSpeed releases, so we refuse versions we have not tested instead of failing somewhere in the middle of a
+run. The modules that use these names sit beside this one in ``aidaptiv_ds/zero3/``, which also implement
+DeepSpeed's swapper and optimizer interfaces under the names those interfaces have.
 """
 from __future__ import annotations
 
+import os
+
 SUPPORTED_MIN = "0.19.0"
 SUPPORTED_BELOW = "0.20.0"
+TESTED = "0.19.8"
 
-# PartitionedParameterCoordinator.__prefetch_nvme (name-mangled): DeepSpeed's per-partition NVMe prefetch.
+# -- private attributes (name-mangled ones spelt as Python stores them) ------------------------------------
+# PartitionedParameterCoordinator.__prefetch_nvme: DeepSpeed's per-partition NVMe prefetch.
 COORDINATOR_PREFETCH_NVME = "_PartitionedParameterCoordinator__prefetch_nvme"
+# DeepSpeedZeroOptimizer_Stage3.__param_id_to_grad_partition: its dict of gradient partitions.
+STAGE3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+# -- modules that bind ``AsyncIOBuilder`` at import time (``from deepspeed.ops.op_builder import
+# AsyncIOBuilder``) and build their swap handles with it; optimizer_utils and utils only receive handles.
+ASYNC_IO_BUILDER = "AsyncIOBuilder"
+SWAP_MODULES_BINDING_ASYNC_IO = (
+    "deepspeed.runtime.swap_tensor.partitioned_param_swapper",
+    "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper",
+    "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
+)
+
+# -- ZeRO-Infinity's swap files: <nvme_path>/zero_stage_3/<kind>/rank<r>/..., one <kind> per dtype of
+# parameters (float32params, bfloat16params, ...) and one for the optimizer.
+ZERO_INFINITY_SWAP_FOLDER = "zero_stage_3"
+ZERO_INFINITY_RANK_FOLDER = "rank{rank}"
+
+# -- the CPU communicator's POSIX shared-memory segment, one per rank, named as its shm.cpp names it:
+# /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>.
+SHM_ALLREDUCE_PREFIX = "deepspeed_allreduce_buffer"
+SHM_ALLREDUCE_SEGMENT = SHM_ALLREDUCE_PREFIX + "_{uid}_{master_addr}_{master_port}_{rank}"
 
 
 class UnsupportedDeepSpeedError(RuntimeError):
@@ -25,7 +54,7 @@ def check_deepspeed_version() -> str:
         raise UnsupportedDeepSpeedError(
             f"aidaptiv-ds supports DeepSpeed >={SUPPORTED_MIN},<{SUPPORTED_BELOW} (it replaces ZeRO-3 internals "
             f"that change between releases) but found {deepspeed.__version__}: install a supported one with "
-            "pip install --no-build-isolation 'deepspeed==0.19.8'")
+            f"pip install --no-build-isolation 'deepspeed=={TESTED}'")
     return str(found)
 
 
@@ -34,3 +63,23 @@ def disable_deepspeed_nvme_prefetch(coordinator) -> None:
         raise UnsupportedDeepSpeedError("DeepSpeed's parameter coordinator has no NVMe prefetch flag where 0.19 "
                                         "keeps it: this DeepSpeed is not supported")
     setattr(coordinator, COORDINATOR_PREFETCH_NVME, False)
+
+
+def set_deepspeed_log_level(level: int) -> None:
+    """Level of DeepSpeed's own logger (``deepspeed.utils.logger``), which it sets to INFO at import."""
+    from deepspeed.utils import logger
+    logger.setLevel(level)
+
+
+def zero_infinity_swap_dirs(nvme_path: str, rank: int) -> list[str]:
+    """This rank's folders in ZeRO-Infinity's swap layout under ``nvme_path`` (see the names above), existing
+    ones only; links are not followed (we delete what we find)."""
+    base = os.path.join(nvme_path, ZERO_INFINITY_SWAP_FOLDER)
+    if not os.path.isdir(base) or os.path.islink(base):
+        return []
+    found = []
+    for kind in sorted(os.listdir(base)):
+        d = os.path.join(base, kind, ZERO_INFINITY_RANK_FOLDER.format(rank=rank))
+        if os.path.isdir(d) and not os.path.islink(d):
+            found.append(d)
+    return found

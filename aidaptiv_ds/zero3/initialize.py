@@ -72,7 +72,7 @@ def zero_init(config, **kwargs):
     """``deepspeed.zero.Init`` for a config that may carry an ``"aidaptiv"`` block: build the model inside
     it so that its partitions go straight to our swap space instead of being materialised in RAM."""
     import deepspeed
-    from aidaptiv_ds.autoload import original_zero_init
+    from aidaptiv_ds.zero3.originals import original_zero_init
     ds_config = load_config(config)
     translated, _ = prepare(ds_config, None, _world_size())
     return original_zero_init(deepspeed)(config_dict_or_path=translated, **kwargs)
@@ -82,7 +82,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, config=None, config_params=None, **kwargs):
     """Same signature and returns as ``deepspeed.initialize``."""
     import deepspeed
-    from aidaptiv_ds.autoload import original_initialize
+    from aidaptiv_ds.zero3.originals import original_initialize
     source = config if config is not None else config_params
     if source is None and args is not None and getattr(args, "deepspeed_config", None):
         source = args.deepspeed_config
@@ -93,7 +93,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, opt, loader, sched = original_initialize(deepspeed)(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, config=translated, **kwargs)
-    from aidaptiv_ds import dist_shm   # DeepSpeed's CPU communicator would leak its /dev/shm segments
+    from aidaptiv_ds.zero3 import dist_shm   # DeepSpeed's CPU communicator would leak its /dev/shm segments
     dist_shm.release_after_barrier()
     if settings is not None:
         runtime = getattr(engine.optimizer, "_aidaptiv", None)

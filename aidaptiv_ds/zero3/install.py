@@ -1,8 +1,10 @@
-"""Put our swappers into DeepSpeed ZeRO-3: its parameter swapper and its ZeRO-3 optimizer are replaced by ours.
+"""Put our swappers into DeepSpeed ZeRO-3 by replacing the swapper and optimizer classes ZeRO-3 looks up.
 
-After :func:`install`, DeepSpeed builds :class:`AidaptivParamSwapper` instead of its own parameter
-swapper, and :class:`AidaptivZeroOptimizer` instead of its ZeRO-3 optimizer, for every config; both defer
-to DeepSpeed unchanged unless the config has an enabled ``"aidaptiv"`` block. Installing twice is a no-op.
+After :func:`install`, DeepSpeed builds :class:`AidaptivParamSwapper` instead of its own parameter swapper,
+and :class:`AidaptivZeroOptimizer` instead of its ZeRO-3 optimizer, for every config; both defer to DeepSpeed
+unchanged unless the config has an enabled ``"aidaptiv"`` block. Installing twice is a no-op. The other names
+we replace in DeepSpeed are replaced elsewhere in zero3: ``AsyncIOBuilder`` in its swap modules by
+:mod:`.aio_builder`, ``deepspeed.initialize`` and ``deepspeed.zero.Init`` by :mod:`.entry_points`.
 """
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ class AidaptivOptimizerSwapper:
         self.file = runtime.create_optimizer_file()
         # DeepSpeed's checkpoint code copies this folder into the checkpoint (and back on load). Our state
         # is saved by aidaptiv_ds.zero3.checkpoint, so it gets an empty folder rather than our swap files.
-        self.swap_folder = runtime.space.deepspeed_dir
+        self.swap_folder = runtime.space.make_subdir("deepspeed")
         self.groups: Dict[str, SubGroup] = {}  # DeepSpeed's fp32 partition ds_id -> sub-group
         self.by_index: List[SubGroup] = []
         self._writes = WriteBehind(runtime.store)  # optimizer images and gradients being written

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from aidaptiv_ds import dist_shm
+from aidaptiv_ds.zero3 import dist_shm
+from aidaptiv_ds.zero3.compat import SHM_ALLREDUCE_PREFIX
 from helpers import CONFIGS, REPO, _free_port, child_env, failure_excerpt, read_metrics, run_train
 
 BUDGET = "40MiB"
@@ -138,12 +139,12 @@ def test_hf_trainer_with_deepspeed_flag_uses_the_swapper(tmp_path):
            os.path.join(REPO, "examples", "hf_trainer_finetune.py"), "--deepspeed", config,
            "--output_dir", str(tmp_path / "out"), "--max_steps", "3", "--per_device_train_batch_size", "2",
            "--learning_rate", "7e-6", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]
-    before = set(glob.glob(os.path.join(dist_shm.SHM_DIR, dist_shm.PREFIX + "_*")))
+    before = set(glob.glob(os.path.join(dist_shm.SHM_DIR, SHM_ALLREDUCE_PREFIX + "_*")))
     p = subprocess.run(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:]
     # One process under the launcher still gets DeepSpeed's 66 MiB /dev/shm segment; it must not outlive the run.
-    assert set(glob.glob(os.path.join(dist_shm.SHM_DIR, dist_shm.PREFIX + "_*"))) - before == set()
+    assert set(glob.glob(os.path.join(dist_shm.SHM_DIR, SHM_ALLREDUCE_PREFIX + "_*"))) - before == set()
     line = [x for x in p.stdout.splitlines() if "aidaptiv swapper" in x][-1]
     assert "aidaptiv swapper active" in line and int(line.split("nvme_read_bytes=")[1]) > 0, line
     losses = json.loads([x for x in p.stdout.splitlines() if "losses=" in x][-1].split("losses=")[1])

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from aidaptiv_ds import dist_shm
+from aidaptiv_ds.zero3 import dist_shm
+from aidaptiv_ds.zero3.compat import SHM_ALLREDUCE_PREFIX
 from helpers import CONFIGS, failure_excerpt, read_metrics, run_train
 
 COMMON = ["--model", "micro", "--steps", "3", "--warmup", "1", "--seq-len", "64", "--no-progress"]
@@ -28,7 +29,7 @@ def launch(tmp_path, config, extra=()):
 
 
 def _allreduce_segments():
-    return set(glob.glob(os.path.join(dist_shm.SHM_DIR, dist_shm.PREFIX + "_*")))
+    return set(glob.glob(os.path.join(dist_shm.SHM_DIR, SHM_ALLREDUCE_PREFIX + "_*")))
 
 
 def test_zero3_two_ranks_matches_one_rank_with_the_same_data(tmp_path, one_rank_batch4):

@@ -28,6 +28,18 @@ def test_directory_and_files_are_private_and_removed_at_close(tmp_path, engine):
     assert not os.path.exists(os.path.join(str(tmp_path), "aidaptiv-swap"))
 
 
+def test_sub_folders_are_private_and_removed_at_close(tmp_path, engine):
+    space = SwapSpace(str(tmp_path), rank=0)
+    sub = space.make_subdir("handed-out")
+    assert sub == os.path.join(space.path, "handed-out") and stat.S_IMODE(os.stat(sub).st_mode) == 0o700
+    (tmp_path / "aidaptiv-swap" / "rank0" / "handed-out" / "copied").write_bytes(b"x")
+    for bad in ("a/b", "..", ""):
+        with pytest.raises(ValueError):
+            space.make_subdir(bad)
+    assert space.close() == []
+    assert not os.path.exists(os.path.join(str(tmp_path), "aidaptiv-swap"))
+
+
 def test_kept_files_are_listed(tmp_path, engine):
     space = SwapSpace(str(tmp_path), rank=0, keep_files=True)
     f = space.create_file("params.swp", engine)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from aidaptiv_ds import dist_shm
+from aidaptiv_ds.zero3 import dist_shm
 
 
 def _segment(shm_dir, port, rank, age_s=0.0, size=4096):

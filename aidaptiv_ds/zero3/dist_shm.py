@@ -2,7 +2,7 @@
 
 On the CPU accelerator, when every rank is on one machine (the deepspeed launcher sets LOCAL_SIZE, also for
 a single process), DeepSpeed 0.19.8's communicator creates one POSIX shared-memory segment per rank (66 MiB
-each, /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>) and never unlinks it.
+each, named as :data:`compat.SHM_ALLREDUCE_SEGMENT` says) and never unlinks it.
 Training does not use it (only inference all-reduce does), yet every such run leaves 66 MiB of RAM per rank
 behind in tmpfs until reboot: a few hundred runs of a sweep or a test suite fill /dev/shm and starve the host
 of the memory the runs themselves need.
@@ -18,14 +18,16 @@ import os
 import time
 import warnings
 
+from aidaptiv_ds.zero3.compat import SHM_ALLREDUCE_PREFIX, SHM_ALLREDUCE_SEGMENT
+
 SHM_DIR = "/dev/shm"
-PREFIX = "deepspeed_allreduce_buffer"
 
 
 def own_segment(rank: int, env=None, shm_dir: str = SHM_DIR) -> str:
     """Path of the segment DeepSpeed created for ``rank`` of this job (named as its shm.cpp names it)."""
     env = os.environ if env is None else env
-    name = f"{PREFIX}_{os.getuid()}_{env.get('MASTER_ADDR', '')}_{env.get('MASTER_PORT', '')}_{rank}"
+    name = SHM_ALLREDUCE_SEGMENT.format(uid=os.getuid(), master_addr=env.get("MASTER_ADDR", ""),
+                                        master_port=env.get("MASTER_PORT", ""), rank=rank)
     return os.path.join(shm_dir, name)
 
 
@@ -79,7 +81,7 @@ def stale_segments(min_age_s: float = 600, shm_dir: str = SHM_DIR, proc: str = "
     ``min_age_s`` (a younger one may belong to a job still starting up)."""
     now, uid = time.time(), os.getuid()
     candidates = []
-    for path in sorted(glob.glob(os.path.join(shm_dir, f"{PREFIX}_{uid}_*"))):
+    for path in sorted(glob.glob(os.path.join(shm_dir, f"{SHM_ALLREDUCE_PREFIX}_{uid}_*"))):
         try:
             st = os.stat(path)
         except OSError:
