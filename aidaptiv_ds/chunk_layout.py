@@ -42,7 +42,7 @@ def image_parts(master_is_parameter: bool) -> int:
 class Piece:
     """Part of one parameter partition covered by a chunk: elements [start, start+numel) of ``record``."""
 
-    record: object      # layer_group_cache.ParamRecord (numel, dtype, extent)
+    record: object      # partition_layout.ParamRecord (numel, dtype, extent)
     start: int
     numel: int
     flat: int           # offset of the piece in the chunk (elements)

@@ -16,102 +16,21 @@ Bookkeeping of a group, all under :attr:`LayerGroupCache.lock`:
   a read of the group in that window takes the slot back instead of reading the same bytes again, and an
   update written to a ghost goes into its slot too.
 
-Reads of a group never overlap a pending write of the same bytes: the store orders them. The cache knows
-nothing of DeepSpeed; :mod:`aidaptiv_ds.zero3.param_swapper` maps DeepSpeed's calls onto it.
+Reads of a group never overlap a pending write of the same bytes: the store orders them. The records it
+keeps are those of :mod:`aidaptiv_ds.partition_layout`. The cache knows nothing of DeepSpeed;
+:mod:`aidaptiv_ds.zero3.param_swapper` maps DeepSpeed's calls onto it.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
-import weakref
-from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-import torch
-
-from aidaptiv_ds.sizes import dtype_bytes
-from aidaptiv_ds.store import Extent, HostBudgetError, SlotPool, Ticket, WriteBehind, aligned_empty
+from aidaptiv_ds.partition_layout import LayerGroup, MasterRun, ParamRecord, piece_span
+from aidaptiv_ds.store import Extent, HostBudgetError, SlotPool, WriteBehind, aligned_empty
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class ParamRecord:
-    """One parameter partition: where it lives on disk and the layer group that holds it."""
-
-    ds_id: int
-    numel: int
-    dtype: torch.dtype
-    extent: Extent
-    param: "weakref.ref"
-    group: Optional["LayerGroup"] = None
-    published: bool = False  # a view of it is handed out (see LayerGroupCache.publish)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_bytes(self.dtype)
-
-
-@dataclass(eq=False)
-class LayerGroup:
-    """Consecutive parameter partitions read and cached together."""
-
-    index: int
-    name: str
-    records: List[ParamRecord]
-    offset: int = 0          # span on disk
-    nbytes: int = 0
-    buffer: Optional[torch.Tensor] = None
-    ticket: Optional[Ticket] = None
-    users: int = 0           # partitions currently published
-    last_used: int = 0
-    pins: int = 0            # > 0 while a swap-in, the prefetch window or an update needs it: not to be evicted
-    writes: list = field(default_factory=list)  # tickets of write-throughs from this buffer
-    slot: Optional[int] = None  # index of the slot holding the buffer (or the ghost)
-    # Evicted while a write-through from its slot is in flight: the slot cannot be reused before that
-    # write completes, and it holds exactly what the disk will hold, so a read of the group in that window
-    # takes the slot back instead of waiting for the write and reading the same bytes again.
-    ghost: bool = False
-
-    def view(self, rec: ParamRecord) -> torch.Tensor:
-        start = rec.extent.offset - self.offset
-        return self.buffer[start:start + rec.nbytes].view(rec.dtype)
-
-
-def piece_span(rec: ParamRecord, start: int, numel: int) -> Tuple[int, int]:
-    """Bytes [lo, hi) on disk of elements [start, start+numel) of a partition: ``start`` is at 4 KiB of the
-    partition's bytes, and a piece that ends the partition runs to the end of its extent."""
-    es = rec.nbytes // rec.numel
-    lo = rec.extent.offset + start * es
-    hi = rec.extent.end if start + numel == rec.numel else lo + numel * es
-    return lo, hi
-
-
-@dataclass(eq=False)
-class MasterRun:
-    """Consecutive pieces of partitions on disk (one layer group), in one host buffer, to be updated in
-    place and written back (see :meth:`LayerGroupCache.load_run` and :meth:`LayerGroupCache.write_pieces`)."""
-
-    lo: int
-    hi: int
-    group: Optional[LayerGroup]      # set when the group is cached: the buffer is a view of it
-    buffer: Optional[torch.Tensor] = None
-    ticket: Optional[Ticket] = None
-    pinned: bool = False
-
-    @staticmethod
-    def plan(run) -> "MasterRun":
-        lo = piece_span(run[0][0], run[0][1], run[0][2])[0]
-        hi = piece_span(run[-1][0], run[-1][1], run[-1][2])[1]
-        g = run[0][0].group
-        cached = g is not None and g.buffer is not None
-        return MasterRun(lo, hi, g if cached else None)
-
-    def view(self, rec: ParamRecord, start: int, numel: int) -> torch.Tensor:
-        es = rec.nbytes // rec.numel
-        a = rec.extent.offset + start * es - self.lo
-        return self.buffer[a:a + numel * es].view(rec.dtype)
 
 
 class LayerGroupCache:
@@ -122,8 +41,10 @@ class LayerGroupCache:
     Host memory comes with :meth:`plan`, since the pinned pool exists only once training starts; before
     that there are no groups, and written partitions go through ordinary aligned buffers.
 
-    :attr:`lock` (reentrant) guards every group's bookkeeping. Every method takes it; a caller holds it
-    across several calls that must see the cache unchanged in between.
+    :attr:`lock` (reentrant) guards every group's bookkeeping. The methods take it, except
+    :meth:`ensure_loading` (a step of the others: its caller holds it), :meth:`wait_group` and
+    :meth:`wait_run`, which only wait for a read and forget its ticket, and :meth:`drain_writes`, which
+    waits outside it. A caller holds it across several calls that must see the cache unchanged in between.
     """
 
     def __init__(self, store, params_file, stats):

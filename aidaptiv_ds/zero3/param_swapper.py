@@ -27,7 +27,8 @@ from typing import Dict
 
 import torch
 
-from aidaptiv_ds.layer_group_cache import LayerGroupCache, ParamRecord
+from aidaptiv_ds.layer_group_cache import LayerGroupCache
+from aidaptiv_ds.partition_layout import ParamRecord
 from aidaptiv_ds.sizes import dtype_bytes
 from aidaptiv_ds.store import aligned_empty, as_bytes
 
