@@ -151,8 +151,8 @@ def save(engine, runtime, save_dir: str, tag: Optional[str]) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp, mode=0o700)
     ps, osw = runtime.param_swapper, runtime.optimizer_swapper
-    osw.flush()  # updates deferred to the next forward belong to this checkpoint
-    ps.drain_writes()
+    osw.streamed_step.flush()  # updates deferred to the next forward belong to this checkpoint
+    ps.cache.drain_writes()
     osw.drain()
     runtime.store.drain()
     mover = _Mover(runtime)
@@ -185,7 +185,7 @@ def save(engine, runtime, save_dir: str, tag: Optional[str]) -> str:
             "format": FORMAT,
             "rank": runtime.rank,
             "model_dtype": str(runtime.model_dtype).replace("torch.", ""),
-            "master_is_parameter": osw.alias,
+            "master_is_parameter": osw.master_is_parameter,
             "params_bytes": runtime.params_file.allocated,
             "records": [[r.ds_id, r.extent.offset, r.numel] for r in sorted(ps.records.values(),
                                                                             key=lambda r: r.ds_id)],
@@ -220,11 +220,11 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
         manifest = json.load(f)
     ps, osw = runtime.param_swapper, runtime.optimizer_swapper
     _check_compatible(manifest, runtime, ps, osw, folder)
-    osw.discard_pending()  # the checkpoint replaces the state a pending update would have changed
-    ps.drain_writes()
+    osw.streamed_step.discard_pending()  # the checkpoint replaces the state a pending update would have changed
+    ps.cache.drain_writes()
     osw.drain()
     runtime.store.drain()
-    ps.drop_cache()
+    ps.cache.drop_cache()
     mover = _Mover(runtime)
     try:
         pf = mover.open(os.path.join(folder, "params.bin"), create=False)
@@ -252,8 +252,8 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
                     sg.state_keys, sg.state_valid, sg.scalars = [], False, {}
                     if sg.resident:
                         for c in sg.chunks:
-                            c.buffer[0 if osw.alias else c.part:c.image_bytes].zero_()
-                osw.reset_gradients(sg)
+                            c.buffer[c.state_start:c.image_bytes].zero_()
+                osw.gradients.reset(sg)
         finally:
             _close(runtime, of)
     finally:

@@ -22,15 +22,15 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from aidaptiv_ds.config import block_of
-from aidaptiv_ds.zero3.optimizer_swapper import AidaptivOptimizerSwapper, GradientPartitions
+from aidaptiv_ds.zero3 import compat
+from aidaptiv_ds.zero3.gradients import GradientPartitions
+from aidaptiv_ds.zero3.optimizer_swapper import AidaptivOptimizerSwapper
 from aidaptiv_ds.zero3.param_swapper import AidaptivParamSwapper
 from aidaptiv_ds.zero3.plan import plan_run
 from aidaptiv_ds.zero3.prefetch import LayerGroupPrefetcher
 
 log = logging.getLogger(__name__)
 
-# DeepSpeed's name-mangled attribute for its gradient-partition dict.
-_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
 def _runtime_of(module):
@@ -101,7 +101,7 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 bucket.buffer = torch.empty(self.reduce_bucket_size, dtype=dtype,
                                             device=get_accelerator().current_device_name())
         self.grad_partitions_flat_buffer = None
-        setattr(self, _GRAD_PARTITIONS, GradientPartitions(self.optimizer_swapper, self._aidaptiv_positions))
+        setattr(self, compat.STAGE3_GRAD_PARTITIONS, GradientPartitions(self.optimizer_swapper.gradients, self._aidaptiv_positions))
 
     def initialize_optimizer_states(self):
         if self._aidaptiv is None:
@@ -138,15 +138,15 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._aidaptiv_grad_scale = None
 
         def write_params(pieces, master):
-            runtime.param_swapper.write_pieces(
+            runtime.param_swapper.cache.write_pieces(
                 [(p.record, p.start, p.numel, master[p.flat:p.flat + p.numel]) for p in pieces])
 
         swapper = runtime.optimizer_swapper
         hyperparameters = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        swapper.begin_step(self.fp32_partitioned_groups_flat, scale,
-                           lambda i: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, i), write_params,
-                           hyperparameters, self.optimizer.param_groups,
-                           defer=swapper.alias and runtime.cfg.deferred_update)
+        swapper.streamed_step.begin(self.fp32_partitioned_groups_flat, scale,
+                                    lambda i: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, i), write_params,
+                                    hyperparameters, self.optimizer.param_groups,
+                                    defer=swapper.master_is_parameter and runtime.cfg.deferred_update)
 
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
         if self._aidaptiv is None:
@@ -167,7 +167,7 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if self._aidaptiv is not None:
             # Updates deferred from the last step that no forward fetched (unused parameters): the
             # gradient buffers are about to be filled again.
-            self._aidaptiv.optimizer_swapper.flush()
+            self._aidaptiv.optimizer_swapper.streamed_step.flush()
             self._aidaptiv.phase = "backward"
         return super().backward_prologue()
 
@@ -185,7 +185,7 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         wait0 = runtime.store.io_wait_s
         out = super().step(closure)
         runtime.optimizer_swapper.poll()
-        runtime.param_swapper.poll_writes()
+        runtime.param_swapper.cache.poll_writes()
         runtime.stats.optimizer_io_wait_s += runtime.store.io_wait_s - wait0
         # I/O wait of the whole training step: since the end of the previous step.
         runtime.stats.io_wait_steps.append(runtime.store.io_wait_s - getattr(self, "_aidaptiv_wait_mark", 0.0))

@@ -14,9 +14,9 @@ from aidaptiv_ds.zero3 import compat
 class LayerGroupPrefetcher:
     def __init__(self, runtime, module):
         self.runtime = runtime
-        self.swapper = runtime.param_swapper
+        self.cache = runtime.param_swapper.cache
         self.depth = runtime.cfg.prefetch_depth
-        records = self.swapper.records
+        records = runtime.param_swapper.records
         self.module_group = {}
         for m in module.modules():
             for p in m.parameters():  # the first partition of the subtree we hold decides
@@ -36,17 +36,17 @@ class LayerGroupPrefetcher:
         coordinator.fetch_sub_module = fetch_sub_module
 
     def window(self, g: int):
-        groups = self.swapper.groups
+        groups = self.cache.groups
         step = -1 if self.runtime.phase == "backward" else 1
         return [groups[i] for i in (g + k * step for k in range(self.depth + 1)) if 0 <= i < len(groups)]
 
     def on_fetch(self, module, forward) -> None:
         g = self.module_group.get(id(module))
-        if g is None or not self.swapper.planned:
+        if g is None or not self.cache.planned:
             return
-        self.swapper.prefetch(self.window(g))
+        self.cache.prefetch(self.window(g))
 
     def start_of_pass(self) -> None:
         """After the optimizer step: start reading the first groups of the next forward."""
-        if self.swapper.planned and self.swapper.groups:
-            self.swapper.prefetch(self.swapper.groups[:self.depth + 1])
+        if self.cache.planned and self.cache.groups:
+            self.cache.prefetch(self.cache.groups[:self.depth + 1])

@@ -1,10 +1,9 @@
-"""How parameters are cut into layer groups (the prefetch unit) and optimizer sub-groups into chunks."""
+"""How parameters are cut into layer groups (the prefetch unit). Chunks: test_chunk_layout.py."""
 import torch
 import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from aidaptiv_ds.zero3.layer_groups import FALLBACK_GROUPS, find_block_list, partition_into_groups
-from aidaptiv_ds.zero3.optimizer_swapper import cut_into_chunks
 
 
 def llama(layers=6):
@@ -38,37 +37,3 @@ def test_models_without_a_block_list_are_cut_by_size():
     groups = partition_into_groups(model, 4)
     assert 1 < len(groups) <= FALLBACK_GROUPS + 1
     assert sum(len(ps) for _, ps in groups) == len(list(model.parameters()))
-
-
-class Rec:
-    def __init__(self, numel, dtype=torch.float32):
-        self.numel, self.dtype = numel, dtype
-
-
-def test_chunks_cover_the_sub_group_and_split_parameters_only_at_4kib():
-    recs = [Rec(768), Rec(5000), Rec(3000), Rec(1_000_000), Rec(10)]
-    members, off = [], 0
-    for r in recs:
-        members.append((r, off, r.numel))
-        off += r.numel
-    chunks = cut_into_chunks(members, 100_000)
-    assert sum(n for _, n, _ in chunks) == off
-    pos = 0
-    covered = {id(r): [] for r in recs}
-    for start, n, pieces in chunks:
-        assert start == pos and n <= 100_000
-        assert sum(p.numel for p in pieces) == n and pieces[0].flat == 0
-        for p in pieces:
-            covered[id(p.record)].append((p.start, p.numel))
-            assert (p.start * 4) % 4096 == 0  # a split inside a parameter falls at 4 KiB of its bytes
-        pos += n
-    for r in recs:
-        spans = sorted(covered[id(r)])
-        assert spans[0][0] == 0 and sum(n for _, n in spans) == r.numel
-        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
-
-
-def test_bf16_parameters_split_at_4kib_of_bf16_bytes():
-    chunks = cut_into_chunks([(Rec(100_000, torch.bfloat16), 0, 100_000)], 30_000)
-    starts = [p.start for _, _, ps in chunks for p in ps]
-    assert all((s * 2) % 4096 == 0 for s in starts) and len(chunks) == 4
