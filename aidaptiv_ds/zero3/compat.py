@@ -19,6 +19,8 @@ TESTED = "0.19.8"
 # -- private attributes (name-mangled ones spelt as Python stores them) ------------------------------------
 # PartitionedParameterCoordinator.__prefetch_nvme: DeepSpeed's per-partition NVMe prefetch.
 COORDINATOR_PREFETCH_NVME = "_PartitionedParameterCoordinator__prefetch_nvme"
+# zero.Init._set_dtype: picks the partition dtype (its precedence bug is mended by entry_points).
+ZERO_INIT_SET_DTYPE = "_set_dtype"
 # DeepSpeedZeroOptimizer_Stage3.__param_id_to_grad_partition: its dict of gradient partitions.
 STAGE3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 

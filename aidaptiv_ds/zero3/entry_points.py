@@ -9,6 +9,9 @@
   built under it (Hugging Face ``from_pretrained``/``from_config`` with a ZeRO-3 config do this) are
   partitioned straight into our swap space.
 
+It also mends one DeepSpeed 0.19 bug that makes ZeRO-3 train in a dtype the config did not ask for, for
+every config (ours and the baselines alike): see :func:`honour_explicit_dtype`.
+
 :mod:`aidaptiv_ds.autoload` calls it right after ``import deepspeed``. DeepSpeed's own functions stay
 reachable through :mod:`aidaptiv_ds.zero3.originals`, which is what our initialize calls.
 """
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import functools
 
-from aidaptiv_ds.zero3.originals import WRAPPED, is_wrapped
+from aidaptiv_ds.zero3 import compat
+from aidaptiv_ds.zero3.originals import WRAPPED, is_wrapped, original_zero_init
 
 
 def _config_of(args, kwargs):
@@ -30,9 +34,41 @@ def _config_of(args, kwargs):
         return None  # DeepSpeed reports unreadable configs itself
 
 
+def honour_explicit_dtype(deepspeed) -> None:
+    """Make ``zero.Init(dtype=...)`` partition in that dtype (idempotent).
+
+    DeepSpeed 0.19.8 chooses ``dtype or torch.float16 if accelerator.is_fp16_supported() else torch.bfloat16
+    ...``: by operator precedence an explicit dtype is dropped whenever the accelerator reports no fp16, which
+    DeepSpeed's CPU accelerator does on CPUs whose oneDNN lacks fp16 (AMD EPYC among them). The engine
+    partitions a model that was not built under ``zero.Init`` with ``Init(module=..., dtype=<training
+    dtype>)``, so an fp32 run got bf16 partitions and failed in its first forward ("expected m1 and m2 to
+    have the same dtype"). An explicit dtype now wins; without one DeepSpeed decides as before.
+    """
+    init_cls = original_zero_init(deepspeed)
+    original = getattr(init_cls, compat.ZERO_INIT_SET_DTYPE, None)
+    if original is None:
+        raise compat.UnsupportedDeepSpeedError(
+            f"deepspeed.zero.Init has no {compat.ZERO_INIT_SET_DTYPE} where DeepSpeed 0.19 keeps it: this DeepSpeed "
+            "is not supported")
+    if is_wrapped(original):
+        return
+
+    @functools.wraps(original)
+    def set_dtype(self, ds_config, dtype):
+        if dtype is not None:
+            self.dtype = dtype
+            return
+        original(self, ds_config, dtype)
+
+    setattr(set_dtype, WRAPPED, True)
+    setattr(init_cls, compat.ZERO_INIT_SET_DTYPE, set_dtype)
+
+
 def patch_deepspeed(deepspeed) -> None:
-    """Wrap ``deepspeed.initialize`` and ``deepspeed.zero.Init`` (idempotent)."""
+    """Wrap ``deepspeed.initialize`` and ``deepspeed.zero.Init``, and mend Init's dtype choice (idempotent)."""
     from aidaptiv_ds.config import is_enabled
+
+    honour_explicit_dtype(deepspeed)
 
     original_initialize = deepspeed.initialize
     if is_wrapped(original_initialize):
