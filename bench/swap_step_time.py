@@ -28,10 +28,11 @@ sys.path.insert(0, ROOT)
 
 from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
 from aidaptiv_ds.harness.results import git_state  # noqa: E402
+from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
 
-# DeepSpeed's fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter (4 bytes), its
-# gradient (4), an fp32 master (4) and two Adam moments (8).
-STATE_BYTES_PER_PARAM = 20
+# fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter, its gradient, an fp32 master
+# and two Adam moments (20 bytes).
+STATE_BYTES_PER_PARAM = state_bytes_per_param(4)
 
 
 def run_one(backend, args, swap_root, env):
