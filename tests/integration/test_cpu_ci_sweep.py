@@ -8,9 +8,20 @@ import os
 import pytest
 
 from aidaptiv_ds.sizes import state_bytes_per_param
-from aidaptiv_ds.harness.report import main as report
-from aidaptiv_ds.harness.sweep import main as sweep
+from aidaptiv_ds.cli import main as aidaptiv_ds_main
+
 from helpers import REPO
+
+
+def sweep(argv):
+    """`aidaptiv-ds sweep ARGV`, in this process."""
+    return aidaptiv_ds_main(["sweep", *argv])
+
+
+def report(argv):
+    """`aidaptiv-ds report ARGV`, in this process."""
+    return aidaptiv_ds_main(["report", *argv])
+
 
 BACKENDS = {"zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv"}
 

@@ -10,9 +10,15 @@ import time
 import pytest
 
 from aidaptiv_ds.harness.hostcap import probe_cgroup
-from aidaptiv_ds.harness.sweep import main as sweep
+from aidaptiv_ds.cli import main as aidaptiv_ds_main
 
 from sweep_fakes import ROOT, leftovers, rows_of, write_grid
+
+
+def sweep(argv):
+    """`aidaptiv-ds sweep ARGV`, in this process."""
+    return aidaptiv_ds_main(["sweep", *argv])
+
 
 PLAN = {"1": "ok", "2": "alloc:1500", "3": "hang", "4": "crash", "5": "oom"}
 
