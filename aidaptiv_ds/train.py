@@ -230,8 +230,8 @@ class Run:
         problems = launch_problems(shape_of_config(self.spec.name, self.spec.config), cfg,
                                    world_size=self.world_size, local_world_size=min(local, self.world_size),
                                    seq_len=seq_len, micro_batch=micro, cuda=self.cuda, ram_bytes=total_ram_bytes())
-        if problems:
-            raise ds_config.ConfigError(problems, source=f"plan for {self.spec.name}")
+        if problems:   # every problem, in full (a ConfigError would be cut to its last line by run())
+            raise TrainingFailed(str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}")))
 
     def build(self):
         import deepspeed
