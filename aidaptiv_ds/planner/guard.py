@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 
 from aidaptiv_ds import ds_config as dsc
 from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
-from aidaptiv_ds.planner.shapes import ModelShape
+from aidaptiv_ds.planner.shapes import ModelShape, resolve_shape
 from aidaptiv_ds.sizes import GiB
 
 # The device side is not checked at launch (activations are approximate): a GPU "large enough for anything".
@@ -86,3 +86,19 @@ def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_worl
             f"{ram_bytes / GiB:.1f} GiB (RAM, or the cgroup's limit): use a backend that keeps less in memory, a "
             "smaller host budget, or more nodes")
     return problems
+
+
+def predicted_oom(model: str, backend: str, *, gpus: int, nodes: int, micro_batch: int, seq_len: int,
+                  grad_accum: int, dtype: str, host_mem: int, gpu_mem: Optional[int], host_budget: Optional[int],
+                  framework_host: int = 0) -> Optional[str]:
+    """Why the plan says a sweep cell will run out of memory (its first problem), or None when it fits or
+    the model is not one the planner can size. Unlike :func:`launch_problems`, the whole plan counts:
+    framework, activations and DeepSpeed's buffers too."""
+    try:
+        shape = resolve_shape(model)
+    except ValueError:
+        return None
+    hw = Hardware(gpus=gpus, nodes=nodes, gpu_mem=gpu_mem, host_mem=host_mem, framework_host=framework_host)
+    job = Job(shape, seq_len, micro_batch, grad_accum, dtype=dtype, host_budget=host_budget)
+    plan = plan_backend(backend, job, hw)
+    return plan.problems[0] if plan.problems else None
