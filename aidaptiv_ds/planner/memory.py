@@ -297,7 +297,16 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
                      "layer_group_slots": split.slots, "layer_groups": len(group_bytes),
                      "activations": job.activations}
     if not split.fits:
-        plan.problems.append(split.shortfall())
+        if job.host_budget is None:
+            left = "the framework" + (" and activations" if hw.gpu_mem is None else "")
+            plan.problems.append(
+                f"host memory: {max(0, available) / GiB:.1f} GiB per rank is left for aidaptiv's host budget after "
+                f"{left}, but the swapper needs at least {split.minimum / GiB:.1f} GiB ({split.min_slots} layer-group "
+                f"slots of {split.slot / GiB:.2f} GiB, {split.general / GiB:.2f} GiB for a gradient and optimizer "
+                "chunks): more host memory, more ranks (smaller partitions), or a smaller --layer-group-size or "
+                "--prefetch-depth")
+        else:
+            plan.problems.append(split.shortfall())
     return plan
 
 

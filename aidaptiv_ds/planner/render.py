@@ -77,9 +77,9 @@ def table(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
                      _gib(p.gpu_bytes) if hw.gpu_mem is not None else "-",
                      _gib(p.host_bytes * hw.gpus), _gib(sum(p.host_pinned.values()) * hw.gpus),
                      _gib(p.nvme_bytes * hw.gpus) if p.nvme else "-",
-                     f"{pred.step_s:.3g}" if pred and pred.step_s else "-",
-                     f"{pred.tokens_per_s:,.0f}" if pred and pred.tokens_per_s else "-",
-                     (pred.bound if pred and pred.bound else
+                     f"{pred.step_s:.3g}" if p.fits and pred and pred.step_s else "-",
+                     f"{pred.tokens_per_s:,.0f}" if p.fits and pred and pred.tokens_per_s else "-",
+                     ("-" if not p.fits else pred.bound if pred and pred.bound else
                       ("rates unknown: " + ", ".join(pred.missing) if pred and pred.missing else "-"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
