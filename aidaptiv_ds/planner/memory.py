@@ -5,13 +5,19 @@ an fp32 master copy and two fp32 moments: 18 bytes in bf16 (DeepSpeed's estimato
 (ZeRO-3 keeps its fp32 copy even then). Each backend puts them somewhere else:
 
 - ``zero3``: everything on the device (the GPU, or host memory when training on CPU);
-- ``zero3_cpu_offload``: weights and optimizer state in pinned host memory, plus DeepSpeed's own 1.5x
-  allowance (``additional_buffer_factor``) for its buffers;
+- ``zero3_cpu_offload``: weights and optimizer state in pinned host memory, and a second fp32 copy of the
+  gradients (the sub-groups' own gradient buffers);
 - ``zero_infinity``: weights and optimizer state on NVMe; host holds DeepSpeed's pinned swap buffers
   (``buffer_count x buffer_size`` for parameters, ``buffer_count x`` the largest sub-group for the
   optimizer) and the fp32 gradient partitions;
 - ``aidaptiv``: weights, optimizer images and gradients on NVMe; host holds the pinned pool, sized by the
   same arithmetic the swapper runs (:mod:`aidaptiv_ds.budget_split`).
+
+DeepSpeed's own buffers are counted as DeepSpeed 0.19 allocates them (runtime/zero/stage3.py): the reduce
+bucket (``reduce_bucket_size`` elements of the training dtype; on CPU only the part gradients pass through is
+ever touched), and, for ZeRO-Infinity, the fp32 gradient buffer of the largest optimizer sub-group that
+``initialize_optimizer_states`` makes and keeps (ZeRO-3 and CPU offload free theirs after start-up, before
+activations exist, so it is not counted for them).
 
 Model-state bytes of DeepSpeed's backends agree with DeepSpeed's own estimator
 (``estimate_zero3_model_states_mem_needs``, reproduced in :func:`deepspeed_estimate`; a test compares them).
@@ -32,6 +38,8 @@ BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
 ACTIVATION_POLICIES = ("keep", "checkpoint")
 
 # DeepSpeed's defaults and our shipped ds_configs/ (zero_infinity.json), which the plan assumes.
+REDUCE_BUCKET_SIZE = 500_000_000      # reduce_bucket_size (elements), not set by the shipped configs
+SUB_GROUP_SIZE = 1_000_000_000        # sub_group_size: DeepSpeed's default (zero3, zero3_cpu_offload)
 ZI_PARAM_BUFFER_COUNT = 5
 ZI_PARAM_BUFFER_SIZE = 20_000_000
 ZI_OPT_BUFFER_COUNT = 4
@@ -195,24 +203,26 @@ def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
     cpu, gpu, _ = deepspeed_estimate(s.num_parameters, s.largest_layer_params, hw.gpus, hw.nodes,
                                      cpu_offload=offload, cpu_offload_params=offload)
     plan.deepspeed_estimate = {"cpu_per_node": cpu, "gpu_per_gpu": gpu}
+    # The reduce bucket: on a GPU allocated whole; on CPU only what the gradients passing through touch.
+    bucket = REDUCE_BUCKET_SIZE if hw.gpu_mem is not None else min(REDUCE_BUCKET_SIZE, s.num_parameters)
+    buffers = {"reduce bucket": bucket * e}
     if backend == "zero3":
-        _device(plan, hw, {**_state(pr, e), "gathered largest layer": gathered})
+        _device(plan, hw, {**_state(pr, e), "gathered largest layer": gathered, **buffers})
         # zero.Init builds one layer at a time in host memory before partitioning it (the estimator's cpu_mem)
         plan.host_pageable["model build: largest layer x 1.5"] = int(gathered * ADDITIONAL_BUFFER_FACTOR)
     elif backend == "zero3_cpu_offload":
-        _device(plan, hw, {"gathered largest layer": gathered})
-        state = _state(pr, e)
-        plan.host_pinned.update(state)
-        plan.host_pinned["DeepSpeed buffers (estimator's 1.5x allowance)"] = int(
-            sum(state.values()) * (ADDITIONAL_BUFFER_FACTOR - 1))
+        _device(plan, hw, {"gathered largest layer": gathered, **buffers})
+        plan.host_pinned.update(_state(pr, e))
+        plan.host_pinned["sub-group gradient buffers (fp32)"] = 4 * pr
     else:
-        _device(plan, hw, {"gathered largest layer": gathered})
+        _device(plan, hw, {"gathered largest layer": gathered, **buffers})
         plan.nvme.update({"weights": e * pr, "optimizer: fp32 master": 4 * pr, "optimizer: Adam moments": 8 * pr,
                           "gradients (fp32, swapped with the optimizer)": 4 * pr})
         plan.host_pinned["parameter swap buffers"] = ZI_PARAM_BUFFER_COUNT * ZI_PARAM_BUFFER_SIZE * e
-        largest_sub = min(ZI_SUB_GROUP_SIZE, pr)
+        largest_sub = max(_sub_groups(partition_numels(s, hw.world), ZI_SUB_GROUP_SIZE))
         plan.host_pinned["optimizer swap buffers"] = ZI_OPT_BUFFER_COUNT * largest_sub * 4
         plan.host_pageable["gradients (fp32)"] = 4 * pr
+        plan.host_pageable["optimizer-init gradient buffer (fp32)"] = 4 * largest_sub
     _common(plan, job, hw)
     return plan
 
