@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="all", help=f"all, or one or more of {', '.join(BACKENDS)} (comma-separated)")
     p.add_argument("--activations", choices=ACTIVATION_POLICIES, default="keep",
                    help="keep: autograd keeps every activation (what aidaptiv-ds train does); checkpoint: only layer "
-                        "inputs, recomputed in backward")
+                        "inputs, recomputed in backward (the HF Trainer's gradient_checkpointing)")
     g = p.add_argument_group("aidaptiv settings (default: chosen to fit)")
     g.add_argument("--host-budget", type=_size("--host-budget"), default=None, metavar="SIZE",
                    help="aidaptiv.host_memory_budget per rank; default: the host memory left, at most what helps")

@@ -271,28 +271,41 @@ def aidaptiv_split(job: Job, hw: Hardware, budget: int):
     return split, size, group_bytes, subs, chunk
 
 
+def aidaptiv_reduce_bucket(budget: int) -> int:
+    """Elements of DeepSpeed's reduce bucket under aidaptiv: config.to_deepspeed_config's cap by the budget
+    (a test compares the two)."""
+    from aidaptiv_ds.config import LIMIT_FLOOR
+    return min(REDUCE_BUCKET_SIZE, max(1, budget // 8 // 4, min(LIMIT_FLOOR, budget // 4 // 4)))
+
+
 def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
     s, e = job.shape, job.elsize
     plan = BackendPlan("aidaptiv")
     _device(plan, hw, {"gathered largest layer": 4 * s.largest_layer_params})
     _common(plan, job, hw)
+    # DeepSpeed's reduce bucket, capped by the budget (on CPU only what the gradients touch, in host memory).
+    bucket_bytes = lambda b: (aidaptiv_reduce_bucket(b) if hw.gpu_mem is not None
+                              else min(aidaptiv_reduce_bucket(b), s.num_parameters)) * e
     local = hw.gpus
     pageable = sum(plan.host_pageable.values())
     available = hw.host_mem // local - pageable
     budget = job.host_budget
     if budget is None:
         # The largest budget host memory allows, but no more than the run can use (everything resident).
+        on_host = lambda b: b + (bucket_bytes(b) if hw.gpu_mem is None else 0)
         budget = max(available, 1)
         for _ in range(3):    # the 'auto' chunk depends on the budget, and what the run can use on the chunk
             split = aidaptiv_split(job, hw, max(budget, 1))[0]
             if not split.fits:
                 break
-            budget = min(max(available, 1), split.pool)
-        budget = max(budget, 1)
+            budget = min(budget, split.pool)
+        while budget > 1 and on_host(budget) > available:
+            budget = max(1, available - (on_host(budget) - budget))
         plan.notes.append("host_memory_budget chosen: the host memory left after the framework"
                           + (" and activations" if hw.gpu_mem is None else "") + ", at most what the model can use")
     split, size, group_bytes, subs, chunk = aidaptiv_split(job, hw, budget)
     plan.split = split
+    _device(plan, hw, {"reduce bucket": bucket_bytes(budget)})
     parts = 2 if job.dtype == "fp32" else 3
     pr = sum(partition_numels(s, hw.world))
     plan.nvme.update({

@@ -137,3 +137,12 @@ def test_measured_pinned_pool_of_a_committed_run():
     job = M.Job(resolve_shape("tiny"), 64, 2, dtype="fp32", host_budget=row["aidaptiv_host_budget_bytes"])
     plan = M.plan_backend("aidaptiv", job, M.Hardware(gpus=1, host_mem=5 << 30))
     assert abs(sum(plan.host_pinned.values()) / 2**20 - row["peak_pinned_mb"]) / row["peak_pinned_mb"] < 0.01
+
+
+@pytest.mark.parametrize("budget", [20 << 20, 290_000_000, 8 << 30, 200 << 30])
+def test_aidaptiv_reduce_bucket_is_the_translated_configs(budget, tmp_path):
+    from aidaptiv_ds import config as aconfig
+    settings = aconfig.SwapSettings.from_block({"enabled": True, "nvme_path": str(tmp_path),
+                                                "host_memory_budget": budget})
+    cfg = aconfig.to_deepspeed_config({"zero_optimization": {"stage": 3}}, settings)
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == M.aidaptiv_reduce_bucket(budget)
