@@ -62,6 +62,11 @@ def compare(row: dict, rates: Rates) -> dict:
            "host_predicted_mb": plan.host_bytes / MiB, "host_measured_mb": row.get("peak_rss_mb"),
            "tokens_per_s_predicted": pred.tokens_per_s, "tokens_per_s_measured": row.get("tokens_per_s"),
            "bound": pred.bound, "times_s": pred.times}
+    timed = (row.get("steps") or 0) - (row.get("warmup") or 0)
+    if measured_ok and timed > 0 and row.get("nvme_read_bytes") is not None:
+        # NVMe bytes per step of the node: predicted, and measured over the timed steps (/proc/self/io).
+        out["nvme_per_step_predicted"] = {"read": pred.bytes.get("nvme_read", 0), "write": pred.bytes.get("nvme_write", 0)}
+        out["nvme_per_step_measured"] = {"read": row["nvme_read_bytes"] / timed, "write": row["nvme_write_bytes"] / timed}
     if measured_ok and row.get("peak_rss_mb"):
         out["host_error"] = out["host_predicted_mb"] / row["peak_rss_mb"] - 1
     if measured_ok and row.get("tokens_per_s") and pred.tokens_per_s:
@@ -83,6 +88,9 @@ def summarize(results: list) -> dict:
         "host_misses": {r["key"]: round(r["host_error"], 3) for r in host if abs(r["host_error"]) > HOST_TOLERANCE},
         "tokens_misses": {r["key"]: round(r["tokens_error"], 3) for r in tokens
                           if abs(r["tokens_error"]) > TOKENS_TOLERANCE},
+        "nvme_bytes_error": {r["key"]: {k: round(r["nvme_per_step_predicted"][k] / r["nvme_per_step_measured"][k] - 1, 3)
+                                        for k in ("read", "write")}
+                             for r in ok if r.get("nvme_per_step_measured", {}).get("read")},
     }
 
 
@@ -105,7 +113,10 @@ def markdown(summary: dict, results: list, rates: Rates) -> str:
              f"- cells: {summary['cells']} ({summary['ok_cells']} ok)",
              f"- feasibility right: {pct(summary['feasibility_right'])} (target >= 95%)",
              f"- peak host memory within 15%: {pct(summary['host_within_15pct'])} of ok cells (target >= 80%)",
-             f"- tokens/s within 30%: {pct(summary['tokens_within_30pct'])} of ok cells (target >= 80%)", "",
+             f"- tokens/s within 30%: {pct(summary['tokens_within_30pct'])} of ok cells (target >= 80%)",
+             "- NVMe bytes per step, predicted / measured - 1 (read, write): "
+             + (", ".join(f"{k} {v['read']:+.0%} {v['write']:+.0%}" for k, v in summary["nvme_bytes_error"].items())
+                or "no cell read from NVMe"), "",
              "| cell | measured | plan fits | host MB plan / measured | tokens/s plan / measured | bound |",
              "|---|---|---|---|---|---|"]
     for r in results:

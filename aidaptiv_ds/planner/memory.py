@@ -131,6 +131,7 @@ class BackendPlan:
     notes: List[str] = field(default_factory=list)
     settings: Dict[str, object] = field(default_factory=dict)    # aidaptiv: the block that makes it fit
     split: Optional[BudgetSplit] = None
+    sub_group_numels: List[int] = field(default_factory=list)   # aidaptiv: this rank's optimizer sub-groups
     deepspeed_estimate: Optional[Dict[str, int]] = None
 
     @property
@@ -305,6 +306,7 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
                           + (" and activations" if hw.gpu_mem is None else "") + ", at most what the model can use")
     split, size, group_bytes, subs, chunk = aidaptiv_split(job, hw, budget)
     plan.split = split
+    plan.sub_group_numels = subs
     _device(plan, hw, {"reduce bucket": bucket_bytes(budget)})
     parts = 2 if job.dtype == "fp32" else 3
     pr = sum(partition_numels(s, hw.world))

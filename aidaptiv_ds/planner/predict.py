@@ -21,9 +21,9 @@ NVMe bytes per parameter of a rank's partition per step (e = bytes of the traini
 
 - zero_infinity: reads the weights twice (forward, backward), the fp32 master, both moments and the
   gradient; writes master, moments, gradient and weights;
-- aidaptiv: reads the weights in forward and, for groups not cached across the turn, again in backward;
-  non-resident optimizer sub-groups read and write their images and gradients; the updated weights are
-  written once.
+- aidaptiv: reads the weights in forward and backward, except the groups its slots keep cached at the
+  forward/backward turn and at the step boundary; non-resident optimizer sub-groups read and write their
+  images and gradients; the updated weights are written once.
 """
 from __future__ import annotations
 
@@ -62,10 +62,13 @@ def nvme_bytes(plan: BackendPlan, job: Job, hw: Hardware) -> Dict[str, float]:
         return {"read": 0.0, "write": 0.0}
     st = plan.settings
     cached = min(1.0, st["layer_group_slots"] / max(1, st["layer_groups"]))
-    subs_total = st["sub_groups"]
-    streamed = 1.0 - (st["resident_sub_groups"] / subs_total if subs_total else 0.0)
+    subs = plan.sub_group_numels
+    resident = sum(subs[i] for i in plan.split.resident)
+    streamed = 1.0 - (resident / sum(subs) if subs else 0.0)   # share of the elements not resident
     parts = 2 if job.dtype == "fp32" else 3
-    read = e * pr * (1 + (1 - cached)) + streamed * (parts * 4 + 4) * pr
+    # The slots' groups stay cached at both turns: the last ones of forward serve the start of backward, the
+    # last ones of backward (the first layers) the start of the next forward.
+    read = e * pr * 2 * (1 - cached) + streamed * (parts * 4 + 4) * pr
     write = e * pr + streamed * (parts * 4 + 4) * pr
     return {"read": read, "write": write}
 
