@@ -265,7 +265,17 @@ def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, repro
         if probe and (reprobe or any(n not in entry for n in names)):
             if log:
                 log(f"measuring {', '.join(names)} ({key}) ...")
-            entry = {**entry, **prober(), "when": _stamp()}
+            try:
+                measured = prober()
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                # A probe that cannot run leaves its rates unknown (the plan says which); a bad directory
+                # (ValueError) is the user's to fix and propagates.
+                if log:
+                    log(f"could not measure {', '.join(names)}: {e}")
+                measured = {}
+            if not measured:
+                return
+            entry = {**entry, **measured, "when": _stamp()}
             cache[key] = entry
             changed = fresh = True
         for n in names:
