@@ -104,11 +104,15 @@ def rates_from(path: str) -> Rates:
     return rates
 
 
-def markdown(summary: dict, results: list, rates: Rates) -> str:
+def markdown(summary: dict, results: list, rates: Rates, conditions: dict) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"
     lines = ["# The planner against the committed sweep rows", "",
              "Made by `python bench/plan_accuracy.py`; rates used: "
              + "; ".join(f"{k} {v['value']:.4g} {v['unit']} ({v['source']})" for k, v in rates.as_dict().items()) + ".",
+             "",
+             f"Rates measured on {conditions['cpu']} (load average {conditions['load_average_1_5_15']} when this was "
+             f"made); the rows were measured on {', '.join(conditions['rows_machines'])}. Where these differ, "
+             "the tokens/s comparison compares two machines' CPUs and says little about the model.",
              "",
              f"- cells: {summary['cells']} ({summary['ok_cells']} ok)",
              f"- feasibility right: {pct(summary['feasibility_right'])} (target >= 95%)",
@@ -147,10 +151,13 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "rows.jsonl"), "w", encoding="utf-8") as f:
         for r in results:
             f.write(json.dumps(r, sort_keys=True) + "\n")
+    from aidaptiv_ds.planner.rates import cpu_key
+    conditions = {"cpu": cpu_key("fp32"), "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                  "rows_machines": sorted({r["machine"].get("cpu", "?") for r in load_rows()})}
     with open(os.path.join(args.out, "rates.json"), "w", encoding="utf-8") as f:
-        json.dump(rates.as_dict(), f, indent=1, sort_keys=True)
+        json.dump({**rates.as_dict(), "conditions": conditions}, f, indent=1, sort_keys=True)
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
-        f.write(markdown(summary, results, rates))
+        f.write(markdown(summary, results, rates, conditions))
     print(json.dumps(summary, indent=1))
     return 0
 

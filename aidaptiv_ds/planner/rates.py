@@ -6,8 +6,8 @@
 - CPU matmul FLOP/s in the training dtype (all threads), and CPU Adam throughput (parameters per second
   of torch's foreach AdamW on fp32 CPU tensors: DeepSpeed's CPU Adam is faster, so this bounds it from
   below); cached per CPU model and thread count.
-- Host memory the framework takes per rank (torch, DeepSpeed, transformers imported, a 1-rank gloo
-  process group up): the peak RSS of a subprocess that does just that.
+- Host memory the framework takes per rank: the peak RSS of a real 1-rank ``aidaptiv-ds train`` run of
+  the micro preset under ZeRO-3, less what the plan counts for its model (state, buffers, activations).
 - With CUDA: pinned host->GPU copy bandwidth and GPU matmul FLOP/s.
 
 The cache is ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default). Every figure records how
@@ -181,28 +181,41 @@ def probe_cpu(dtype: str = "bf16") -> Dict[str, float]:
     return {"cpu_flops": flops, "cpu_adam": adam}
 
 
-_FRAMEWORK_SCRIPT = """
-import os, resource, socket
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-import torch, transformers, deepspeed
-deepspeed.init_distributed(dist_backend="gloo")
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-"""
+# The framework probe: a real 1-rank ZeRO-3 run of the micro preset (ds_configs/zero3.json's settings, fp32).
+_PROBE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000000,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+                 "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}}
+_PROBE_SEQ = 16
 
 
 def probe_framework() -> Dict[str, float]:
-    """Peak RSS (bytes) of a process that imports torch, transformers and DeepSpeed and starts a 1-rank
-    process group: what every rank holds before its model."""
-    env = dict(os.environ)
-    env.pop("AIDAPTIV_DS_AUTOLOAD", None)
-    out = subprocess.run([sys.executable, "-c", _FRAMEWORK_SCRIPT], capture_output=True, text=True, timeout=600,
-                         env=env)
-    lines = out.stdout.strip().splitlines()
-    if out.returncode != 0 or not lines or not lines[-1].isdigit():
-        raise RuntimeError(f"framework memory probe failed (exit {out.returncode}): "
-                           f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return {"framework_host": float(lines[-1])}
+    """Host bytes per rank that are not model state: the peak RSS of a real 1-rank ``aidaptiv-ds train`` run
+    of the micro preset under ZeRO-3 (torch, DeepSpeed, transformers, the process group, the data, DeepSpeed's
+    ops), less what the plan counts for that run's model (its state, buffers and activations)."""
+    import tempfile
+
+    from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
+    from aidaptiv_ds.planner.shapes import resolve_shape
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+    with tempfile.TemporaryDirectory(prefix="aidaptiv-plan-probe-") as tmp:
+        cfg, metrics = os.path.join(tmp, "zero3.json"), os.path.join(tmp, "metrics.json")
+        with open(cfg, "w") as f:
+            json.dump(_PROBE_CONFIG, f)
+        out = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--config", cfg, "--model", "micro",
+                              "--seq-len", str(_PROBE_SEQ), "--steps", "2", "--warmup", "1", "--no-progress",
+                              "--metrics-out", metrics], capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+        try:
+            with open(metrics) as f:
+                peak = json.load(f).get("peak_rss_mb")
+        except (OSError, ValueError):
+            peak = None
+    if out.returncode != 0 or not peak:
+        raise RuntimeError(f"the framework memory probe (aidaptiv-ds train --model micro) failed (exit "
+                           f"{out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    job = Job(resolve_shape("micro"), _PROBE_SEQ, 1, dtype="fp32")
+    model = plan_backend("zero3", job, Hardware(gpus=1, host_mem=1 << 62)).host_bytes   # framework counted as 0
+    return {"framework_host": float(max(0.0, peak * MiB - model))}
 
 
 def probe_gpu(dtype: str = "bf16") -> Dict[str, float]:
@@ -285,7 +298,7 @@ def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, repro
     if nvme_dir is not None:
         fill(disk_key(nvme_dir), ("nvme_read", "nvme_write"), lambda: probe_nvme(nvme_dir))
     fill(cpu_key(dtype), ("cpu_flops", "cpu_adam"), lambda: probe_cpu(dtype))
-    fill(f"framework:{sys.executable}", ("framework_host",), probe_framework)
+    fill(f"framework:train-micro:{sys.executable}", ("framework_host",), probe_framework)
     if want_gpu:
         key = gpu_key()
         if key is not None:
