@@ -14,6 +14,7 @@ from aidaptiv_ds.harness.prebuild import put_build_tools_first
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
+    "plan": ("aidaptiv_ds.planner.command", "before launch: does a job fit, how fast will it run, with which config"),
     "train": ("aidaptiv_ds.train", "fine-tune a causal LM with DeepSpeed ZeRO-3 (and our NVMe swapper)"),
     "io-bench": ("aidaptiv_ds.harness.io_bench", "measure NVMe read/write bandwidth of the I/O engines"),
     "sweep": ("aidaptiv_ds.harness.sweep", "run a batch x sequence x GPU grid against the baselines"),

@@ -194,6 +194,7 @@ class Run:
                         model_name=self.spec.name, cuda=self.cuda)
         self.cfg = cfg
         self.backend = ds_config.backend(cfg)
+        self.check_fits(cfg, a.seq_len)
         self.dtype = ds_config.torch_dtype(cfg)
         self.micro_batch = int(cfg.get("train_micro_batch_size_per_gpu")
                                or cfg["train_batch_size"] // (self.world_size * cfg.get("gradient_accumulation_steps", 1)))
@@ -213,6 +214,24 @@ class Run:
             lr=((cfg.get("optimizer") or {}).get("params") or {}).get("lr"),
             nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
             device="cuda" if self.cuda else "cpu")
+
+    def check_fits(self, cfg: dict, seq_len: int) -> None:
+        """Refuse, before a byte is written, a job whose swap space, host budget or host memory cannot hold
+        it (the planner's figures for this node's ranks; see aidaptiv_ds.planner.guard). Presets and
+        Llama-shaped directories only: another architecture is sized once built, as before."""
+        from aidaptiv_ds import ds_config
+        from aidaptiv_ds.config import total_ram_bytes
+        from aidaptiv_ds.planner.guard import launch_problems
+        from aidaptiv_ds.planner.shapes import LLAMA_LIKE, shape_of_config
+        if getattr(self.spec.config, "model_type", None) not in LLAMA_LIKE:
+            return
+        micro = int(cfg.get("train_micro_batch_size_per_gpu") or 1)
+        local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or self.world_size)
+        problems = launch_problems(shape_of_config(self.spec.name, self.spec.config), cfg,
+                                   world_size=self.world_size, local_world_size=min(local, self.world_size),
+                                   seq_len=seq_len, micro_batch=micro, cuda=self.cuda, ram_bytes=total_ram_bytes())
+        if problems:   # every problem, in full (a ConfigError would be cut to its last line by run())
+            raise TrainingFailed(str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}")))
 
     def build(self):
         import deepspeed

@@ -16,7 +16,9 @@ status oom. Each row says which mechanism was used (host_mem_cap.mechanism).
 
 Cells run in an order that gives every backend results early (backends interleaved, cheap shapes first);
 with --skip-dominated (default) a cell is not run when a smaller cell of the same model, backend and GPU
-count already ran out of memory: its row says status oom, "inferred": true.
+count already ran out of memory: its row says status oom, "inferred": true. Cells the planner says will
+not fit under the caps are reported as "predicted OOM" beside their outcome; with --skip-predicted-oom they
+are not run (status oom, "inferred": true, the plan's reason as the error).
 
 On a SLURM cluster: --count-cells gives the size of a job array, --cell-index runs one cell; rows from
 concurrent tasks are appended under a lock (see bench/README.md and bench/slurm/).
@@ -88,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-dominated", action=argparse.BooleanOptionalAction, default=True,
                    help="do not run a cell when a smaller one (same model, backend, GPUs) ran out of memory; "
                         "record it as oom with inferred: true (default: on)")
+    p.add_argument("--skip-predicted-oom", action=argparse.BooleanOptionalAction, default=False,
+                   help="do not run a cell that the planner (aidaptiv-ds plan) says will run out of memory under "
+                        "the caps; record it as oom with inferred: true (default: off: such cells run, and are "
+                        "reported as 'predicted OOM' beside their outcome)")
     p.add_argument("--max-cells", type=int, help="run only the first N cells of the ordered list")
     p.add_argument("--list-cells", action="store_true", help="print 'index cell-id' per cell and exit")
     p.add_argument("--count-cells", action="store_true", help="print the number of cells and exit "
@@ -234,6 +240,31 @@ def _aidaptiv_budget(cell: Cell, ctx: dict) -> Optional[int]:
     return ctx["grid_obj"].aidaptiv_budget_bytes(cell.model, cell.gpus) if cell.backend == "aidaptiv" else None
 
 
+def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
+    """The planner's reason why ``cell`` will not fit under the sweep's caps, or None. The plan uses the
+    host cap (else this machine's RAM), the GPU cap (else the GPU's memory, or none on CPU), the
+    backend config's dtype and the framework memory measured by an earlier 'aidaptiv-ds plan' (cached;
+    nothing is probed here, and an unknown figure counts as 0, so a cell is never predicted OOM for it)."""
+    from aidaptiv_ds import ds_config
+    from aidaptiv_ds.planner.guard import predicted_oom
+    from aidaptiv_ds.planner.rates import machine_rates
+    try:
+        cfg = ds_config.load(os.path.join(ctx["spec"].ds_configs, f"{cell.backend}.json"))
+    except ds_config.ConfigError:
+        return None
+    dtype = ds_config.dtype_name(cfg)
+    if "framework" not in ctx:
+        ctx["framework"] = int(machine_rates(dtype, None, probe=False).framework_host or 0)
+    host = int(ctx["cap"]["gb"] * 2**30) if ctx["cap"]["gb"] else int(ctx["machine"].get("ram_gb", 0) * 2**30)
+    gpu = None
+    if ctx["spec"].accelerator == "cuda":
+        gpu = int(ctx["gpu_mem_cap_gb"] * 2**30) if ctx["gpu_mem_cap_gb"] else ctx.get("gpu_mem_bytes")
+    nodes = ctx["spec"].nodes_for(cell)
+    return predicted_oom(cell.model, cell.backend, gpus=cell.gpus // nodes, nodes=nodes, micro_batch=cell.micro_batch,
+                         seq_len=cell.seq_len, grad_accum=cell.grad_accum, dtype=dtype, host_mem=host, gpu_mem=gpu,
+                         host_budget=_aidaptiv_budget(cell, ctx), framework_host=ctx["framework"])
+
+
 def _run_one(cell: Cell, ctx: dict, tick) -> dict:
     cell_dir, swap_dir, metrics_path = _cell_paths(cell, ctx)
     shutil.rmtree(cell_dir, ignore_errors=True)  # a rerun must never read an old metrics.json
@@ -377,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
         "lr": grid.lr, "timeout_s": args.timeout_s if args.timeout_s is not None else grid.timeout_s,
         "gpu_mem_cap_gb": gpu_cap, "cap": cap, "spec": spec, "swap_root": swap_root, "env": env,
         "cwd": os.getcwd(), "machine": machine_info(swap_root or os.path.join(out, "cells")),
+        "gpu_mem_bytes": (int(min(g["memory_mb"] for g in gpu_list) * 2**20)
+                          if gpu_list and all(g["memory_mb"] for g in gpu_list) else None),
     }
     # GPUs this process may use: CUDA_VISIBLE_DEVICES (as SLURM sets it) when given, else all nvidia-smi lists.
     usable_gpus = (len([d for d in spec.visible_devices.split(",") if d.strip()]) if spec.visible_devices
@@ -453,7 +486,16 @@ def run(args: argparse.Namespace) -> int:
                 continue
             pbar.set_description(cell.id)
             dom = _dominating_oom(cell, rows, ctx) if args.skip_dominated else None
-            if dom:
+            predicted = _predicted_oom(cell, ctx)
+            if predicted:
+                counts["predicted OOM"] = counts.get("predicted OOM", 0) + 1
+            if not dom and predicted and args.skip_predicted_oom:
+                t = _now()
+                row = build_row(cell, ctx=ctx, inferred=True, run=None, command=None, time_start=t, time_end=t,
+                                outcome=Outcome("oom", f"skipped: predicted OOM: {predicted}"),
+                                cell_dir=os.path.join(out, "cells", cell.id))
+                _record(ctx, row, os.path.join(out, "cells", cell.id))
+            elif dom:
                 t = _now()
                 row = build_row(cell, ctx=ctx, inferred=True, run=None, command=None, time_start=t, time_end=t,
                                 outcome=Outcome("oom", f"skipped: smaller cell {dom} ran out of memory"),
@@ -470,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             last = row["status"] + ("*" if row["inferred"] else "")
             counts[last] = counts.get(last, 0) + 1
-            pbar.write(_fmt_row(row))
+            pbar.write(_fmt_row(row) + (f" (predicted OOM: {predicted})" if predicted and not row["inferred"] else ""))
             pbar.set_postfix_str(f"last: {last}")
             pbar.update(1)
     except (KeyboardInterrupt, _Interrupted) as e:

@@ -21,12 +21,12 @@ from typing import Callable, List
 
 import torch
 
+from aidaptiv_ds.budget_split import READ_AHEAD  # what the plan reserves room for (one value, shared with it)
 from aidaptiv_ds.chunk_layout import FP32, STATE_SLOTS, Chunk, Piece, SubGroup
 from aidaptiv_ds.store import Ticket
 
 # Chunks read ahead of the one being updated, as far as the budget allows without waiting for I/O.
 MAX_AHEAD = 6
-READ_AHEAD = 2                   # what the plan reserves room for
 ADAM_KEYS = ["exp_avg", "exp_avg_sq"]
 
 

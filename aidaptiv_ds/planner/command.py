@@ -1,0 +1,272 @@
+"""Know before launch whether a job fits, how fast it will run, and the config to run it with.
+
+  aidaptiv-ds plan --model llama2-7b --seq-len 2048 --micro-batch 8 --gpu-mem 40GB --host-mem 192GB
+  aidaptiv-ds plan --model tiny --seq-len 64 --micro-batch 2 --nvme /mnt/nvme --write-config plan.json
+
+For each backend (ZeRO-3, ZeRO-3 CPU offload, ZeRO-Infinity, aidaptiv) it prints the GPU, host (pinned
+and pageable) and NVMe bytes the job needs, broken down, whether it fits and why not, and the predicted step
+time and tokens/s with the resource that bounds it. Sizes and rates default to this machine's (measured by
+short probes, cached in ~/.cache/aidaptiv-ds/rates.json); every one can be given to plan for other
+hardware. Without a GPU and without --gpu-mem the job is planned for training on the CPU.
+
+Exit status: 0 when at least one planned backend fits, 3 when none does, 1 for bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Dict, List, Optional, Tuple
+
+from aidaptiv_ds.planner.memory import ACTIVATION_POLICIES, BACKENDS, BackendPlan, Hardware, Job, plan_backend
+from aidaptiv_ds.planner.predict import StepPrediction, predict
+from aidaptiv_ds.planner.rates import Rates, machine_rates
+from aidaptiv_ds.planner.shapes import resolve_shape
+from aidaptiv_ds.sizes import GiB, parse_size
+
+EXIT_FITS, EXIT_ERROR, EXIT_NONE_FITS = 0, 1, 3
+# Assumed, not measured, when no GPU is here to measure: the CUDA context, cuBLAS/NCCL workspaces and the
+# allocator's fragmentation on a GPU of the A100/H100 class. --gpu-overhead replaces it.
+GPU_OVERHEAD_ASSUMED = 1 * GiB
+
+
+def _size(what: str):
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, what)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def _positive(what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} {text!r} is not a whole number") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{what} {value} must be at least 1")
+        return value
+    return parse
+
+
+def _rate(what: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} {text!r} is not a number: give e.g. 3.2e9") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{what} {value} must be positive")
+        return value
+    return parse
+
+
+def _bandwidth(what: str):
+    def parse(text: str) -> float:
+        t = text.strip()
+        for suffix in ("/s", "ps"):
+            if t.lower().endswith(suffix):
+                t = t[: -len(suffix)]
+        try:
+            return float(parse_size(t, what))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e} (per second, e.g. 3.2GB/s)") from None
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from aidaptiv_ds.models import preset_names
+    p.add_argument("--model", required=True, metavar="PRESET|HF_DIR",
+                   help=f"a preset ({', '.join(preset_names())}) or a local Hugging Face directory (its config.json)")
+    p.add_argument("--seq-len", type=_positive("--seq-len"), required=True, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=_positive("--micro-batch"), required=True, help="sequences per rank per micro-step")
+    p.add_argument("--grad-accum", type=_positive("--grad-accum"), default=1, help="micro-steps per optimizer step; default 1")
+    p.add_argument("--gpus", type=_positive("--gpus"), default=1,
+                   help="ranks per node (GPUs; processes when training on CPU); default 1")
+    p.add_argument("--nodes", type=_positive("--nodes"), default=1, help="nodes; default 1")
+    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="training precision; default bf16")
+    p.add_argument("--gpu-mem", type=_size("--gpu-mem"), default=None, metavar="SIZE",
+                   help="memory per GPU (e.g. 40GB); default: this machine's GPU, or none (train on CPU)")
+    p.add_argument("--host-mem", type=_size("--host-mem"), default=None, metavar="SIZE",
+                   help="host memory per node (e.g. 512GB); default: this machine's (or its cgroup's limit)")
+    p.add_argument("--nvme", nargs="+", default=None, metavar="DIR",
+                   help="swap directory (or several on distinct disks: their free space and bandwidth add up); "
+                        "its free space is checked and its bandwidth probed")
+    p.add_argument("--nvme-free", type=_size("--nvme-free"), default=None, metavar="SIZE",
+                   help="free swap space per node, instead of the directory's")
+    p.add_argument("--backend", default="all", help=f"all, or one or more of {', '.join(BACKENDS)} (comma-separated)")
+    p.add_argument("--activations", choices=ACTIVATION_POLICIES, default="keep",
+                   help="keep: autograd keeps every activation (what aidaptiv-ds train does); checkpoint: only layer "
+                        "inputs, recomputed in backward (the HF Trainer's gradient_checkpointing)")
+    g = p.add_argument_group("aidaptiv settings (default: chosen to fit)")
+    g.add_argument("--host-budget", type=_size("--host-budget"), default=None, metavar="SIZE",
+                   help="aidaptiv.host_memory_budget per rank; default: the host memory left, at most what helps")
+    g.add_argument("--layer-group-size", type=_positive("--layer-group-size"), default=4,
+                   help="upper bound on layers per group; default 4")
+    g.add_argument("--prefetch-depth", type=int, default=1, choices=range(0, 17), metavar="0..16",
+                   help="layer groups read ahead; default 1")
+    r = p.add_argument_group("rates (default: measured here by a short probe, cached)")
+    r.add_argument("--nvme-read-bw", type=_bandwidth("--nvme-read-bw"), default=None, metavar="BYTES/s",
+                   help="NVMe read bandwidth per node, e.g. 6.5GB/s")
+    r.add_argument("--nvme-write-bw", type=_bandwidth("--nvme-write-bw"), default=None, metavar="BYTES/s")
+    r.add_argument("--pcie-bw", type=_bandwidth("--pcie-bw"), default=None, metavar="BYTES/s",
+                   help="host-to-GPU bandwidth per GPU, e.g. 12GB/s (PCIe Gen3 x16)")
+    r.add_argument("--gpu-flops", type=_rate("--gpu-flops"), default=None, metavar="FLOP/s",
+                   help="achieved GPU FLOP/s in the training dtype, e.g. 1.5e14")
+    r.add_argument("--cpu-flops", type=_rate("--cpu-flops"), default=None, metavar="FLOP/s",
+                   help="achieved CPU FLOP/s of a node (all cores)")
+    r.add_argument("--cpu-adam", type=_rate("--cpu-adam"), default=None, metavar="PARAMS/s",
+                   help="CPU Adam parameters/s of a node (all cores)")
+    r.add_argument("--framework-mem", type=_size("--framework-mem"), default=None, metavar="SIZE",
+                   help="host memory per rank of torch, DeepSpeed and transformers themselves")
+    r.add_argument("--gpu-overhead", type=_size("--gpu-overhead"), default=None, metavar="SIZE",
+                   help=f"GPU memory per rank outside tensors (CUDA context, workspaces); default: "
+                        f"{GPU_OVERHEAD_ASSUMED / GiB:.0f} GiB, assumed")
+    r.add_argument("--no-probe", action="store_true", help="measure nothing: use given and cached rates only")
+    r.add_argument("--reprobe", action="store_true", help="measure again even if cached")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--write-config", default=None, metavar="OUT.json",
+                   help="write a DeepSpeed config with the aidaptiv block this plan chose")
+
+
+def parse_backends(text: str) -> List[str]:
+    if text == "all":
+        return list(BACKENDS)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown or not names:
+        raise ValueError(f"--backend {text!r}: expected all or a comma-separated list of {', '.join(BACKENDS)}")
+    return names
+
+
+def _cuda_total() -> Optional[int]:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:   # a broken CUDA install: plan for the CPU, as without one
+        pass
+    return None
+
+
+def _nvme_free(dirs: List[str]) -> int:
+    seen, free = set(), 0
+    for d in dirs:
+        dev = os.stat(d).st_dev
+        if dev not in seen:
+            seen.add(dev)
+            free += shutil.disk_usage(d).free
+    return free
+
+
+def make_plans(job: Job, hw: Hardware, rates: Rates, backends: List[str]
+               ) -> Tuple[List[BackendPlan], Dict[str, StepPrediction]]:
+    plans = [plan_backend(b, job, hw) for b in backends]
+    return plans, {p.backend: predict(p, job, hw, rates) for p in plans}
+
+
+def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
+    """A DeepSpeed config (ds_configs/aidaptiv.json's settings) with the aidaptiv block the plan chose."""
+    st = plan.settings
+    cfg = {
+        "train_micro_batch_size_per_gpu": job.micro_batch,
+        "gradient_accumulation_steps": job.grad_accum,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 7e-6, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
+        "aidaptiv": {"enabled": True, "nvme_path": nvme_path, "host_memory_budget": st["host_memory_budget"],
+                     "layer_group_size": st["layer_group_size"], "prefetch_depth": st["prefetch_depth"]},
+    }
+    if job.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _log(msg: str) -> None:
+    print(f"aidaptiv-ds plan: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except ValueError as e:
+        print(f"aidaptiv-ds plan: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _run(args) -> int:
+    shape = resolve_shape(args.model)
+    backends = parse_backends(args.backend)
+    nvme_dirs = [os.path.abspath(d) for d in args.nvme or []]
+    for d in nvme_dirs:
+        if not os.path.isdir(d):
+            raise ValueError(f"--nvme {d} is not a directory: give an existing directory on the swap disk")
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else _cuda_total()
+    from aidaptiv_ds.config import total_ram_bytes
+    host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
+    given = {"nvme_read": args.nvme_read_bw, "nvme_write": args.nvme_write_bw, "pcie": args.pcie_bw,
+             "gpu_flops": args.gpu_flops, "cpu_flops": args.cpu_flops, "cpu_adam": args.cpu_adam,
+             "framework_host": args.framework_mem}
+    rates = Rates()
+    for name, value in given.items():
+        rates.set(name, value, "given")
+    probe_dirs = nvme_dirs or [None]
+    reads, writes = [], []
+    for d in probe_dirs:   # one probe per distinct disk; the CPU, framework and GPU ones once
+        r = machine_rates(args.dtype, d, probe=not args.no_probe, reprobe=args.reprobe,
+                          want_gpu=gpu_mem is not None and args.gpu_mem is None, given=given, log=_log)
+        reads.append(r.nvme_read)
+        writes.append(r.nvme_write)
+        rates = r
+    if len(nvme_dirs) > 1 and all(reads) and all(writes) and args.nvme_read_bw is None:
+        rates.set("nvme_read", sum(reads), rates.source.get("nvme_read", "") + f", {len(reads)} disks")
+        rates.set("nvme_write", sum(writes), rates.source.get("nvme_write", "") + f", {len(writes)} disks")
+    gpu_overhead = args.gpu_overhead if args.gpu_overhead is not None else GPU_OVERHEAD_ASSUMED
+    hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem=gpu_mem, host_mem=host_mem,
+                  nvme_free=args.nvme_free if args.nvme_free is not None else (_nvme_free(nvme_dirs) if nvme_dirs else None),
+                  framework_host=int(rates.framework_host or 0),
+                  gpu_overhead=gpu_overhead if gpu_mem is not None else 0)
+    job = Job(shape, args.seq_len, args.micro_batch, args.grad_accum, args.dtype, args.activations,
+              host_budget=args.host_budget, layer_group_size=args.layer_group_size,
+              prefetch_depth=args.prefetch_depth)
+    plans, predictions = make_plans(job, hw, rates, backends)
+    if rates.framework_host is None:
+        for p in plans:
+            p.notes.append("framework host memory unknown (not probed, not given): counted as 0")
+    if gpu_mem is not None and args.gpu_overhead is None:
+        for p in plans:
+            p.notes.append(f"GPU overhead {GPU_OVERHEAD_ASSUMED / GiB:.0f} GiB per rank is assumed, not measured "
+                           "(--gpu-overhead)")
+    from aidaptiv_ds.planner import render
+    if args.json:
+        print(json.dumps(render.as_dict(job, hw, rates, plans, predictions), indent=1))
+    else:
+        print(render.table(job, hw, rates, plans, predictions))
+    if args.write_config:
+        _write_config(args, job, plans, nvme_dirs)
+    return EXIT_FITS if any(p.fits for p in plans) else EXIT_NONE_FITS
+
+
+def _write_config(args, job: Job, plans: List[BackendPlan], nvme_dirs: List[str]) -> None:
+    plan = next((p for p in plans if p.backend == "aidaptiv"), None)
+    if plan is None:
+        raise ValueError("--write-config writes the aidaptiv block: include aidaptiv in --backend")
+    if not plan.fits:
+        raise ValueError(f"--write-config: aidaptiv does not fit ({plan.problems[0]}): nothing written")
+    cfg = aidaptiv_config(job, plan, nvme_dirs[0] if nvme_dirs else ".")
+    from aidaptiv_ds import config as aconfig
+    from aidaptiv_ds.ds_config import ConfigError
+    try:
+        aconfig.validate(cfg, check_paths=bool(nvme_dirs))
+    except ConfigError as e:
+        # Planned for other hardware (a larger budget than this machine has, say): written all the same.
+        _log(f"warning: {args.write_config} does not validate on this machine: {e}")
+    with open(args.write_config, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    _log(f"wrote {args.write_config}")

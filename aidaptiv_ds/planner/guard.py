@@ -1,0 +1,104 @@
+"""The launch guard: what the planner says a job needs, checked before the job writes a byte.
+
+``zero.Init`` writes each layer's partitions to the swap space as soon as the layer is built, and the model
+is unknown when the swap space is opened, so the free-space check of :func:`aidaptiv_ds.config.validate`
+(``needed_bytes``) can only run once the model exists: too late for a model that does not fit (a 70B preset
+wrote 51 GB of parameters before ENOSPC). ``aidaptiv-ds train`` knows the model's shape from the start and
+calls :func:`launch_problems` before building anything.
+
+Only what is certain is refused: swap bytes (the swap files' sizes, for all ranks of this node on their
+disk), a host budget below the minimum the swapper needs, and host memory the model state or the pinned
+pool alone would exceed (framework and activations not counted, so the check never refuses a job that fits).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable, Dict, List, Optional
+
+from aidaptiv_ds import ds_config as dsc
+from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
+from aidaptiv_ds.planner.shapes import ModelShape, resolve_shape
+from aidaptiv_ds.sizes import GiB
+
+# The device side is not checked at launch (activations are approximate): a GPU "large enough for anything".
+_UNCHECKED = 1 << 62
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing ancestor (DeepSpeed creates its swap folder itself)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_world_size: int, seq_len: int,
+                    micro_batch: int, cuda: bool, ram_bytes: int,
+                    disk_free: Callable[[str], int] = lambda p: shutil.disk_usage(p).free) -> List[str]:
+    """Problems that make the job impossible on this node, with the numbers (empty: nothing refused).
+    ``cfg`` is the DeepSpeed config the job runs with; ``ram_bytes`` the memory the node's ranks may use."""
+    backend = dsc.backend(cfg)
+    if backend not in ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv"):
+        return []
+    local = max(1, local_world_size)
+    hw = Hardware(gpus=local, nodes=max(1, world_size // local), gpu_mem=_UNCHECKED if cuda else None,
+                  host_mem=ram_bytes)
+    job = Job(shape, seq_len, micro_batch, dtype=dsc.dtype_name(cfg))
+    problems: List[str] = []
+    if backend == "aidaptiv":
+        from aidaptiv_ds.config import SwapSettings, block_of
+        block = block_of(cfg) or {}
+        if not block.get("enabled") or not block.get("nvme_path"):
+            return []                              # the block's own validation reports these
+        settings = SwapSettings.from_block(block, ram_bytes)
+        job.host_budget = settings.host_budget_bytes
+        job.layer_group_size = settings.layer_group_size
+        job.prefetch_depth = settings.prefetch_depth
+        job.chunk_numel = settings.optimizer_chunk_numel
+        job.cache_optimizer_state = settings.cache_optimizer_state
+        paths = [settings.nvme_path]
+    else:
+        paths = [b["nvme_path"] for b in dsc.nvme_blocks(cfg) if b.get("nvme_path")]
+    plan = plan_backend(backend, job, hw)
+    if plan.split is not None and not plan.split.fits:
+        problems.append(plan.split.shortfall())
+    if plan.nvme and paths:
+        need = plan.nvme_bytes * local
+        where = _existing(paths[0])
+        free = disk_free(where)
+        if need > free:
+            parts = ", ".join(f"{k} {v * local / GiB:.1f} GiB" for k, v in plan.nvme.items())
+            problems.append(
+                f"swap space: {paths[0]} has {free / GiB:.1f} GiB free but {backend} needs {need / GiB:.1f} GiB for "
+                f"{shape.name} ({shape.num_parameters / 1e9:.2f}B parameters, {job.dtype}, {local} rank(s) on this "
+                f"node: {parts}): free space, choose a larger disk, or spread the model over more nodes")
+    # Host memory the model state and pinned buffers alone take (a lower bound: no framework, no activations).
+    certain: Dict[str, int] = {k: v for k, v in {**plan.host_pinned, **plan.host_pageable}.items()
+                               if not k.startswith(("framework", "activations", "DeepSpeed buffers"))}
+    host = sum(certain.values()) * local
+    if host > ram_bytes:
+        top = max(certain, key=certain.get)
+        pinned = sum(plan.host_pinned.values()) * local
+        problems.append(
+            f"host memory: {backend} needs at least {host / GiB:.1f} GiB on this node ({pinned / GiB:.1f} GiB of it "
+            f"pinned; largest: {top}, {certain[top] * local / GiB:.1f} GiB) but the ranks may use "
+            f"{ram_bytes / GiB:.1f} GiB (RAM, or the cgroup's limit): use a backend that keeps less in memory, a "
+            "smaller host budget, or more nodes")
+    return problems
+
+
+def predicted_oom(model: str, backend: str, *, gpus: int, nodes: int, micro_batch: int, seq_len: int,
+                  grad_accum: int, dtype: str, host_mem: int, gpu_mem: Optional[int], host_budget: Optional[int],
+                  framework_host: int = 0) -> Optional[str]:
+    """Why the plan says a sweep cell will run out of memory (its first problem), or None when it fits or
+    the model is not one the planner can size. Unlike :func:`launch_problems`, the whole plan counts:
+    framework, activations and DeepSpeed's buffers too."""
+    try:
+        shape = resolve_shape(model)
+    except ValueError:
+        return None
+    hw = Hardware(gpus=gpus, nodes=nodes, gpu_mem=gpu_mem, host_mem=host_mem, framework_host=framework_host)
+    job = Job(shape, seq_len, micro_batch, grad_accum, dtype=dtype, host_budget=host_budget)
+    plan = plan_backend(backend, job, hw)
+    return plan.problems[0] if plan.problems else None

@@ -1,0 +1,366 @@
+"""Bytes a training job needs, per backend, on the GPU, in host memory (pinned and pageable) and on NVMe.
+
+Per parameter, ZeRO-3 with Adam keeps its weight (2 bytes in bf16, 4 in fp32), an fp32 gradient partition,
+an fp32 master copy and two fp32 moments: 18 bytes in bf16 (DeepSpeed's estimator's figure), 20 in fp32
+(ZeRO-3 keeps its fp32 copy even then). Each backend puts them somewhere else:
+
+- ``zero3``: everything on the device (the GPU, or host memory when training on CPU);
+- ``zero3_cpu_offload``: weights and optimizer state in pinned host memory, and a second fp32 copy of the
+  gradients (the sub-groups' own gradient buffers);
+- ``zero_infinity``: weights and optimizer state on NVMe; host holds DeepSpeed's pinned swap buffers
+  (``buffer_count x buffer_size`` for parameters, ``buffer_count x`` the largest sub-group for the
+  optimizer) and the fp32 gradient partitions;
+- ``aidaptiv``: weights, optimizer images and gradients on NVMe; host holds the pinned pool, sized by the
+  same arithmetic the swapper runs (:mod:`aidaptiv_ds.budget_split`).
+
+DeepSpeed's own buffers are counted as DeepSpeed 0.19 allocates them (runtime/zero/stage3.py): the reduce
+bucket (``reduce_bucket_size`` elements of the training dtype; on CPU only the part gradients pass through is
+ever touched), and, for ZeRO-Infinity, the fp32 gradient buffer of the largest optimizer sub-group that
+``initialize_optimizer_states`` makes and keeps (ZeRO-3 and CPU offload free theirs after start-up, before
+activations exist, so it is not counted for them).
+
+Model-state bytes of DeepSpeed's backends agree with DeepSpeed's own estimator
+(``estimate_zero3_model_states_mem_needs``, reproduced in :func:`deepspeed_estimate`; a test compares them).
+Activations are counted per token and layer, approximately (:func:`activation_bytes`); the framework's own
+host memory (torch, DeepSpeed, transformers, the process group) is measured once (:mod:`.rates`).
+All figures are bytes per rank unless a name says per node. Nothing here imports torch or DeepSpeed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from aidaptiv_ds.budget_split import BudgetSplit, shrink_layer_groups, split_budget
+from aidaptiv_ds.planner.shapes import ModelShape
+from aidaptiv_ds.sizes import GiB, align_up, dtype_bytes
+
+BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
+ACTIVATION_POLICIES = ("keep", "checkpoint")
+
+# DeepSpeed's defaults and our shipped ds_configs/ (zero_infinity.json), which the plan assumes.
+REDUCE_BUCKET_SIZE = 500_000_000      # reduce_bucket_size (elements), not set by the shipped configs
+SUB_GROUP_SIZE = 1_000_000_000        # sub_group_size: DeepSpeed's default (zero3, zero3_cpu_offload)
+ZI_PARAM_BUFFER_COUNT = 5
+ZI_PARAM_BUFFER_SIZE = 20_000_000
+ZI_OPT_BUFFER_COUNT = 4
+ZI_SUB_GROUP_SIZE = 100_000_000
+ADDITIONAL_BUFFER_FACTOR = 1.5        # estimate_zero3_model_states_mem_needs's default
+# Chunk chosen for 'auto' (config.SwapSettings.from_block): budget / 512, clamped.
+AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 1 << 18, 1 << 25
+
+
+def deepspeed_estimate(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
+                       num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
+                       zero_init: bool = True, additional_buffer_factor: float = ADDITIONAL_BUFFER_FACTOR):
+    """(cpu bytes per node, gpu bytes per GPU, largest layer bytes): DeepSpeed 0.19's
+    ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, the same formula."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+            if zero_init:
+                cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
+            else:
+                cpu_mem = total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+            if zero_init:
+                cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
+            else:
+                cpu_mem = total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+@dataclass
+class Hardware:
+    """What one node offers. ``gpu_mem`` None means training on the CPU (the device is host memory)."""
+    gpus: int = 1                        # ranks per node (GPUs, or processes on CPU)
+    nodes: int = 1
+    gpu_mem: Optional[int] = None        # bytes per GPU
+    host_mem: int = 0                    # bytes per node
+    nvme_free: Optional[int] = None      # bytes free in the swap directory, per node; None: not checked
+    framework_host: int = 0              # host bytes per rank of torch/DeepSpeed/transformers themselves
+    gpu_overhead: int = 0                # GPU bytes per rank outside tensors (CUDA context, workspaces)
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+@dataclass
+class Job:
+    shape: ModelShape
+    seq_len: int
+    micro_batch: int
+    grad_accum: int = 1
+    dtype: str = "bf16"
+    activations: str = "keep"
+    # aidaptiv: None chooses the largest budget host memory allows
+    host_budget: Optional[int] = None    # bytes per rank
+    layer_group_size: int = 4
+    prefetch_depth: int = 1
+    chunk_numel: Optional[int] = None    # None: 'auto' (sized from the budget, as the block does)
+    cache_optimizer_state: bool = True
+
+    @property
+    def elsize(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per rank per micro-step."""
+        return self.micro_batch * self.seq_len
+
+
+@dataclass
+class BackendPlan:
+    backend: str
+    gpu: Dict[str, int] = field(default_factory=dict)            # per rank (empty when training on CPU)
+    host_pinned: Dict[str, int] = field(default_factory=dict)    # per rank
+    host_pageable: Dict[str, int] = field(default_factory=dict)  # per rank
+    nvme: Dict[str, int] = field(default_factory=dict)           # per rank
+    problems: List[str] = field(default_factory=list)            # why it does not fit (empty: it fits)
+    notes: List[str] = field(default_factory=list)
+    settings: Dict[str, object] = field(default_factory=dict)    # aidaptiv: the block that makes it fit
+    split: Optional[BudgetSplit] = None
+    sub_group_numels: List[int] = field(default_factory=list)   # aidaptiv: this rank's optimizer sub-groups
+    deepspeed_estimate: Optional[Dict[str, int]] = None
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of one rank: pinned and pageable."""
+        return sum(self.host_pinned.values()) + sum(self.host_pageable.values())
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def nvme_bytes(self) -> int:
+        return sum(self.nvme.values())
+
+
+def partition_numels(shape: ModelShape, world: int) -> List[int]:
+    """Elements of this rank's partition of every parameter (ZeRO-3 pads each to a multiple of the ranks)."""
+    return [-(-n // world) for n in shape.parameter_numels()]
+
+
+def activation_bytes(job: Job) -> Dict[str, int]:
+    """Activations one rank holds at the end of the forward, approximately (keep it simple):
+
+    per token and layer, the tensors autograd saves in a Llama layer: about 10 hidden-sized vectors
+    (norm inputs and outputs, q/k/v/attention output, residuals) and 4 MLP-sized ones (gate, up, their
+    product, the activation) in the training dtype, plus 2 hidden-sized fp32 copies inside RMSNorm; the
+    logits with their fp32 copy and the loss's log-softmax. Attention scores are not counted (SDPA's flash
+    and memory-efficient kernels, on CPU too, do not keep them). ``checkpoint`` keeps only each layer's
+    input and recomputes one layer at a time."""
+    s, e, t = job.shape, job.elsize, job.tokens
+    per_layer = t * ((10 * s.hidden + 4 * s.intermediate) * e + 2 * s.hidden * 4)
+    logits = t * s.vocab * (e + 4 + 4)
+    if job.activations == "checkpoint":
+        return {"layer inputs (checkpointed)": s.layers * t * s.hidden * e, "one layer recomputed": per_layer,
+                "logits and loss": logits}
+    return {"layers": s.layers * per_layer, "logits and loss": logits}
+
+
+def _state(pr: int, e: int) -> Dict[str, int]:
+    return {"weights": e * pr, "gradients (fp32)": 4 * pr, "optimizer: fp32 master": 4 * pr,
+            "optimizer: Adam moments": 8 * pr}
+
+
+def _device(plan: BackendPlan, hw: Hardware, items: Dict[str, int]) -> None:
+    """Put what lives on the device on the GPU, or in pageable host memory when training on CPU."""
+    target = plan.gpu if hw.gpu_mem is not None else plan.host_pageable
+    for k, v in items.items():
+        target[k] = target.get(k, 0) + v
+
+
+def _common(plan: BackendPlan, job: Job, hw: Hardware) -> None:
+    plan.host_pageable["framework (torch, DeepSpeed, transformers)"] = hw.framework_host
+    _device(plan, hw, {f"activations ({job.activations})": sum(activation_bytes(job).values())})
+    if hw.gpu_mem is not None:
+        plan.gpu["CUDA context and workspaces"] = hw.gpu_overhead
+
+
+def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
+    """zero3, zero3_cpu_offload or zero_infinity as our ds_configs/ run them."""
+    s, e = job.shape, job.elsize
+    pr = sum(partition_numels(s, hw.world))
+    plan = BackendPlan(backend)
+    gathered = 4 * s.largest_layer_params   # the estimator's largest_layer_memory
+    offload = backend != "zero3"
+    cpu, gpu, _ = deepspeed_estimate(s.num_parameters, s.largest_layer_params, hw.gpus, hw.nodes,
+                                     cpu_offload=offload, cpu_offload_params=offload)
+    plan.deepspeed_estimate = {"cpu_per_node": cpu, "gpu_per_gpu": gpu}
+    # The reduce bucket: on a GPU allocated whole; on CPU only what the gradients passing through touch.
+    bucket = REDUCE_BUCKET_SIZE if hw.gpu_mem is not None else min(REDUCE_BUCKET_SIZE, s.num_parameters)
+    buffers = {"reduce bucket": bucket * e}
+    if backend == "zero3":
+        _device(plan, hw, {**_state(pr, e), "gathered largest layer": gathered, **buffers})
+        # zero.Init builds one layer at a time in host memory before partitioning it (the estimator's cpu_mem)
+        plan.host_pageable["model build: largest layer x 1.5"] = int(gathered * ADDITIONAL_BUFFER_FACTOR)
+    elif backend == "zero3_cpu_offload":
+        _device(plan, hw, {"gathered largest layer": gathered, **buffers})
+        plan.host_pinned.update(_state(pr, e))
+        plan.host_pinned["sub-group gradient buffers (fp32)"] = 4 * pr
+    else:
+        _device(plan, hw, {"gathered largest layer": gathered, **buffers})
+        plan.nvme.update({"weights": e * pr, "optimizer: fp32 master": 4 * pr, "optimizer: Adam moments": 8 * pr,
+                          "gradients (fp32, swapped with the optimizer)": 4 * pr})
+        plan.host_pinned["parameter swap buffers"] = ZI_PARAM_BUFFER_COUNT * ZI_PARAM_BUFFER_SIZE * e
+        largest_sub = max(_sub_groups(partition_numels(s, hw.world), ZI_SUB_GROUP_SIZE))
+        plan.host_pinned["optimizer swap buffers"] = ZI_OPT_BUFFER_COUNT * largest_sub * 4
+        plan.host_pageable["gradients (fp32)"] = 4 * pr
+        plan.host_pageable["optimizer-init gradient buffer (fp32)"] = 4 * largest_sub
+    _common(plan, job, hw)
+    return plan
+
+
+def _sub_groups(part_numels: List[int], sub_group_size: int) -> List[int]:
+    """DeepSpeed's optimizer sub-groups over the partitions, in order (stage3 _create_fp16_sub_groups)."""
+    total = sum(part_numels)
+    if sub_group_size >= total:
+        return [total]
+    out, size = [], 0
+    for i, n in enumerate(part_numels):
+        size += n
+        if size >= sub_group_size or i == len(part_numels) - 1:
+            out.append(size)
+            size = 0
+    return out
+
+
+def _layer_group_bytes(shape: ModelShape, world: int, elsize: int, layer_group_size: int) -> List[int]:
+    """Bytes of each layer group of one rank: the embeddings, ``layer_group_size`` layers at a time, and
+    what follows the layers; each partition in its own 4 KiB-aligned extent (as zero3/plan.py counts them)."""
+    groups = shape.groups()
+    ext = lambda numels: sum(align_up(-(-n // world) * elsize) for n in numels)
+    layers = groups[1:-1]
+    out = [ext(groups[0][1])]
+    for i in range(0, len(layers), layer_group_size):
+        out.append(sum(ext(numels) for _, numels in layers[i:i + layer_group_size]))
+    return out + [ext(groups[-1][1])]
+
+
+def auto_chunk(budget: int) -> int:
+    return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, budget // 512))
+
+
+def aidaptiv_split(job: Job, hw: Hardware, budget: int):
+    """(split, layer_group_size, group bytes, sub-group numels, chunk) for a budget of this rank, as
+    zero3/plan.py's plan_run computes them for the built model."""
+    parts_n = partition_numels(job.shape, hw.world)
+    chunk = job.chunk_numel or auto_chunk(budget)
+    subs = _sub_groups(parts_n, chunk)   # our config sets DeepSpeed's sub_group_size to the chunk
+    size, group_bytes = shrink_layer_groups(job.layer_group_size, job.prefetch_depth, budget,
+                                            lambda n: _layer_group_bytes(job.shape, hw.world, job.elsize, n))
+    parts = 2 if job.dtype == "fp32" else 3   # chunk image parts (fp32: the parameter is the master)
+    split = split_budget(budget, group_bytes, subs, chunk, job.elsize, parts, job.prefetch_depth,
+                         job.cache_optimizer_state)
+    return split, size, group_bytes, subs, chunk
+
+
+def aidaptiv_reduce_bucket(budget: int) -> int:
+    """Elements of DeepSpeed's reduce bucket under aidaptiv: config.to_deepspeed_config's cap by the budget
+    (a test compares the two)."""
+    from aidaptiv_ds.config import LIMIT_FLOOR
+    return min(REDUCE_BUCKET_SIZE, max(1, budget // 8 // 4, min(LIMIT_FLOOR, budget // 4 // 4)))
+
+
+def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
+    s, e = job.shape, job.elsize
+    plan = BackendPlan("aidaptiv")
+    _device(plan, hw, {"gathered largest layer": 4 * s.largest_layer_params})
+    _common(plan, job, hw)
+    # DeepSpeed's reduce bucket, capped by the budget (on CPU only what the gradients touch, in host memory).
+    bucket_bytes = lambda b: (aidaptiv_reduce_bucket(b) if hw.gpu_mem is not None
+                              else min(aidaptiv_reduce_bucket(b), s.num_parameters)) * e
+    local = hw.gpus
+    pageable = sum(plan.host_pageable.values())
+    available = hw.host_mem // local - pageable
+    budget = job.host_budget
+    if budget is None:
+        # The largest budget host memory allows, but no more than the run can use (everything resident).
+        on_host = lambda b: b + (bucket_bytes(b) if hw.gpu_mem is None else 0)
+        budget = max(available, 1)
+        for _ in range(3):    # the 'auto' chunk depends on the budget, and what the run can use on the chunk
+            split = aidaptiv_split(job, hw, max(budget, 1))[0]
+            if not split.fits:
+                break
+            budget = min(budget, split.pool)
+        while budget > 1 and on_host(budget) > available:
+            budget = max(1, available - (on_host(budget) - budget))
+        plan.notes.append("host_memory_budget chosen: the host memory left after the framework"
+                          + (" and activations" if hw.gpu_mem is None else "") + ", at most what the model can use")
+    split, size, group_bytes, subs, chunk = aidaptiv_split(job, hw, budget)
+    plan.split = split
+    plan.sub_group_numels = subs
+    _device(plan, hw, {"reduce bucket": bucket_bytes(budget)})
+    parts = 2 if job.dtype == "fp32" else 3
+    pr = sum(partition_numels(s, hw.world))
+    plan.nvme.update({
+        "weights (4 KiB-aligned partitions)": sum(group_bytes),
+        "optimizer images" + (" (moments)" if parts == 2 else " (master, moments)"): parts * 4 * pr,
+        "gradients (fp32)": 4 * pr})
+    plan.host_pinned["pinned pool (layer-group slots, resident optimizer state, staging)"] = (
+        split.pool if split.fits else split.minimum)
+    plan.settings = {"host_memory_budget": int(budget), "layer_group_size": size,
+                     "prefetch_depth": job.prefetch_depth, "optimizer_chunk_numel": int(chunk),
+                     "resident_sub_groups": len(split.resident), "sub_groups": len(subs),
+                     "layer_group_slots": split.slots, "layer_groups": len(group_bytes),
+                     "activations": job.activations}
+    if not split.fits:
+        if job.host_budget is None:
+            left = "the framework" + (" and activations" if hw.gpu_mem is None else "")
+            plan.problems.append(
+                f"host memory: {max(0, available) / GiB:.1f} GiB per rank is left for aidaptiv's host budget after "
+                f"{left}, but the swapper needs at least {split.minimum / GiB:.1f} GiB ({split.min_slots} layer-group "
+                f"slots of {split.slot / GiB:.2f} GiB, {split.general / GiB:.2f} GiB for a gradient and optimizer "
+                "chunks): more host memory, more ranks (smaller partitions), or a smaller --layer-group-size or "
+                "--prefetch-depth")
+        else:
+            plan.problems.append(split.shortfall())
+    return plan
+
+
+def check(plan: BackendPlan, hw: Hardware) -> BackendPlan:
+    """Compare what the plan needs with what the hardware has; every shortfall becomes a problem."""
+    local = hw.gpus
+    if hw.gpu_mem is not None and plan.gpu_bytes > hw.gpu_mem:
+        top = max(plan.gpu, key=plan.gpu.get)
+        plan.problems.append(f"GPU memory: needs {plan.gpu_bytes / GiB:.1f} GiB per GPU but has "
+                             f"{hw.gpu_mem / GiB:.1f} GiB (largest: {top}, {plan.gpu[top] / GiB:.1f} GiB)")
+    host = plan.host_bytes * local
+    if host > hw.host_mem:
+        items = {**plan.host_pinned, **plan.host_pageable}
+        top = max(items, key=items.get)
+        plan.problems.append(f"host memory: needs {host / GiB:.1f} GiB per node ({local} rank(s) x "
+                             f"{plan.host_bytes / GiB:.1f} GiB) but has {hw.host_mem / GiB:.1f} GiB (largest: {top}, "
+                             f"{items[top] / GiB:.1f} GiB per rank)")
+    if plan.nvme:
+        nvme = plan.nvme_bytes * local
+        if hw.nvme_free is None:
+            plan.notes.append("NVMe space not checked: give --nvme DIR (or --nvme-free SIZE)")
+        elif nvme > hw.nvme_free:
+            plan.problems.append(f"NVMe space: needs {nvme / GiB:.1f} GiB per node but the swap directory has "
+                                 f"{hw.nvme_free / GiB:.1f} GiB free")
+    return plan
+
+
+def plan_backend(backend: str, job: Job, hw: Hardware) -> BackendPlan:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is unknown: choose one of {', '.join(BACKENDS)} or all")
+    plan = plan_aidaptiv(job, hw) if backend == "aidaptiv" else plan_deepspeed(backend, job, hw)
+    return check(plan, hw)

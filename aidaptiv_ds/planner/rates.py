@@ -1,0 +1,320 @@
+"""This machine's rates, measured by short probes and cached; each one can be given by hand instead.
+
+- NVMe read/write bandwidth of the swap directory: a short O_DIRECT write and read-back of a fresh file
+  through our engine (``aidaptiv_ds.io.IOEngine``, pinned pool, default block size and queue depth),
+  median of the repeats; cached per device (``st_dev`` and the disk's model).
+- CPU matmul FLOP/s in the training dtype (all threads), and CPU Adam throughput (parameters per second
+  of torch's foreach AdamW on fp32 CPU tensors: DeepSpeed's CPU Adam is faster, so this bounds it from
+  below); cached per CPU model and thread count.
+- Host memory the framework takes per rank: the peak RSS of a real 1-rank ``aidaptiv-ds train`` run of
+  the micro preset under ZeRO-3, less what the plan counts for its model (state, buffers, activations).
+- With CUDA: pinned host->GPU copy bandwidth and GPU matmul FLOP/s.
+
+The cache is ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default). Every figure records how
+it was obtained ("measured <date>", "given"); figures that are neither are left out, never guessed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from aidaptiv_ds.sizes import MiB
+
+RATE_NAMES = ("nvme_read", "nvme_write", "cpu_flops", "cpu_adam", "framework_host", "pcie", "gpu_flops")
+UNITS = {"nvme_read": "B/s", "nvme_write": "B/s", "cpu_flops": "FLOP/s", "cpu_adam": "params/s",
+         "framework_host": "B", "pcie": "B/s", "gpu_flops": "FLOP/s"}
+NVME_PROBE_BYTES = 256 * MiB
+NVME_PROBE_REPEATS = 3
+
+
+@dataclass
+class Rates:
+    nvme_read: Optional[float] = None      # bytes/s of one node's swap disk
+    nvme_write: Optional[float] = None
+    cpu_flops: Optional[float] = None      # FLOP/s of one node's CPUs (all threads) in the training dtype
+    cpu_adam: Optional[float] = None       # parameters/s of one node's CPUs
+    framework_host: Optional[float] = None  # host bytes per rank before any model state
+    pcie: Optional[float] = None           # host->GPU bytes/s per GPU
+    gpu_flops: Optional[float] = None      # FLOP/s per GPU
+    source: Dict[str, str] = field(default_factory=dict)
+
+    def set(self, name: str, value: Optional[float], how: str) -> None:
+        if value is not None:
+            setattr(self, name, float(value))
+            self.source[name] = how
+
+    def as_dict(self) -> dict:
+        return {n: {"value": getattr(self, n), "unit": UNITS[n], "source": self.source.get(n)}
+                for n in RATE_NAMES if getattr(self, n) is not None}
+
+
+# ------------------------------------------------------------------------------------------------ cache
+
+def cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "aidaptiv-ds", "rates.json")
+
+
+def load_cache(path: Optional[str] = None) -> dict:
+    path = path or cache_path()
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save_cache(entries: dict, path: Optional[str] = None) -> None:
+    path = path or cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(entries, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def disk_key(directory: str) -> str:
+    """The cache key of the disk under ``directory``: its st_dev and the disk's model."""
+    from aidaptiv_ds.harness.io_bench import block_device
+    st = os.stat(directory)
+    dev = block_device(directory).get("device") or ""
+    name = os.path.basename(dev)
+    model = ""
+    for candidate in (name, name.rstrip("0123456789").rstrip("p")):
+        try:
+            with open(f"/sys/block/{candidate}/device/model") as f:
+                model = f.read().strip()
+                break
+        except OSError:
+            continue
+    return f"disk:{os.major(st.st_dev)}:{os.minor(st.st_dev)}:{model or name or 'unknown'}"
+
+
+def cpu_key(dtype: str) -> str:
+    import platform
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"cpu:{cpu}:{os.cpu_count()}:{dtype}"
+
+
+def _stamp() -> str:
+    return "measured " + dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+# ------------------------------------------------------------------------------------------------ probes
+
+def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NVME_PROBE_REPEATS) -> Dict[str, float]:
+    """Median O_DIRECT write and read bandwidth (bytes/s) of a fresh file in ``directory`` through our engine.
+    Raises ValueError for a memory filesystem or one that refuses O_DIRECT."""
+    import torch
+
+    from aidaptiv_ds.harness.io_bench import BenchError, check_dir
+    from aidaptiv_ds.io import IOEngine, PinnedPool
+    with open("/proc/self/mounts") as f:
+        mounts = f.read()
+    try:
+        check_dir(directory, mounts)
+    except BenchError as e:
+        raise ValueError(str(e).replace("--dir", "--nvme")) from None
+    pool = PinnedPool(nbytes)
+    buf = pool.allocate(nbytes)
+    buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    engine = IOEngine(pool=pool)
+    writes, reads = [], []
+    try:
+        for i in range(repeats):
+            path = os.path.join(directory, f".aidaptiv-plan-probe-{os.getpid()}-{i}")
+            try:
+                t0 = time.perf_counter()
+                engine.write(buf, path)
+                t1 = time.perf_counter()
+                engine.read(buf, path)
+                t2 = time.perf_counter()
+            finally:
+                if os.path.exists(path):
+                    os.unlink(path)
+            writes.append(nbytes / (t1 - t0))
+            reads.append(nbytes / (t2 - t1))
+    finally:
+        engine.close()
+    return {"nvme_write": statistics.median(writes), "nvme_read": statistics.median(reads)}
+
+
+def probe_cpu(dtype: str = "bf16") -> Dict[str, float]:
+    """CPU matmul FLOP/s in ``dtype`` (a 1024-square product, all threads) and foreach-AdamW parameters/s."""
+    import torch
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    n = 1024
+    a, b = torch.randn(n, n).to(tdtype), torch.randn(n, n).to(tdtype)
+    torch.matmul(a, b)
+    reps, t0 = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - t0 < 0.5:
+        torch.matmul(a, b)
+        reps += 1
+    flops = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    numel = 4 * 1024 * 1024
+    p = torch.nn.Parameter(torch.zeros(numel))
+    p.grad = torch.randn(numel)
+    opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+    opt.step()
+    steps, t0 = 0, time.perf_counter()
+    while steps < 3 or time.perf_counter() - t0 < 0.5:
+        opt.step()
+        steps += 1
+    adam = numel * steps / (time.perf_counter() - t0)
+    return {"cpu_flops": flops, "cpu_adam": adam}
+
+
+# The framework probe: a real 1-rank ZeRO-3 run of the micro preset (ds_configs/zero3.json's settings, fp32).
+_PROBE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000000,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+                 "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}}
+_PROBE_SEQ = 16
+
+
+def probe_framework() -> Dict[str, float]:
+    """Host bytes per rank that are not model state: the peak RSS of a real 1-rank ``aidaptiv-ds train`` run
+    of the micro preset under ZeRO-3 (torch, DeepSpeed, transformers, the process group, the data, DeepSpeed's
+    ops), less what the plan counts for that run's model (its state, buffers and activations)."""
+    import tempfile
+
+    from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
+    from aidaptiv_ds.planner.shapes import resolve_shape
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+    with tempfile.TemporaryDirectory(prefix="aidaptiv-plan-probe-") as tmp:
+        cfg, metrics = os.path.join(tmp, "zero3.json"), os.path.join(tmp, "metrics.json")
+        with open(cfg, "w") as f:
+            json.dump(_PROBE_CONFIG, f)
+        out = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--config", cfg, "--model", "micro",
+                              "--seq-len", str(_PROBE_SEQ), "--steps", "2", "--warmup", "1", "--no-progress",
+                              "--metrics-out", metrics], capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+        try:
+            with open(metrics) as f:
+                peak = json.load(f).get("peak_rss_mb")
+        except (OSError, ValueError):
+            peak = None
+    if out.returncode != 0 or not peak:
+        raise RuntimeError(f"the framework memory probe (aidaptiv-ds train --model micro) failed (exit "
+                           f"{out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    job = Job(resolve_shape("micro"), _PROBE_SEQ, 1, dtype="fp32")
+    model = plan_backend("zero3", job, Hardware(gpus=1, host_mem=1 << 62)).host_bytes   # framework counted as 0
+    return {"framework_host": float(max(0.0, peak * MiB - model))}
+
+
+def probe_gpu(dtype: str = "bf16") -> Dict[str, float]:
+    """Pinned host->GPU copy bandwidth and GPU matmul FLOP/s (empty without CUDA)."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    nbytes = 256 * MiB
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    pcie = 5 * nbytes / (time.perf_counter() - t0)
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=tdtype)
+    b = torch.randn(n, n, device="cuda", dtype=tdtype)
+    torch.matmul(a, b)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        torch.matmul(a, b)
+    torch.cuda.synchronize()
+    flops = 10 * 2 * n ** 3 / (time.perf_counter() - t0)
+    return {"pcie": pcie, "gpu_flops": flops}
+
+
+def gpu_key() -> Optional[str]:
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return f"gpu:{torch.cuda.get_device_name(0)}"
+
+
+# ------------------------------------------------------------------------------------------------ assembly
+
+def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, reprobe: bool = False,
+                  want_gpu: bool = False, given: Optional[Dict[str, float]] = None,
+                  cache_file: Optional[str] = None, log=None) -> Rates:
+    """Rates for planning: ``given`` ones as they are, the rest from the cache, or measured now (``probe``)
+    and cached; ``reprobe`` measures again. A rate that is neither given, cached nor probed stays None."""
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    rates = Rates()
+    for name, value in given.items():
+        rates.set(name, value, "given")
+    cache = load_cache(cache_file)
+    changed = False
+
+    def fill(key: str, names, prober):
+        nonlocal changed
+        names = [n for n in names if n not in given]
+        if not names:
+            return
+        entry = cache.get(key) or {}
+        fresh = False
+        if probe and (reprobe or any(n not in entry for n in names)):
+            if log:
+                log(f"measuring {', '.join(names)} ({key}) ...")
+            try:
+                measured = prober()
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                # A probe that cannot run leaves its rates unknown (the plan says which); a bad directory
+                # (ValueError) is the user's to fix and propagates.
+                if log:
+                    log(f"could not measure {', '.join(names)}: {e}")
+                measured = {}
+            if not measured:
+                return
+            entry = {**entry, **measured, "when": _stamp()}
+            cache[key] = entry
+            changed = fresh = True
+        for n in names:
+            if n in entry:
+                rates.set(n, entry[n], entry.get("when", "measured") + ("" if fresh else ", cached"))
+
+    if nvme_dir is not None:
+        fill(disk_key(nvme_dir), ("nvme_read", "nvme_write"), lambda: probe_nvme(nvme_dir))
+    fill(cpu_key(dtype), ("cpu_flops", "cpu_adam"), lambda: probe_cpu(dtype))
+    fill(f"framework:train-micro:{sys.executable}", ("framework_host",), probe_framework)
+    if want_gpu:
+        key = gpu_key()
+        if key is not None:
+            fill(f"{key}:{dtype}", ("pcie", "gpu_flops"), lambda: probe_gpu(dtype))
+    if changed:
+        try:
+            save_cache(cache, cache_file)
+        except OSError as e:   # a read-only home: the figures are still used, only not kept
+            if log:
+                log(f"could not write the rates cache {cache_file or cache_path()} ({e.strerror}): not cached")
+    return rates
+
+
+def replace(rates: Rates, **values) -> Rates:
+    """A copy with some rates set (given by hand)."""
+    out = dataclasses.replace(rates, source=dict(rates.source))
+    for k, v in values.items():
+        out.set(k, v, "given")
+    return out

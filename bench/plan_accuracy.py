@@ -1,0 +1,166 @@
+"""Hold the planner to the truth: its feasibility, peak host memory and tokens/s against every committed sweep row.
+
+    python bench/plan_accuracy.py                       # rates measured here (cached), rows of bench/results/*
+    python bench/plan_accuracy.py --rates rates.json    # rates from a file (as written by an earlier run)
+
+For each row of ``bench/results/<sweep>/results.jsonl`` (rows the sweep inferred without running are left
+out), the plan is made for the row's cell on the row's hardware: its host-memory cap per node, training on
+CPU unless the row has GPUs, the same aidaptiv host budget, this machine's rates (the rows were measured on it;
+``--rates`` gives others). Compared: feasibility (the row's status ok/oom against the plan's fits), predicted
+peak host memory per rank against the row's ``peak_rss_mb`` (the largest rank's peak RSS), and predicted
+tokens/s against the measured. Writes ``bench/results/plan_accuracy/rows.jsonl`` (one row per cell),
+``rates.json`` (the rates used, with how each was obtained) and ``summary.md`` (fractions and every miss).
+The issue's targets: feasibility right in >= 95% of cells; host memory within 15% and tokens/s within 30% in
+>= 80% of ok cells.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend  # noqa: E402
+from aidaptiv_ds.planner.predict import predict  # noqa: E402
+from aidaptiv_ds.planner.rates import RATE_NAMES, Rates  # noqa: E402
+from aidaptiv_ds.planner.shapes import resolve_shape  # noqa: E402
+from aidaptiv_ds.sizes import GiB, MiB  # noqa: E402
+
+HOST_TOLERANCE, TOKENS_TOLERANCE = 0.15, 0.30
+OUT = os.path.join(HERE, "results", "plan_accuracy")
+
+
+def load_rows(results_dir: str = os.path.join(HERE, "results")) -> list:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*", "results.jsonl"))):
+        with open(path, encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if not r.get("inferred") and r.get("status") in ("ok", "oom")]
+
+
+def compare(row: dict, rates: Rates) -> dict:
+    """The plan for one row's cell beside what the row measured."""
+    shape = resolve_shape(row["model"])
+    cap = (row.get("host_mem_cap") or {}).get("gb")
+    host = int(cap * GiB) if cap else int(row["machine"]["ram_gb"] * GiB)
+    gpu_cap = row.get("gpu_mem_cap_gb")
+    on_gpu = bool(row["machine"].get("gpus"))
+    hw = Hardware(gpus=row["gpus"], nodes=row.get("nodes") or 1, host_mem=host,
+                  gpu_mem=(int(gpu_cap * GiB) if gpu_cap else None) if on_gpu else None,
+                  framework_host=int(rates.framework_host or 0))
+    job = Job(shape, row["seq_len"], row["micro_batch"], row.get("grad_accum") or 1, dtype=row.get("dtype") or "fp32",
+              host_budget=row.get("aidaptiv_host_budget_bytes"))
+    plan = plan_backend(row["backend"], job, hw)
+    pred = predict(plan, job, hw, rates)
+    measured_ok = row["status"] == "ok"
+    out = {"key": row["key"], "grid": row.get("grid"), "status": row["status"], "predicted_fits": plan.fits,
+           "feasibility_right": plan.fits == measured_ok, "problems": plan.problems,
+           "host_predicted_mb": plan.host_bytes / MiB, "host_measured_mb": row.get("peak_rss_mb"),
+           "tokens_per_s_predicted": pred.tokens_per_s, "tokens_per_s_measured": row.get("tokens_per_s"),
+           "bound": pred.bound, "times_s": pred.times}
+    timed = (row.get("steps") or 0) - (row.get("warmup") or 0)
+    if measured_ok and timed > 0 and row.get("nvme_read_bytes") is not None:
+        # NVMe bytes per step of the node: predicted, and measured over the timed steps (/proc/self/io).
+        out["nvme_per_step_predicted"] = {"read": pred.bytes.get("nvme_read", 0), "write": pred.bytes.get("nvme_write", 0)}
+        out["nvme_per_step_measured"] = {"read": row["nvme_read_bytes"] / timed, "write": row["nvme_write_bytes"] / timed}
+    if measured_ok and row.get("peak_rss_mb"):
+        out["host_error"] = out["host_predicted_mb"] / row["peak_rss_mb"] - 1
+    if measured_ok and row.get("tokens_per_s") and pred.tokens_per_s:
+        out["tokens_error"] = pred.tokens_per_s / row["tokens_per_s"] - 1
+    return out
+
+
+def summarize(results: list) -> dict:
+    ok = [r for r in results if r["status"] == "ok"]
+    host = [r for r in ok if "host_error" in r]
+    tokens = [r for r in ok if "tokens_error" in r]
+    frac = lambda hits, of: (len(hits) / len(of)) if of else None
+    return {
+        "cells": len(results), "ok_cells": len(ok),
+        "feasibility_right": frac([r for r in results if r["feasibility_right"]], results),
+        "host_within_15pct": frac([r for r in host if abs(r["host_error"]) <= HOST_TOLERANCE], host),
+        "tokens_within_30pct": frac([r for r in tokens if abs(r["tokens_error"]) <= TOKENS_TOLERANCE], tokens),
+        "feasibility_misses": [r["key"] for r in results if not r["feasibility_right"]],
+        "host_misses": {r["key"]: round(r["host_error"], 3) for r in host if abs(r["host_error"]) > HOST_TOLERANCE},
+        "tokens_misses": {r["key"]: round(r["tokens_error"], 3) for r in tokens
+                          if abs(r["tokens_error"]) > TOKENS_TOLERANCE},
+        "nvme_bytes_error": {r["key"]: {k: round(r["nvme_per_step_predicted"][k] / r["nvme_per_step_measured"][k] - 1, 3)
+                                        for k in ("read", "write")}
+                             for r in ok if r.get("nvme_per_step_measured", {}).get("read")},
+    }
+
+
+def rates_from(path: str) -> Rates:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    rates = Rates()
+    for name, entry in data.items():
+        if name in RATE_NAMES:
+            rates.set(name, entry["value"], entry.get("source") or "given")
+    return rates
+
+
+def markdown(summary: dict, results: list, rates: Rates, conditions: dict) -> str:
+    pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"
+    lines = ["# The planner against the committed sweep rows", "",
+             "Made by `python bench/plan_accuracy.py`; rates used: "
+             + "; ".join(f"{k} {v['value']:.4g} {v['unit']} ({v['source']})" for k, v in rates.as_dict().items()) + ".",
+             "",
+             f"Rates measured on {conditions['cpu']} (load average {conditions['load_average_1_5_15']} when this was "
+             f"made); the rows were measured on {', '.join(conditions['rows_machines'])}. Where these differ, "
+             "the tokens/s comparison compares two machines' CPUs and says little about the model.",
+             "",
+             f"- cells: {summary['cells']} ({summary['ok_cells']} ok)",
+             f"- feasibility right: {pct(summary['feasibility_right'])} (target >= 95%)",
+             f"- peak host memory within 15%: {pct(summary['host_within_15pct'])} of ok cells (target >= 80%)",
+             f"- tokens/s within 30%: {pct(summary['tokens_within_30pct'])} of ok cells (target >= 80%)",
+             "- NVMe bytes per step, predicted / measured - 1 (read, write): "
+             + (", ".join(f"{k} {v['read']:+.0%} {v['write']:+.0%}" for k, v in summary["nvme_bytes_error"].items())
+                or "no cell read from NVMe"), "",
+             "| cell | measured | plan fits | host MB plan / measured | tokens/s plan / measured | bound |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        hm = r["host_measured_mb"]
+        tp, tm = r["tokens_per_s_predicted"], r["tokens_per_s_measured"]
+        lines.append(f"| {r['key']} | {r['status']} | {'yes' if r['predicted_fits'] else 'no'} | "
+                     f"{r['host_predicted_mb']:.0f} / {hm:.0f} | " if hm else
+                     f"| {r['key']} | {r['status']} | {'yes' if r['predicted_fits'] else 'no'} | "
+                     f"{r['host_predicted_mb']:.0f} / - | ")
+        lines[-1] += (f"{tp:.0f} / {tm:.0f} | " if tp and tm else "- | ") + f"{r['bound'] or '-'} |"
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--rates", default=None, help="rates JSON (as written to OUT/rates.json); default: measure here")
+    p.add_argument("--nvme", default=HERE, help="directory whose disk the rows' swap space was on (probed)")
+    p.add_argument("--out", default=OUT)
+    args = p.parse_args(argv)
+    if args.rates:
+        rates = rates_from(args.rates)
+    else:
+        from aidaptiv_ds.planner.rates import machine_rates
+        rates = machine_rates("fp32", args.nvme, log=lambda m: print(m, file=sys.stderr))
+    results = [compare(r, rates) for r in load_rows()]
+    summary = summarize(results)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "rows.jsonl"), "w", encoding="utf-8") as f:
+        for r in results:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+    from aidaptiv_ds.planner.rates import cpu_key
+    conditions = {"cpu": cpu_key("fp32"), "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                  "rows_machines": sorted({r["machine"].get("cpu", "?") for r in load_rows()})}
+    with open(os.path.join(args.out, "rates.json"), "w", encoding="utf-8") as f:
+        json.dump({**rates.as_dict(), "conditions": conditions}, f, indent=1, sort_keys=True)
+    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(summary, results, rates, conditions))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""`aidaptiv-ds plan`: the command, its errors, the written config, the rates cache, the step-time bound, and the
+launch guard of `aidaptiv-ds train`."""
+import json
+import os
+
+import pytest
+
+from aidaptiv_ds import cli, train
+from aidaptiv_ds.planner import memory as M
+from aidaptiv_ds.planner import rates as R
+from aidaptiv_ds.planner.predict import predict
+from aidaptiv_ds.planner.shapes import resolve_shape
+
+# Rates given by hand, so that nothing is probed: an A100-40GB node of the C-DAC paper (seeds/003), roughly.
+A100_NODE = ["--gpu-mem", "40GB", "--host-mem", "192GB", "--nvme-free", "1800GB", "--nvme-read-bw", "6GB/s",
+             "--nvme-write-bw", "4GB/s", "--pcie-bw", "12GB/s", "--gpu-flops", "1.5e14", "--cpu-adam", "2e9",
+             "--cpu-flops", "2e12", "--framework-mem", "3GiB", "--gpu-overhead", "1GiB", "--no-probe"]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def plan_json(capsys, *argv):
+    rc = cli.main(["plan", *argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_seeds_a100_node_zero3_does_not_fit_aidaptiv_does(capsys):
+    rc, out = plan_json(capsys, "--model", "llama2-7b", "--seq-len", "2048", "--micro-batch", "8",
+                        "--activations", "checkpoint", *A100_NODE)
+    assert rc == 0
+    b = out["backends"]
+    assert not b["zero3"]["fits"] and "GPU memory" in b["zero3"]["problems"][0]
+    assert b["aidaptiv"]["fits"]
+    assert b["aidaptiv"]["prediction"]["bound"] in ("compute", "nvme", "pcie", "cpu_adam")
+    assert out["parameters"] == 6_738_415_616
+
+
+def test_table_names_the_bound_and_the_problem(capsys):
+    rc = cli.main(["plan", "--model", "llama2-70b", "--seq-len", "256", "--micro-batch", "1", "--backend", "zero3",
+                   *A100_NODE])
+    text = capsys.readouterr().out
+    assert rc == 3   # nothing planned fits
+    assert "zero3" in text and "NO" in text and "does not fit: GPU memory" in text
+    assert "bound" in text
+
+
+def test_more_gpus_scale_tokens_per_second(capsys):
+    args = ["--model", "llama2-7b", "--seq-len", "512", "--micro-batch", "4", "--backend", "aidaptiv",
+            "--activations", "checkpoint", *A100_NODE]
+    _, one = plan_json(capsys, *args)
+    _, two = plan_json(capsys, *args, "--gpus", "2")
+    p1, p2 = one["backends"]["aidaptiv"]["prediction"], two["backends"]["aidaptiv"]["prediction"]
+    assert p2["tokens_per_s"] > p1["tokens_per_s"]
+    assert two["backends"]["aidaptiv"]["totals"]["nvme_per_node"] <= one["backends"]["aidaptiv"]["totals"]["nvme_per_node"] * 1.01
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model", "gpt-5", "--seq-len", "8", "--micro-batch", "1"], "neither a preset"),
+    (["--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--backend", "zero2"], "expected all or"),
+])
+def test_impossible_inputs_say_what_is_accepted(capsys, argv, expected):
+    assert cli.main(["plan", *argv, "--no-probe"]) == 1
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, expected", [("--host-mem", "lots", "KiB/MiB/GiB"),
+                                                   ("--seq-len", "0", "at least 1"),
+                                                   ("--nvme-read-bw", "fast", "per second")])
+def test_bad_sizes_are_usage_errors(capsys, flag, value, expected):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--model", "tiny", "--seq-len", "8", "--micro-batch", "1", flag, value])
+    assert e.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_written_config_validates_and_launches_as_planned(capsys, tmp_path):
+    from aidaptiv_ds import config as aconfig
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    out = tmp_path / "plan.json"
+    rc = cli.main(["plan", "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--dtype", "fp32",
+                   "--host-mem", "2GiB", "--nvme", str(swap), "--nvme-read-bw", "1GB/s", "--nvme-write-bw", "1GB/s",
+                   "--cpu-flops", "1e11", "--cpu-adam", "1e8", "--framework-mem", "1200MiB", "--no-probe",
+                   "--write-config", str(out)])
+    assert rc == 0
+    cfg = json.loads(out.read_text())
+    settings = aconfig.validate(cfg)
+    assert settings.nvme_path == str(swap)
+    assert cfg["aidaptiv"]["host_memory_budget"] <= 2 * 2**30 - 1200 * 2**20
+    assert "bf16" not in cfg
+
+
+def test_rates_are_cached_per_device_and_given_ones_win(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_nvme(directory, **_):
+        calls.append(directory)
+        return {"nvme_read": 2e9, "nvme_write": 1e9}
+    monkeypatch.setattr(R, "probe_nvme", fake_nvme)
+    monkeypatch.setattr(R, "probe_cpu", lambda dtype: {"cpu_flops": 1e11, "cpu_adam": 1e8})
+    monkeypatch.setattr(R, "probe_framework", lambda: {"framework_host": 1e9})
+    cache = str(tmp_path / "rates.json")
+    first = R.machine_rates("bf16", str(tmp_path), cache_file=cache)
+    again = R.machine_rates("bf16", str(tmp_path), cache_file=cache, given={"nvme_read": 5e9})
+    assert calls == [str(tmp_path)]                       # the second call read the cache
+    assert first.nvme_read == 2e9 and again.nvme_read == 5e9 and again.source["nvme_read"] == "given"
+    assert "cached" in again.source["nvme_write"]
+    assert R.disk_key(str(tmp_path)) in json.load(open(cache))
+    none = R.machine_rates("fp32", None, probe=False, cache_file=str(tmp_path / "empty.json"))
+    assert none.cpu_flops is None                          # neither given, cached nor probed: unknown
+
+
+def test_nvme_probe_measures_through_our_engine(tmp_path):
+    pytest.importorskip("aidaptiv_ds._C")
+    with open("/proc/self/mounts") as f:
+        from aidaptiv_ds.harness.io_bench import MEMORY_FILESYSTEMS, mount_of
+        if mount_of(str(tmp_path), f.read())["fstype"] in MEMORY_FILESYSTEMS:
+            pytest.skip("tmp_path is on a memory filesystem (no O_DIRECT)")
+    rates = R.probe_nvme(str(tmp_path), nbytes=8 << 20, repeats=1)
+    assert rates["nvme_read"] > 0 and rates["nvme_write"] > 0
+    assert os.listdir(tmp_path) == []                      # the probe file is gone
+
+
+def test_bound_is_the_slowest_resource():
+    shape = resolve_shape("llama2-7b")
+    hw = M.Hardware(gpus=1, gpu_mem=80 << 30, host_mem=512 << 30)
+    job = M.Job(shape, 128, 1, dtype="bf16", activations="checkpoint")
+    plan = M.plan_backend("zero_infinity", job, hw)
+    slow_disk = R.Rates(nvme_read=1e8, nvme_write=1e8, gpu_flops=1e15, pcie=1e11, cpu_adam=1e12)
+    assert predict(plan, job, hw, slow_disk).bound == "nvme"
+    slow_gpu = R.Rates(nvme_read=1e12, nvme_write=1e12, gpu_flops=1e9, pcie=1e11, cpu_adam=1e12)
+    p = predict(plan, job, hw, slow_gpu)
+    assert p.bound == "compute" and p.tokens_per_s == pytest.approx(128 / p.step_s)
+    unknown = predict(plan, job, hw, R.Rates())
+    assert unknown.step_s is None and "gpu_flops" in unknown.missing
+
+
+# ------------------------------------------------------------------ the launch guard
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_train_refuses_a_model_the_swap_disk_cannot_hold_before_writing(clean_env, tmp_path, monkeypatch, capsys,
+                                                                        repo):
+    """The issue's symptom: llama2-70b with the shipped config on a disk with about 100 GB free wrote a 51 GB swap
+    file before ENOSPC. Now: refused with the numbers, the model never built, the swap folder untouched."""
+    import shutil
+    from collections import namedtuple
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: usage(200 * 10**9, 100 * 10**9, 100 * 10**9) if str(p).startswith(str(tmp_path))
+                        else real(p))
+    built = []
+    monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
+    out = tmp_path / "m.json"
+    rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "aidaptiv.json"), "--model", "llama2-70b",
+                   "--nvme-path", str(swap), "--host-budget", "4GiB", "--steps", "1", "--metrics-out", str(out),
+                   "--no-progress"])
+    assert rc == 1 and not built
+    assert os.listdir(swap) == []
+    m = json.loads(out.read_text())
+    assert m["status"] == "error"
+    printed = capsys.readouterr()
+    assert "swap space" in printed.out and "93.1 GiB free" in printed.out and "llama2-70b" in printed.out
+    assert "host_memory_budget is 4096.0 MiB but the run needs at least" in printed.out   # plan_run's message, early
+
+
+def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, monkeypatch, capsys, repo):
+    monkeypatch.setattr("aidaptiv_ds.config.total_ram_bytes", lambda: 1 << 30)
+    built = []
+    monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
+    rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "small",
+                   "--steps", "1", "--no-progress"])
+    assert rc == 1 and not built
+    assert "host memory: zero3 needs at least 5.1 GiB" in capsys.readouterr().out
+
+
+def test_train_lets_a_job_that_fits_go_on(clean_env, tmp_path, monkeypatch, repo):
+    built = []
+
+    def stop(self):
+        built.append(True)
+        raise train.TrainingFailed("stopped after the guard")
+    monkeypatch.setattr(train.Run, "build", stop)
+    rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "aidaptiv.json"), "--model", "micro",
+                   "--nvme-path", str(tmp_path), "--steps", "1", "--no-progress"])
+    assert rc == 1 and built

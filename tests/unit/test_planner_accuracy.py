@@ -1,0 +1,45 @@
+"""The planner against every committed sweep row (bench/plan_accuracy.py): the committed comparison is what the
+code gives with the committed rates, and NVMe bytes per step are predicted within 20%.
+
+The issue's targets for feasibility (>= 95%), peak host memory (within 15% in >= 80% of ok cells) and tokens/s
+(within 30%) are NOT met yet: bench/results/plan_accuracy/summary.md has the figures and the misses. They are
+reported there, not asserted here, so that this test guards what the planner does achieve."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from helpers import REPO
+
+RESULTS = os.path.join(REPO, "bench", "results", "plan_accuracy")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("plan_accuracy", os.path.join(REPO, "bench", "plan_accuracy.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def results(bench):
+    rates = bench.rates_from(os.path.join(RESULTS, "rates.json"))
+    return [bench.compare(row, rates) for row in bench.load_rows()]
+
+
+def test_committed_comparison_is_what_the_planner_gives(results):
+    with open(os.path.join(RESULTS, "rows.jsonl")) as f:
+        committed = [json.loads(line) for line in f if line.strip()]
+    assert [r["key"] for r in results] == [r["key"] for r in committed]   # every row compared, none new
+    for ours, theirs in zip(results, committed):
+        assert ours["predicted_fits"] == theirs["predicted_fits"], ours["key"]
+        assert ours["host_predicted_mb"] == pytest.approx(theirs["host_predicted_mb"], rel=1e-9), ours["key"]
+        assert ours["tokens_per_s_predicted"] == pytest.approx(theirs["tokens_per_s_predicted"], rel=1e-9)
+
+
+def test_nvme_bytes_per_step_within_20_percent(bench, results):
+    errors = bench.summarize(results)["nvme_bytes_error"]
+    assert len(errors) >= 7          # every ok zero_infinity and aidaptiv cell of cpu_small read from NVMe
+    assert all(abs(e) <= 0.20 for v in errors.values() for e in v.values()), errors
