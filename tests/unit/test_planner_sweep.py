@@ -3,7 +3,12 @@
 import json
 import os
 
-from aidaptiv_ds.harness.sweep import main as sweep
+from aidaptiv_ds.cli import main as aidaptiv_ds_main
+
+
+def sweep(argv):
+    """`aidaptiv-ds sweep ARGV`, in this process."""
+    return aidaptiv_ds_main(["sweep", *argv])
 
 
 def test_predicted_oom_cell_is_recorded_not_run(tmp_path, monkeypatch, repo):
