@@ -45,6 +45,11 @@ def hooks_active() -> bool:
     return bool(os.environ.get("AIDAPTIV_DS_TEST_CRASH_AT") or os.environ.get("AIDAPTIV_DS_TEST_SNAPSHOT_FROM"))
 
 
+def points_passed() -> int:
+    """Crash points this process has passed while a test hook was set."""
+    return _points
+
+
 def crash_point(label: str) -> None:
     """A moment of a save at which the test hooks (see the module docstring) may act."""
     global _points
