@@ -402,7 +402,6 @@ def _rechunk_images(runtime, osw, folder, manifest, names) -> None:
                 if not sg.resident:
                     runtime.engine.write(buf[:c.image_bytes], osw.file.handle, c.offset)
                     del buf
-                durable.crash_point(f"re-chunked a chunk of sub-group {sg.index}")
     finally:
         os.close(fd)
 
