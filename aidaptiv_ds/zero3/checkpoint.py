@@ -278,6 +278,10 @@ def read_manifest(load_dir: str, tag: str, rank: int) -> tuple:
     """(folder, manifest) of this rank's state in a checkpoint, refusing what this version cannot load."""
     folder = rank_dir(load_dir, tag, rank)
     path = os.path.join(folder, MANIFEST)
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise CheckpointMismatchError(
+            f"checkpoint {os.path.join(load_dir, tag)} does not exist: give the tag of a completed save (the one "
+            f"'latest' in {load_dir} names, or one of its folders)")
     if not os.path.exists(path):
         raise CheckpointMismatchError(
             f"checkpoint {os.path.join(load_dir, tag)} has no aidaptiv state for rank {rank} ({path} is "

@@ -13,6 +13,7 @@ and a clean close of the swap space.
 from __future__ import annotations
 
 import functools
+import os
 
 from deepspeed import comm as dist
 
@@ -56,7 +57,8 @@ def attach(engine, runtime) -> None:
         resolved = checkpoint.resolve_tag(load_dir, tag)
         if resolved is not None:
             durable.recover(load_dir, resolved)
-            checkpoint.read_manifest(load_dir, resolved, runtime.rank)  # refuse before DeepSpeed changes anything
+            if os.path.isdir(os.path.join(load_dir, resolved)):  # (a missing one: DeepSpeed returns None)
+                checkpoint.read_manifest(load_dir, resolved, runtime.rank)  # refuse before DeepSpeed changes anything
         load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)
         if load_path is not None:
             checkpoint.load(engine, runtime, load_dir, resolved,

@@ -53,3 +53,8 @@ def test_complete_manifest_is_read(tmp_path):
     d = _write(tmp_path, _manifest(), 8192, 4096)
     folder, m = checkpoint.read_manifest(d, "t", 0)
     assert folder.endswith("rank0") and m["format"] == checkpoint.FORMAT
+
+
+def test_missing_tag_is_named(tmp_path):
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="does not exist"):
+        checkpoint.read_manifest(str(tmp_path), "step9", 0)
