@@ -125,7 +125,9 @@ def begin(save_dir: str, tag: str) -> str:
     """Make ``save_dir`` and an empty staging folder for ``tag``; returns the staging folder's name (a tag,
     relative to ``save_dir``). What crashed saves left is removed first: staging folders, and previous
     versions whose tag is in place again. One process per folder calls it, and one job saves into a folder."""
-    os.makedirs(save_dir, exist_ok=True)
+    if not os.path.isdir(save_dir):
+        os.makedirs(save_dir)
+        fsync_path(os.path.dirname(os.path.abspath(save_dir)))  # the new folder's name, durable
     for name in os.listdir(save_dir):
         path = os.path.join(save_dir, name)
         if name.startswith(".") and name.endswith(".saving"):
