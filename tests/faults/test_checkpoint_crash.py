@@ -6,7 +6,7 @@ optimizer state move through the swap files and the checkpoint files take more t
 three times: tag "a" at step 2 (nothing before it), tag "b" at step 3 (a new tag beside "a"), and tag "b"
 again at step 4 (a second save to the tag `latest` names). The test hook AIDAPTIV_DS_TEST_SNAPSHOT_FROM/_TO
 (aidaptiv_ds.durable) copies the checkpoint folder at every crash point of the three saves, which is what a
-kill -9 at that point leaves (every write before the point has completed, nothing else writes there); a few
+kill -9 at that point leaves (every write before the point has completed, nothing else writes there); two
 points are also killed for real with AIDAPTIV_DS_TEST_CRASH_AT. A second process, whose engine is the second
 model it builds (so DeepSpeed's process-wide parameter ids differ from the saving run's, as in HF Trainer's
 resume_from_checkpoint), loads every folder through `latest` and trains two steps: the step it resumes at
@@ -89,7 +89,8 @@ def _config(tmp_path):
         cfg = json.load(f)
     swap = tmp_path / "swap"
     swap.mkdir(exist_ok=True)
-    cfg["aidaptiv"].update(nvme_path=str(swap), host_memory_budget="12MiB", layer_group_size=1)
+    cfg["aidaptiv"].update(nvme_path=str(swap), host_memory_budget="8MiB", layer_group_size=1,
+                           optimizer_chunk_numel=32768)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     return str(path)
@@ -138,11 +139,10 @@ def test_kill_at_every_point_of_a_save_leaves_the_previous_or_the_new_checkpoint
     assert sum("copied" in v and "of" in v for v in labels.values()) >= 3 * 4, labels
     assert any("DeepSpeed's" in v for v in labels.values()) and any("exchanged" in v for v in labels.values())
 
-    # Real kill -9 at three points of the last save (a second save to the tag `latest` names): in the middle
-    # of our first data file, after DeepSpeed's last file, and between the folder exchange and `latest`.
+    # Real kill -9 at two points of the last save (a second save to the tag `latest` names): in the middle of
+    # our first data file, and between the folder exchange and `latest`.
     last = range(points[1] + 1, points[2] + 1)
     chosen = [next(k for k in last if labels[k].startswith("copied")),
-              max(k for k in last if "after DeepSpeed's" in labels[k]),
               next(k for k in last if "exchanged" in labels[k])]
     killed = []
     for k in chosen:

@@ -83,8 +83,15 @@ def test_aidaptiv_resume_under_another_budget_chunk_size_and_grouping_continues_
                             layer_group_size=2)
     full, _ = train(tmp_path, saved, "--steps", str(STEPS), "--save-dir", str(tmp_path / "ck"),
                     "--save-every", str(SAVE_AT))
-    resumed, log = train(tmp_path, other, "--steps", str(STEPS), "--resume-from", str(tmp_path / "ck" / f"step{SAVE_AT}"))
+    resumed, log = train(tmp_path, other, "--steps", str(STEPS), "--resume-from", str(tmp_path / "ck" / f"step{SAVE_AT}"),
+                         "--save-dir", str(tmp_path / "ck2"))
     assert f"at step {SAVE_AT}" in log
+
+    def chunking(path):
+        with open(path / "aidaptiv" / "rank0" / "manifest.json") as f:
+            return [[(c["numel"], c["pieces"]) for c in g["chunks"]] for g in json.load(f)["sub_groups"]]
+    # The two runs cut the optimizer state differently: the load had to re-chunk it.
+    assert chunking(tmp_path / "ck" / f"step{SAVE_AT}") != chunking(tmp_path / "ck2" / f"step{STEPS}")
     assert resumed["first_step"] == SAVE_AT and len(resumed["losses"]) == STEPS
     assert resumed["losses"][SAVE_AT:] == pytest.approx(full["losses"][SAVE_AT:], rel=1e-5, abs=0)
     assert resumed["lr_final"] == full["lr_final"]
@@ -138,5 +145,5 @@ def test_aidaptiv_checkpoint_resumes_in_a_second_model_of_the_same_process(tmp_p
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:]
     r = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
-    assert r["path"] and r["path"].endswith("global_step2"), r
+    assert r["path"] and "/global_step2/" in r["path"], r
     assert r["resumed"] == pytest.approx(r["full"][2:], rel=1e-5, abs=0)
