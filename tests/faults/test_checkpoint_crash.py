@@ -14,6 +14,7 @@ must be the previous or the new checkpoint's, and its two losses the uninterrupt
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -163,5 +164,6 @@ def test_kill_at_every_point_of_a_save_leaves_the_previous_or_the_new_checkpoint
         _check(d, results[d], _expected(k, points), losses, f"kill -9 at {labels[k]!r}")
     # Every save was seen both before and after it took effect.
     assert all(len(v) == 2 for v in seen.values()), seen
+    shutil.rmtree(snaps)  # hundreds of MiB of copies
     print(f"crash points checked: {points[-1]} snapshots ({points[0]}, {points[1] - points[0]}, "
           f"{points[2] - points[1]} in the three saves) and {len(killed)} real kills")
