@@ -1,4 +1,4 @@
-"""Checkpoints of the state that lives in our swap space.
+"""Checkpoints of the state that lives in our swap space, keyed by parameter name.
 
 DeepSpeed 0.19 saves a ZeRO-3 run with the optimizer on NVMe by copying the swapper's folder, and on load
 copies it back and skips the optimizer's state dict: Adam restarts from zero state and the learning rate
@@ -6,29 +6,43 @@ reads 0, so a resumed run drifts from the uninterrupted one. Ours adds, next to 
 per rank with every byte the resumed run needs::
 
     <save_dir>/<tag>/aidaptiv/rank<r>/
-        params.bin     every parameter partition (model dtype), in the swap file's layout
-        optim.bin      per optimizer sub-group: fp32 master and the optimizer's state tensors
-        manifest.json  layout, optimizer scalars (Adam's step count), hyperparameters, model shape
+        params.bin     this rank's partition of every parameter (model dtype), in the swap file's layout
+        optim.bin      the optimizer chunk images: fp32 master (unless the parameter is the master) and the
+                       optimizer's state tensors, in the optimizer swap file's layout
+        manifest.json  FORMAT 2: for every parameter (by the name ``module.named_parameters()`` gives it in
+                       the model DeepSpeed wraps) its shape, partition size and place in params.bin; for
+                       every sub-group its chunks as pieces of named parameters, its state keys and scalars
+                       (Adam's step count); the optimizer's hyperparameters; the sizes of both files
 
-The folder is written under a temporary name and renamed when complete, and it is written before
-DeepSpeed's own files (which end by updating ``latest``), so a save that fails half-way (disk full,
-file-size limit) raises with the file and errno and leaves the last complete checkpoint as it was.
-Data moves through the pinned pool with the engine (O_DIRECT where the checkpoint filesystem allows it).
+Nothing refers to DeepSpeed's process-wide parameter ids, so a second model built in the same process (HF
+``resume_from_checkpoint``, notebooks, hyper-parameter search) loads it. The load re-chunks: when this run's
+sub-groups and chunks (which follow ``host_memory_budget`` and ``optimizer_chunk_numel``) or its parameter
+layout differ from the saved ones, each chunk image is assembled from the saved pieces of its parameters;
+when they match, the files are copied back whole. Either way data moves through one bounded buffer at a
+time, never the whole state at once. The world size (each rank's partition of each parameter) and the model
+dtype must be the ones saved; other world sizes are refused with a clear message.
+
+Durability is the caller's (:mod:`aidaptiv_ds.zero3.engine_hooks` with :mod:`aidaptiv_ds.durable`): the
+folder is written inside a staging tag, fsync'd here, and published with the rest of the checkpoint by one
+rename. Data moves through the pinned pool with the engine (O_DIRECT where the checkpoint filesystem allows
+it); re-chunking reads pieces that are not 4 KiB aligned through the page cache.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import shutil
 from typing import Dict, List, Optional
 
 import torch
 
+from aidaptiv_ds import durable
+
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 CHUNK = 64 * 1024 * 1024
+MANIFEST = "manifest.json"
 
 
 class CheckpointMismatchError(ValueError):
@@ -39,12 +53,13 @@ def rank_dir(root: str, tag: str, rank: int) -> str:
     return os.path.join(root, str(tag), "aidaptiv", f"rank{rank}")
 
 
-def _resolve_tag(engine, root: str, tag: Optional[str], saving: bool) -> str:
+def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
+    """The tag a load reads: ``tag``, or the one ``latest`` names (None when there is no ``latest``)."""
     if tag is not None:
         return str(tag)
-    if saving:
-        return f"global_step{engine.global_steps}"  # DeepSpeed's default tag
-    latest = os.path.join(root, "latest")
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
     with open(latest, encoding="utf-8") as f:
         return f.read().strip()
 
@@ -76,33 +91,47 @@ class _Mover:
             _read(self.runtime, src, src_off + done, view)
             _write(self.runtime, dst, dst_off + done, view)
             done += n
+            durable.crash_point(f"copied {done} of {nbytes} bytes")
 
 
 class _BufferedFile:
+    """A checkpoint file through the page cache (where O_DIRECT is refused). Made durable by the caller's
+    fsync of the whole folder before it is published."""
+
     def __init__(self, path: str, create: bool):
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | ((os.O_CREAT | os.O_EXCL) if create else 0)
         self.path = path
         self.fd = os.open(path, flags, 0o600)
 
     def close(self):
-        os.fsync(self.fd)
         os.close(self.fd)
 
 
 def _read(runtime, f, offset: int, view: torch.Tensor) -> None:
     if isinstance(f, _BufferedFile):
-        data = os.pread(f.fd, view.numel(), offset)
-        if len(data) != view.numel():
-            raise OSError(5, f"checkpoint file {f.path} is truncated: wanted {view.numel()} bytes at offset "
-                             f"{offset}, got {len(data)}", f.path)
-        view.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        _pread_into(f.fd, f.path, offset, view)
     else:
         runtime.engine.read(view, f, offset)
 
 
+def _pread_into(fd: int, path: str, offset: int, view: torch.Tensor) -> None:
+    """Fill the uint8 tensor ``view`` with the bytes at ``offset`` of ``fd`` (no intermediate copy)."""
+    mv = memoryview(view.numpy())
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n == 0:
+            raise OSError(5, f"checkpoint file {path} is truncated: wanted {len(mv)} bytes at offset {offset}, "
+                             f"got {done}: the checkpoint is damaged, resume from another one", path)
+        done += n
+
+
 def _write(runtime, f, offset: int, view: torch.Tensor) -> None:
     if isinstance(f, _BufferedFile):
-        os.pwrite(f.fd, view.numpy().tobytes(), offset)
+        mv = memoryview(view.numpy())
+        done = 0
+        while done < len(mv):
+            done += os.pwritev(f.fd, [mv[done:]], offset + done)
     else:
         runtime.engine.write(view, f, offset)
 
@@ -143,14 +172,44 @@ def _hyperparameters(optimizer) -> List[Dict]:
     return out
 
 
-def save(engine, runtime, save_dir: str, tag: Optional[str]) -> str:
-    """Write this rank's swapped state under ``<save_dir>/<tag>/aidaptiv/rank<r>``; returns that folder."""
-    tag = _resolve_tag(engine, save_dir, tag, saving=True)
-    final = rank_dir(save_dir, tag, runtime.rank)
-    tmp = final + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp, mode=0o700)
+def parameter_names(module, records) -> Dict[int, tuple]:
+    """ds_id -> (name, shape) of every partition in ``records``, named as ``module.named_parameters()``
+    names them (a tied parameter by its first name)."""
+    out = {}
+    for name, p in module.named_parameters():
+        ds_id = getattr(p, "ds_id", None)
+        if ds_id in records and ds_id not in out:
+            shape = getattr(p, "ds_shape", None) or p.shape
+            out[ds_id] = (name, [int(x) for x in shape])
+    missing = [i for i in records if i not in out]
+    if missing:
+        raise CheckpointMismatchError(
+            f"{len(missing)} parameter partitions of this rank's swap space belong to no parameter of the model "
+            "DeepSpeed wraps, so they cannot be saved by name: build one model per zero.Init / deepspeed.initialize")
+    return out
+
+
+def _layout(osw, names) -> List[dict]:
+    """The sub-groups as pieces of named parameters (offsets of chunk images relative to optim.bin)."""
+    groups, base = [], 0
+    for sg in osw.by_index:
+        chunks = []
+        for c in sg.chunks:
+            chunks.append({"offset": base + c.offset - sg.region.offset, "numel": c.numel, "part": c.part,
+                           "pieces": [[names[p.record.ds_id][0], p.start, p.numel, p.flat] for p in c.pieces]})
+        groups.append({"numel": sg.numel, "offset": base, "bytes": sg.region.reserved, "chunks": chunks,
+                       "members": [names[rec.ds_id][0] for rec, _, _ in sg.members]})
+        base += sg.region.reserved
+    return groups
+
+
+def save(engine, runtime, save_dir: str, tag: str) -> str:
+    """Write this rank's swapped state under ``<save_dir>/<tag>/aidaptiv/rank<r>`` (fsync'd); returns that
+    folder. ``tag`` is the staging tag the caller publishes once every file of the checkpoint is written."""
+    folder = rank_dir(save_dir, tag, runtime.rank)
+    os.makedirs(folder, mode=0o700)
     ps, osw = runtime.param_swapper, runtime.optimizer_swapper
+    names = parameter_names(engine.module, ps.records)
     osw.streamed_step.flush()  # updates deferred to the next forward belong to this checkpoint
     ps.cache.drain_writes()
     osw.drain()
@@ -158,106 +217,131 @@ def save(engine, runtime, save_dir: str, tag: Optional[str]) -> str:
     mover = _Mover(runtime)
     try:
         # Parameters: the live part of the swap file, in its own layout (cached groups are written through).
-        pf = mover.open(os.path.join(tmp, "params.bin"), create=True)
+        pf = mover.open(os.path.join(folder, "params.bin"), create=True)
+        durable.crash_point("params.bin created")
         try:
             mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated)
         finally:
             _close(runtime, pf)
+        durable.crash_point("params.bin written")
         # Optimizer sub-groups: the chunk images (master and state slots), from host memory when resident.
-        of = mover.open(os.path.join(tmp, "optim.bin"), create=True)
-        groups = []
-        offset = 0
+        of = mover.open(os.path.join(folder, "optim.bin"), create=True)
+        durable.crash_point("optim.bin created")
+        sub_groups = _layout(osw, names)
         try:
-            for sg in osw.by_index:
-                nbytes = sg.region.reserved
+            for sg, entry in zip(osw.by_index, sub_groups):
+                offset = entry["offset"]
                 if sg.resident:
-                    _write(runtime, of, offset, sg.image[:nbytes])
+                    _write(runtime, of, offset, sg.image[:sg.region.reserved])
+                    durable.crash_point(f"resident sub-group {sg.index} written")
                 else:
-                    mover.copy(osw.file.handle, sg.region.offset, of, offset, nbytes)
-                groups.append({"index": sg.index, "numel": sg.numel, "offset": offset, "bytes": nbytes,
-                               "chunks": [c.numel for c in sg.chunks], "state_keys": sg.state_keys,
-                               "state_valid": sg.state_valid,
-                               "scalars": {k: _scalar_to_json(v) for k, v in sg.scalars.items()}})
-                offset += nbytes
+                    mover.copy(osw.file.handle, sg.region.offset, of, offset, sg.region.reserved)
+                entry.update(state_keys=sg.state_keys, state_valid=sg.state_valid,
+                             scalars={k: _scalar_to_json(v) for k, v in sg.scalars.items()})
         finally:
             _close(runtime, of)
+        durable.crash_point("optim.bin written")
+        parameters = []
+        for rec in sorted(ps.records.values(), key=lambda r: r.extent.offset):
+            name, shape = names[rec.ds_id]
+            parameters.append({"name": name, "shape": shape, "partition_numel": rec.numel,
+                               "offset": rec.extent.offset})
         manifest = {
             "format": FORMAT,
             "rank": runtime.rank,
+            "world_size": _world_size(),
             "model_dtype": str(runtime.model_dtype).replace("torch.", ""),
             "master_is_parameter": osw.master_is_parameter,
             "params_bytes": runtime.params_file.allocated,
-            "records": [[r.ds_id, r.extent.offset, r.numel] for r in sorted(ps.records.values(),
-                                                                            key=lambda r: r.ds_id)],
-            "sub_groups": groups,
+            "optim_bytes": sum(g["bytes"] for g in sub_groups),
+            "parameters": parameters,
+            "sub_groups": sub_groups,
             "hyperparameters": _hyperparameters(osw.optimizer),
         }
-        with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        durable.crash_point("manifest written")
+        durable.fsync_tree(folder)
+        durable.fsync_path(os.path.dirname(folder))
     finally:
         del mover
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    log.info("aidaptiv: saved swapped state of rank %d to %s", runtime.rank, final)
-    return final
+    log.info("aidaptiv: saved swapped state of rank %d to %s", runtime.rank, folder)
+    return folder
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def read_manifest(load_dir: str, tag: str, rank: int) -> tuple:
+    """(folder, manifest) of this rank's state in a checkpoint, refusing what this version cannot load."""
+    folder = rank_dir(load_dir, tag, rank)
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise CheckpointMismatchError(
+            f"checkpoint {os.path.join(load_dir, tag)} does not exist: give the tag of a completed save (the one "
+            f"'latest' in {load_dir} names, or one of its folders)")
+    if not os.path.exists(path):
+        raise CheckpointMismatchError(
+            f"checkpoint {os.path.join(load_dir, tag)} has no aidaptiv state for rank {rank} ({path} is "
+            "missing): it was not saved by an aidaptiv run with this many ranks; resume it with the config "
+            "and world size that saved it")
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    fmt = manifest.get("format")
+    if fmt != FORMAT:
+        old = " (keyed by DeepSpeed's process-wide parameter ids, tied to the process and budget that " \
+              "saved it)" if fmt == 1 else ""
+        raise CheckpointMismatchError(
+            f"checkpoint {folder} has aidaptiv format {fmt}{old}; this version reads format {FORMAT}: resume it "
+            "with the aidaptiv-ds version that saved it, or start again from another checkpoint")
+    world = _world_size()
+    if manifest.get("world_size") != world:
+        raise CheckpointMismatchError(
+            f"checkpoint {folder} was saved by {manifest.get('world_size')} ranks and this run has {world}: "
+            "each rank's partition of every parameter is saved as DeepSpeed cut it, so resume with "
+            f"{manifest.get('world_size')} ranks (any host budget, chunk size or node)")
+    for name, key in (("params.bin", "params_bytes"), ("optim.bin", "optim_bytes")):
+        p = os.path.join(folder, name)
+        size = os.path.getsize(p) if os.path.exists(p) else -1
+        if size < manifest[key]:
+            raise CheckpointMismatchError(
+                f"checkpoint file {p} has {max(size, 0)} bytes, its manifest says {manifest[key]}: the checkpoint "
+                "is damaged (not written by a completed save); resume from another one")
+    return folder, manifest
 
 
 def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_states: bool = True) -> None:
-    """Restore this rank's swapped state from a checkpoint written by :func:`save`."""
-    tag = _resolve_tag(engine, load_dir, tag, saving=False)
-    folder = rank_dir(load_dir, tag, runtime.rank)
-    manifest_path = os.path.join(folder, "manifest.json")
-    if not os.path.exists(manifest_path):
-        raise CheckpointMismatchError(
-            f"checkpoint {os.path.join(load_dir, tag)} has no aidaptiv state for rank {runtime.rank} "
-            f"({manifest_path} is missing): it was not saved by an aidaptiv run with this many ranks")
-    with open(manifest_path, encoding="utf-8") as f:
-        manifest = json.load(f)
+    """Restore this rank's swapped state from a checkpoint written by :func:`save`, re-chunked to this
+    run's sub-groups and chunks where they differ."""
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        raise CheckpointMismatchError(f"{load_dir} has no 'latest' file: name the tag to load")
+    folder, manifest = read_manifest(load_dir, tag, runtime.rank)
     ps, osw = runtime.param_swapper, runtime.optimizer_swapper
-    _check_compatible(manifest, runtime, ps, osw, folder)
+    names = parameter_names(engine.module, ps.records)
+    saved_params = _check_compatible(manifest, runtime, ps, osw, names, folder)
     osw.streamed_step.discard_pending()  # the checkpoint replaces the state a pending update would have changed
     ps.cache.drain_writes()
     osw.drain()
     runtime.store.drain()
     ps.cache.drop_cache()
+    layout = _layout(osw, names)
+    same = [[(c["numel"], c["pieces"]) for c in g["chunks"]] for g in layout] == \
+           [[(c["numel"], c["pieces"]) for c in g["chunks"]] for g in manifest["sub_groups"]]
     mover = _Mover(runtime)
     try:
-        pf = mover.open(os.path.join(folder, "params.bin"), create=False)
-        try:
-            saved = {ds_id: off for ds_id, off, _ in manifest["records"]}
-            if all(saved[r.ds_id] == r.extent.offset for r in ps.records.values()):
-                mover.copy(pf, 0, runtime.params_file.handle, 0, manifest["params_bytes"])
-            else:  # same partitions, other layout (e.g. relocated groups): one partition at a time
-                for r in ps.records.values():
-                    mover.copy(pf, saved[r.ds_id], runtime.params_file.handle, r.extent.offset, r.extent.reserved)
-        finally:
-            _close(runtime, pf)
-        of = mover.open(os.path.join(folder, "optim.bin"), create=False)
-        try:
-            for entry, sg in zip(manifest["sub_groups"], osw.by_index):
-                if sg.resident:
-                    _read(runtime, of, entry["offset"], sg.image[:entry["bytes"]])
-                else:
-                    mover.copy(of, entry["offset"], osw.file.handle, sg.region.offset, entry["bytes"])
-                if load_optimizer_states:
-                    sg.state_keys = list(entry["state_keys"])
-                    sg.state_valid = bool(entry["state_valid"])
-                    sg.scalars = {k: _scalar_from_json(v) for k, v in entry["scalars"].items()}
-                else:  # weights only: the moments start again from zero
-                    sg.state_keys, sg.state_valid, sg.scalars = [], False, {}
-                    if sg.resident:
-                        for c in sg.chunks:
-                            c.buffer[c.state_start:c.image_bytes].zero_()
-                osw.gradients.reset(sg)
-        finally:
-            _close(runtime, of)
+        _load_params(runtime, ps, mover, folder, manifest, saved_params, names)
+        if same:
+            _load_images(runtime, osw, mover, folder, manifest)
     finally:
         del mover
+    if not same:  # after the transfer buffer is gone: chunk images need the room
+        _rechunk_images(runtime, osw, folder, manifest, names)
+        log.info("aidaptiv: re-chunked optimizer state of %s (%d saved sub-groups, %d now)", folder,
+                 len(manifest["sub_groups"]), len(osw.by_index))
+    _restore_step_state(osw, manifest, names, load_optimizer_states)
     if load_optimizer_states:
         for group, saved in zip(osw.optimizer.param_groups, manifest["hyperparameters"]):
             for k, v in saved.items():
@@ -265,21 +349,117 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
     log.info("aidaptiv: restored swapped state of rank %d from %s", runtime.rank, folder)
 
 
-def _check_compatible(manifest, runtime, ps, osw, folder) -> None:
+def _load_params(runtime, ps, mover, folder, manifest, saved_params, names) -> None:
+    pf = mover.open(os.path.join(folder, "params.bin"), create=False)
+    try:
+        if all(saved_params[names[r.ds_id][0]]["offset"] == r.extent.offset for r in ps.records.values()) \
+                and manifest["params_bytes"] <= runtime.params_file.allocated:
+            mover.copy(pf, 0, runtime.params_file.handle, 0, manifest["params_bytes"])
+        else:  # same partitions, other layout (other layer groups, another model built first): one at a time
+            for r in ps.records.values():
+                mover.copy(pf, saved_params[names[r.ds_id][0]]["offset"], runtime.params_file.handle,
+                           r.extent.offset, r.extent.reserved)
+    finally:
+        _close(runtime, pf)
+
+
+def _load_images(runtime, osw, mover, folder, manifest) -> None:
+    """Same sub-groups and chunks as saved: each sub-group's images back in one copy."""
+    of = mover.open(os.path.join(folder, "optim.bin"), create=False)
+    try:
+        for sg, saved in zip(osw.by_index, manifest["sub_groups"]):
+            src = saved["offset"]
+            if sg.resident:
+                _read(runtime, of, src, sg.image[:saved["bytes"]])
+            else:
+                mover.copy(of, src, osw.file.handle, sg.region.offset, saved["bytes"])
+    finally:
+        _close(runtime, of)
+
+
+def _rechunk_images(runtime, osw, folder, manifest, names) -> None:
+    """Other sub-groups or chunks than saved: assemble each chunk image of this run from the saved pieces
+    of its parameters, one chunk at a time, and write it to the optimizer swap file (or the resident
+    image). Every part (master, state slots) of a piece is at the same element offset in its chunk's part."""
+    saved_pieces: Dict[str, list] = {}
+    for g in manifest["sub_groups"]:
+        for c in g["chunks"]:
+            for name, start, numel, flat in c["pieces"]:
+                saved_pieces.setdefault(name, []).append((start, numel, c["offset"], c["part"], flat))
+    path = os.path.join(folder, "optim.bin")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for sg in osw.by_index:
+            for c in sg.chunks:
+                buf = c.buffer if sg.resident else runtime.memory.take(c.image_bytes, "re-chunked optimizer state")
+                buf[:c.image_bytes].zero_()
+                for p in c.pieces:
+                    name = names[p.record.ds_id][0]
+                    for start, numel, off, part, flat in saved_pieces[name]:
+                        lo, hi = max(p.start, start), min(p.start + p.numel, start + numel)
+                        if lo >= hi:
+                            continue
+                        for k in range(c.parts):
+                            src = off + k * part + (flat + lo - start) * 4
+                            dst = k * c.part + (p.flat + lo - p.start) * 4
+                            _pread_into(fd, path, src, buf[dst:dst + (hi - lo) * 4])
+                if not sg.resident:
+                    runtime.engine.write(buf[:c.image_bytes], osw.file.handle, c.offset)
+                    del buf
+    finally:
+        os.close(fd)
+
+
+def _restore_step_state(osw, manifest, names, load_optimizer_states) -> None:
+    """Each sub-group's state keys, whether its slots hold values, and its scalars (Adam's step count):
+    those of the saved sub-groups that held its parameters, which must agree."""
+    by_name = {}
+    for g in manifest["sub_groups"]:
+        for name in g["members"]:
+            by_name[name] = g
+    for sg in osw.by_index:
+        if load_optimizer_states:
+            sources = {id(by_name[names[rec.ds_id][0]]): by_name[names[rec.ds_id][0]] for rec, _, _ in sg.members}
+            states = {json.dumps([g["state_keys"], g["state_valid"], g["scalars"]], sort_keys=True)
+                      for g in sources.values()}
+            if len(states) > 1:
+                raise CheckpointMismatchError(
+                    f"optimizer sub-group {sg.index} of this run gathers parameters whose saved optimizer state "
+                    f"differs in its step count or keys ({len(states)} variants): this checkpoint cannot be "
+                    "re-chunked; resume with the optimizer_chunk_numel and host_memory_budget it was saved with")
+            g = next(iter(sources.values()))
+            sg.state_keys = list(g["state_keys"])
+            sg.state_valid = bool(g["state_valid"])
+            sg.scalars = {k: _scalar_from_json(v) for k, v in g["scalars"].items()}
+        else:  # weights only: the moments start again from zero
+            sg.state_keys, sg.state_valid, sg.scalars = [], False, {}
+            if sg.resident:
+                for c in sg.chunks:
+                    c.buffer[c.state_start:c.image_bytes].zero_()
+        osw.gradients.reset(sg)
+
+
+def _check_compatible(manifest, runtime, ps, osw, names, folder) -> Dict[str, dict]:
+    """Saved parameters by name, once they are known to fit this run."""
     problems = []
-    if manifest.get("format") != FORMAT:
-        problems.append(f"format {manifest.get('format')} (this version reads {FORMAT})")
     dtype = str(runtime.model_dtype).replace("torch.", "")
     if manifest["model_dtype"] != dtype:
         problems.append(f"model dtype {manifest['model_dtype']} (this run: {dtype})")
-    saved = {ds_id: numel for ds_id, _, numel in manifest["records"]}
-    ours = {r.ds_id: r.numel for r in ps.records.values()}
-    if saved != ours:
-        problems.append(f"{len(saved)} parameter partitions (this run: {len(ours)}) or different sizes")
-    if [(g["numel"], g["chunks"]) for g in manifest["sub_groups"]] != \
-            [(sg.numel, [c.numel for c in sg.chunks]) for sg in osw.by_index]:
-        problems.append(f"{len(manifest['sub_groups'])} optimizer sub-groups (this run: {len(osw.by_index)}) or "
-                        "different sizes: keep aidaptiv.optimizer_chunk_numel and host_memory_budget as saved")
+    saved = {p["name"]: p for p in manifest["parameters"]}
+    ours = {names[r.ds_id][0]: (names[r.ds_id][1], r.numel) for r in ps.records.values()}
+    missing = sorted(set(ours) - set(saved))
+    extra = sorted(set(saved) - set(ours))
+    if missing:
+        problems.append(f"{len(missing)} parameters of this model are not in it (e.g. {', '.join(missing[:3])})")
+    if extra:
+        problems.append(f"{len(extra)} saved parameters are not in this model (e.g. {', '.join(extra[:3])})")
+    other = [n for n in sorted(set(ours) & set(saved))
+             if (saved[n]["shape"], saved[n]["partition_numel"]) != (ours[n][0], ours[n][1])]
+    if other:
+        n = other[0]
+        problems.append(f"{len(other)} parameters have another shape or partition (e.g. {n}: saved "
+                        f"{saved[n]['shape']} / {saved[n]['partition_numel']}, this run {ours[n][0]} / {ours[n][1]})")
     if problems:
         raise CheckpointMismatchError(f"checkpoint {folder} does not fit this run: " + "; ".join(problems) +
-                                      ": resume with the model, world size and config it was saved with")
+                                      ": resume with the model, dtype and world size it was saved with")
+    return saved

@@ -85,3 +85,48 @@ def zero_infinity_swap_dirs(nvme_path: str, rank: int) -> list[str]:
         if os.path.isdir(d) and not os.path.islink(d):
             found.append(d)
     return found
+
+
+# -- checkpoints: DeepSpeed's default tag, which rank writes a folder's shared files, its checkpoint engine
+# (decoupled engines publish asynchronously), and the one call through which it writes each file.
+def default_checkpoint_tag(engine) -> str:
+    return f"global_step{engine.global_steps}"
+
+
+def checkpoint_writer_rank(engine) -> int:
+    """The rank number DeepSpeed's save_checkpoint uses for the folder's shared files (0 writes them)."""
+    return engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+
+
+def checkpoint_engine_is_decoupled(engine) -> bool:
+    ce = getattr(engine, "checkpoint_engine", None)
+    return bool(ce is not None and ce.is_decoupled())
+
+
+class checkpoint_file_hooks:
+    """For a ``with``: ``hook(label)`` runs before and after each file DeepSpeed's checkpoint engine saves
+    (``checkpoint_engine.save(state_dict, path)``), when ``active`` (aidaptiv's test hooks are set, see
+    aidaptiv_ds.durable); otherwise it changes nothing."""
+
+    def __init__(self, engine, hook, active: bool):
+        self.engine, self.hook, self.active, self.saved = engine, hook, active, None
+
+    def __enter__(self):
+        if not self.active:
+            return self
+        ce = self.engine.checkpoint_engine
+        self.saved = ce.save
+        hook, save = self.hook, ce.save
+
+        def hooked(state_dict, path, *args, **kwargs):
+            hook(f"before DeepSpeed's {os.path.basename(path)}")
+            out = save(state_dict, path, *args, **kwargs)
+            hook(f"after DeepSpeed's {os.path.basename(path)}")
+            return out
+
+        ce.save = hooked
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.engine.checkpoint_engine.save = self.saved

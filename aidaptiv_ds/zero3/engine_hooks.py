@@ -4,16 +4,23 @@ and a clean close of the swap space.
 - ``engine.aidaptiv_stats()``: this rank's cumulative counters (NVMe bytes, I/O wait, pinned memory, ...).
 - ``engine.save_checkpoint`` / ``engine.load_checkpoint``: DeepSpeed's, plus every byte of the state that
   lives in our swap space (parameters, fp32 masters, optimizer moments and their step counts, optimizer
-  hyperparameters), so that a resumed run continues the uninterrupted run's trajectory exactly.
+  hyperparameters, keyed by parameter name), so that a resumed run continues the uninterrupted run's
+  trajectory exactly. A save is durable and atomic: everything (ours and DeepSpeed's files) is written into
+  a staging tag, fsync'd, and published by one rename or folder exchange, then ``latest`` is replaced
+  atomically by us rather than rewritten in place by DeepSpeed (:mod:`aidaptiv_ds.durable`).
 - ``engine.destroy()``: DeepSpeed's, then the swap files are closed and removed (unless kept).
 """
 from __future__ import annotations
 
 import functools
+import os
+
+from deepspeed import comm as dist
 
 
 def attach(engine, runtime) -> None:
-    from aidaptiv_ds.zero3 import checkpoint
+    from aidaptiv_ds import durable
+    from aidaptiv_ds.zero3 import checkpoint, compat
 
     engine.aidaptiv_runtime = runtime
     engine.aidaptiv_stats = runtime.stats_dict
@@ -22,17 +29,39 @@ def attach(engine, runtime) -> None:
 
     @functools.wraps(ds_save)
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
-        # Ours first: DeepSpeed's save ends by pointing "latest" at the new tag, which must only happen
-        # once every byte of the state is on disk.
-        checkpoint.save(engine, runtime, save_dir, tag)
-        return ds_save(save_dir, tag=tag, client_state=client_state if client_state is not None else {},
-                       save_latest=save_latest, **kwargs)
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        if compat.checkpoint_engine_is_decoupled(engine):
+            raise ValueError("aidaptiv publishes a checkpoint once all its files are written, which a decoupled "
+                             "(asynchronous) DeepSpeed checkpoint engine does not allow: remove the "
+                             "\"checkpoint\" engine setting that selects it")
+        tag = str(tag) if tag is not None else compat.default_checkpoint_tag(engine)
+        committer = compat.checkpoint_writer_rank(engine) == 0
+        if committer:
+            durable.begin(save_dir, tag)
+        dist.barrier()
+        staging = durable.staging_name(tag)
+        # Ours first, then DeepSpeed's files, all into the staging tag; DeepSpeed must not write "latest"
+        # (it rewrites it in place): it is replaced atomically once the tag's folder is in place.
+        checkpoint.save(engine, runtime, save_dir, staging)
+        with compat.checkpoint_file_hooks(engine, durable.crash_point, durable.hooks_active()):
+            ds_save(save_dir, tag=staging, client_state=client_state if client_state is not None else {},
+                    save_latest=False, **kwargs)  # returns once every rank has written its files
+        if committer:
+            durable.publish(save_dir, tag, save_latest)
+        dist.barrier()
+        return True
 
     @functools.wraps(ds_load)
     def load_checkpoint(load_dir, tag=None, **kwargs):
+        resolved = checkpoint.resolve_tag(load_dir, tag)
+        if resolved is not None:
+            durable.recover(load_dir, resolved)
+            if os.path.isdir(os.path.join(load_dir, resolved)):  # (a missing one: DeepSpeed returns None)
+                checkpoint.read_manifest(load_dir, resolved, runtime.rank)  # refuse before DeepSpeed changes anything
         load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)
         if load_path is not None:
-            checkpoint.load(engine, runtime, load_dir, tag,
+            checkpoint.load(engine, runtime, load_dir, resolved,
                             load_optimizer_states=kwargs.get("load_optimizer_states", True)
                             and not kwargs.get("load_module_only", False))
         return load_path, client_state
