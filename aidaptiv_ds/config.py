@@ -379,7 +379,8 @@ LIMIT_FLOOR = 1 << 24
 
 # The ZeRO-3 settings the translation bounds by the host budget or sets itself. "auto" in any of them (the
 # Hugging Face Trainer's documented configs leave it there until the trainer fills it) means "ours": the
-# value the translation chooses when the setting is absent.
+# value the translation chooses when the setting is absent. (The persistence threshold and sub-group size
+# are ours whatever the config says.)
 BOUNDED = ("reduce_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
            "stage3_param_persistence_threshold", "sub_group_size")
 
@@ -418,10 +419,12 @@ def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings, auto:
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": settings.nvme_path, "pin_memory": False,
                                  "pipeline_read": False, "pipeline_write": False, "fast_init": False,
                                  "buffer_count": 4}
-    # Small parameters are swapped like the rest (DeepSpeed keeps those under its persistence threshold
-    # in memory and re-gathers them every step); they travel inside their layer group. A user's threshold
-    # is kept: DeepSpeed then gathers those parameters once and keeps them whole.
-    zero["stage3_param_persistence_threshold"] = int(_number(zero, "stage3_param_persistence_threshold", 0, auto))
+    # Small parameters are swapped like the rest; they travel inside their layer group. Any threshold,
+    # the user's or the 10 x hidden a trainer fills in for "auto", is replaced: DeepSpeed gathers a
+    # persistent parameter again right after every step and never releases its partition, which is a view
+    # into its layer group's slot, so each group holding one would stay in use for the whole run and the
+    # budget's slots run out in the second forward (HostBudgetError, reproduced with HF's value).
+    zero["stage3_param_persistence_threshold"] = 0
     # Gathered parameters keep their partitions (views into our layer-group buffers) in host memory until
     # DeepSpeed releases them; on one rank on CPU the gathered parameter is that very buffer. DeepSpeed's
     # defaults (1e9 elements) keep every parameter live across the forward/backward turn, which ignores

@@ -309,7 +309,9 @@ def test_the_trainers_filled_autos_keep_our_values_and_settings(tmp_path):
     user = as_trainer_fills_it(raw)
     user["optimizer"]["type"] = "Adam"
     z = C.resolve(user)[0]["zero_optimization"]
-    assert z["reduce_bucket_size"] == 256 * 256 and z["stage3_param_persistence_threshold"] == 2560
+    assert z["reduce_bucket_size"] == 256 * 256
+    # The persistence threshold is never the user's: persistent parameters would hold their group's slot.
+    assert z["stage3_param_persistence_threshold"] == 0
     big = as_trainer_fills_it(raw, hidden=8192)
     big["optimizer"]["type"] = "Adam"
     assert C.resolve(big)[0]["zero_optimization"]["reduce_bucket_size"] == 64 * 2**20 // 4 // 4
