@@ -129,6 +129,8 @@ def test_trl_sft_trainer_with_the_same_config_trains_like_stock_zero3(tmp_path):
     assert_same_losses(ours["losses"], stock["losses"])
 
 
+# accelerate refuses mixed_precision (and the other DeepSpeed settings) beside a deepspeed_config_file: the
+# JSON decides, and without one the precision is accelerate's default, fp32.
 ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
 deepspeed_config:
@@ -136,7 +138,6 @@ deepspeed_config:
   zero3_init_flag: true
 machine_rank: 0
 main_training_function: main
-mixed_precision: 'no'
 num_machines: 1
 num_processes: 1
 main_process_port: {port}
