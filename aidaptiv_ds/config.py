@@ -13,7 +13,9 @@ settings DeepSpeed needs to take its NVMe code paths (where our swappers are plu
 sets buffer counts or buffer sizes.
 
 :func:`resolve` does both once per config per process (``zero_init`` and ``initialize`` get the same
-config; so do DeepSpeed's two entry points under the Hugging Face Trainer). DeepSpeed ignores unknown
+config; DeepSpeed's two entry points under the Hugging Face Trainer or accelerate get it with "auto" values
+and then with the trainer's numbers in their place, which resolve to the same settings and, where we
+bound a setting that said "auto", to our value both times). DeepSpeed ignores unknown
 top-level keys, so the translated config keeps the block, in resolved form; DeepSpeed hands our
 parameter-swapper factory only its config object, and :func:`settings_for` maps that block back to the
 settings resolved for it.
@@ -29,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from aidaptiv_ds.ds_config import ConfigError, dtype_name
+from aidaptiv_ds.ds_config import ConfigError, dtype_name, precision_enabled
 from aidaptiv_ds.io_backend import Backend
 from aidaptiv_ds.sizes import ALIGN, GiB, KiB, MiB, dtype_bytes, parse_size
 
@@ -351,7 +353,7 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
         problems.append(f"zero_optimization.offload_param.nvme_path ({zero['offload_param']['nvme_path']}) differs "
                         f"from {BLOCK}.nvme_path ({cfg.nvme_path}): keep one, the aidaptiv one is used")
     for key in ("fp16",):
-        if (ds_config.get(key) or {}).get("enabled"):
+        if precision_enabled(ds_config, key):
             problems.append(f"{key}.enabled is true: aidaptiv supports fp32 and bf16 training; use \"bf16\": "
                             "{\"enabled\": true} for mixed precision")
 
@@ -375,17 +377,40 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
 # Reduce-bucket size (elements, 64 MiB of fp32) that small budgets grow their buckets towards.
 LIMIT_FLOOR = 1 << 24
 
+# The ZeRO-3 settings the translation bounds by the host budget or sets itself. "auto" in any of them (the
+# Hugging Face Trainer's documented configs leave it there until the trainer fills it) means "ours": the
+# value the translation chooses when the setting is absent. (The persistence threshold and sub-group size
+# are ours whatever the config says.)
+BOUNDED = ("reduce_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+           "stage3_param_persistence_threshold", "sub_group_size")
 
-def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings) -> Dict[str, Any]:
+
+def auto_keys(ds_config: Dict[str, Any]) -> frozenset:
+    """The :data:`BOUNDED` settings of ``zero_optimization`` that say "auto"."""
+    zero = ds_config.get("zero_optimization") or {}
+    return frozenset(k for k in BOUNDED if zero.get(k) == "auto")
+
+
+def _number(zero: Dict[str, Any], key: str, ours, auto: frozenset):
+    """The user's value of a bounded setting, or ``ours`` when it is absent or left to us ("auto")."""
+    value = zero.get(key)
+    return ours if value is None or value == "auto" or key in auto else value
+
+
+def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings, auto: frozenset = frozenset()
+                        ) -> Dict[str, Any]:
     """Return a copy of ``ds_config`` with the ZeRO-3 settings that route DeepSpeed through our swappers,
     and with the block replaced by ``settings.block()`` (registered, so :func:`settings_for` finds
     ``settings`` from DeepSpeed's config object).
 
     DeepSpeed takes its NVMe code paths only when offload devices say "nvme"; our classes replace the
     swappers behind those paths, so DeepSpeed's own buffer_count/buffer_size/max_in_cpu values below are
-    placeholders it validates but we do not use.
+    placeholders it validates but we do not use. A :data:`BOUNDED` setting that says "auto", or is named in
+    ``auto`` (it said "auto" when this config was first seen, and a trainer has filled it since: see
+    :func:`resolve`), gets our value; a number is capped by the budget.
     """
     out = copy.deepcopy(ds_config)
+    auto = frozenset(auto) | auto_keys(out)
     budget = settings.host_budget_bytes
     zero = out.setdefault("zero_optimization", {})
     zero["stage"] = 3
@@ -394,16 +419,19 @@ def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings) -> Di
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": settings.nvme_path, "pin_memory": False,
                                  "pipeline_read": False, "pipeline_write": False, "fast_init": False,
                                  "buffer_count": 4}
-    # Small parameters are swapped like the rest (DeepSpeed keeps those under its persistence threshold
-    # in memory and re-gathers them every step); they travel inside their layer group.
-    zero.setdefault("stage3_param_persistence_threshold", 0)
+    # Small parameters are swapped like the rest; they travel inside their layer group. Any threshold,
+    # the user's or the 10 x hidden a trainer fills in for "auto", is replaced: DeepSpeed gathers a
+    # persistent parameter again right after every step and never releases its partition, which is a view
+    # into its layer group's slot, so each group holding one would stay in use for the whole run and the
+    # budget's slots run out in the second forward (HostBudgetError, reproduced with HF's value).
+    zero["stage3_param_persistence_threshold"] = 0
     # Gathered parameters keep their partitions (views into our layer-group buffers) in host memory until
     # DeepSpeed releases them; on one rank on CPU the gathered parameter is that very buffer. DeepSpeed's
     # defaults (1e9 elements) keep every parameter live across the forward/backward turn, which ignores
     # the budget: cap both to a quarter of it. Groups released early stay cached while memory allows.
     live = max(1, budget // 4 // dtype_bytes(dtype_name(out)))
-    zero["stage3_max_live_parameters"] = int(min(zero.get("stage3_max_live_parameters", live), live))
-    zero["stage3_max_reuse_distance"] = int(min(zero.get("stage3_max_reuse_distance", 0), live))
+    zero["stage3_max_live_parameters"] = int(min(_number(zero, "stage3_max_live_parameters", live, auto), live))
+    zero["stage3_max_reuse_distance"] = int(min(_number(zero, "stage3_max_reuse_distance", 0, auto), live))
     # ZeRO-3 holds views of every gradient partition of a reduce bucket until the whole bucket is
     # partitioned, so a bucket's gradients cannot leave host memory before then: keep buckets to an
     # eighth of the budget (DeepSpeed's default, 5e8 elements, is the whole of most models). Every bucket
@@ -411,7 +439,7 @@ def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings) -> Di
     # quarter of itself until they reach LIMIT_FLOOR elements; never more, or the gradients DeepSpeed
     # holds views of crowd out the layer groups.
     bucket = max(1, budget // 8 // 4, min(LIMIT_FLOOR, budget // 4 // 4))
-    zero["reduce_bucket_size"] = int(min(zero.get("reduce_bucket_size", 500_000_000), bucket))
+    zero["reduce_bucket_size"] = int(min(_number(zero, "reduce_bucket_size", 500_000_000, auto), bucket))
     # DeepSpeed's own NVMe prefetch is replaced by our layer-group prefetch; its all-gather prefetch of
     # partitions already in memory stays.
     zero["sub_group_size"] = settings.optimizer_chunk_numel
@@ -436,6 +464,44 @@ _settings_by_block: Dict[str, SwapSettings] = {}
 # translated config may come back; the key of each translation maps to the same pair.
 _resolved: Dict[str, Tuple[Dict[str, Any], SwapSettings]] = {}
 
+# Where the Hugging Face Trainer and accelerate write between building the model under zero.Init, which
+# gets the config with "auto" still in it, and deepspeed.initialize, which gets it filled in
+# (transformers' HfTrainerDeepSpeedConfig.trainer_config_process/_finalize; accelerate's DeepSpeedPlugin,
+# whose zero.Init copy also sets the batch to 1, and Accelerator._prepare_deepspeed).
+TRAINER_FILLED = (
+    "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping",
+    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+    "scheduler.params.total_num_steps", "fp16.enabled", "bf16.enabled", "steps_per_print",
+    "zero_allow_untested_optimizer", "checkpoint.use_node_local_storage",
+    "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save")
+# Per config less TRAINER_FILLED (and working directory): the BOUNDED settings that said "auto" when it was
+# first resolved, and its settings. The trainer's numbers for them (hidden x hidden for reduce_bucket_size,
+# 10 x hidden for the persistence threshold) are not the user's, so they get our values as the autos did.
+_autos_by_shape: Dict[str, Tuple[frozenset, SwapSettings]] = {}
+
+
+def _without(cfg: Dict[str, Any], paths) -> Dict[str, Any]:
+    """A copy of ``cfg`` without the dotted ``paths``, and without the sections that leaves empty."""
+    out = copy.deepcopy(cfg)
+    for path in paths:
+        names = path.split(".")
+        chain = [out]
+        for name in names[:-1]:
+            section = chain[-1].get(name)
+            if not isinstance(section, dict):
+                break
+            chain.append(section)
+        else:
+            chain[-1].pop(names[-1], None)
+            for depth in range(len(names) - 1, 0, -1):
+                if chain[depth]:
+                    break
+                chain[depth - 1].pop(names[depth - 1])
+    return out
+
 
 def resolve(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None
             ) -> Tuple[Dict[str, Any], Optional[SwapSettings]]:
@@ -443,19 +509,33 @@ def resolve(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None
     block.
 
     Validation, resolution and translation happen once per config in a process: a config seen before, or
-    the translation of one, gets the same settings object and a copy of the same translation.
+    the translation of one, gets the same settings object and a copy of the same translation. A config
+    that differs from one seen before only where trainers fill in "auto" (:data:`TRAINER_FILLED`: the HF
+    Trainer and accelerate build the model under ``zero.Init`` with the autos and call
+    ``deepspeed.initialize`` with them filled) is validated again, gets the same settings, and its
+    :data:`BOUNDED` settings that were "auto" get our values again.
     ``needed_bytes`` (swap bytes of this rank's model state), when given, is checked against the free space
     of ``nvme_path`` on every call, since the model may be known only on the second one.
     """
-    key = _key([os.getcwd(), ds_config])
+    cwd = os.getcwd()
+    key = _key([cwd, ds_config])
     hit = _resolved.get(key)
     if hit is None:
         settings = validate(ds_config, needed_bytes=needed_bytes)
         if settings is None:
             return ds_config, None
-        hit = (to_deepspeed_config(ds_config, settings), settings)
+        shape = _key([cwd, _without(ds_config, TRAINER_FILLED)])
+        autos = auto_keys(ds_config)
+        earlier = _autos_by_shape.get(shape)
+        if earlier is not None:
+            autos |= earlier[0]
+            if earlier[1] == settings:
+                settings = earlier[1]
+        if autos:
+            _autos_by_shape[shape] = (autos, settings)
+        hit = (to_deepspeed_config(ds_config, settings, autos), settings)
         _resolved[key] = hit
-        _resolved[_key([os.getcwd(), hit[0]])] = hit
+        _resolved[_key([cwd, hit[0]])] = hit
     else:
         problems = _free_space_problems(hit[1].nvme_path, needed_bytes)
         if problems:

@@ -86,10 +86,17 @@ def backend(cfg: dict) -> str:
     return "zero3"
 
 
+def precision_enabled(cfg: dict, section: str) -> bool:
+    """Whether the "bf16" or "fp16" section is on, as DeepSpeed reads it: "auto" (which the Hugging Face
+    Trainer and accelerate replace before training) counts as off, DeepSpeed's default."""
+    value = (cfg.get(section) or {}).get("enabled")
+    return value != "auto" and bool(value)
+
+
 def dtype_name(cfg: dict) -> str:
-    if (cfg.get("bf16") or {}).get("enabled"):
+    if precision_enabled(cfg, "bf16"):
         return "bf16"
-    if (cfg.get("fp16") or {}).get("enabled"):
+    if precision_enabled(cfg, "fp16"):
         return "fp16"
     return "fp32"
 
@@ -165,8 +172,8 @@ def check(cfg: dict, *, world_size: int, largest_param_numel: int | None = None,
     problems = []
     autos = list(_find_auto(cfg))
     if autos:
-        problems.append(f"values 'auto' at {', '.join(autos)} are only resolved by the Hugging Face Trainer: "
-                        "write numbers")
+        problems.append(f"values 'auto' at {', '.join(autos)} are filled by the Hugging Face Trainer (and TRL, "
+                        "accelerate), which this job does not use: write numbers (ds_configs/aidaptiv.json has them)")
     if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
         problems.append("neither train_micro_batch_size_per_gpu nor train_batch_size is set: give "
                         "train_micro_batch_size_per_gpu (or --micro-batch)")

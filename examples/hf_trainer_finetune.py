@@ -4,7 +4,9 @@
     deepspeed --num_accelerators 1 examples/hf_trainer_finetune.py --deepspeed ds_configs/aidaptiv.json \\
         --output_dir out --max_steps 5 --per_device_train_batch_size 2
 
-With an "aidaptiv" block in the config (and aidaptiv-ds installed, which hooks deepspeed at start-up), the
+ds_configs/hf_trainer_zero3_aidaptiv.json (the Hugging Face docs' ZeRO-3 config, "auto" values and all, with
+the block) works the same way. With an "aidaptiv" block in the config (and aidaptiv-ds installed, which
+hooks deepspeed at start-up), the
 parameters and optimizer state live on NVMe through our swapper; with any other ZeRO-3 config this is a
 plain DeepSpeed run. --model takes a preset of aidaptiv_ds.models (random weights) or a local HF directory.
 """

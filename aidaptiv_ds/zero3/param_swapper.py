@@ -190,7 +190,7 @@ class AidaptivParamSwapper:
                 recs = []
                 for p in params:
                     if p.ds_id in seen or p.ds_id not in self.records:
-                        continue  # tied weights live in their first group; persistent params are not ours
+                        continue  # tied weights live in their first group; a parameter with no record never reached our swapper
                     seen.add(p.ds_id)
                     recs.append(self.records[p.ds_id])
                 if recs:

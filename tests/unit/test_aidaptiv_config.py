@@ -236,3 +236,135 @@ def test_one_error_type_for_every_config_problem(tmp_path):
     two = C.ConfigError(["a is wrong", "b is wrong"])
     assert two.problems == ["a is wrong", "b is wrong"] and str(two).splitlines()[1:] == ["  - a is wrong",
                                                                                           "  - b is wrong"]
+
+
+# ---------------------------------------------------------------- Hugging Face's "auto" configs
+
+HF_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ds_configs",
+                         "hf_trainer_zero3_aidaptiv.json")
+
+
+def hf_config(tmp_path, budget="64MiB"):
+    """ds_configs/hf_trainer_zero3_aidaptiv.json (HF's documented ZeRO-3 config and our block), swap in
+    tmp_path."""
+    import json
+    with open(HF_CONFIG) as f:
+        cfg = json.load(f)
+    cfg["aidaptiv"].update(nvme_path=str(tmp_path), host_memory_budget=budget)
+    return cfg
+
+
+def as_trainer_leaves_it_for_zero_init(cfg):
+    """What transformers' TrainingArguments does before the model is built under zero.Init: batch,
+    clipping, optimizer and precision filled; the model-dependent autos left."""
+    import copy
+    cfg = copy.deepcopy(cfg)
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1, train_batch_size=2,
+               gradient_clipping=1.0)
+    cfg["optimizer"]["params"].update(lr=7e-6, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0)
+    cfg["scheduler"]["params"].update(warmup_min_lr=0, warmup_max_lr=7e-6)
+    cfg["fp16"]["enabled"] = cfg["bf16"]["enabled"] = False
+    return cfg
+
+
+def as_trainer_fills_it(cfg, hidden=256):
+    """transformers' trainer_config_finalize: the hidden-size autos and the scheduler's steps."""
+    import copy
+    cfg = copy.deepcopy(cfg)
+    z = cfg["zero_optimization"]
+    z.update(reduce_bucket_size=hidden * hidden, stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
+             stage3_param_persistence_threshold=10 * hidden)
+    cfg["scheduler"]["params"].update(warmup_num_steps=1, total_num_steps=3)
+    return cfg
+
+
+def test_hf_documented_config_resolves_at_zero_init_with_its_autos(tmp_path):
+    """HF builds the model under zero.Init with reduce_bucket_size, the prefetch bucket and the persistence
+    threshold still "auto" (this raised TypeError comparing "auto" with an int). The settings we bound get
+    our values; the rest DeepSpeed reads as its defaults."""
+    cfg = as_trainer_leaves_it_for_zero_init(hf_config(tmp_path))
+    translated, settings = C.resolve(cfg)
+    z = translated["zero_optimization"]
+    ours = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"}),
+                                 settings)["zero_optimization"]
+    assert z["reduce_bucket_size"] == ours["reduce_bucket_size"] == 64 * 2**20 // 4 // 4
+    assert z["stage3_param_persistence_threshold"] == 0
+    # HF's 1e9 are numbers: capped by the budget as any user's number.
+    assert z["stage3_max_live_parameters"] == z["stage3_max_reuse_distance"] == 64 * 2**20 // 4 // 4
+    assert z["sub_group_size"] == settings.optimizer_chunk_numel
+    assert z["stage3_prefetch_bucket_size"] == "auto"  # not ours to bound; DeepSpeed reads its default
+    assert "auto" not in [z[k] for k in C.BOUNDED]
+
+
+def test_the_trainers_filled_autos_keep_our_values_and_settings(tmp_path):
+    """deepspeed.initialize then gets the same config with HF's numbers for the autos (hidden x hidden,
+    10 x hidden): they are not the user's, so they get the values zero.Init had, and the same settings."""
+    raw = as_trainer_leaves_it_for_zero_init(hf_config(tmp_path))
+    at_init, settings = C.resolve(raw)
+    at_initialize, same = C.resolve(as_trainer_fills_it(raw))
+    assert same is settings
+    for key in C.BOUNDED:
+        assert at_initialize["zero_optimization"][key] == at_init["zero_optimization"][key], key
+    # A config that was never "auto" keeps the user's numbers, capped by the budget as before.
+    user = as_trainer_fills_it(raw)
+    user["optimizer"]["type"] = "Adam"
+    z = C.resolve(user)[0]["zero_optimization"]
+    assert z["reduce_bucket_size"] == 256 * 256
+    # The persistence threshold is never the user's: persistent parameters would hold their group's slot.
+    assert z["stage3_param_persistence_threshold"] == 0
+    big = as_trainer_fills_it(raw, hidden=8192)
+    big["optimizer"]["type"] = "Adam"
+    assert C.resolve(big)[0]["zero_optimization"]["reduce_bucket_size"] == 64 * 2**20 // 4 // 4
+
+
+def test_accelerate_zero_init_copy_and_filled_config_agree(tmp_path):
+    """accelerate hands zero.Init a copy with batch 1 and no train_batch_size, and fills the rest (the real
+    batch among it) before initialize: the same config for us."""
+    cfg = hf_config(tmp_path)
+    cfg["fp16"]["enabled"] = cfg["bf16"]["enabled"] = False
+    cfg["steps_per_print"] = float("inf")
+    init_copy = dict(cfg, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    del init_copy["train_batch_size"]
+    at_init, settings = C.resolve(init_copy)
+    filled = as_trainer_fills_it(as_trainer_leaves_it_for_zero_init(cfg), hidden=128)
+    at_initialize, same = C.resolve(filled)
+    assert same is settings
+    assert at_initialize["zero_optimization"]["reduce_bucket_size"] == at_init["zero_optimization"]["reduce_bucket_size"]
+    assert at_initialize["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+
+
+def test_without_drops_paths_and_the_sections_they_empty():
+    cfg = {"fp16": {"enabled": False}, "optimizer": {"type": "AdamW", "params": {"lr": 1}}, "a": 1}
+    assert C._without(cfg, ["fp16.enabled", "optimizer.params.lr", "missing.x", "a.b"]) == \
+        {"optimizer": {"type": "AdamW"}, "a": 1}
+    assert cfg["fp16"] == {"enabled": False}  # a copy
+
+
+def test_auto_precision_is_off_as_deepspeed_reads_it(tmp_path):
+    from aidaptiv_ds import ds_config
+    cfg = hf_config(tmp_path)
+    assert ds_config.dtype_name(cfg) == "fp32"
+    assert not ds_config.precision_enabled(cfg, "fp16")
+    assert C.validate(cfg) is not None  # fp16 "auto" is not fp16 on
+    cfg["bf16"]["enabled"] = True
+    assert ds_config.dtype_name(cfg) == "bf16"
+
+
+def test_deepspeed_accepts_the_hf_config_translated_before_the_trainer_fills_it(tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        from helpers import _free_port
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo")
+    translated, _ = C.resolve(as_trainer_leaves_it_for_zero_init(hf_config(tmp_path)))
+    parsed = DeepSpeedConfig(translated)
+    assert parsed.zero_config.reduce_bucket_size == translated["zero_optimization"]["reduce_bucket_size"]
+    assert parsed.zero_config.param_persistence_threshold == 0
+
+
+def test_our_train_job_still_refuses_auto(tmp_path):
+    from aidaptiv_ds import ds_config
+    with pytest.raises(C.ConfigError, match="'auto' at .*reduce_bucket_size.*write numbers"):
+        ds_config.check(hf_config(tmp_path), world_size=1)
