@@ -162,6 +162,13 @@ def install(model, chunk_tokens: int) -> None:
     model._aidaptiv_chunked_loss = True
 
 
+def installed_chunk(model) -> Optional[int]:
+    """The chunk size :func:`install` gave ``model``, or None when its loss is not chunked."""
+    if not getattr(model, "_aidaptiv_chunked_loss", False):
+        return None
+    return getattr(model.get_output_embeddings(), "_aidaptiv_loss_chunk", None)
+
+
 def logits_bytes(tokens: int, vocab: int, chunk_tokens: Optional[int]) -> int:
     """Bytes of fp32 logits and their gradient that exist at once for ``tokens`` tokens: all of them
     unchunked (``chunk_tokens`` None), one chunk's otherwise. Arithmetic from the shapes, for the metrics."""
