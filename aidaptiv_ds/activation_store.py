@@ -14,8 +14,9 @@ checkpoints keep: each block's input (saved when the checkpoint is entered, befo
 inside the block) plus the few tensors saved outside the blocks. Inside a block checkpointing's own hooks win
 (the innermost hooks apply), so recomputed intermediates never come here.
 
-Memory: a write's staging buffer is given back when the write completes (at the next pack, or when the host
-budget needs it: the store registers a reclaimer); a read's staging buffer is given back as soon as its
+Memory: a write's staging buffer is given back when the write completes (seen at the next pack or unpack, or
+waited for when the host budget needs it: the store registers reclaimers); writes in flight hold at most
+``max_staging_bytes``; a read's staging buffer is given back as soon as its
 contents are copied into the tensor autograd gets. Nothing else stays in RAM. Disk: the file grows in
 regions as a step needs them and the regions are reused from the start once every handle of a step is gone
 (activations are freed by the end of each backward), so the file holds about one step's activations.
@@ -34,7 +35,7 @@ from typing import List, Optional
 import torch
 
 from aidaptiv_ds.sizes import KiB, MiB, align_up
-from aidaptiv_ds.store import HostMemory, SwapFile, SwapStore, Ticket, WriteBehind
+from aidaptiv_ds.store import HostMemory, SwapFile, SwapStore, Ticket
 
 # The swap file grows by regions of at least this size; a step's activations fill regions in order.
 REGION_BYTES = 64 * MiB
@@ -93,7 +94,9 @@ class ActivationStore:
         self.max_staging_bytes = max_staging_bytes if max_staging_bytes is not None else memory.capacity // 4
         self.stats = ActivationStats()
         self._lock = threading.RLock()
-        self._writes = WriteBehind(store)
+        # Writes in flight with their staging, oldest first. Waited for on the tickets themselves, not through
+        # SwapStore.wait: its I/O wait is the parameters' and optimizer's, activation waits are counted here.
+        self._writes: List = []
         self._regions: List = []          # extents of ``file``, filled in order each cycle
         self._cursor = (0, 0)             # (region, offset inside it) of the next tensor
         self._slots: List[_Slot] = []     # this cycle's live slots, in pack order
@@ -135,7 +138,7 @@ class ActivationStore:
                 slot.write = self.store.write_span(self.file, offset, staging, "activation")
             except OSError as e:
                 raise self._error("writing", slot, e) from e
-            self._writes.add(slot.write, staging, True)
+            self._writes.append((slot.write, staging))
             handle = StoredActivation(slot)
             slot.handle = weakref.ref(handle)
             weakref.finalize(handle, self._release, slot)
@@ -157,7 +160,7 @@ class ActivationStore:
             read, buffer = slot.read, slot.buffer
         t0 = time.perf_counter()
         try:
-            self.store.wait(read)
+            read.wait()
         except OSError as e:
             raise self._error("reading", slot, e) from e
         finally:
@@ -228,26 +231,40 @@ class ActivationStore:
     def _make_room(self, nbytes: int) -> None:
         self._forget_finished()
         t0 = time.perf_counter()
-        while self._writes.held_bytes() and self._writes.held_bytes() + nbytes > self.max_staging_bytes:
-            try:
-                self._writes.finish_oldest()
-            except OSError as e:
-                raise self._error("writing", None, e) from e
+        while self._writes and self._write_bytes() + nbytes > self.max_staging_bytes:
+            self._finish_one_write()
         self.stats.write_wait_s += time.perf_counter() - t0
 
+    def _write_bytes(self) -> int:
+        return sum(buf.numel() for _, buf in self._writes)
+
     def _forget_finished(self) -> bool:
+        """Give back the staging of completed writes (raising if one failed); True if any was given back."""
         with self._lock:
-            try:
-                return self._writes.forget_finished()
-            except OSError as e:
-                raise self._error("writing", None, e) from e
+            done, pending = [], []
+            for w in self._writes:
+                (done if w[0].done() else pending).append(w)
+            if not done:
+                return False
+            self._writes = pending
+            for ticket, _ in done:
+                self._wait_write(ticket)
+            return True
 
     def _finish_one_write(self) -> bool:
+        """Wait for the oldest write and give its staging back; False when none is in flight."""
         with self._lock:
-            try:
-                return self._writes.finish_oldest()
-            except OSError as e:
-                raise self._error("writing", None, e) from e
+            if not self._writes:
+                return False
+            ticket, _ = self._writes.pop(0)
+            self._wait_write(ticket)
+            return True
+
+    def _wait_write(self, ticket: Ticket) -> None:
+        try:
+            ticket.wait()
+        except OSError as e:
+            raise self._error("writing", None, e) from e
 
     def _release(self, slot: _Slot) -> None:
         """Autograd let go of a handle (its backward ran, or the graph was dropped)."""
@@ -256,7 +273,7 @@ class ActivationStore:
                 # The kernel may still be writing into the staging buffer: let it finish first. An error
                 # no longer matters, nobody needs these bytes.
                 try:
-                    self.store.wait(slot.read)
+                    slot.read.wait()
                 except OSError:
                     pass
                 slot.read, slot.buffer = None, None
@@ -280,12 +297,12 @@ class ActivationStore:
     def staging_bytes(self) -> int:
         """Pool memory this store holds now (writes in flight, reads ahead)."""
         with self._lock:
-            return self._writes.held_bytes() + sum(s.nbytes for s in self._slots if s.buffer is not None)
+            return self._write_bytes() + sum(s.nbytes for s in self._slots if s.buffer is not None)
 
     def writes_in_flight_bytes(self) -> int:
         """Staging held by writes not yet known to be complete."""
         with self._lock:
-            return self._writes.held_bytes()
+            return self._write_bytes()
 
     def stats_dict(self) -> dict:
         with self._lock:

@@ -13,7 +13,8 @@ Only measured numbers go in; what this process cannot measure is JSON null, neve
 - ``activations`` (aidaptiv only): the activation policy applied (``aidaptiv.activations``), how blocks are
   recomputed, the loss chunk, and for the nvme policy the store's counters (tensors and bytes stored and
   read back, reads ahead, its file's size, ``io_wait_s``); ``phases_s.activation_io_wait`` is the median per
-  step of the time the backward waited for stored activations. ``loss_logits_mb`` (any run whose loss is
+  step of the time the backward waited for stored activations (not in ``phases_s.io_wait``, which is the
+  parameters' and optimizer state's). ``loss_logits_mb`` (any run whose loss is
   chunked) is arithmetic from the shapes: the fp32 logits and their gradient that exist at once, unchunked
   and chunked.
 """
