@@ -21,6 +21,7 @@ output; the weight's gradient is produced once per backward, as before. Nothing 
 """
 from __future__ import annotations
 
+import functools
 import types
 from typing import Optional
 
@@ -144,6 +145,7 @@ def install(model, chunk_tokens: int) -> None:
     decoder = model.get_decoder()
     original = model.forward
 
+    @functools.wraps(original)   # the same signature for those who inspect it (the HF Trainer does)
     def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         if labels is None:
