@@ -14,7 +14,7 @@ matmul and the same fp32 log-softmax; only the sums run in another order (fp32: 
 relative). In bf16 the head's weight gradient is accumulated over chunks in fp32 and cast once, which is at
 least as exact as the unchunked bf16 matmul.
 
-:func:`install` makes a model compute its loss this way whenever it is called with ``labels``. The head is
+:func:`install` makes a model compute its loss this way whenever it is called with ``labels`` to train. The head is
 still called as a module, once per forward (``head(hidden, labels=...)``), because ZeRO-3 gathers a
 partitioned weight only inside calls of its module and re-gathers it for the backward of that call's
 output; the weight's gradient is produced once per backward, as before. Nothing here imports DeepSpeed.
@@ -129,8 +129,8 @@ def unsupported_reason(model) -> Optional[str]:
 
 def install(model, chunk_tokens: int) -> None:
     """Make ``model`` (a Hugging Face causal LM of a supported type) compute its loss in chunks of
-    ``chunk_tokens`` tokens whenever it is called with ``labels``; it then returns no logits. Without
-    labels it behaves as before. Raises ValueError for a model it cannot apply to. Idempotent (the chunk
+    ``chunk_tokens`` tokens whenever it is called with ``labels`` and gradients are enabled (training); it
+    then returns no logits. Without labels, or under ``torch.no_grad`` (evaluation), it behaves as before. Raises ValueError for a model it cannot apply to. Idempotent (the chunk
     size is updated)."""
     if chunk_tokens < 1:
         raise ValueError(f"loss chunk of {chunk_tokens} tokens: expected at least 1")
@@ -148,10 +148,11 @@ def install(model, chunk_tokens: int) -> None:
     @functools.wraps(original)   # the same signature for those who inspect it (the HF Trainer does)
     def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        if labels is None:
+        if labels is None or not torch.is_grad_enabled():
+            # Evaluation (no gradient) keeps the model's own forward: callers there may want the logits.
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                            logits_to_keep=logits_to_keep, **kwargs)
+                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
         num_items = kwargs.get("num_items_in_batch")
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -123,8 +123,11 @@ def test_installed_model_gives_the_same_loss_and_gradients():
     assert abs(out.loss.item() - ref.item()) <= REL * abs(ref.item())
     for n, p in model.named_parameters():
         assert close(p.grad, ref_grads[n]), n
-    # Without labels: the model's own forward, logits and all.
+    # Without labels, or without gradients (evaluation): the model's own forward, logits and all.
     assert model(input_ids=ids).logits.shape == (2, 40, 64)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (2, 40, 64) and abs(out.loss.item() - ref.item()) <= REL * abs(ref.item())
 
 
 def test_install_refuses_a_model_it_cannot_serve():
