@@ -125,3 +125,29 @@ def test_plain_deepspeed_script_under_zero_init_gets_the_policy(tmp_path):
     assert_same_losses(nvme, keep)
     assert stats["policy"] == "nvme" and stats["loss_chunk_tokens"] == 32
     assert stats["tensors_stored"] >= 3 * 3 and stats["bytes_read"] >= stats["bytes_stored"] > 0
+
+
+def run_hf_trainer(tmp_path, name, **activations):
+    from helpers import REPO
+    sub = tmp_path / name
+    sub.mkdir()
+    config = aidaptiv_config(sub, **activations)
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [deepspeed, "--num_accelerators", "1", "--master_port", str(_free_port()),
+           os.path.join(REPO, "examples", "hf_trainer_finetune.py"), "--deepspeed", config,
+           "--output_dir", str(sub / "out"), "--max_steps", "3", "--per_device_train_batch_size", "2",
+           "--learning_rate", "7e-6", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]
+    p = subprocess.run(cmd, cwd=sub, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:]
+    losses = json.loads([x for x in p.stdout.splitlines() if "losses=" in x][-1].split("losses=")[1])
+    stats = [x for x in p.stdout.splitlines() if x.startswith("activations=")]
+    return losses, json.loads(stats[-1].split("=", 1)[1]) if stats else None
+
+
+def test_hf_trainer_gets_the_policy_from_the_deepspeed_config(tmp_path):
+    keep, _ = run_hf_trainer(tmp_path, "keep", policy="keep", loss_chunk_tokens=0)
+    nvme, stats = run_hf_trainer(tmp_path, "nvme", policy="nvme", loss_chunk_tokens=CHUNK)
+    assert len(nvme) == 3 and nvme == pytest.approx(keep, rel=1e-4)   # the Trainer logs 4 significant digits
+    assert stats["policy"] == "nvme" and stats["loss_chunk_tokens"] == CHUNK
+    assert stats["recompute"] and stats["bytes_read"] >= stats["bytes_stored"] > 0
