@@ -11,8 +11,9 @@ their gradient) at a time and saves only the head's input for the backward; the 
 The numbers are the same as the unchunked loss (Hugging Face's ``ForCausalLMLoss``: labels shifted left by
 one, ``-100`` ignored, mean over the counted tokens or sum / ``num_items_in_batch``): per token the same
 matmul and the same fp32 log-softmax; only the sums run in another order (fp32: equal to about 1e-7
-relative). In bf16 the head's weight gradient is accumulated over chunks in fp32 and cast once, which is at
-least as exact as the unchunked bf16 matmul.
+relative). With one chunk the gradients are the unchunked ones bit for bit (bf16 too); over several, the
+head's weight gradient is summed over chunks in fp32 and cast once (bf16: as exact as the unchunked matmul,
+but not the same bits).
 
 :func:`install` makes a model compute its loss this way whenever it is called with ``labels`` to train. The head is
 still called as a module, once per forward (``head(hidden, labels=...)``), because ZeRO-3 gathers a
@@ -59,33 +60,38 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, bias, targets, divisor = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        scale = (grad_out.float() / divisor.float())
+        need_bias = need_bias and bias is not None
+        # Each chunk's gradient comes from autograd running the unchunked loss's own ops on that chunk (the
+        # head's matmul, the fp32 cross-entropy summed, scaled as a mean would be), so one chunk gives the
+        # unchunked loss's gradients bit for bit, in bf16 too. Over several chunks the head's weight and bias
+        # gradients are summed in fp32 and cast once.
+        scale = grad_out.float() / divisor.float()
+        w = weight.detach().requires_grad_(need_weight)
+        b = bias.detach().requires_grad_(need_bias) if bias is not None else None
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # The weight's gradient is summed over chunks in fp32 and cast once at the end.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
-            if (need_bias and bias is not None) else None
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[start:start + ctx.chunk]
-            t = targets[start:start + ctx.chunk]
-            probs = torch.softmax(F.linear(h, weight, bias).float(), dim=-1)
-            valid = t != IGNORE_INDEX
-            rows = torch.arange(t.shape[0], device=t.device)
-            probs[rows, t.clamp(min=0)] -= valid.to(probs.dtype)      # d(-log softmax[t]) / d logits
-            probs *= (valid.to(probs.dtype) * scale).unsqueeze(1)
-            grad_logits = probs.to(hidden.dtype)
-            del probs
-            if grad_hidden is not None:
-                torch.matmul(grad_logits, weight, out=grad_hidden[start:start + ctx.chunk])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t().float(), h.float())
-            if grad_bias is not None:
-                grad_bias += grad_logits.float().sum(0)
-            del grad_logits
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
+        sums = {}
+        chunks = range(0, hidden.shape[0], ctx.chunk)
+        for start in chunks:
+            h = hidden[start:start + ctx.chunk].detach().requires_grad_(need_hidden)
+            with torch.enable_grad():
+                logits = F.linear(h, w, b).float()
+                loss = F.cross_entropy(logits, targets[start:start + ctx.chunk], ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+            wanted = [(name, x) for name, x, need in (("h", h, need_hidden), ("w", w, need_weight),
+                                                       ("b", b, need_bias)) if need]
+            grads = torch.autograd.grad(loss, [x for _, x in wanted], grad_outputs=scale)
+            del logits, loss
+            for (name, _), g in zip(wanted, grads):
+                if name == "h":
+                    grad_hidden[start:start + ctx.chunk] = g
+                elif len(chunks) == 1:
+                    sums[name] = g
+                elif name in sums:
+                    sums[name] += g.float()
+                else:
+                    sums[name] = g.float()
+        grad_weight = sums["w"].to(weight.dtype) if "w" in sums else None
+        grad_bias = sums["b"].to(bias.dtype) if "b" in sums else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 

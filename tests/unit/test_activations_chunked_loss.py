@@ -84,9 +84,9 @@ def test_no_tensor_of_tokens_times_vocabulary_exists():
 
 def test_bf16_is_as_close_as_the_unchunked_bf16_loss():
     g = torch.Generator().manual_seed(2)
-    hidden32 = torch.randn(2, 64, 32, generator=g)
-    weight32 = torch.randn(100, 32, generator=g) * 0.1
-    labels = torch.randint(0, 100, (2, 64), generator=g)
+    hidden32 = torch.randn(2, 64, 256, generator=g)
+    weight32 = torch.randn(1000, 256, generator=g) * 0.1
+    labels = torch.randint(0, 1000, (2, 64), generator=g)
     exact = reference_loss(hidden32, weight32, None, labels)
     hidden, weight = hidden32.bfloat16().requires_grad_(), weight32.bfloat16().requires_grad_()
     ours = chunked_loss.causal_lm_loss(hidden, weight, None, labels, 16)
@@ -98,6 +98,12 @@ def test_bf16_is_as_close_as_the_unchunked_bf16_loss():
     rw, = torch.autograd.grad(ref, [weight])
     assert gw.dtype == torch.bfloat16
     assert close(gw.float(), rw.float(), rel=2e-2)
+    # One chunk: the unchunked loss's own ops, so the same bits.
+    one = chunked_loss.causal_lm_loss(hidden, weight, None, labels, 10_000)
+    assert one.item() == ref.item() or abs(one.item() - ref.item()) <= REL * abs(ref.item())
+    got = torch.autograd.grad(one, [hidden, weight])
+    want = torch.autograd.grad(reference_loss(hidden, weight, None, labels), [hidden, weight])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def _tiny_llama(vocab=64):
