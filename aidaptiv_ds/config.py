@@ -109,9 +109,6 @@ def total_ram_bytes() -> int:
     return min(physical, limit) if limit else physical
 
 
-ACTIVATION_POLICIES = ("keep", "recompute", "nvme", "auto")
-
-
 class ActivationsConfig(BaseModel):
     """How the activations a forward saves for its backward are held (the block's ``"activations"`` object);
     applied by :mod:`aidaptiv_ds.zero3.activations`."""
