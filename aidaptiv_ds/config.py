@@ -27,7 +27,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -111,6 +111,47 @@ def total_ram_bytes() -> int:
     return min(physical, limit) if limit else physical
 
 
+class ActivationsConfig(BaseModel):
+    """How the activations a forward saves for its backward are held (the block's ``"activations"`` object);
+    applied by :mod:`aidaptiv_ds.zero3.activations`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["keep", "recompute", "nvme", "auto"] = Field(
+        "keep", description="keep: activations stay in memory as the model saves them. recompute: gradient "
+                            "checkpointing of every transformer block (only each block's input is kept; the "
+                            "block is recomputed in the backward). nvme: recompute, and each block's input is "
+                            "written to this rank's swap space during the forward and read back, ahead of "
+                            "need, during the backward. auto (a per-block plan from measured costs) is not "
+                            "implemented yet and is refused.")
+    loss_chunk_tokens: int = Field(
+        1024, ge=0, description="Tokens per chunk of the LM head and loss: the full tokens x vocabulary logits "
+                                "and their gradient never exist at once (Llama, Qwen2 and Mistral models; "
+                                "the same loss). 0 computes the model's own unchunked loss.")
+    read_ahead: int = Field(2, ge=0, le=64, description="nvme: stored activations read ahead of the backward "
+                                                        "(each in a staging buffer of the host budget).")
+    min_bytes: int = Field(64 * KiB, ge=0, description="nvme: saved tensors smaller than this stay in memory "
+                                                       "(token ids, masks).")
+
+    @field_validator("policy")
+    @classmethod
+    def _refuse_auto(cls, value):
+        if value == "auto":
+            raise ValueError("'auto' (a per-block plan from measured recompute time and NVMe bandwidth) is not "
+                             "implemented yet: choose keep, recompute or nvme")
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSettings:
+    """A resolved ``"activations"`` object (the same names and values)."""
+
+    policy: str = "keep"
+    loss_chunk_tokens: int = 1024
+    read_ahead: int = 2
+    min_bytes: int = 64 * KiB
+
+
 class AidaptivConfig(BaseModel):
     """Settings of the aidaptiv NVMe swapper (the ``"aidaptiv"`` block of a DeepSpeed config)."""
 
@@ -149,6 +190,10 @@ class AidaptivConfig(BaseModel):
                                                           "leftover (after staging); they then skip NVMe each step.")
     keep_swap_files: bool = Field(False, description="Leave the swap files in place at exit (they are removed "
                                                      "otherwise). Checkpoints never depend on them.")
+    activations: ActivationsConfig = Field(
+        default_factory=ActivationsConfig,
+        description="How activations are held between forward and backward (keep, recompute, or stored on NVMe) "
+                    "and how the loss is chunked; see the activations.* rows.")
 
     @field_validator("host_memory_budget")
     @classmethod
@@ -206,6 +251,12 @@ class SwapSettings:
     deferred_update: bool
     cache_optimizer_state: bool
     keep_swap_files: bool
+    activations: ActivationSettings = ActivationSettings()
+
+    def __post_init__(self):
+        # from_block passes the nested object as the dict pydantic dumps; resolve it like the rest.
+        if isinstance(self.activations, dict):
+            object.__setattr__(self, "activations", ActivationSettings(**self.activations))
 
     @classmethod
     def from_block(cls, block: Union[Dict[str, Any], AidaptivConfig], ram_bytes: Optional[int] = None
@@ -254,7 +305,8 @@ def _pydantic_problems(err: ValidationError) -> List[str]:
         where = f"{BLOCK}.{loc}" if loc else BLOCK
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            fields = ", ".join(sorted(AidaptivConfig.model_fields))
+            model = ActivationsConfig if len(e["loc"]) > 1 and e["loc"][0] == "activations" else AidaptivConfig
+            fields = ", ".join(sorted(model.model_fields))
             msg = f"unknown setting (known: {fields})"
         out.append(f"{where}: {msg}")
     return out

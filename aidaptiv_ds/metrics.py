@@ -10,6 +10,13 @@ Only measured numbers go in; what this process cannot measure is JSON null, neve
   such an engine also adds ``phases_s.optimizer_update`` (time applying optimizer updates per step, which
   for fp32 our swapper does inside the next forward) and ``swapper`` (its cumulative counters).
 - ``peak_gpu_mb``: torch.cuda.max_memory_allocated when CUDA is used.
+- ``activations`` (aidaptiv only): the activation policy applied (``aidaptiv.activations``), how blocks are
+  recomputed, the loss chunk, and for the nvme policy the store's counters (tensors and bytes stored and
+  read back, reads ahead, its file's size, ``io_wait_s``); ``phases_s.activation_io_wait`` is the median per
+  step of the time the backward waited for stored activations (not in ``phases_s.io_wait``, which is the
+  parameters' and optimizer state's). ``loss_logits_mb`` (any run whose loss is
+  chunked) is arithmetic from the shapes: the fp32 logits and their gradient that exist at once, unchunked
+  and chunked.
 """
 from __future__ import annotations
 
@@ -113,9 +120,24 @@ def summarize(*, step_records: list[dict], warmup: int, tokens_per_step: int, lo
         # Our swapper applies an fp32 step's updates inside the next forward: this is that share of the
         # forward (and all of what engine.step() itself took is in "optimizer").
         out["phases_s"]["optimizer_update"] = update
+    activations = (engine_stats or {}).get("activations")
+    if activations:
+        out["activations"] = activations
+        wait = _activation_wait_per_step(activations.get("io_wait_s_cycles"), extra.get("grad_accum") or 1, warmup)
+        if wait is not None:
+            out["phases_s"]["activation_io_wait"] = wait
     if engine_stats:
-        out["swapper"] = {k: v for k, v in engine_stats.items() if not isinstance(v, (list, tuple))}
+        out["swapper"] = {k: v for k, v in engine_stats.items()
+                          if not isinstance(v, (list, tuple)) and k != "activations"}
     return out
+
+
+def _activation_wait_per_step(cycle_waits, grad_accum: int, warmup: int):
+    """Median over the timed steps of the backward's wait for stored activations (one cycle per micro-step)."""
+    if not cycle_waits:
+        return None
+    steps = [sum(cycle_waits[i:i + grad_accum]) for i in range(0, len(cycle_waits) - grad_accum + 1, grad_accum)]
+    return median(steps[warmup:] if len(steps) > warmup else steps)
 
 
 def one_line(m: dict) -> str:

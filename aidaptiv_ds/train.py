@@ -271,6 +271,18 @@ class Run:
         t0 = time.perf_counter()
         self.engine, _, _, _ = initialize(model=model, model_parameters=params, config=self.cfg)
         self.info["initialize_s"] = time.perf_counter() - t0
+        self.note_loss_chunking(model)
+
+    def note_loss_chunking(self, model) -> None:
+        """What the chunked loss (aidaptiv.activations.loss_chunk_tokens) saves, for the metrics."""
+        from aidaptiv_ds import chunked_loss
+        chunk = chunked_loss.installed_chunk(model)
+        if chunk is None:
+            return
+        tokens, vocab = self.micro_batch * self.args.seq_len, self.spec.config.vocab_size
+        self.info["loss_chunk_tokens"] = chunk
+        self.info["loss_logits_mb"] = {"unchunked": chunked_loss.logits_bytes(tokens, vocab, None) / 2**20,
+                                       "chunked": chunked_loss.logits_bytes(tokens, vocab, chunk) / 2**20}
 
     def resume(self) -> dict:
         """Restore from --resume-from; returns the client state (or a fresh one)."""

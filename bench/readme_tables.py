@@ -126,6 +126,11 @@ def settings_section():
     from aidaptiv_ds.config import AidaptivConfig
     out = ["| setting | default | meaning |", "|---|---|---|"]
     for name, field in AidaptivConfig.model_fields.items():
+        nested = getattr(field.annotation, "model_fields", None)
+        if nested is not None:   # an object of settings (activations): one row per setting inside it
+            for sub, sub_field in nested.items():
+                out.append(f"| `{name}.{sub}` | `{json.dumps(sub_field.default)}` | {sub_field.description} |")
+            continue
         default = field.default.value if hasattr(field.default, "value") else field.default
         out.append(f"| `{name}` | `{json.dumps(default)}` | {field.description} |")
     return "\n".join([SETTINGS_BEGIN, "", *out, "", SETTINGS_END])

@@ -10,6 +10,7 @@ hooks deepspeed at start-up), the
 parameters and optimizer state live on NVMe through our swapper; with any other ZeRO-3 config this is a
 plain DeepSpeed run. --model takes a preset of aidaptiv_ds.models (random weights) or a local HF directory.
 """
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ def main():
         print(f"train_loss={result.training_loss:.4f} losses={[h['loss'] for h in trainer.state.log_history if 'loss' in h]}")
         print("aidaptiv swapper active" if stats else "aidaptiv swapper not active",
               f"nvme_read_bytes={stats()['nvme_read_bytes']}" if stats else "")
+        if stats and stats().get("activations"):
+            print(f"activations={json.dumps(stats()['activations'])}")
 
 
 if __name__ == "__main__":

@@ -102,5 +102,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                "is zero_optimization.stage 3 and an optimizer configured?")
         from aidaptiv_ds.zero3.engine_hooks import attach
         attach(engine, runtime)
+        from aidaptiv_ds.zero3.activations import apply_to_engine
+        apply_to_engine(engine, runtime, settings)
         _return_freed_heap()
     return engine, opt, loader, sched

@@ -1,0 +1,63 @@
+"""Applying an activation policy to a model (aidaptiv_ds.activation_policy) without the engine: recompute on a
+model that is not a Hugging Face one, the refusals, and the plan it reports."""
+import pytest
+import torch
+import torch.nn as nn
+
+from aidaptiv_ds import activation_policy
+from aidaptiv_ds.config import ActivationSettings
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x, scale=1.0):
+        self.calls += 1
+        return x + torch.tanh(self.fc(x)) * scale
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x, scale=0.5)
+        return x.square().mean()
+
+
+def grads(net, x):
+    net.zero_grad()
+    net(x).backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_recompute_wraps_each_block_of_a_plain_model_and_keeps_the_gradients():
+    x = torch.randn(4, 16)
+    ref = grads(Net(), x)
+    net = Net()
+    plan = activation_policy.apply(net, ActivationSettings(policy="recompute"))
+    assert "3 blocks" in plan["recompute"] and plan["loss_chunk_tokens"] is None and not plan["stored"]
+    net.train()
+    ours = grads(net, x)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert [b.calls for b in net.blocks] == [2, 2, 2]     # each block ran again in the backward
+    with torch.no_grad():
+        net(x)                                            # no checkpoint (and no recompute) without grad
+    assert [b.calls for b in net.blocks] == [3, 3, 3]
+
+
+def test_keep_changes_nothing_and_refusals_say_what_to_do():
+    net = Net()
+    before = [b.forward for b in net.blocks]
+    assert activation_policy.apply(net, ActivationSettings(policy="keep"))["recompute"] is None
+    assert [b.forward for b in net.blocks] == before
+    with pytest.raises(ValueError, match="no nn.ModuleList of repeated blocks"):
+        activation_policy.apply(nn.Linear(4, 4), ActivationSettings(policy="recompute"))
+    with pytest.raises(ValueError, match="choose \"recompute\""):
+        activation_policy.apply(Net(), ActivationSettings(policy="nvme"), make_store=None)
