@@ -4,9 +4,9 @@ keeps its swap files, what its CPU communicator calls its shared-memory segments
 
 We replace ZeRO-3 internals (the parameter and optimizer swappers, the optimizer's gradient buffer, the
 coordinator's NVMe prefetch, the swappers' I/O handle builder); their names and contracts move between
-DeepSpeed releases, so we refuse versions we have not tested instead of failing somewhere in the middle of a
-run. The modules that use these names sit beside this one in ``aidaptiv_ds/zero3/``, which also implement
-DeepSpeed's swapper and optimizer interfaces under the names those interfaces have.
+DeepSpeed releases, so we refuse versions we have not tested (:func:`check_deepspeed_version`) instead of
+failing somewhere in the middle of a run. The modules that use these names sit beside this one in
+``aidaptiv_ds/zero3/``, which also implement DeepSpeed's swapper and optimizer interfaces under the names those interfaces have.
 """
 from __future__ import annotations
 
@@ -48,15 +48,30 @@ class UnsupportedDeepSpeedError(RuntimeError):
     pass
 
 
+# Versions the suite has run on; others are refused (the private names above move between releases), except
+# inside the range below when the user says so, at their own risk.
+TESTED_VERSIONS = (TESTED,)
+UNTESTED_ENV = "AIDAPTIV_DS_UNTESTED_DEEPSPEED"
+
+
 def check_deepspeed_version() -> str:
     import deepspeed
     from packaging.version import Version
     found = Version(deepspeed.__version__.split("+")[0])
+    if str(found) in TESTED_VERSIONS:
+        return str(found)
+    install = f"pip install --no-build-isolation 'deepspeed=={TESTED}'"
     if not Version(SUPPORTED_MIN) <= found < Version(SUPPORTED_BELOW):
         raise UnsupportedDeepSpeedError(
-            f"aidaptiv-ds supports DeepSpeed >={SUPPORTED_MIN},<{SUPPORTED_BELOW} (it replaces ZeRO-3 internals "
-            f"that change between releases) but found {deepspeed.__version__}: install a supported one with "
-            f"pip install --no-build-isolation 'deepspeed=={TESTED}'")
+            f"aidaptiv-ds supports DeepSpeed {', '.join(TESTED_VERSIONS)} (it replaces ZeRO-3 internals that change "
+            f"between releases) but found {deepspeed.__version__}: install a supported one with {install}")
+    if os.environ.get(UNTESTED_ENV) != "1":
+        raise UnsupportedDeepSpeedError(
+            f"aidaptiv-ds is tested with DeepSpeed {', '.join(TESTED_VERSIONS)} but found {deepspeed.__version__}: "
+            f"install a tested one with {install}, or set {UNTESTED_ENV}=1 to run this 0.19 release untested")
+    import warnings
+    warnings.warn(f"aidaptiv-ds runs on untested DeepSpeed {deepspeed.__version__} ({UNTESTED_ENV}=1); tested: "
+                  f"{', '.join(TESTED_VERSIONS)}")
     return str(found)
 
 
