@@ -40,6 +40,7 @@ def test_output_dir_loads_with_transformers_and_gives_the_trained_logits(tmp_pat
     with torch.no_grad():
         logits = model(input_ids=trained["input_ids"]).logits
     assert (logits - trained["logits"]).abs().max().item() <= 1e-6
+    assert not torch.equal(model.lm_head.weight, _initial_model().lm_head.weight)   # trained weights, not seed's
 
     # The same checkpoint through the command, in shards.
     p = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "export", str(ck), "--out", str(tmp_path / "again"),
@@ -50,6 +51,27 @@ def test_output_dir_loads_with_transformers_and_gives_the_trained_logits(tmp_pat
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"), dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(again(input_ids=trained["input_ids"]).logits, logits)
+
+
+def _initial_model():
+    from aidaptiv_ds import models
+    torch.manual_seed(1234)
+    return models.build_model(models.resolve("micro"), torch.float32)
+
+
+def test_two_ranks_without_save_dir_export_through_a_removed_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "model"
+    rc, log = run_train(["--config", _config(tmp_path), "--model", "micro", "--seq-len", "64", "--steps", "2",
+                         "--warmup", "0", "--no-progress", "--output-dir", str(out),
+                         "--logits-out", str(tmp_path / "logits.pt")], cwd=tmp_path, launcher_procs=2)
+    assert rc == 0, log[-3000:]
+    assert not (out / "checkpoint").exists() and "model.safetensors" in os.listdir(out)
+    trained = torch.load(tmp_path / "logits.pt")
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=trained["input_ids"]).logits
+    assert (logits - trained["logits"]).abs().max().item() <= 1e-6
 
 
 def test_output_dir_is_refused_before_training_without_the_swapper(tmp_path):
