@@ -144,3 +144,16 @@ def test_refusals_name_the_problem(tmp_path, micro):
 def test_plan_shards_puts_an_oversized_tensor_alone():
     assert export.plan_shards({"a": 3, "b": 3, "c": 10, "d": 1}, 6) == [["a", "b"], ["c"], ["d"]]
     assert export.plan_shards({}, 6) == []
+
+
+def test_the_export_command_imports_no_deepspeed(tmp_path, micro):
+    """A 70B export runs on a machine without the training stack's GPU pieces: no DeepSpeed in the process."""
+    import subprocess
+    import sys
+    spec, model = micro
+    _fake_checkpoint(str(tmp_path / "ck"), model, 2, spec=spec)
+    code = ("import sys; from aidaptiv_ds.cli import main; "
+            f"rc = main(['export', {str(tmp_path / 'ck')!r}, '--out', {str(tmp_path / 'out')!r}]); "
+            "print('DS', 'deepspeed' in sys.modules, rc)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "DS False 0" in p.stdout, p.stdout + p.stderr
