@@ -8,7 +8,10 @@ Face directory; the data is an instruction JSONL file (the packaged set by defau
 exactly --seq-len tokens. Every step is timed by phase; --metrics-out writes one JSON object with tokens/s,
 the median step time after --warmup steps, the loss trajectory (mean over ranks), peak host/GPU memory and
 the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of memory (GPU or host); the
-metrics file says which ("status") either way.
+metrics file says which ("status") either way. With an "aidaptiv" block, --output-dir writes the trained model
+in Hugging Face format (see aidaptiv_ds.export); with DeepSpeed's "csv_monitor", "tensorboard" or "wandb"
+sections, every step's loss, lr, tokens/s, step split, NVMe GB/s, host budget, pinned and GPU memory go to
+them (aidaptiv_ds.metrics.MONITOR_SERIES).
 
 Run directly it is a 1-process job (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set when absent); under the
 deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA).
