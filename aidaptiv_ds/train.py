@@ -69,7 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="aidaptiv backend only: after the last step write the model there in Hugging Face format "
                         "(safetensors shards, config.json, tokenizer files; see 'aidaptiv-ds export'), through a "
                         "checkpoint in DIR/checkpoint that is removed afterwards unless --save-dir holds it")
-    p.add_argument("--logits-out", default=None, metavar="FILE.pt", help=argparse.SUPPRESS)
+    p.add_argument("--logits-out", default=None, metavar="FILE.pt",
+                   help="after training, save the model's logits on rank 0's first batch ({'input_ids', "
+                        "'logits'} with torch.save): to check an exported model against the trained one")
     p.add_argument("--resume-from", default=None, metavar="DIR",
                    help="a --save-dir (resumes its latest tag) or one tag directory in it")
     p.add_argument("--keep-swap", action="store_true",
