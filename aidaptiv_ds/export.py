@@ -217,15 +217,30 @@ def copy_model_files(src: str, out: str) -> List[str]:
     return copied
 
 
-def save_model_files(spec, tokenizer, folder: str) -> None:
-    """Write what ``from_pretrained`` needs besides the weights: the model's config and, for a local HF model,
-    its tokenizer files. The byte tokenizer of presets has no files (see aidaptiv_ds.tokenizer: ids are UTF-8
-    bytes, BOS/EOS/PAD 256/257/258, which the config names)."""
+def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) -> None:
+    """Write what ``from_pretrained`` needs besides the weights: the model's config (with the weights' dtype,
+    e.g. "bfloat16", so that ``dtype="auto"`` loads them as trained) and, for a local HF model, its tokenizer
+    files. The byte tokenizer of presets has no files (see aidaptiv_ds.tokenizer: ids are UTF-8 bytes,
+    BOS/EOS/PAD 256/257/258, which the config names)."""
+    import copy
     os.makedirs(folder, exist_ok=True)
-    spec.config.save_pretrained(folder)
+    config = copy.deepcopy(spec.config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(folder)
     hf_tok = getattr(tokenizer, "_tok", None)
     if hf_tok is not None:
         hf_tok.save_pretrained(folder)
+
+
+def out_problem(out: str) -> Optional[str]:
+    """Why ``out`` cannot receive a model (it holds weights already, or is a file), or None."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"output folder {out} is a file: give a new or empty folder"
+    for f in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        if f.endswith(".safetensors") or f.endswith(".index.json"):
+            return f"output folder {out} already holds model weights ({f}): give a new or empty folder"
+    return None
 
 
 def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str] = None,
@@ -248,17 +263,17 @@ def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str]
     if model is None and not os.path.isfile(os.path.join(files_dir, "config.json")):
         raise ExportError(f"checkpoint {tag_dir} has no {MODEL_FILES}/config.json (saved by an older aidaptiv-ds, "
                           "or not by aidaptiv-ds train): give --model with the preset or HF directory it trained")
+    problem = out_problem(out)
+    if problem:
+        raise ExportError(problem)
     os.makedirs(out, exist_ok=True)
-    for f in os.listdir(out):
-        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
-            raise ExportError(f"--out {out} already holds model weights ({f}): give an empty or new folder")
     if model is None:
         copied = copy_model_files(files_dir, out)
     else:
         from aidaptiv_ds import models
         from aidaptiv_ds.tokenizer import tokenizer_for
         spec = models.resolve(model)
-        save_model_files(spec, tokenizer_for(spec), out)
+        save_model_files(spec, tokenizer_for(spec), out, dtype=ck.dtype)
         copied = sorted(os.listdir(out))
     sizes = {name: ck.nbytes(name) for name in ck.parameters}
     shards = plan_shards(sizes, limit)

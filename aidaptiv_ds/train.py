@@ -209,6 +209,11 @@ class Run:
             raise TrainingFailed(f"--output-dir needs a config with an \"aidaptiv\" block (this one runs "
                                  f"{self.backend}): the export reads the checkpoint our swapper writes; for plain "
                                  "DeepSpeed save with --save-dir and convert with DeepSpeed's zero_to_fp32.py")
+        if getattr(a, "output_dir", None):
+            from aidaptiv_ds.export import out_problem
+            problem = out_problem(a.output_dir)
+            if problem:
+                raise TrainingFailed(f"--output-dir: {problem}")
         self.dtype = ds_config.torch_dtype(cfg)
         self.micro_batch = int(cfg.get("train_micro_batch_size_per_gpu")
                                or cfg["train_batch_size"] // (self.world_size * cfg.get("gradient_accumulation_steps", 1)))
@@ -341,7 +346,8 @@ class Run:
         if self.rank == 0 and self.backend == "aidaptiv":
             # config and tokenizer beside the weights, so that 'aidaptiv-ds export' needs nothing else
             from aidaptiv_ds.export import MODEL_FILES, save_model_files
-            save_model_files(self.spec, self.tokenizer, os.path.join(folder, MODEL_FILES))
+            save_model_files(self.spec, self.tokenizer, os.path.join(folder, MODEL_FILES),
+                             dtype=str(self.dtype).replace("torch.", ""))
         if save_dir == self.args.save_dir:
             self.info.setdefault("saved", []).append(folder)
         return folder

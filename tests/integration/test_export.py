@@ -78,3 +78,11 @@ def test_output_dir_is_refused_before_training_without_the_swapper(tmp_path):
     rc, log = run_train(["--config", os.path.join(CONFIGS, "zero3.json"), "--model", "micro", "--steps", "1",
                          "--no-progress", "--output-dir", str(tmp_path / "model")], cwd=tmp_path)
     assert rc == 1 and '--output-dir needs a config with an "aidaptiv" block' in log, log[-2000:]
+
+
+def test_output_dir_with_weights_is_refused_before_training(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"x")
+    rc, log = run_train(["--config", _config(tmp_path), "--model", "micro", "--steps", "1", "--no-progress",
+                         "--output-dir", str(tmp_path / "model")], cwd=tmp_path)
+    assert rc == 1 and "--output-dir: output folder" in log and "already holds model weights" in log, log[-2000:]

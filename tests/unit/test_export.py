@@ -112,6 +112,26 @@ def test_bf16_weights_keep_their_dtype(tmp_path, micro):
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], p.detach()), name
 
 
+def test_bf16_export_loads_as_bf16_with_dtype_auto(tmp_path, micro):
+    from transformers import AutoModelForCausalLM
+    spec, _ = micro
+    bf = models.build_model(spec, torch.bfloat16)
+    _fake_checkpoint(str(tmp_path / "ck"), bf, 1, with_files=False)
+    export.export(str(tmp_path / "ck"), str(tmp_path / "out"), model="micro")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype="auto")
+    assert loaded.lm_head.weight.dtype == torch.bfloat16 and torch.equal(loaded.lm_head.weight, bf.lm_head.weight)
+
+
+def test_an_output_folder_with_weights_is_refused(tmp_path, micro):
+    spec, model = micro
+    tag = _fake_checkpoint(str(tmp_path / "ck"), model, 1, spec=spec)
+    assert export.out_problem(str(tmp_path / "new")) is None
+    export.export(tag, str(tmp_path / "out"))
+    with pytest.raises(export.ExportError, match="already holds model weights"):
+        export.export(tag, str(tmp_path / "out"))
+
+
 def test_missing_model_files_ask_for_model_and_model_supplies_them(tmp_path, micro):
     spec, model = micro
     _fake_checkpoint(str(tmp_path / "ck"), model, 1, with_files=False)
