@@ -398,13 +398,15 @@ class Run:
         with contextlib.suppress(Exception):
             lr = float(self.engine.get_lr()[0])
         stats = self.engine.aidaptiv_stats() if callable(getattr(self.engine, "aidaptiv_stats", None)) else None
-        if "host_budget" not in self.info and self.backend == "aidaptiv":
-            from aidaptiv_ds import config as C
-            settings = C.resolve(self.cfg)[1]
-            self.info["host_budget"] = settings.host_budget_bytes if settings else None
+        if not hasattr(self, "host_budget"):   # the resolved budget (the config's own object, made once)
+            self.host_budget = None
+            if self.backend == "aidaptiv":
+                from aidaptiv_ds import config as C
+                settings = C.resolve(self.cfg)[1]
+                self.host_budget = settings.host_budget_bytes if settings else None
         monitor.write_events(M.monitor_events(
             step, record, loss=loss, lr=lr, tokens_per_step=tokens_per_step, io_bytes=io,
-            host_budget=self.info.get("host_budget"), pinned=stats.get("pinned_bytes") if stats else None,
+            host_budget=self.host_budget, pinned=stats.get("pinned_bytes") if stats else None,
             gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None))
 
     def train(self) -> dict:
