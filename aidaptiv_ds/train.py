@@ -363,14 +363,21 @@ class Run:
         if temporary:
             final = self.save(step, position, losses, save_dir=os.path.join(out, "checkpoint"))
         dist.barrier()   # every rank's folder of the checkpoint is written
+        failed = None
         if self.rank == 0:
-            summary = export(final, out, log=self.log)
-            if temporary:
-                shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
-            self.info["output_dir"] = out
-            self.info["output_files"] = summary["files"]
-            self.log(f"aidaptiv-ds train: wrote the model in Hugging Face format to {out}")
+            try:
+                summary = export(final, out, log=self.log)
+            except (ValueError, OSError) as e:   # reported after the barrier the other ranks wait at
+                failed = e
+            else:
+                if temporary:
+                    shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
+                self.info["output_dir"] = out
+                self.info["output_files"] = summary["files"]
+                self.log(f"aidaptiv-ds train: wrote the model in Hugging Face format to {out}")
         dist.barrier()
+        if failed is not None:
+            raise TrainingFailed(f"--output-dir {out}: the export of {final} failed: {failed}")
 
     def write_logits(self, path: str) -> None:
         """The trained model's logits on the first data batch (for checking an export against it)."""
