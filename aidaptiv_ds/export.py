@@ -30,6 +30,7 @@ import sys
 from typing import Dict, List, Optional
 
 from aidaptiv_ds.sizes import parse_size
+from aidaptiv_ds.tokenizer import ByteTokenizer
 
 COPY_BUFFER = 64 * 1024 * 1024
 DEFAULT_SHARD = "5GB"
@@ -220,8 +221,7 @@ def copy_model_files(src: str, out: str) -> List[str]:
 def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) -> None:
     """Write what ``from_pretrained`` needs besides the weights: the model's config (with the weights' dtype,
     e.g. "bfloat16", so that ``dtype="auto"`` loads them as trained) and, for a local HF model, its tokenizer
-    files. The byte tokenizer of presets has no files (see aidaptiv_ds.tokenizer: ids are UTF-8 bytes,
-    BOS/EOS/PAD 256/257/258, which the config names)."""
+    files, or for presets the byte tokenizer in Hugging Face form (:func:`save_byte_tokenizer`)."""
     import copy
     os.makedirs(folder, exist_ok=True)
     config = copy.deepcopy(spec.config)
@@ -231,6 +231,44 @@ def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) 
     hf_tok = getattr(tokenizer, "_tok", None)
     if hf_tok is not None:
         hf_tok.save_pretrained(folder)
+    elif isinstance(tokenizer, ByteTokenizer):
+        save_byte_tokenizer(folder)
+
+
+def _bytes_to_unicode() -> Dict[int, str]:
+    """The byte -> character table of byte-level BPE (GPT-2's; the one the tokenizers library's ByteLevel
+    pre-tokenizer uses): printable bytes stand for themselves, the rest for characters from U+0100 on."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def save_byte_tokenizer(folder: str) -> None:
+    """The presets' byte tokenizer (aidaptiv_ds.tokenizer.ByteTokenizer: UTF-8 bytes are ids 0-255,
+    BOS/EOS/PAD 256/257/258) as tokenizer.json and tokenizer_config.json, so that ``AutoTokenizer`` gives the
+    ids training saw: a byte-level BPE without merges whose 256 symbols are the bytes in order, and
+    ``<s> ... </s>`` around every text as ``encode`` puts them; ``split_special_tokens`` so that a text
+    containing "<s>" is bytes, as for ``encode``, not the special token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    table = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<pad>")])
+    bos, eos = ByteTokenizer.BOS, ByteTokenizer.EOS
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>",
+                                                       special_tokens=[("<s>", bos), ("</s>", eos)])
+    if [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")] != [bos, eos, ByteTokenizer.PAD]:
+        raise ExportError("the byte tokenizer's special ids came out other than 256/257/258: this tokenizers "
+                          "version numbers added tokens differently; report it")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", split_special_tokens=True).save_pretrained(folder)
 
 
 def out_problem(out: str) -> Optional[str]:

@@ -177,3 +177,18 @@ def test_the_export_command_imports_no_deepspeed(tmp_path, micro):
             "print('DS', 'deepspeed' in sys.modules, rc)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "DS False 0" in p.stdout, p.stdout + p.stderr
+
+
+def test_presets_byte_tokenizer_loads_with_autotokenizer_and_gives_the_training_ids(tmp_path, micro):
+    from transformers import AutoTokenizer
+    spec, model = micro
+    tag = _fake_checkpoint(str(tmp_path / "ck"), model, 1, spec=spec)
+    s = export.export(tag, str(tmp_path / "out"))
+    assert "tokenizer.json" in s["files"]
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    byte = ByteTokenizer()
+    for text in ("Hello, world!", "  héllo wörld ✓ 中文\n\ttabs", "<s> is text here", ""):
+        ids = tok(text)["input_ids"]
+        assert ids == byte.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=True) == byte.decode(ids)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
