@@ -35,6 +35,8 @@ def test_output_dir_loads_with_transformers_and_gives_the_trained_logits(tmp_pat
     assert {"model.safetensors", "config.json"} <= set(os.listdir(out)), os.listdir(out)
     assert not (out / "checkpoint").exists()      # --save-dir holds the checkpoint it was made from
     assert read_metrics(tmp_path / "m.json")["output_dir"] == str(out)
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(str(out))("hi")["input_ids"] == [256, ord("h"), ord("i"), 257]
     trained = torch.load(tmp_path / "logits.pt")
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
