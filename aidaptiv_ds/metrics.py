@@ -181,3 +181,27 @@ def _finite_or_null(obj):
     if isinstance(obj, (list, tuple)):
         return [_finite_or_null(v) for v in obj]
     return obj
+
+
+# Per-step series written to DeepSpeed's monitor (the config's "tensorboard", "csv_monitor" and "wandb"
+# sections), one event per name and optimizer step; the CSV monitor names its files after them with "/"
+# turned into "_" (aidaptiv_loss.csv, ...). NVMe GB/s is this rank's block-device I/O (rank 0's: the monitor
+# writes on rank 0 only) over the step's wall time, checkpoint saves left out.
+MONITOR_SERIES = ("loss", "lr", "tokens_per_s", "step_s", "forward_s", "backward_s", "optimizer_s",
+                  "nvme_read_GBps", "nvme_write_GBps", "host_budget_bytes", "pinned_bytes", "gpu_mem_mb")
+MONITOR_PREFIX = "aidaptiv/"
+
+
+def monitor_events(step: int, record: dict, *, loss: float, lr: float | None, tokens_per_step: int,
+                   io_bytes: tuple | None, host_budget: int | None, pinned: int | None,
+                   gpu_mb: float | None) -> list:
+    """[(name, value, step)] of one optimizer step, as DeepSpeed's MonitorMaster.write_events takes them;
+    what this run cannot measure (no swapper: no budget or pinned bytes; no CUDA: no GPU memory; no
+    /proc/self/io: no NVMe rates) is left out rather than written as 0."""
+    s = record["step_s"]
+    values = {"loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / s if s > 0 else None, "step_s": s,
+              "forward_s": record["forward"], "backward_s": record["backward"], "optimizer_s": record["optimizer"],
+              "nvme_read_GBps": io_bytes[0] / s / 1e9 if io_bytes and s > 0 else None,
+              "nvme_write_GBps": io_bytes[1] / s / 1e9 if io_bytes and s > 0 else None,
+              "host_budget_bytes": host_budget, "pinned_bytes": pinned, "gpu_mem_mb": gpu_mb}
+    return [(MONITOR_PREFIX + k, float(values[k]), step) for k in MONITOR_SERIES if values[k] is not None]

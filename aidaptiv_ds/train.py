@@ -8,7 +8,10 @@ Face directory; the data is an instruction JSONL file (the packaged set by defau
 exactly --seq-len tokens. Every step is timed by phase; --metrics-out writes one JSON object with tokens/s,
 the median step time after --warmup steps, the loss trajectory (mean over ranks), peak host/GPU memory and
 the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of memory (GPU or host); the
-metrics file says which ("status") either way.
+metrics file says which ("status") either way. With an "aidaptiv" block, --output-dir writes the trained model
+in Hugging Face format (see aidaptiv_ds.export); with DeepSpeed's "csv_monitor", "tensorboard" or "wandb"
+sections, every step's loss, lr, tokens/s, step split, NVMe GB/s, host budget, pinned and GPU memory go to
+them (aidaptiv_ds.metrics.MONITOR_SERIES).
 
 Run directly it is a 1-process job (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set when absent); under the
 deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA).
@@ -62,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-dir", default=None, help="write DeepSpeed checkpoints here (tag stepN)")
     p.add_argument("--save-every", type=int, default=0,
                    help="save every N optimizer steps (0: only at the end, when --save-dir is given)")
+    p.add_argument("--output-dir", default=None, metavar="DIR",
+                   help="aidaptiv backend only: after the last step write the model there in Hugging Face format "
+                        "(safetensors shards, config.json, tokenizer files; see 'aidaptiv-ds export'), through a "
+                        "checkpoint in DIR/checkpoint that is removed afterwards unless --save-dir holds it")
+    p.add_argument("--logits-out", default=None, metavar="FILE.pt",
+                   help="after training, save the model's logits on rank 0's first batch ({'input_ids', "
+                        "'logits'} with torch.save): to check an exported model against the trained one")
     p.add_argument("--resume-from", default=None, metavar="DIR",
                    help="a --save-dir (resumes its latest tag) or one tag directory in it")
     p.add_argument("--keep-swap", action="store_true",
@@ -195,6 +205,15 @@ class Run:
         self.cfg = cfg
         self.backend = ds_config.backend(cfg)
         self.check_fits(cfg, a.seq_len)
+        if getattr(a, "output_dir", None) and self.backend != "aidaptiv":
+            raise TrainingFailed(f"--output-dir needs a config with an \"aidaptiv\" block (this one runs "
+                                 f"{self.backend}): the export reads the checkpoint our swapper writes; for plain "
+                                 "DeepSpeed save with --save-dir and convert with DeepSpeed's zero_to_fp32.py")
+        if getattr(a, "output_dir", None):
+            from aidaptiv_ds.export import out_problem
+            problem = out_problem(a.output_dir)
+            if problem:
+                raise TrainingFailed(f"--output-dir: {problem}")
         self.dtype = ds_config.torch_dtype(cfg)
         self.micro_batch = int(cfg.get("train_micro_batch_size_per_gpu")
                                or cfg["train_batch_size"] // (self.world_size * cfg.get("gradient_accumulation_steps", 1)))
@@ -328,13 +347,86 @@ class Run:
         self.info["swap_removed"] = dirs
         self.log(f"aidaptiv-ds train: removed DeepSpeed swap files in {', '.join(dirs)}")
 
-    def save(self, step: int, position: int, losses: list) -> None:
+    def save(self, step: int, position: int, losses: list, save_dir: str | None = None) -> str:
+        save_dir = save_dir or self.args.save_dir
         tag = f"step{step}"
         client = {"step": step, "data_position": position, "losses": list(losses), "rng": _rng_state(),
                   "seed": self.args.seed, "seq_len": self.args.seq_len, "micro_batch": self.micro_batch,
                   "world_size": self.world_size}
-        self.engine.save_checkpoint(self.args.save_dir, tag=tag, client_state=client)
-        self.info.setdefault("saved", []).append(os.path.join(self.args.save_dir, tag))
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client)
+        folder = os.path.join(save_dir, tag)
+        if self.rank == 0 and self.backend == "aidaptiv":
+            # config and tokenizer beside the weights, so that 'aidaptiv-ds export' needs nothing else
+            from aidaptiv_ds.export import MODEL_FILES, save_model_files
+            save_model_files(self.spec, self.tokenizer, os.path.join(folder, MODEL_FILES),
+                             dtype=str(self.dtype).replace("torch.", ""))
+        if save_dir == self.args.save_dir:
+            self.info.setdefault("saved", []).append(folder)
+        return folder
+
+    def write_output(self, step: int, position: int, losses: list) -> None:
+        """--output-dir: the model in Hugging Face format, written by rank 0 from the final checkpoint (the
+        --save-dir one, or one made in DIR/checkpoint and removed afterwards) through the bounded exporter."""
+        import torch.distributed as dist
+        from aidaptiv_ds.export import export
+        out = self.args.output_dir
+        final = os.path.join(self.args.save_dir, f"step{step}") if self.args.save_dir else None
+        temporary = final is None or not os.path.isdir(final)
+        if temporary:
+            final = self.save(step, position, losses, save_dir=os.path.join(out, "checkpoint"))
+        dist.barrier()   # every rank's folder of the checkpoint is written
+        failed = None
+        if self.rank == 0:
+            try:
+                summary = export(final, out, log=self.log)
+            except (ValueError, OSError) as e:   # reported after the barrier the other ranks wait at
+                failed = e
+            else:
+                if temporary:
+                    shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
+                self.info["output_dir"] = out
+                self.info["output_files"] = summary["files"]
+                self.log(f"aidaptiv-ds train: wrote the model in Hugging Face format to {out}")
+        dist.barrier()
+        if failed is not None:
+            raise TrainingFailed(f"--output-dir {out}: the export of {final} failed: {failed}")
+
+    def write_logits(self, path: str) -> None:
+        """The trained model's logits on the first data batch (for checking an export against it)."""
+        import torch
+        batch = {k: v.to(self.engine.device) for k, v in self.batches.batch(0).items()}
+        self.engine.eval()
+        with torch.no_grad():
+            logits = self.engine(input_ids=batch["input_ids"]).logits
+        if self.rank == 0:
+            torch.save({"input_ids": batch["input_ids"].cpu(), "logits": logits.float().cpu()}, path)
+
+    def monitor(self):
+        """DeepSpeed's MonitorMaster when the config enables TensorBoard, CSV or W&B (None otherwise); it
+        writes on rank 0 only, so the other ranks skip the per-step readings."""
+        m = getattr(self.engine, "monitor", None)
+        return m if m is not None and getattr(m, "enabled", False) and self.rank == 0 else None
+
+    def write_monitor(self, monitor, step: int, record: dict, loss: float, tokens_per_step: int, io0) -> None:
+        """This step's series (metrics.MONITOR_SERIES) into the config's monitors."""
+        import torch
+        from aidaptiv_ds import metrics as M
+        io1 = M.proc_io()
+        io = (io1["read_bytes"] - io0["read_bytes"], io1["write_bytes"] - io0["write_bytes"]) if io0 and io1 else None
+        lr = None
+        with contextlib.suppress(Exception):
+            lr = float(self.engine.get_lr()[0])
+        stats = self.engine.aidaptiv_stats() if callable(getattr(self.engine, "aidaptiv_stats", None)) else None
+        if not hasattr(self, "host_budget"):   # the resolved budget (the config's own object, made once)
+            self.host_budget = None
+            if self.backend == "aidaptiv":
+                from aidaptiv_ds import config as C
+                settings = C.resolve(self.cfg)[1]
+                self.host_budget = settings.host_budget_bytes if settings else None
+        monitor.write_events(M.monitor_events(
+            step, record, loss=loss, lr=lr, tokens_per_step=tokens_per_step, io_bytes=io,
+            host_budget=self.host_budget, pinned=stats.get("pinned_bytes") if stats else None,
+            gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None))
 
     def train(self) -> dict:
         import torch
@@ -357,9 +449,11 @@ class Run:
         io_start = None
         io_excluded = {"read_bytes": 0, "write_bytes": 0}
         engine.train()
+        monitor = self.monitor()
         for i, step in enumerate(range(start, a.steps)):
             if i == warmup:
                 io_start = M.proc_io()
+            step_io = M.proc_io() if monitor else None
             timer.start_step()
             micro_losses = []
             for _ in range(self.grad_accum):
@@ -380,6 +474,8 @@ class Run:
             step_loss = torch.stack(micro_losses).mean().to(torch.float64)
             dist.all_reduce(step_loss)
             losses.append(step_loss.item() / self.world_size)
+            if monitor:
+                self.write_monitor(monitor, step + 1, timer.steps[-1], losses[-1], tokens_per_step, step_io)
             if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
                 before = M.proc_io()
                 self.save(step + 1, position, losses)
@@ -395,6 +491,10 @@ class Run:
             bar.close()
         if a.save_dir and steps_to_run > 0:
             self.save(a.steps, position, losses)
+        if getattr(a, "output_dir", None):
+            self.write_output(a.steps, position, losses)
+        if getattr(a, "logits_out", None):
+            self.write_logits(a.logits_out)
 
         # Reduce what each rank measured: bytes add up, peaks take the max.
         nvme = [None, None]

@@ -1,4 +1,6 @@
-"""Tables and plots from a sweep's results.jsonl: DIR/report.md and DIR/figures/*.png.
+"""Tables and plots from a sweep's results.jsonl: DIR/report.md and DIR/figures/*.png; or, for one
+training run's directory (no results.jsonl; see aidaptiv_ds.harness.run_report), its loss, tokens/s and NVMe
+GB/s per step: DIR/figures/run_curves.png.
 
 Everything measured comes from the rows (the newest row of each cell); published numbers come from
 aidaptiv_ds/harness/published.py and are labelled with their source and hardware. Per model: a throughput
@@ -34,7 +36,8 @@ def unit_of(rows: list[dict]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help="a sweep's results folder (with results.jsonl)")
+    p.add_argument("dir", help="a sweep's results folder (with results.jsonl), or one train run's folder (with the "
+                               "CSV monitor's aidaptiv_*.csv files or a --metrics-out JSON)")
     p.add_argument("--no-plots", action="store_true", help="tables only, no PNGs")
 
 
@@ -480,7 +483,8 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
     latest = loaded.latest_by_key()
     rows = sorted(latest.values(), key=lambda r: r["key"])
     if not rows:
-        raise ValueError(f"{os.path.join(out_dir, RESULTS_FILE)} has no usable rows: run `aidaptiv-ds sweep` first")
+        raise ValueError(f"{os.path.join(out_dir, RESULTS_FILE)} has no usable rows: run `aidaptiv-ds sweep` first "
+                         "(or give one train run's folder: aidaptiv_*.csv from a \"csv_monitor\" or a metrics JSON)")
     superseded = len(loaded.rows) - len(rows)
     parts = [header_section(rows, loaded, superseded, out_dir)]
     ov = overall_ratio(rows)
@@ -529,6 +533,13 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.dir) and not os.path.exists(os.path.join(args.dir, RESULTS_FILE)):
+        from aidaptiv_ds.harness import run_report
+        series, source = run_report.find_series(args.dir)
+        if series:   # one run's folder; a folder with neither gets the sweep's "no usable rows" below
+            path = run_report.plot(args.dir, series, source)
+            print(f"wrote {path} ({', '.join(sorted(series))} from the {source})", file=sys.stderr)
+            return 0
     try:
         md, figures = build_report(args.dir, plots=not args.no_plots)
     except ValueError as e:

@@ -1,0 +1,96 @@
+"""One training run's curves (loss, tokens/s, NVMe GB/s per step) as a PNG: ``aidaptiv-ds report RUN_DIR``.
+
+A run directory is one where ``aidaptiv-ds train`` left its per-step series: the files DeepSpeed's CSV monitor
+writes for them (``aidaptiv_loss.csv``, ``aidaptiv_tokens_per_s.csv``, ... anywhere below RUN_DIR, from the
+config's ``"csv_monitor"`` section; see aidaptiv_ds.metrics.MONITOR_SERIES), or else a ``--metrics-out``
+JSON file, which holds the loss and step time of every step but no per-step I/O. The figure goes to
+``RUN_DIR/figures/run_curves.png``; a panel whose series the run did not record says so instead of a curve.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Dict, List, Optional, Tuple
+
+from aidaptiv_ds.metrics import MONITOR_PREFIX, MONITOR_SERIES
+
+Series = List[Tuple[float, float]]     # (step, value)
+
+
+def csv_series(run_dir: str) -> Dict[str, Series]:
+    """Our series from the CSV monitor's files below ``run_dir`` (by series name, steps in order)."""
+    wanted = {MONITOR_PREFIX.replace("/", "_") + s + ".csv": s for s in MONITOR_SERIES}
+    out: Dict[str, Series] = {}
+    for root, _, files in os.walk(run_dir):
+        for f in sorted(files):
+            name = wanted.get(f)
+            if name is None:
+                continue
+            with open(os.path.join(root, f), newline="") as fh:
+                rows = [r for r in csv.reader(fh) if r and r[0] != "step"]
+            out[name] = sorted((float(r[0]), float(r[1])) for r in rows)
+    return out
+
+
+def metrics_series(run_dir: str) -> Dict[str, Series]:
+    """Loss and tokens/s per step from a train metrics JSON in ``run_dir`` (the first that has them)."""
+    for f in sorted(os.listdir(run_dir)):
+        if not f.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(run_dir, f)) as fh:
+                m = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(m, dict) or not m.get("losses") or not m.get("step_s"):
+            continue
+        first = int(m.get("first_step") or 0)
+        out = {"loss": [(float(i + 1), v) for i, v in enumerate(m["losses"]) if v is not None]}
+        tps = m.get("tokens_per_step")
+        if tps:
+            out["tokens_per_s"] = [(float(first + i + 1), tps / s) for i, s in enumerate(m["step_s"]) if s]
+        return out
+    return {}
+
+
+def find_series(run_dir: str) -> Tuple[Dict[str, Series], Optional[str]]:
+    """(series, where they came from) of a run directory; ({}, None) when it holds neither source."""
+    s = csv_series(run_dir)
+    if s:
+        return s, "DeepSpeed CSV monitor files"
+    s = metrics_series(run_dir)
+    return (s, "metrics JSON") if s else ({}, None)
+
+
+PANELS = (("loss", ("loss",), "loss"), ("tokens/s", ("tokens_per_s",), "tokens/s"),
+          ("NVMe I/O (rank 0)", ("nvme_read_GBps", "nvme_write_GBps"), "GB/s"))
+
+
+def plot(run_dir: str, series: Dict[str, Series], source: str) -> str:
+    """Write RUN_DIR/figures/run_curves.png; returns its path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 8), sharex=True)
+    for ax, (title, names, unit) in zip(axes, PANELS):
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        drawn = False
+        for name in names:
+            pts = series.get(name)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+                drawn = True
+        if not drawn:
+            ax.text(0.5, 0.5, f"not recorded in the {source}", ha="center", va="center", transform=ax.transAxes)
+        elif len(names) > 1:
+            ax.legend()
+    axes[-1].set_xlabel("optimizer step")
+    fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))} ({source})")
+    fig.tight_layout()
+    os.makedirs(os.path.join(run_dir, "figures"), exist_ok=True)
+    path = os.path.join(run_dir, "figures", "run_curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
