@@ -23,10 +23,11 @@ def attach(engine, runtime) -> None:
     @functools.wraps(ds_save)
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         # Ours first: DeepSpeed's save ends by pointing "latest" at the new tag, which must only happen
-        # once every byte of the state is on disk.
-        checkpoint.save(engine, runtime, save_dir, tag)
-        return ds_save(save_dir, tag=tag, client_state=client_state if client_state is not None else {},
-                       save_latest=save_latest, **kwargs)
+        # once every byte of the state is on disk. A save past ulimit -f fails with EFBIG, not SIGXFSZ.
+        with runtime.writing():
+            checkpoint.save(engine, runtime, save_dir, tag)
+            return ds_save(save_dir, tag=tag, client_state=client_state if client_state is not None else {},
+                           save_latest=save_latest, **kwargs)
 
     @functools.wraps(ds_load)
     def load_checkpoint(load_dir, tag=None, **kwargs):
