@@ -237,6 +237,7 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
                     mover.copy(pf, saved[r.ds_id], runtime.params_file.handle, r.extent.offset, r.extent.reserved)
         finally:
             _close(runtime, pf)
+        ps.cache.drop_cache()  # again, now that the disk holds the loaded bytes: groups in use are re-read
         of = mover.open(os.path.join(folder, "optim.bin"), create=False)
         try:
             for entry, sg in zip(manifest["sub_groups"], osw.by_index):
