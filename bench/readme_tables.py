@@ -32,7 +32,8 @@ def io_bench_section():
         return ["(no io-bench rows yet: `python bench/io_bench.py --json >> bench/results/io_bench/rows.jsonl`)"]
     row = rows[-1]
     m, c = row["machine"], row.get("config", {})
-    out = [f"**I/O engines** (`aidaptiv-ds io-bench`): {m.get('cpu', '?')}, {m.get('cores', '?')} cores, kernel "
+    from aidaptiv_ds.harness.machine import cpu_line
+    out = [f"**I/O engines** (`aidaptiv-ds io-bench`): {cpu_line(m)}, {m.get('cores', '?')} cores, kernel "
            f"{m.get('kernel', '?')}, {m.get('disk', m.get('device', '?'))}; {c.get('size_mb', '?')} MiB per engine, "
            f"{c.get('block_kb', '?')} KiB blocks, queue depth {c.get('queue_depth', '?')}, O_DIRECT, "
            f"{c.get('repeat', '?')} interleaved repeats, medians" + (f"; {row['time']}" if row.get("time") else "") + ".", "",
@@ -78,6 +79,7 @@ def step_time_section():
 
 
 def sweep_section():
+    from aidaptiv_ds.harness.machine import cpu_line
     from aidaptiv_ds.harness.results import load_rows
     out_dir = os.path.join(ROOT, "bench", "results", "cpu_small")
     if not os.path.exists(os.path.join(out_dir, "results.jsonl")):
@@ -92,7 +94,7 @@ def sweep_section():
     cap = (any_row.get("host_mem_cap") or {}).get("gb")
     m = any_row.get("machine", {})
     out = [f"**CPU sweep** (`bench/grids/cpu_small.json`, report in `bench/results/cpu_small/report.md`): tokens/s "
-           f"per cell, {m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores', '?')} cores, host memory capped at "
+           f"per cell, {cpu_line(m)}, {m.get('cores', '?')} cores, host memory capped at "
            f"{cap} GiB per cell (cgroup), fp32, median step after warm-up; OOM: killed by the cap.", "",
            "| model | processes | batch x seq | " + " | ".join(backends) + " |",
            "|---|---|---|" + "---|" * len(backends)]
