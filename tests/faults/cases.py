@@ -203,7 +203,7 @@ CASES: Dict[str, Dict[str, Callable]] = {
     "kill9-step": {"fault": "SIGKILL at a random point (0-1 s) into step 4",
                    "run": _failing("kill9-step", (), crash_rc=(-9,))},
     "truncated-swap": {"fault": "parameter swap file truncated to 0 bytes before step 4",
-                       "run": _failing("truncate-swap", ("ENODATA", "end of file"))},
+                       "run": _failing("truncate-swap", ("ENODATA", "end of file", "truncated"))},
     "deleted-swap": {"fault": "swap files unlinked before step 4 (open files live on)",
                      "run": _surviving("delete-swap", ())},
     "memlock-refused": {"fault": "mlock and io_uring buffer registration refused (ENOMEM) from the start",

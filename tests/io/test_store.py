@@ -314,3 +314,22 @@ def test_budget_is_enforced_reclaimers_run_and_the_error_says_what_holds_memory(
     assert "host_memory_budget" in str(e.value)
     assert "still referenced elsewhere 2.0 MiB" in str(e.value)  # ``buf``: no holder owns it
     assert mem.try_take(3 << 20) is None  # non-blocking: no costly reclaimers, no error
+
+
+def test_a_swap_file_truncated_under_the_job_is_an_error_not_zeros(tmp_path, engine):
+    # A write after the truncation extends the file again with a hole before it: a read there would give
+    # zeros without an error from the kernel. The store checks the size against what it preallocated.
+    space = SwapSpace(str(tmp_path), rank=0)
+    store = SwapStore(engine, space)
+    f = space.create_file("params.swp", engine)
+    a, b = f.allocate(ALIGN), f.allocate(ALIGN)
+    buf = aligned_empty(ALIGN)
+    buf.fill_(3)
+    store.wait(store.write_span(f, a.offset, buf))
+    os.truncate(f.path, 0)
+    with pytest.raises(OSError) as e:
+        store.write_span(f, b.offset, buf)
+    assert e.value.errno == errno.ENODATA and "truncated under the job" in str(e.value) and e.value.filename == f.path
+    with pytest.raises(OSError):
+        store.read_span(f, a.offset, aligned_empty(ALIGN))
+    space.close()
