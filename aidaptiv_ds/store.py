@@ -119,9 +119,9 @@ class _RankLock:
         path = os.path.join(folder, "lock")
         for _ in range(20):
             # The holder removes the lock file (and the folder, when empty) as it ends: make both again.
-            for d in (os.path.dirname(folder), folder):
-                SwapSpace._make_private_dir(d)
             try:
+                for d in (os.path.dirname(folder), folder):
+                    SwapSpace._make_private_dir(d)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             except FileNotFoundError:
                 continue
