@@ -331,17 +331,19 @@ class SwapFile:
                                         "aidaptiv.nvme_path (another job, a clean-up script); keep it out and resume "
                                         "from the last checkpoint", self.path)
 
-    def check_size(self) -> None:
+    def check_size(self, offset: int, nbytes: int, is_write: bool) -> None:
         """Raise when the file is shorter than what was preallocated: something truncated it under the job,
         and a read would find zeros (a hole, once a later write extends it again) or the end of the file."""
         if self._fd is None:
             return
         now = os.fstat(self._fd).st_size
         if now < self.size:
-            raise OSError(errno.ENODATA, f"swap file {self.path} is {now} bytes but this job preallocated "
-                                         f"{self.size}: it was truncated under the job (ENODATA), so its bytes are "
-                                         "gone; keep other programs out of aidaptiv.nvme_path and resume from the "
-                                         "last checkpoint", self.path)
+            what = "write to" if is_write else "read from"
+            raise OSError(errno.ENODATA, f"{what} swap file {self.path} at offset {offset} ({nbytes} bytes) refused: "
+                                         f"the file is {now} bytes but this job preallocated {self.size}, so it was "
+                                         "truncated under the job (ENODATA) and its bytes are gone; keep other "
+                                         "programs out of aidaptiv.nvme_path and resume from the last checkpoint",
+                          self.path)
 
     def reopen(self, engine: IOEngine) -> None:
         """Move this file onto ``engine``: opened by path, accepted only if the path still leads to this file."""
@@ -611,7 +613,7 @@ class SwapStore:
         for t in blockers:
             self.wait(t)
         # One fstat per span: a file truncated under the job must not be read as zeros.
-        file.check_size()
+        file.check_size(offset, buf.numel(), is_write)
         submit = self.engine.write_async if is_write else self.engine.read_async
         with efbig_not_sigxfsz():  # io_uring may issue the write in this thread
             ticket = Ticket([submit(buf, file.handle, offset)], what)

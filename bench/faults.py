@@ -36,7 +36,7 @@ def main():
     p.add_argument("--runs", type=int, default=3, help="runs of every case (3)")
     p.add_argument("--cases", default=",".join(ALL), help=f"comma-separated cases (default all: {', '.join(ALL)})")
     p.add_argument("--work", default=None, help="folder for the jobs' swap spaces and checkpoints (a temporary "
-                                                "folder under the repository by default: O_DIRECT needs a disk)")
+                                                "folder in the repository's swap/ by default: O_DIRECT needs a disk)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults"),
                    help="folder for rows.jsonl (bench/results/faults)")
     args = p.parse_args()
@@ -44,7 +44,8 @@ def main():
     unknown = [n for n in names if n not in ALL]
     if unknown:
         p.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(ALL)}")
-    work = args.work or tempfile.mkdtemp(prefix="faults-", dir=ROOT)
+    os.makedirs(os.path.join(ROOT, "swap"), exist_ok=True)
+    work = args.work or tempfile.mkdtemp(prefix="faults-", dir=os.path.join(ROOT, "swap"))
     os.makedirs(args.out, exist_ok=True)
     machine = machine_info(work)
     sha, dirty = git_state(ROOT)

@@ -47,7 +47,9 @@ def write_config(folder: str, backend: str = "auto") -> str:
         cfg = json.load(f)
     swap = os.path.join(folder, "swap")
     os.makedirs(swap, exist_ok=True)
-    cfg["aidaptiv"].update(nvme_path=swap, host_memory_budget=BUDGET, layer_group_size=1, backend=backend)
+    cfg["aidaptiv"].update(nvme_path=swap, host_memory_budget=BUDGET, layer_group_size=1)
+    if backend != "auto":  # the default; "auto" in a config reads as an HF Trainer placeholder
+        cfg["aidaptiv"]["backend"] = backend
     path = os.path.join(folder, f"aidaptiv-{backend}.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
@@ -120,9 +122,24 @@ def error_is_clear(status: str, errno_words, names_offset: bool = True) -> bool:
     return names_file and has_errno and advice and offset
 
 
-def reference(folder: str) -> Job:
-    """The uninterrupted run every case is compared with (same model, data, seed and checkpoints)."""
-    return Job(folder, write_config(folder), "reference")
+def reference(folder: str, fault: str = "none") -> Job:
+    """The uninterrupted run every case is compared with (same model, data, seed and checkpoints); with
+    fault "hold" it waits before its 4th step until ``folder``/release exists (see :func:`second_job`)."""
+    return Job(folder, write_config(folder), "reference" if fault == "none" else "first", fault)
+
+
+def second_job(folder: str, first: Job) -> Job:
+    """While ``first`` (started with fault "hold" in ``folder``) surely holds its swap space, run a second job on
+    the same nvme_path to its end; then let the first go on."""
+    t0 = time.time()
+    while not os.path.exists(os.path.join(folder, "holding")) and first.proc.poll() is None \
+            and time.time() - t0 < JOB_TIMEOUT:
+        time.sleep(0.1)
+    os.makedirs(os.path.join(folder, "second"), exist_ok=True)
+    try:
+        return Job(os.path.join(folder, "second"), write_config(folder), "second").finish()
+    finally:
+        open(os.path.join(folder, "release"), "w").close()
 
 
 def run_case(name: str, folder: str, ref_losses: List[float], seed: int = 0) -> Dict:
@@ -138,7 +155,9 @@ def _failing(fault: str, errno_words, backend: str = "auto", names_offset: bool 
     """A fault that must stop the job with a clear error, leaving the last checkpoint to resume from."""
     def run(folder, ref_losses, rng):
         config = write_config(folder, backend)
-        delay = rng.uniform(0.0, 1.0) if fault == "kill9-step" else 0.0
+        # Within the step: a micro step takes 0.15-0.3 s here (a kill during the save after it is
+        # tests/faults/test_checkpoint_crash.py's).
+        delay = rng.uniform(0.0, 0.15) if fault == "kill9-step" else 0.0
         job = Job(folder, config, "faulty", fault, delay=delay).finish()
         row = {"rc": job.rc, "hang": job.hang, "crash": job.rc not in crash_rc, "seconds": round(job.seconds, 1),
                "status": job.status[-400:], "latest": job.latest()}
@@ -175,16 +194,10 @@ def _surviving(fault: str, log_words):
 def _two_jobs(folder, ref_losses, rng):
     """A second job on the same nvme_path while the first runs: refused at once, naming the first; the first
     finishes with the uninterrupted losses."""
-    config = write_config(folder)
-    first = Job(folder, config, "first")
-    swap = os.path.join(folder, "swap", "aidaptiv-swap", "rank0")
-    t0 = time.time()
-    while not os.path.exists(os.path.join(swap, "lock")) and first.proc.poll() is None and time.time() - t0 < 120:
-        time.sleep(0.1)
-    os.makedirs(os.path.join(folder, "second"), exist_ok=True)
-    second = Job(os.path.join(folder, "second"), config, "second").finish()
+    first = reference(folder, "hold")
+    second = second_job(folder, first)
     first.finish()
-    row = {"rc": second.rc, "hang": first.hang or second.hang, "crash": second.rc not in (1,) or first.rc != 0,
+    row = {"rc": second.rc, "hang": first.hang or second.hang, "crash": second.rc != 1 or first.rc != 0,
            "seconds": round(first.seconds, 1), "status": second.status[-400:]}
     row["clear_error"] = f"in use by another job (pid {first.proc.pid} " in second.status and "nvme_path" in second.status
     row["intact"] = first.rc == 0 and same(first.losses(), ref_losses)
@@ -200,7 +213,7 @@ CASES: Dict[str, Dict[str, Callable]] = {
                        "run": _failing("fsize-step", ("EFBIG", "File too large"))},
     "disk-full-save": {"fault": "file-size limit (ulimit -f 64 KiB) reached while saving step 4",
                        "run": _failing("fsize-save", ("EFBIG", "File too large"), names_offset=False)},
-    "kill9-step": {"fault": "SIGKILL at a random point (0-1 s) into step 4",
+    "kill9-step": {"fault": "SIGKILL at a random point (0-0.15 s) into step 4",
                    "run": _failing("kill9-step", (), crash_rc=(-9,))},
     "truncated-swap": {"fault": "parameter swap file truncated to 0 bytes before step 4",
                        "run": _failing("truncate-swap", ("ENODATA", "end of file", "truncated"))},
@@ -210,6 +223,8 @@ CASES: Dict[str, Dict[str, Callable]] = {
                         "run": _surviving("no-memlock", ("page-locking the pinned pool",))},
     "io_uring-refused": {"fault": "io_uring_setup refused (EPERM) from the start: posix fallback",
                          "run": _surviving("no-uring", ("posix",))},
+    "both-refused": {"fault": "mlock, io_uring buffer registration and io_uring_setup all refused from the start",
+                     "run": _surviving("no-memlock+no-uring", ("page-locking the pinned pool", "posix"))},
     "two-jobs": {"fault": "a second job on the same nvme_path and rank while the first runs",
                  "run": _two_jobs},
 }

@@ -1,6 +1,6 @@
 """`aidaptiv-ds train` with one fault injected at a chosen point: the job the fault-injection suite runs.
 
-    python tests/faults/fault_job.py FAULT STEP [DELAY_S] -- TRAIN ARGS...
+    python tests/faults/fault_job.py FAULT[+FAULT...] STEP [DELAY_S] -- TRAIN ARGS...
 
 STEP counts optimizer steps of this process from 0; DELAY_S (default 0) waits that long into the step
 before the fault (kill9-step). The faults, each as a real job would meet it:
@@ -17,6 +17,8 @@ before the fault (kill9-step). The faults, each as a real job would meet it:
   no-memlock     from the start: mlock and io_uring buffer registration refused with ENOMEM, as a small
                  ulimit -l refuses them (the pool runs unlocked, io_uring without fixed buffers)
   no-uring       from the start: io_uring_setup refused with EPERM, as container runtimes do (posix fallback)
+  hold           not a fault: before STEP's forward, create ./holding and wait (up to 5 minutes) for ./release,
+                 so that a test can run a second job while this one surely holds its swap space
   none           no fault
 
 The filters are installed with seccomp (x86_64 and aarch64); they cannot be removed, which is the point:
@@ -31,6 +33,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
@@ -87,13 +90,13 @@ def swap_files(args):
 
 def main():
     sep = sys.argv.index("--")
-    fault, step = sys.argv[1], int(sys.argv[2])
+    faults, step = set(sys.argv[1].split("+")), int(sys.argv[2])
     delay = float(sys.argv[3]) if sep > 3 else 0.0
     train_args = sys.argv[sep + 1:]
-    if fault == "no-memlock":
+    if "no-memlock" in faults:
         seccomp_refuse([("mlock", errno.ENOMEM, None), ("mlock2", errno.ENOMEM, None),
                         ("io_uring_register", errno.ENOMEM, IORING_REGISTER_BUFFERS)])
-    elif fault == "no-uring":
+    if "no-uring" in faults:
         seccomp_refuse([("io_uring_setup", errno.EPERM, None)])
 
     from aidaptiv_ds import cli, train
@@ -101,14 +104,19 @@ def main():
     def at_forward(i):
         if i != step:
             return
-        if fault == "eio-read":
+        if "eio-read" in faults:
             seccomp_refuse([("pread64", errno.EIO, None)])
-        elif fault == "kill9-step":
+        elif "kill9-step" in faults:
             threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        elif fault == "delete-swap":
+        elif "delete-swap" in faults:
             for path in swap_files(train_args):
                 os.unlink(path)
-        elif fault == "truncate-swap":
+        elif "hold" in faults:
+            open("holding", "w").close()
+            deadline = time.time() + 300
+            while not os.path.exists("release") and time.time() < deadline:
+                time.sleep(0.05)
+        elif "truncate-swap" in faults:
             for path in swap_files(train_args):
                 if path.endswith("params.swp"):
                     os.truncate(path, 0)
@@ -116,9 +124,9 @@ def main():
     def at_step(i):
         if i != step:
             return
-        if fault == "eio-write":
+        if "eio-write" in faults:
             seccomp_refuse([("pwrite64", errno.EIO, None)])
-        elif fault == "fsize-step":
+        elif "fsize-step" in faults:
             resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     build = train.Run.build
@@ -143,7 +151,7 @@ def main():
     save = train.Run.save
 
     def save_with_faults(self, at, position, losses):
-        if fault == "fsize-save" and at == step + 1:
+        if "fsize-save" in faults and at == step + 1:
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         return save(self, at, position, losses)
 
