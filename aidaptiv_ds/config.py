@@ -68,6 +68,43 @@ def parse_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional
     return nbytes, None
 
 
+PER_RANK, PER_NODE = "rank", "node"
+
+
+def parse_host_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional[float], str]:
+    """Return (bytes, share_of_ram, scope) of a ``host_memory_budget``; scope is "node" (split between the
+    node's ranks) or "rank". A share of RAM is always of the node; a size is per rank unless it ends in
+    "/node" (an int, or a size without a suffix, stays per rank as it always was)."""
+    scope = None
+    if isinstance(value, str) and "/" in value:
+        head, _, tail = value.rpartition("/")
+        scope = tail.strip().lower()
+        if scope not in (PER_RANK, PER_NODE):
+            raise ValueError(f"'{value}': after '/' expected 'node' or 'rank' (e.g. '64GiB/node', '16GiB/rank')")
+        value = head.strip()
+    nbytes, fraction = parse_budget(value)
+    if fraction is not None:
+        if scope == PER_RANK:
+            raise ValueError("a share of RAM is a share of the node, split between its ranks: give it without "
+                             "'/rank', or give each rank a size ('16GiB/rank')")
+        return None, fraction, PER_NODE
+    return nbytes, None, scope or PER_RANK
+
+
+# Where launchers say how many ranks run on this node: torchrun/accelerate, the deepspeed launcher, Open MPI.
+LOCAL_RANK_COUNT_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def local_rank_count(env=None) -> int:
+    """Ranks of this job on this node, from the launcher's environment; 1 without a launcher."""
+    env = os.environ if env is None else env
+    for name in LOCAL_RANK_COUNT_VARS:
+        text = (env.get(name) or "").strip()
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
 def _cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
     """The tightest memory limit on this process's cgroup and its ancestors (v2 memory.max, or v1
     memory.limit_in_bytes), or None when there is none."""
@@ -172,9 +209,14 @@ class AidaptivConfig(BaseModel):
                                                      "(falls back to plain buffers when the memlock limit refuses).")
     sqpoll: bool = Field(False, description="Use an io_uring submission-queue polling thread (costs a core).")
     host_memory_budget: Union[int, float, str] = Field(
-        "25%", description="Host RAM for pinned staging buffers and the RAM cache tier, together: bytes (int), a "
-                           "fraction of RAM (float in (0,1) or '25%') or a size string ('4GiB'). The pool is sized "
-                           "from the model and never exceeds this.")
+        "25%", description="Host RAM for pinned staging buffers and the RAM cache tier, together. A share of RAM "
+                           "('25%' or a float in (0,1)) is a share of the node (or of its cgroup limit) for all its "
+                           "ranks together, split evenly between them (LOCAL_WORLD_SIZE, set by torchrun and "
+                           "accelerate; LOCAL_SIZE, set by the deepspeed launcher). A size is per rank ('16GiB', "
+                           "'16GiB/rank', or bytes as an int) or per node, split the same way ('64GiB/node'). A total "
+                           "over the node's RAM is refused; one over the locked-memory limit (ulimit -l) is warned "
+                           "about (the pool then works unlocked). The pool is sized from the model and never "
+                           "exceeds a rank's share.")
     layer_group_size: int = Field(4, ge=1, le=1024, description="Transformer layers per group (at most): the "
                                                                "unit of prefetch, contiguous on disk. Groups "
                                                                "shrink when the budget cannot prefetch them.")
@@ -198,7 +240,7 @@ class AidaptivConfig(BaseModel):
     @field_validator("host_memory_budget")
     @classmethod
     def _check_budget(cls, value):
-        parse_budget(value)
+        parse_host_budget(value)
         return value
 
     @field_validator("optimizer_chunk_numel")
@@ -233,8 +275,8 @@ AUTO_CHUNK_MAX = 1 << 25
 class SwapSettings:
     """An enabled ``"aidaptiv"`` block, resolved: what the swappers, the planner and the engine read.
 
-    The names are the block's, except that ``host_memory_budget`` (bytes, a share of RAM or a size string)
-    becomes ``host_budget_bytes`` and ``optimizer_chunk_numel`` is always a number ("auto" is sized from
+    The names are the block's, except that ``host_memory_budget`` (bytes, a share of RAM or a size string,
+    per rank or per node) becomes ``host_budget_bytes``, this rank's share, and ``optimizer_chunk_numel`` is always a number ("auto" is sized from
     the budget here). ``nvme_path`` is absolute. Made by :meth:`from_block`, once per config."""
 
     nvme_path: str
@@ -259,17 +301,19 @@ class SwapSettings:
             object.__setattr__(self, "activations", ActivationSettings(**self.activations))
 
     @classmethod
-    def from_block(cls, block: Union[Dict[str, Any], AidaptivConfig], ram_bytes: Optional[int] = None
-                   ) -> "SwapSettings":
+    def from_block(cls, block: Union[Dict[str, Any], AidaptivConfig], ram_bytes: Optional[int] = None,
+                   local_ranks: Optional[int] = None) -> "SwapSettings":
         """Resolve a block (a dict, or one pydantic already parsed) that names its ``nvme_path``.
 
-        ``ram_bytes`` is the memory this process may use; it is read (:func:`total_ram_bytes`, which reads
-        the cgroup files) only when the budget is a share of RAM and it is not given. Raises
-        :class:`ConfigError` for a block that does not parse or has no ``nvme_path``."""
+        ``ram_bytes`` is the memory this node may use; it is read (:func:`total_ram_bytes`, which reads
+        the cgroup files) only when the budget is a share of RAM and it is not given. ``local_ranks`` (the
+        ranks on this node, :func:`local_rank_count` when not given) splits a per-node budget; the result is
+        this rank's share. Raises :class:`ConfigError` for a block that does not parse or has no
+        ``nvme_path``."""
         cfg = block if isinstance(block, AidaptivConfig) else _parse_block(block)
         if not cfg.nvme_path:
             raise ConfigError([_NVME_PATH_REQUIRED])
-        nbytes = _budget_bytes(cfg.host_memory_budget, ram_bytes)
+        nbytes = _budget_bytes(cfg.host_memory_budget, ram_bytes, local_ranks)
         chunk = cfg.optimizer_chunk_numel
         if chunk == "auto":
             chunk = max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, nbytes // 512))
@@ -287,12 +331,59 @@ class SwapSettings:
         return {"enabled": True, **out}
 
 
-def _budget_bytes(host_memory_budget, ram_bytes: Optional[int]) -> int:
-    """The budget in bytes; a share of RAM is a share of ``ram_bytes`` (read here when None)."""
-    nbytes, fraction = parse_budget(host_memory_budget)
-    if nbytes is not None:
-        return nbytes
-    return int(fraction * (ram_bytes if ram_bytes is not None else total_ram_bytes()))
+def _budget_bytes(host_memory_budget, ram_bytes: Optional[int], local_ranks: Optional[int] = None) -> int:
+    """One rank's budget in bytes: a share of RAM is a share of ``ram_bytes`` (read here when None), and a
+    per-node amount is split between ``local_ranks`` (read from the launcher's environment when None)."""
+    nbytes, fraction, scope = parse_host_budget(host_memory_budget)
+    if fraction is not None:
+        nbytes = int(fraction * (ram_bytes if ram_bytes is not None else total_ram_bytes()))
+    if scope == PER_NODE:
+        nbytes //= local_ranks or local_rank_count()
+    return nbytes
+
+
+def memlock_limit() -> Optional[int]:
+    """The locked-memory limit (ulimit -l) in bytes that mlock and io_uring buffer registration are held to,
+    or None when they are not (unlimited, or the process has CAP_IPC_LOCK)."""
+    import resource
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        if int(caps, 16) & (1 << 14):  # CAP_IPC_LOCK
+            return None
+    except (OSError, ValueError):
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional[int] = None) -> List[str]:
+    """Problems of the budget as the node sees it (all its ranks together), before anything is pinned.
+
+    Refused: a total over the node's RAM (the ranks would be killed or swap). Warned about, not refused: a
+    total over the locked-memory limit, since nothing fails then; the pool falls back to unlocked memory and
+    io_uring to unregistered buffers, which only costs speed (mlock counts a rank's pool against the limit;
+    io_uring counts every registration of the user together)."""
+    ranks = local_ranks or local_rank_count()
+    per_rank = _budget_bytes(cfg.host_memory_budget, ram_bytes, ranks)
+    node = per_rank * ranks
+    if node > ram_bytes:
+        share = f"each of the {ranks} ranks on this node {per_rank / GiB:.2f} GiB, {node / GiB:.2f} GiB together" \
+            if ranks > 1 else f"{per_rank / GiB:.2f} GiB"
+        return [f"{BLOCK}.host_memory_budget {cfg.host_memory_budget!r} gives {share}, but this node may use "
+                f"{ram_bytes / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (a share such "
+                "as \"25%\" or a size per node such as \"64GiB/node\" is split between the node's ranks)"]
+    limit = memlock_limit()
+    pinned = node if cfg.register_buffers else per_rank
+    if limit is not None and pinned > limit and os.environ.get("LOCAL_RANK", "0") == "0":
+        import logging
+        logging.getLogger(__name__).warning(
+            "aidaptiv: host_memory_budget lets %s pin up to %.2f GiB but the locked-memory limit (ulimit -l) is "
+            "%.2f MiB: pools over it run unlocked and io_uring without fixed buffers (slower, nothing lost); "
+            "raise it (memlock in /etc/security/limits.conf, LimitMEMLOCK= for systemd, --ulimit memlock=-1 "
+            "for docker)", f"the {ranks} ranks on this node" if ranks > 1 else "this rank", pinned / GiB,
+            limit / MiB)
+    return []
 
 
 _NVME_PATH_REQUIRED = f"{BLOCK}.nvme_path is required when {BLOCK}.enabled is true: a directory on NVMe"
@@ -416,11 +507,7 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
         elif check_paths:
             problems.extend(_check_nvme_path(cfg.nvme_path, needed_bytes))
         ram = total_ram_bytes()
-        budget = _budget_bytes(cfg.host_memory_budget, ram)
-        if budget > ram:
-            problems.append(f"{BLOCK}.host_memory_budget is {budget / GiB:.2f} GiB but this process may use "
-                            f"{ram / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (for "
-                            "example \"25%\")")
+        problems.extend(check_host_budget(cfg, ram))
     if problems:
         raise ConfigError(problems)
     return SwapSettings.from_block(cfg, ram)

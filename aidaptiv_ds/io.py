@@ -171,8 +171,18 @@ class IORequest:
         """Whether the request has completed; never blocks (its error, if any, is raised by wait())."""
         if self._finished:
             return True
-        if not self._engine._engine.poll(self._handle):
+        # Under the request's lock: another thread may be finishing wait() right now, after which the engine
+        # no longer knows the handle. Never blocks: a thread inside wait() holds the lock, and then the
+        # request is simply not known to be done yet.
+        if not self._lock.acquire(blocking=False):
             return False
+        try:
+            if self._finished:
+                return True
+            if not self._engine._engine.poll(self._handle):
+                return False
+        finally:
+            self._lock.release()
         try:
             self.wait()
         except Exception:

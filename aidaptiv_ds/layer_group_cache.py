@@ -383,16 +383,27 @@ class LayerGroupCache:
         self._forget_finished_writes()
 
     def drop_cache(self) -> None:
-        """Forget every cached group nobody uses (after a checkpoint load replaced the bytes on disk)."""
+        """Make the cache agree with the disk after something replaced the bytes there (a checkpoint load):
+        every group nobody uses is forgotten, and every group in use or pinned (partitions handed out are
+        views of its slot, so it cannot be let go) is read again in place, so those views hold the new
+        bytes too."""
         with self.lock:
             self.drain_writes()
+            reread = []
             for g in self.groups:
                 if g.ticket is not None:
                     self.store.wait(g.ticket)
                     g.ticket = None
-                if g.users == 0:
-                    g.buffer = None
-                    g.ghost, g.writes = False, []
-                    if g.slot is not None:
-                        self.slots.give(g.slot)
-                        g.slot = None
+                g.ghost, g.writes = False, []
+                if g.users or g.pins:
+                    if g.buffer is not None:
+                        reread.append(g)
+                    continue
+                g.buffer = None
+                if g.slot is not None:
+                    self.slots.give(g.slot)
+                    g.slot = None
+            tickets = [self.store.read_span(self.params_file, g.offset, g.buffer, f"layer group {g.name} (reloaded)")
+                       for g in reread]
+            for t in tickets:
+                self.store.wait(t)

@@ -5,7 +5,7 @@
     python bench/readme_tables.py --print    # prints the section instead
 
 Sources: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), bench/results/swap_step_time/rows.jsonl,
-bench/results/cpu_small/results.jsonl.
+bench/results/cpu_small/results.jsonl, bench/results/faults/rows.jsonl.
 """
 import argparse
 import json
@@ -32,7 +32,8 @@ def io_bench_section():
         return ["(no io-bench rows yet: `python bench/io_bench.py --json >> bench/results/io_bench/rows.jsonl`)"]
     row = rows[-1]
     m, c = row["machine"], row.get("config", {})
-    out = [f"**I/O engines** (`aidaptiv-ds io-bench`): {m.get('cpu', '?')}, {m.get('cores', '?')} cores, kernel "
+    from aidaptiv_ds.harness.machine import cpu_line
+    out = [f"**I/O engines** (`aidaptiv-ds io-bench`): {cpu_line(m)}, {m.get('cores', '?')} cores, kernel "
            f"{m.get('kernel', '?')}, {m.get('disk', m.get('device', '?'))}; {c.get('size_mb', '?')} MiB per engine, "
            f"{c.get('block_kb', '?')} KiB blocks, queue depth {c.get('queue_depth', '?')}, O_DIRECT, "
            f"{c.get('repeat', '?')} interleaved repeats, medians" + (f"; {row['time']}" if row.get("time") else "") + ".", "",
@@ -78,6 +79,7 @@ def step_time_section():
 
 
 def sweep_section():
+    from aidaptiv_ds.harness.machine import cpu_line
     from aidaptiv_ds.harness.results import load_rows
     out_dir = os.path.join(ROOT, "bench", "results", "cpu_small")
     if not os.path.exists(os.path.join(out_dir, "results.jsonl")):
@@ -92,7 +94,7 @@ def sweep_section():
     cap = (any_row.get("host_mem_cap") or {}).get("gb")
     m = any_row.get("machine", {})
     out = [f"**CPU sweep** (`bench/grids/cpu_small.json`, report in `bench/results/cpu_small/report.md`): tokens/s "
-           f"per cell, {m.get('cpu_model', m.get('cpu', '?'))}, {m.get('cores', '?')} cores, host memory capped at "
+           f"per cell, {cpu_line(m)}, {m.get('cores', '?')} cores, host memory capped at "
            f"{cap} GiB per cell (cgroup), fp32, median step after warm-up; OOM: killed by the cap.", "",
            "| model | processes | batch x seq | " + " | ".join(backends) + " |",
            "|---|---|---|" + "---|" * len(backends)]
@@ -121,6 +123,52 @@ def sweep_section():
     return out
 
 
+def faults_section():
+    """The fault-injection table from bench/results/faults/rows.jsonl (bench/faults.py): per case, how many
+    runs, and in how many the job hung, crashed, failed without a clear error, or lost data."""
+    from aidaptiv_ds.harness.machine import cpu_line
+    rows = _rows(os.path.join(ROOT, "bench", "results", "faults", "rows.jsonl"))
+    if not rows:
+        return ["(no fault-injection rows yet: `python bench/faults.py --runs 3`)"]
+    order, by_case = [], {}
+    for r in rows:
+        if r["case"] not in by_case:
+            order.append(r["case"])
+        by_case.setdefault(r["case"], []).append(r)
+    m = rows[-1].get("machine") or {}
+    shas = sorted({r.get("git_sha", "?")[:10] for r in rows})
+    out = [f"**Fault injection** (`python bench/faults.py`, cases in `tests/faults/cases.py`): {cpu_line(m)}, "
+           f"{m.get('cores', '?')} cores; git {', '.join(shas)}. Each run is a whole `aidaptiv-ds train` job "
+           "(micro preset, fp32, 6 steps, a checkpoint every 2) with the fault in step 4; data lost counts runs "
+           "whose last checkpoint did not resume to the uninterrupted losses (1e-6 relative), or whose bytes "
+           "differed.", "",
+           "Clear error: the job's status line names the file, the errno, the offset and what to do; for a fault "
+           "the job rides through, its log says what fell back.", "",
+           "| case | fault injected | runs | clear error | hangs | crashes | data lost |",
+           "|---|---|---|---|---|---|---|"]
+    totals = [0, 0, 0, 0, 0]
+    judged = 0  # runs that had an error to give (not killed)
+    for case in order:
+        rs = by_case[case]
+        n = len(rs)
+        injected = sum(r.get("injected", 1) for r in rs)
+        counts = [sum(bool(r["clear_error"]) for r in rs), sum(bool(r["hang"]) for r in rs),
+                  sum(bool(r["crash"]) for r in rs), sum(bool(r["data_lost"]) for r in rs)]
+        killed = all(r.get("rc") == -9 for r in rs)
+        if killed:
+            counts[0] = 0
+        else:
+            judged += n
+        totals = [totals[0] + n, *(t + c for t, c in zip(totals[1:], counts))]
+        what = rs[-1]["fault"] + (f" ({injected} in all)" if injected != n else "")
+        # A job killed by the injected SIGKILL has nothing to say; the others must say it.
+        clear = "n/a (SIGKILL)" if killed else f"{counts[0]}/{n}"
+        out.append(f"| {case} | {what} | {n} | {clear} | {counts[1]} | {counts[2]} | {counts[3]} |")
+    out.append(f"| **all** | | {totals[0]} | {totals[1]}/{judged} | {totals[2]} | {totals[3]} | "
+               f"**{totals[4]}** |")
+    return out
+
+
 def settings_section():
     """The block's settings, from the pydantic model (so the README cannot drift from the code)."""
     from aidaptiv_ds.config import AidaptivConfig
@@ -137,7 +185,8 @@ def settings_section():
 
 
 def section():
-    parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *sweep_section(), "", END]
+    parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *sweep_section(), "", *faults_section(),
+             "", END]
     return "\n".join(parts)
 
 

@@ -161,7 +161,9 @@ def machine_info(path: str, mount: Dict[str, str]) -> dict:
         cpu = cpuinfo.get_cpu_info().get("brand_raw") or platform.processor()
     except Exception:  # py-cpuinfo can fail on unusual CPUs; the rest still describes the machine
         cpu = platform.processor() or "unknown"
-    info = {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    from aidaptiv_ds.harness.machine import cpu_flags
+
+    info = {"cpu": cpu, "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "kernel": platform.release(), "python": platform.python_version(), "dir": os.path.realpath(path),
             "filesystem": mount["fstype"], "mount": mount["mountpoint"], "source": mount["source"]}
     info.update(block_device(path))
@@ -359,8 +361,10 @@ def comparisons(engines: dict) -> List[str]:
 def format_table(result: dict) -> str:
     m, c = result["machine"], result["config"]
     rotational = {True: "rotational", False: "non-rotational", None: "rotational unknown"}[m.get("rotational")]
+    from aidaptiv_ds.harness.machine import cpu_line
+
     lines = [
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}; disk: "
+        f"machine: {cpu_line(m)}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}; disk: "
         f"{m.get('device') or m['source']} ({m['filesystem']}, {rotational}) at {m['dir']}",
         f"config: {c['size_mb']} MiB per engine, block {c['block_kb']} KiB, queue depth {c['queue_depth']}, "
         f"{c['repeat']} repeats interleaved, O_DIRECT, fresh file per write; medians (GB = 1e9 bytes)",

@@ -1,4 +1,4 @@
-"""Facts about the machine a sweep runs on, recorded in every row: host, CPU, cores, RAM, GPUs, kernel,
+"""Facts about the machine a sweep runs on, recorded in every row: host, CPU and its flags, cores, RAM, GPUs, kernel,
 and the disk under the swap folder (device, model, rotational, file system). Every probe degrades to None
 rather than failing: a row with an unknown disk model is still a row."""
 from __future__ import annotations
@@ -32,6 +32,41 @@ def cpu_model() -> Optional[str]:
         return cpuinfo.get_cpu_info().get("brand_raw")
     except Exception:  # py-cpuinfo raises assorted errors on unusual CPUs
         return None
+
+
+def cpu_flags() -> Optional[list[str]]:
+    """The CPU's feature flags as the kernel lists them (x86 "flags", Arm "Features"), sorted; None when unknown.
+    Recorded because results depend on them: DeepSpeed's CPU accelerator, for one, picks fp16 or bf16 support
+    from them, and CPU Adam's speed follows the vector width."""
+    text = _read("/proc/cpuinfo") or ""
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return sorted(set(line.split(":", 1)[1].split()))
+    return None
+
+
+# The flags that change what runs or how fast, shown in a result's machine line (the row keeps them all).
+NOTABLE_X86 = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+NOTABLE_ARM = ("asimd", "sve", "bf16")
+
+
+def flags_summary(flags: Optional[list]) -> str:
+    """'avx avx2 fma f16c; no avx512f ...' for x86 (the same for Arm's asimd, sve, bf16); 'flags unknown'
+    when none were read."""
+    if not flags:
+        return "flags unknown"
+    have = set(flags)
+    names = NOTABLE_ARM if "asimd" in have else NOTABLE_X86
+    yes = [f for f in names if f in have]
+    no = [f for f in names if f not in have]
+    return " ".join(yes) + (f"; no {' '.join(no)}" if no else "")
+
+
+def cpu_line(m: dict) -> str:
+    """The CPU of a machine dict with its notable flags: 'AMD EPYC 7B13 (avx avx2 fma f16c; no avx512f ...)'.
+    Rows from before flags were recorded say so."""
+    cpu = m.get("cpu") or m.get("cpu_model") or "?"
+    return f"{cpu} ({flags_summary(m['cpu_flags']) if 'cpu_flags' in m else 'flags not recorded'})"
 
 
 def gpus() -> list[dict]:
@@ -105,6 +140,7 @@ def machine_info(swap_dir: str) -> dict:
     return {
         "host": socket.gethostname(),
         "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cores": psutil.cpu_count(logical=False) or os.cpu_count(),
         "threads": os.cpu_count(),
         "ram_gb": round(vm.total / 2**30, 1),
@@ -135,5 +171,5 @@ def summary(m: dict) -> str:
     disk = (f"{d.get('device') or d.get('source') or '?'} ({d.get('model') or 'unknown model'}, "
             f"{'rotational' if d.get('rotational') else 'non-rotational' if d.get('rotational') is False else '?'}"
             f", {d.get('filesystem') or '?'})")
-    return (f"{m.get('host')}: {m.get('cpu')}, {m.get('cores')} cores, {m.get('ram_gb')} GiB RAM, {gpu}, "
+    return (f"{m.get('host')}: {cpu_line(m)}, {m.get('cores')} cores, {m.get('ram_gb')} GiB RAM, {gpu}, "
             f"kernel {m.get('kernel')}, swap disk {disk}")

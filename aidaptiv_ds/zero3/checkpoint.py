@@ -333,6 +333,7 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
     mover = _Mover(runtime)
     try:
         _load_params(runtime, ps, mover, folder, manifest, saved_params, names)
+        ps.cache.drop_cache()  # again, now that the disk holds the loaded bytes: groups in use are re-read
         if same:
             _load_images(runtime, osw, mover, folder, manifest)
     finally:

@@ -42,11 +42,13 @@ def attach(engine, runtime) -> None:
         dist.barrier()
         staging = durable.staging_name(tag)
         # Ours first, then DeepSpeed's files, all into the staging tag; DeepSpeed must not write "latest"
-        # (it rewrites it in place): it is replaced atomically once the tag's folder is in place.
-        checkpoint.save(engine, runtime, save_dir, staging)
-        with compat.checkpoint_file_hooks(engine, durable.crash_point, durable.hooks_active()):
-            ds_save(save_dir, tag=staging, client_state=client_state if client_state is not None else {},
-                    save_latest=False, **kwargs)  # returns once every rank has written its files
+        # (it rewrites it in place): it is replaced atomically once the tag's folder is in place. A save past
+        # ulimit -f fails with EFBIG, not SIGXFSZ.
+        with runtime.writing():
+            checkpoint.save(engine, runtime, save_dir, staging)
+            with compat.checkpoint_file_hooks(engine, durable.crash_point, durable.hooks_active()):
+                ds_save(save_dir, tag=staging, client_state=client_state if client_state is not None else {},
+                        save_latest=False, **kwargs)  # returns once every rank has written its files
         if committer:
             durable.publish(save_dir, tag, save_latest)
         dist.barrier()

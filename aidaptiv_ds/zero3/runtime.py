@@ -10,27 +10,17 @@ the swappers switch to group-granular, prefetched, pooled I/O.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from typing import Optional
 
 import torch
 
 from aidaptiv_ds.config import SwapSettings
+from aidaptiv_ds.file_size_limit import efbig_not_sigxfsz
 from aidaptiv_ds.io import IOEngine, PinnedPool
 from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
 
 log = logging.getLogger(__name__)
-
-
-def _ignore_sigxfsz() -> None:
-    """A write past the file-size limit (RLIMIT_FSIZE) kills the process with SIGXFSZ by default. Ignored,
-    the write fails with EFBIG instead, which the engine reports with the file, offset and what to do, and
-    training ends with that error (its last checkpoint intact) rather than dying without a word."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGXFSZ) == signal.SIG_DFL:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 class SwapStats:
@@ -53,15 +43,24 @@ class SwapRuntime:
     def __init__(self, cfg: SwapSettings, rank: int, model_dtype: torch.dtype):
         self.cfg = cfg  # the resolved "aidaptiv" block, shared with the swappers, the planner and the prefetcher
         self.rank = rank
-        _ignore_sigxfsz()
         self.model_dtype = model_dtype
         self.stats = SwapStats()
-        self.engine = self._make_engine(pool=None)
+        # The swap folder first: a second job on the same nvme_path fails here, before anything starts.
+        self.space = SwapSpace(cfg.nvme_path, rank, keep_files=cfg.keep_swap_files)
+        try:
+            self.engine = self._make_engine(pool=None)
+        except BaseException:
+            self.space.close()
+            raise
         if self.engine.fallback_reason and rank == 0:
             log.warning("aidaptiv: %s", self.engine.fallback_reason)
-        self.space = SwapSpace(cfg.nvme_path, rank, keep_files=cfg.keep_swap_files)
         self.store = SwapStore(self.engine, self.space)
-        self.params_file = self.space.create_file("params.swp", self.engine)
+        try:
+            self.params_file = self.space.create_file("params.swp", self.engine)
+        except BaseException:
+            self.space.close()
+            self.engine.shutdown()
+            raise
         self.optim_file = None
         self.pool: Optional[PinnedPool] = None
         self.memory: Optional[HostMemory] = None
@@ -76,8 +75,16 @@ class SwapRuntime:
 
     def _make_engine(self, pool):
         c = self.cfg
-        return IOEngine(backend=c.backend, block_size=c.block_size, queue_depth=c.queue_depth,
-                        threads=c.io_threads, pool=pool if c.register_buffers else None, sqpoll=c.sqpoll)
+        # The engine's threads start with SIGXFSZ blocked: a write past ulimit -f fails with EFBIG, named,
+        # instead of killing the process, and the user's program keeps its own SIGXFSZ (file_size_limit).
+        with efbig_not_sigxfsz():
+            return IOEngine(backend=c.backend, block_size=c.block_size, queue_depth=c.queue_depth,
+                            threads=c.io_threads, pool=pool if c.register_buffers else None, sqpoll=c.sqpoll)
+
+    def writing(self):
+        """A block in which this thread's writes through the engine (a checkpoint save) fail with EFBIG past
+        ulimit -f rather than kill the process."""
+        return efbig_not_sigxfsz()
 
     def start_training(self, pool_bytes: int) -> None:
         """Create the pinned pool (``pool_bytes``, already bounded by the budget) and move the swap files
@@ -88,11 +95,13 @@ class SwapRuntime:
         self.store.drain()
         self.pool = PinnedPool(pool_bytes)
         engine = self._make_engine(pool=self.pool)
-        for f in self.space.files:
-            old = f.handle
-            f.handle = engine.open(f.path, create=False)
-            f.engine = engine
-            self.engine.close(old)
+        try:
+            for f in self.space.files:
+                # By path, but only if the path still leads to the file this runtime created.
+                f.reopen(engine)
+        except BaseException:
+            engine.shutdown()
+            raise
         self._retired_stats = self.engine.stats()
         self.engine.shutdown()
         self.engine = engine
@@ -143,7 +152,8 @@ class SwapRuntime:
         }
 
     def close(self) -> None:
-        """Finish every request, close the files and remove them unless kept. Safe to call twice."""
+        """Finish every request, close the files and remove them unless kept, and let go of the rank folder's
+        lock. Safe to call twice."""
         if self.closed:
             return
         self.closed = True

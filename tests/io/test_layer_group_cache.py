@@ -241,3 +241,23 @@ def test_a_group_taken_back_from_its_slot_has_values_written_while_it_was_evicte
     assert g.buffer is None and not g.ghost
     got = read_back(cache, g)
     assert torch.equal(got[a.ds_id], new_a) and torch.equal(got[b.ds_id], new_b)
+
+
+def test_dropping_the_cache_after_a_load_refreshes_groups_in_use(cache_on_disk):
+    # A checkpoint load rewrites the swap file under the cache. A group still in use keeps its slot (its
+    # partitions are views of it) and used to keep the old bytes; it is now read again in place.
+    cache = cache_on_disk
+    g = cache.groups[0]
+    cache.publish(g, "in use across the load")
+    a = g.records[0]
+    view = g.view(a)                                     # what a partition handed out sees
+    old = view.clone()
+    new = torch.full((a.numel,), 7.25)
+    buf = aligned_empty(a.extent.reserved)
+    buf[:a.numel * 4].view(torch.float32).copy_(new)
+    cache.store.wait(cache.store.write_span(cache.params_file, a.extent.offset, buf))  # "the load"
+    assert torch.equal(view, old)
+    cache.drop_cache()
+    assert torch.equal(view, new) and g.buffer is not None and g.users == 1
+    cache.unpublish(g)
+

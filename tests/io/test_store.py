@@ -1,14 +1,21 @@
 """Swap space and store: privacy rules, extents, hazards between requests, the host budget."""
+import errno
+import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
 import torch
 
 from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.store import (ALIGN, HostBudgetError, HostMemory, SwapSpace, SwapStore, WriteBehind,
-                             aligned_empty)
+from aidaptiv_ds.store import (ALIGN, HostBudgetError, HostMemory, SwapSpace, SwapSpaceInUseError, SwapStore,
+                             WriteBehind, aligned_empty)
+from engine_helpers import REPO_ROOT, run_child
 
 
 @pytest.fixture
@@ -20,8 +27,10 @@ def engine():
 
 def test_directory_and_files_are_private_and_removed_at_close(tmp_path, engine):
     space = SwapSpace(str(tmp_path), rank=3)
-    assert space.path == os.path.join(str(tmp_path), "aidaptiv-swap", "rank3")
+    # The runtime's own folder inside the rank's (locked) folder.
+    assert os.path.dirname(space.path) == os.path.join(str(tmp_path), "aidaptiv-swap", "rank3") == space.rank_path
     assert stat.S_IMODE(os.stat(space.path).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(space.rank_path).st_mode) == 0o700
     f = space.create_file("params.swp", engine)
     assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
     assert space.close() == []
@@ -32,7 +41,8 @@ def test_sub_folders_are_private_and_removed_at_close(tmp_path, engine):
     space = SwapSpace(str(tmp_path), rank=0)
     sub = space.make_subdir("handed-out")
     assert sub == os.path.join(space.path, "handed-out") and stat.S_IMODE(os.stat(sub).st_mode) == 0o700
-    (tmp_path / "aidaptiv-swap" / "rank0" / "handed-out" / "copied").write_bytes(b"x")
+    with open(os.path.join(sub, "copied"), "wb") as fh:
+        fh.write(b"x")
     for bad in ("a/b", "..", ""):
         with pytest.raises(ValueError):
             space.make_subdir(bad)
@@ -66,13 +76,171 @@ def test_another_users_file_is_never_reused(tmp_path, engine):
     assert "belongs to uid 65534" in str(e.value)
 
 
-def test_stale_file_of_ours_is_replaced(tmp_path, engine):
-    space = SwapSpace(str(tmp_path), rank=0)
-    stale = os.path.join(space.path, "params.swp")
-    with open(stale, "wb") as fh:
-        fh.write(b"x" * 10000)
+HOLD_A_SPACE = """
+    import os, sys, time
+    from aidaptiv_ds.io import IOEngine
+    from aidaptiv_ds.store import SwapSpace
+    engine = IOEngine(backend="posix")
+    space = SwapSpace({root!r}, rank=0)
     f = space.create_file("params.swp", engine)
-    assert os.path.getsize(f.path) == 0  # a fresh file, created with O_EXCL
+    f.allocate(8192)
+    print(space.path, flush=True)
+    {then}
+"""
+
+
+def _hold_in_child(root, then):
+    """A child process that opens a swap space under ``root`` and prints its folder, then runs ``then``."""
+    code = textwrap.dedent(HOLD_A_SPACE).format(root=str(root), then=then)
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env, cwd="/")
+    line = child.stdout.readline().strip()
+    assert line, child.stderr.read()
+    return child, line
+
+
+def test_a_second_job_on_the_same_path_and_rank_is_refused_naming_the_holder(tmp_path, engine):
+    child, held = _hold_in_child(tmp_path, "time.sleep(60)")
+    try:
+        with pytest.raises(SwapSpaceInUseError) as e:
+            SwapSpace(str(tmp_path), rank=0)
+        msg = str(e.value)
+        assert f"pid {child.pid} " in msg and "in use by another job" in msg and "nvme_path" in msg
+        assert e.value.errno == errno.EBUSY
+        # Refused without touching the holder's files.
+        assert os.path.getsize(os.path.join(held, "params.swp")) > 0
+        # Another rank on the same path is another folder, another lock.
+        other = SwapSpace(str(tmp_path), rank=1)
+        other.close()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_files_of_a_job_that_died_are_reclaimed_once_its_lock_is_free(tmp_path, engine):
+    child, held = _hold_in_child(tmp_path, "os.kill(os.getpid(), 9)")
+    child.wait(timeout=30)
+    assert os.path.exists(os.path.join(held, "params.swp"))     # kill -9: nothing cleaned up
+    space = SwapSpace(str(tmp_path), rank=0)                    # its lock died with it
+    assert not os.path.exists(held) and os.path.isdir(space.path)
+    space.close()
+    assert not os.path.exists(os.path.join(str(tmp_path), "aidaptiv-swap"))
+
+
+def test_two_spaces_of_one_process_share_the_lock_and_never_each_others_files(tmp_path, engine):
+    a = SwapSpace(str(tmp_path), rank=0)
+    b = SwapSpace(str(tmp_path), rank=0)             # a second model built in the same process
+    assert a.path != b.path and a.rank_path == b.rank_path
+    fa, fb = a.create_file("params.swp", engine), b.create_file("params.swp", engine)
+    buf = aligned_empty(ALIGN)
+    buf.fill_(1)
+    engine.write(buf, fa.handle, fa.allocate(ALIGN).offset)
+    buf.fill_(2)
+    engine.write(buf, fb.handle, fb.allocate(ALIGN).offset)
+    b.close()
+    assert os.path.exists(fa.path)                  # the other space's close leaves these alone
+    out = aligned_empty(ALIGN)
+    engine.read(out, fa.handle, 0)
+    assert bool((out == 1).all())
+    # Still locked against other processes while one space of ours is open.
+    child = run_child(f"""
+        from aidaptiv_ds.store import SwapSpace, SwapSpaceInUseError
+        try:
+            SwapSpace({str(tmp_path)!r}, rank=0)
+            print("opened")
+        except SwapSpaceInUseError:
+            print("refused")
+    """)
+    assert child.stdout.strip() == "refused", child.stderr
+    a.close()
+    assert not os.path.exists(os.path.join(str(tmp_path), "aidaptiv-swap"))
+
+
+def test_a_file_deleted_or_replaced_under_the_job_is_not_reopened_by_path(tmp_path, engine):
+    space = SwapSpace(str(tmp_path), rank=0)
+    f = space.create_file("params.swp", engine)
+    f.allocate(ALIGN)
+    os.rename(f.path, f.path + ".moved")
+    with open(f.path, "wb") as fh:                  # what another run's create_file used to leave there
+        fh.write(b"\0" * ALIGN)
+    with IOEngine(backend="posix") as other:
+        with pytest.raises(OSError) as e:
+            f.reopen(other)
+        assert "replaced by another file" in str(e.value) and e.value.filename == f.path
+        os.unlink(f.path)
+        with pytest.raises(OSError) as e:
+            f.reopen(other)
+        assert "was deleted" in str(e.value)
+        os.rename(f.path + ".moved", f.path)
+        f.reopen(other)                             # the same file again: accepted
+        assert f.engine is other
+        space.close()
+
+
+def test_swap_files_never_grow_past_the_file_size_limit_and_sigxfsz_is_left_alone(tmp_path):
+    # Before: the runtime ignored SIGXFSZ for the whole process of a program that had set it to the
+    # default. Now a swap file refuses to grow past ulimit -f (EFBIG, named), the process lives, and its
+    # SIGXFSZ disposition is still the program's.
+    out = run_child(f"""
+        import errno, json, resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)   # a program that wants the default (CPython ignores it)
+        from aidaptiv_ds.config import SwapSettings
+        from aidaptiv_ds.zero3.runtime import SwapRuntime
+        import torch
+        cfg = SwapSettings.from_block({{"enabled": True, "nvme_path": {str(tmp_path)!r}, "backend": "posix",
+                                        "host_memory_budget": "64MiB"}})
+        limit = 3 * 1048576 + 1000
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        rt = SwapRuntime(cfg, 0, torch.float32)
+        got = {{}}
+        try:
+            rt.params_file.allocate(1 << 20)        # fits
+            rt.params_file.allocate(4 << 20)        # would cross the limit
+        except OSError as e:
+            got = {{"errno": e.errno, "file": e.filename, "msg": str(e)}}
+        got["size"] = rt.params_file.size
+        got["disposition"] = str(signal.getsignal(signal.SIGXFSZ))
+        rt.close()
+        print(json.dumps(got))
+    """)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["errno"] == errno.EFBIG and got["file"].endswith("params.swp") and "ulimit -f" in got["msg"]
+    assert 1 << 20 <= got["size"] <= 3 * 1048576 + 1000
+    assert got["disposition"] == str(signal.SIG_DFL)
+
+
+def test_engine_writes_past_the_limit_fail_with_efbig_inside_the_block_only(tmp_path):
+    # Inside runtime.writing() (a checkpoint save) a write past ulimit -f raises EFBIG; the same process
+    # is still killed by SIGXFSZ for a write of its own outside it (the user's program is untouched).
+    path = str(tmp_path / "ckpt.bin")
+    out = run_child(f"""
+        import json, os, resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)   # a program that wants the default (CPython ignores it)
+        from aidaptiv_ds.config import SwapSettings
+        from aidaptiv_ds.zero3.runtime import SwapRuntime
+        import torch
+        cfg = SwapSettings.from_block({{"enabled": True, "nvme_path": {str(tmp_path)!r},
+                                        "host_memory_budget": "64MiB"}})
+        rt = SwapRuntime(cfg, 0, torch.float32)
+        buf = torch.empty(4 << 20, dtype=torch.uint8)
+        buf = buf[(-buf.data_ptr()) % 4096:][:2 << 20]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        with rt.writing():
+            try:
+                rt.engine.write(buf, {path!r}, 1 << 20)
+                print("no error", flush=True)
+            except OSError as e:
+                print(json.dumps([e.errno, e.filename]), flush=True)
+        rt.close()
+        fd = os.open({path!r}, os.O_WRONLY)
+        os.pwrite(fd, b"x", 2 << 20)                # the program's own write: SIGXFSZ as ever
+        print("survived", flush=True)
+    """)
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[0]) == [errno.EFBIG, path], out.stderr
+    assert "survived" not in lines and out.returncode == -signal.SIGXFSZ
 
 
 def test_extents_are_aligned_grow_the_file_and_are_reused(tmp_path, engine):
@@ -146,3 +314,22 @@ def test_budget_is_enforced_reclaimers_run_and_the_error_says_what_holds_memory(
     assert "host_memory_budget" in str(e.value)
     assert "still referenced elsewhere 2.0 MiB" in str(e.value)  # ``buf``: no holder owns it
     assert mem.try_take(3 << 20) is None  # non-blocking: no costly reclaimers, no error
+
+
+def test_a_swap_file_truncated_under_the_job_is_an_error_not_zeros(tmp_path, engine):
+    # A write after the truncation extends the file again with a hole before it: a read there would give
+    # zeros without an error from the kernel. The store checks the size against what it preallocated.
+    space = SwapSpace(str(tmp_path), rank=0)
+    store = SwapStore(engine, space)
+    f = space.create_file("params.swp", engine)
+    a, b = f.allocate(ALIGN), f.allocate(ALIGN)
+    buf = aligned_empty(ALIGN)
+    buf.fill_(3)
+    store.wait(store.write_span(f, a.offset, buf))
+    os.truncate(f.path, 0)
+    with pytest.raises(OSError) as e:
+        store.write_span(f, b.offset, buf)
+    assert e.value.errno == errno.ENODATA and "truncated under the job" in str(e.value) and e.value.filename == f.path
+    with pytest.raises(OSError):
+        store.read_span(f, a.offset, aligned_empty(ALIGN))
+    space.close()

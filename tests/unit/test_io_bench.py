@@ -104,6 +104,6 @@ def test_summary_shape_and_medians():
               "config": {"size_mb": 1, "block_kb": 4, "queue_depth": 1, "repeat": 3}}
     assert json.loads(json.dumps(result)) == result  # one plain JSON object
     table = io_bench.format_table(result)
-    assert table.splitlines()[0].startswith("machine: x, 2 cores")
+    assert table.splitlines()[0].startswith("machine: x (flags not recorded), 2 cores")
     assert "deepspeed  error: RuntimeError: no libaio" in table
     assert "uring / fio: read 1.00x, write 1.00x" in table

@@ -1,7 +1,7 @@
 """Machine facts recorded in rows."""
 import os
 
-from aidaptiv_ds.harness.machine import disk_of, machine_info, summary
+from aidaptiv_ds.harness.machine import cpu_line, disk_of, machine_info, summary
 
 
 def test_machine_info_has_the_row_fields(tmp_path):
@@ -26,5 +26,19 @@ def test_summary_line():
     m = {"host": "n1", "cpu": "Xeon", "cores": 48, "ram_gb": 192.0, "kernel": "5.15",
          "gpus": [{"name": "A100-PCIE-40GB", "memory_mb": 40960.0}] * 2,
          "swap_disk": {"device": "nvme0n1", "model": "AI100E", "rotational": False, "filesystem": "xfs"}}
-    assert summary(m) == ("n1: Xeon, 48 cores, 192.0 GiB RAM, 2x A100-PCIE-40GB 40 GiB, kernel 5.15, "
+    assert summary(m) == ("n1: Xeon (flags not recorded), 48 cores, 192.0 GiB RAM, 2x A100-PCIE-40GB 40 GiB, kernel 5.15, "
                           "swap disk nvme0n1 (AI100E, non-rotational, xfs)")
+
+
+def test_the_machine_line_names_the_cpu_flags_that_change_results():
+    m = machine_info("/tmp")
+    assert "cpu_flags" in m                                  # the row keeps them all
+    epyc = {"cpu": "AMD EPYC 7B13", "cpu_flags": ["sse2", "avx", "avx2", "fma", "f16c"]}
+    xeon = {"cpu": "Intel Xeon", "cpu_flags": ["avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile",
+                                               "amx_bf16", "avx512_fp16"]}
+    assert cpu_line(epyc) == ("AMD EPYC 7B13 (avx avx2 fma f16c; no avx512f avx512_bf16 avx512_fp16 amx_tile "
+                              "amx_bf16)")
+    assert cpu_line(xeon) == "Intel Xeon (avx avx2 fma f16c avx512f avx512_bf16 avx512_fp16 amx_tile amx_bf16)"
+    assert cpu_line({"cpu": "Neoverse", "cpu_flags": ["fp", "asimd", "sve"]}) == "Neoverse (asimd sve; no bf16)"
+    assert summary(dict(epyc, host="n2")).startswith("n2: AMD EPYC 7B13 (avx avx2 fma f16c; no avx512f")
+

@@ -122,7 +122,7 @@ def test_ratio_median_and_only_cells(results_dir):
 
 def test_header_failures_and_feasibility(results_dir):
     md, _ = build_report(str(results_dir), plots=False)
-    assert "box1: Test CPU 9000, 8 cores, 64.0 GiB RAM, 2x NVIDIA A100-SXM4-40GB 40 GiB, kernel" in md
+    assert "box1: Test CPU 9000 (flags not recorded), 8 cores, 64.0 GiB RAM, 2x NVIDIA A100-SXM4-40GB 40 GiB, kernel" in md
     assert "- git: cafe123 (32 cells)" in md
     assert "- Dates (UTC): 2026-03-01T10:00:00+00:00 to 2026-03-01T10:01:00+00:00" in md
     assert "1 older row(s) superseded" in md
