@@ -290,7 +290,21 @@ class Run:
         t0 = time.perf_counter()
         self.engine, _, _, _ = initialize(model=model, model_parameters=params, config=self.cfg)
         self.info["initialize_s"] = time.perf_counter() - t0
+        self.check_partition_dtype(model)
         self.note_loss_chunking(model)
+
+    def check_partition_dtype(self, model) -> None:
+        """Every backend trains in the dtype the config asks for, or the job stops here saying why: DeepSpeed
+        0.19.8's zero.Init drops an explicit dtype on CPUs it believes lack fp16 (the start-up hook mends that,
+        but not with AIDAPTIV_DS_AUTOLOAD=0) and would partition an fp32 model in bf16."""
+        found = {str(getattr(p, "ds_tensor", p).dtype).replace("torch.", "") for p in model.parameters()
+                 if getattr(p, "ds_tensor", p).is_floating_point()}
+        wanted = str(self.dtype).replace("torch.", "")
+        if found - {wanted}:
+            raise TrainingFailed(
+                f"the config asks for {wanted} but DeepSpeed partitioned parameters in {', '.join(sorted(found))} "
+                "(DeepSpeed 0.19.8's zero.Init ignores an explicit dtype on CPUs without fp16 support): keep the "
+                "aidaptiv-ds start-up hook on (unset AIDAPTIV_DS_AUTOLOAD), which mends it")
 
     def note_loss_chunking(self, model) -> None:
         """What the chunked loss (aidaptiv.activations.loss_chunk_tokens) saves, for the metrics."""

@@ -1,0 +1,23 @@
+"""The train job refuses to train in a dtype the config did not ask for (issue 11), whatever DeepSpeed chose."""
+import types
+
+import pytest
+import torch
+
+from aidaptiv_ds.train import Run, TrainingFailed
+
+
+def _model(partition_dtype):
+    model = torch.nn.Linear(4, 4)
+    for p in model.parameters():
+        p.ds_tensor = torch.empty(2, dtype=partition_dtype)  # what ZeRO-3 hangs on a partitioned parameter
+    return model
+
+
+def test_partitions_in_the_asked_dtype_pass():
+    Run.check_partition_dtype(types.SimpleNamespace(dtype=torch.float32), _model(torch.float32))
+
+
+def test_partitions_in_another_dtype_stop_the_job_with_the_reason():
+    with pytest.raises(TrainingFailed, match="asks for float32 but DeepSpeed partitioned parameters in bfloat16"):
+        Run.check_partition_dtype(types.SimpleNamespace(dtype=torch.float32), _model(torch.bfloat16))
