@@ -297,8 +297,9 @@ class Run:
         """Every backend trains in the dtype the config asks for, or the job stops here saying why: DeepSpeed
         0.19.8's zero.Init drops an explicit dtype on CPUs it believes lack fp16 (the start-up hook mends that,
         but not with AIDAPTIV_DS_AUTOLOAD=0) and would partition an fp32 model in bf16."""
-        found = {str(getattr(p, "ds_tensor", p).dtype).replace("torch.", "") for p in model.parameters()
-                 if getattr(p, "ds_tensor", p).is_floating_point()}
+        # The parameter's own dtype is what the forward computes in (a partition swapped out to NVMe by
+        # ZeRO-Infinity is a placeholder of another dtype, so partitions are not looked at).
+        found = {str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()}
         wanted = str(self.dtype).replace("torch.", "")
         if found - {wanted}:
             raise TrainingFailed(
