@@ -125,6 +125,10 @@ def unsupported_reason(model) -> Optional[str]:
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"model type {model_type!r} is not one whose logits are exactly lm_head(hidden) "
                 f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    if "forward" in vars(model) and not getattr(model, "_aidaptiv_chunked_loss", False):
+        # Another library replaced the model's forward and owns its head and loss (TRL's SFTTrainer installs a
+        # fused LM head that already works in tiles and returns log_probs its loss needs): leave it be.
+        return "its forward was replaced by another library (TRL's fused LM head, for one), which owns the loss"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
         return "the model has no nn.Linear output head"

@@ -143,3 +143,18 @@ def test_install_refuses_a_model_it_cannot_serve():
         chunked_loss.install(Other(), 16)
     with pytest.raises(ValueError, match="at least 1"):
         chunked_loss.install(_tiny_llama(), 0)
+
+
+def test_a_forward_another_library_replaced_is_left_alone():
+    """TRL's SFTTrainer replaces the model's forward with a fused LM head that returns log_probs; chunking our
+    way on top of it dropped them ('CausalLMOutputWithPast' object has no attribute 'log_probs')."""
+    import types as _types
+
+    from aidaptiv_ds import chunked_loss as _cl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    assert _cl.unsupported_reason(model) is None
+    model.forward = _types.MethodType(lambda self, **kw: "theirs", model)
+    assert "another library" in _cl.unsupported_reason(model)
