@@ -21,6 +21,10 @@ fi
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# pip before 23.1 (Debian 12's python3 venv has 23.0.1) installs a project without pyproject.toml in editable
+# mode through `setup.py develop`, which setuptools >= 80 hands to a nested pip with build isolation, where
+# torch is missing and the engine cannot build; newer pip uses the PEP 660 hooks in this environment.
+"${pip[@]}" "pip>=23.1"
 # torch first and alone: 2.13.0 is a local CPU build here; any other version pulls CUDA packages.
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" -r requirements.txt
