@@ -15,7 +15,6 @@ Writes one JSON row per run to OUT/rows.jsonl and prints a table.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, ROOT)
 
 from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
 from aidaptiv_ds.harness.results import git_state  # noqa: E402
+from train_run import run_train  # noqa: E402  (bench/train_run.py)
 
 # name -> (shipped config, "activations" object or None for a config without an aidaptiv block)
 VARIANTS = {
@@ -52,17 +52,7 @@ def run_one(variant, seq_len, args, swap_root, env):
     cmd = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", config, "--model", args.model,
            "--seq-len", str(seq_len), "--micro-batch", "1", "--steps", str(args.steps), "--warmup", "1",
            "--nvme-path", swap, "--metrics-out", metrics, "--no-progress"]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    row = {"variant": variant, "activations": activations, "seq_len": seq_len, "returncode": proc.returncode,
-           "wall_s": time.time() - t0, "command": cmd}
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            row["metrics"] = json.load(f)
-    else:
-        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    subprocess.run(["rm", "-rf", swap])
-    return row
+    return run_train(cmd, ROOT, env, swap, metrics, variant=variant, activations=activations, seq_len=seq_len)
 
 
 def main():

@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 
 from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
 from aidaptiv_ds.harness.results import git_state  # noqa: E402
+from train_run import run_train  # noqa: E402  (bench/train_run.py)
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
 
 # fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter, its gradient, an fp32 master
@@ -44,17 +45,7 @@ def run_one(backend, args, swap_root, env):
            "--metrics-out", metrics, "--no-progress"]
     if backend == "aidaptiv":
         cmd += ["--host-budget", str(args.budget_bytes)]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.time() - t0
-    row = {"backend": backend, "returncode": proc.returncode, "wall_s": wall, "command": cmd}
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            row["metrics"] = json.load(f)
-    else:
-        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    subprocess.run(["rm", "-rf", swap])
-    return row
+    return run_train(cmd, ROOT, env, swap, metrics, backend=backend)
 
 
 def main():

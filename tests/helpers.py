@@ -58,3 +58,10 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def assert_same_losses(ours, reference, rel=1e-5):
+    """Two loss trajectories of the same length, step by step within ``rel`` of the reference."""
+    assert len(ours) == len(reference)
+    for a, b in zip(ours, reference):
+        assert abs(a - b) <= rel * abs(b), (ours, reference)

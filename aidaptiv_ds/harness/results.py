@@ -19,6 +19,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from aidaptiv_ds.durable import fsync_path
+
 ROW_SCHEMA = 1
 RESULTS_FILE = "results.jsonl"
 
@@ -136,14 +138,6 @@ def git_state(start: Optional[str] = None) -> tuple[Optional[str], Optional[bool
         return None, None
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_row_file(path: str, row: dict) -> None:
     """Write one row as its own JSON file, atomically (temporary file, fsync, rename)."""
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -153,7 +147,7 @@ def write_row_file(path: str, row: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def append_row(results_path: str, row: dict) -> None:
@@ -178,7 +172,7 @@ def append_row(results_path: str, row: dict) -> None:
         finally:
             os.close(fd)
     if created:
-        _fsync_dir(os.path.dirname(os.path.abspath(results_path)))
+        fsync_path(os.path.dirname(os.path.abspath(results_path)))
 
 
 @dataclass

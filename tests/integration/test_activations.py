@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from helpers import CONFIGS, _free_port, child_env, failure_excerpt, read_metrics, run_train
+from helpers import CONFIGS, assert_same_losses, _free_port, child_env, failure_excerpt, read_metrics, run_train
 
 BUDGET = "40MiB"
 STEPS = 4
@@ -39,12 +39,6 @@ def train(tmp_path, config, name, *extra, procs=None):
                         cwd=tmp_path, launcher_procs=procs)
     assert rc == 0, failure_excerpt(log)
     return read_metrics(out)
-
-
-def assert_same_losses(ours, reference, rel=1e-5):
-    assert len(ours) == len(reference)
-    for a, b in zip(ours, reference):
-        assert abs(a - b) <= rel * abs(b), (ours, reference)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ import pytest
 
 from aidaptiv_ds.zero3 import dist_shm
 from aidaptiv_ds.zero3.compat import SHM_ALLREDUCE_PREFIX
-from helpers import CONFIGS, REPO, _free_port, child_env, failure_excerpt, read_metrics, run_train
+from helpers import (CONFIGS, REPO, _free_port, assert_same_losses, child_env, failure_excerpt, read_metrics,
+                     run_train)
 
 BUDGET = "40MiB"
 STEPS = 4
@@ -42,12 +43,6 @@ def train(tmp_path, config, name, *extra, procs=None, steps=STEPS):
                         cwd=tmp_path, launcher_procs=procs)
     assert rc == 0, failure_excerpt(log)
     return read_metrics(out)
-
-
-def assert_same_losses(ours, reference, rel=1e-5):
-    assert len(ours) == len(reference)
-    for a, b in zip(ours, reference):
-        assert abs(a - b) <= rel * abs(b), (ours, reference)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,24 @@
+"""One `aidaptiv-ds train` run of a benchmark: run it in its own process, keep its metrics, remove its swap.
+
+Shared by the benchmark scripts beside this file (they run as `python bench/NAME.py`, so this folder is on
+sys.path)."""
+import json
+import os
+import shutil
+import subprocess
+import time
+
+
+def run_train(cmd, cwd, env, swap, metrics, **row):
+    """Run ``cmd`` and return ``row`` with its return code, wall time, command and the run's metrics JSON (or
+    the last line of its output when it wrote none); ``swap`` is removed afterwards."""
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    row.update(returncode=proc.returncode, wall_s=time.time() - t0, command=cmd)
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            row["metrics"] = json.load(f)
+    else:
+        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    shutil.rmtree(swap, ignore_errors=True)
+    return row
