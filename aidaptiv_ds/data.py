@@ -1,13 +1,18 @@
-"""Instruction data: JSONL records -> one training text each -> token stream -> packed fixed-length sequences.
+"""Instruction data: records -> one training text each -> token stream -> packed fixed-length sequences.
 
-Accepted record shapes (one JSON object per line; blank lines are skipped):
+Records come from a JSONL, JSON, CSV or Parquet file or a datasets save_to_disk folder (aidaptiv_ds.record_files
+reads them). Accepted record shapes:
 
 - Dolly:   {"instruction", "context", "response"}   (context may be empty)
 - Alpaca:  {"instruction", "input", "output"}       (input may be empty)
 - pair:    {"prompt", "response"}
 - chat:    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
 
-Every record becomes one text with a fixed template (TEMPLATE below), framed by BOS/EOS. The texts of one
+Every record becomes one text with a fixed template (TEMPLATE below), framed by BOS/EOS; with a tokenizer that
+has a chat template (a Hugging Face model directory whose tokenizer_config.json carries ``chat_template``), the
+record becomes chat messages instead (``record_messages``: instruction and input as the user's turn, the
+response as the assistant's) rendered by that template, as the model will be prompted after fine-tuning. The
+texts of one
 epoch, in an order shuffled from the seed, are concatenated into one token stream, and the stream is cut into
 sequences of exactly ``seq_len`` tokens (packing): no padding, so every token trains and tokens/s compares
 across runs. Labels are the input ids (causal LM; the model shifts them). The stream repeats with a fresh
@@ -16,12 +21,18 @@ order each epoch, so any number of steps at any sequence length can be served fr
 Sharding: global micro-batch ``g`` holds sequences ``g*B .. g*B+B-1``; rank ``r`` of ``W`` takes micro-batches
 ``r, r+W, r+2W, ...``. All ranks together consume the stream in order, so the data of one step with 2 ranks
 x B equals one rank x 2B, and a position (a micro-batch counter) is all a checkpoint needs to resume.
+
+Held-out evaluation (``split_held_out``): a fraction of the records, picked from the seed, is taken out of the
+training stream before packing; ``EvalBatches`` packs those records once, in file order, into whole sequences
+of ``seq_len`` (the tail shorter than one sequence is left out) and shards them over the ranks.
 """
 from __future__ import annotations
 
-import json
+import math
 import os
 import random
+
+from aidaptiv_ds.record_files import DataError, read_records
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "instructions.jsonl")
 
@@ -30,12 +41,10 @@ INPUT_BLOCK = "### Input:\n{input}\n\n"
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-class DataError(ValueError):
-    """A malformed data file; the message names the file and line."""
-
-
 def _text_field(rec: dict, key: str, where: str, required: bool = True) -> str:
-    value = rec.get(key, "" if not required else None)
+    value = rec.get(key)
+    if value is None and not required:   # absent, or null in a Parquet/datasets column
+        return ""
     if value is None:
         raise DataError(f"{where}: field {key!r} is missing")
     if not isinstance(value, str):
@@ -43,22 +52,22 @@ def _text_field(rec: dict, key: str, where: str, required: bool = True) -> str:
     return value
 
 
-def format_record(rec, where: str = "record") -> str:
-    """One training text from one record of any accepted shape."""
-    if not isinstance(rec, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    if "messages" in rec:
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
-        parts = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
-            if m["role"] not in CHAT_ROLES:
-                raise DataError(f"{where}: messages[{i}] has role {m['role']!r}; expected one of {', '.join(CHAT_ROLES)}")
-            parts.append(f"### {m['role'].capitalize()}:\n{m['content']}")
-        return "\n\n".join(parts)
+def _chat(rec: dict, where: str) -> list[dict]:
+    msgs = rec["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+        if m["role"] not in CHAT_ROLES:
+            raise DataError(f"{where}: messages[{i}] has role {m['role']!r}; expected one of {', '.join(CHAT_ROLES)}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _instruction_fields(rec: dict, where: str) -> tuple[str, str, str]:
+    """(instruction, input or context, response) of a Dolly, Alpaca or prompt/response record."""
     if "instruction" in rec and "response" in rec:           # Dolly
         instruction, extra, response = (_text_field(rec, "instruction", where),
                                         _text_field(rec, "context", where, required=False),
@@ -72,28 +81,70 @@ def format_record(rec, where: str = "record") -> str:
     else:
         raise DataError(f"{where}: unrecognised record with keys {sorted(rec)}; expected instruction/context/"
                         "response (Dolly), instruction/input/output (Alpaca), prompt/response, or messages")
+    return instruction, extra, response
+
+
+def _check_object(rec, where: str) -> None:
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+
+
+def format_record(rec, where: str = "record") -> str:
+    """One training text from one record of any accepted shape (the fixed template, no chat template)."""
+    _check_object(rec, where)
+    if "messages" in rec:
+        return "\n\n".join(f"### {m['role'].capitalize()}:\n{m['content']}" for m in _chat(rec, where))
+    instruction, extra, response = _instruction_fields(rec, where)
     input_block = INPUT_BLOCK.format(input=extra) if extra.strip() else ""
     return TEMPLATE.format(instruction=instruction, input_block=input_block, response=response)
 
 
+def record_messages(rec, where: str = "record") -> list[dict]:
+    """The record as chat messages, for a tokenizer's chat template: a chat record as it is; an instruction
+    record as the user's turn (the instruction, then its input or context after a blank line) and the
+    assistant's reply."""
+    _check_object(rec, where)
+    if "messages" in rec:
+        return _chat(rec, where)
+    instruction, extra, response = _instruction_fields(rec, where)
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+
+
+def record_tokens(rec, tokenizer, where: str = "record") -> list[int]:
+    """One record's token ids: through the tokenizer's chat template when it has one, else the fixed
+    template framed by BOS/EOS."""
+    if getattr(tokenizer, "has_chat_template", False):
+        return tokenizer.encode_chat(record_messages(rec, where))
+    return tokenizer.encode(format_record(rec, where))
+
+
+def load_records(path: str) -> list[tuple[str, dict]]:
+    """Every record of a data file or folder (any form aidaptiv_ds.record_files reads) as (where, record)."""
+    return read_records(path)
+
+
 def load_texts(path: str) -> list[str]:
-    """All records of a JSONL file as training texts; the first malformed line raises DataError."""
-    if not os.path.isfile(path):
-        raise DataError(f"data file {path} does not exist: give a JSONL file of instruction records")
-    texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            texts.append(format_record(rec, where))
-    if not texts:
-        raise DataError(f"data file {path} has no records")
-    return texts
+    """All records of a data file as training texts (fixed template); the first malformed one raises DataError."""
+    return [format_record(rec, where) for where, rec in read_records(path)]
+
+
+def split_held_out(records: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held out): ``fraction`` of the records (at least one, and at least one left to train on), picked
+    from ``seed``; both parts keep the file's order."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"--eval-fraction {fraction} must be at least 0 and below 1")
+    if fraction == 0.0:
+        return list(records), []
+    n_eval = max(1, round(fraction * len(records)))
+    if n_eval >= len(records):
+        raise DataError(f"--eval-fraction {fraction} of {len(records)} record(s) leaves nothing to train on: lower "
+                        "it, give more data, or pass the held-out set as --eval-data")
+    order = list(range(len(records)))
+    # Its own generator, not the packing's, so that the split does not move when the packing changes.
+    random.Random(seed * 1_000_033 + 7).shuffle(order)
+    held = set(order[:n_eval])
+    return ([r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held])
 
 
 class PackedStream:
@@ -154,8 +205,43 @@ class ShardedBatches:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+class EvalBatches:
+    """The held-out records packed once, in order, into whole sequences of ``seq_len``, sharded like
+    ShardedBatches. Every rank runs the same number of forwards (``rounds``; ZeRO-3 gathers parameters
+    collectively): a rank without a batch in the last round re-runs the first one with weight 0."""
+
+    def __init__(self, token_lists: list[list[int]], seq_len: int, micro_batch: int, rank: int, world_size: int,
+                 what: str = "the held-out data"):
+        import torch
+        ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
+        self.sequences = len(ids) // seq_len
+        if self.sequences == 0:
+            raise DataError(f"{what} has {len(ids)} tokens, fewer than one sequence of --seq-len {seq_len}: give "
+                            "more held-out records (a larger --eval-fraction or --eval-data file) or a shorter "
+                            "--seq-len")
+        self.tokens = self.sequences * seq_len
+        self._ids = ids[:self.tokens].view(self.sequences, seq_len)
+        self.micro_batch, self.rank, self.world_size = micro_batch, rank, world_size
+        global_batches = math.ceil(self.sequences / micro_batch)
+        self.rounds = math.ceil(global_batches / world_size)
+
+    def batch(self, i: int) -> tuple[dict, int]:
+        """This rank's batch of round ``i`` and how many of its sequences count (0 for a stand-in)."""
+        g = i * self.world_size + self.rank
+        start = g * self.micro_batch
+        if start >= self.sequences:
+            ids, weight = self._ids[:min(self.micro_batch, self.sequences)], 0
+        else:
+            ids = self._ids[start:start + self.micro_batch]
+            weight = len(ids)
+        return {"input_ids": ids.clone(), "labels": ids.clone()}, weight
+
+
+def tokenize(records: list, tokenizer) -> list[list[int]]:
+    return [record_tokens(rec, tokenizer, where) for where, rec in records]
+
+
 def build_batches(path: str, tokenizer, seq_len: int, micro_batch: int, seed: int, rank: int,
                   world_size: int) -> ShardedBatches:
-    texts = load_texts(path)
-    stream = PackedStream([tokenizer.encode(t) for t in texts], seq_len, seed)
+    stream = PackedStream(tokenize(read_records(path), tokenizer), seq_len, seed)
     return ShardedBatches(stream, micro_batch, rank, world_size)

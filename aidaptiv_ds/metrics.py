@@ -205,3 +205,13 @@ def monitor_events(step: int, record: dict, *, loss: float, lr: float | None, to
               "nvme_write_GBps": io_bytes[1] / s / 1e9 if io_bytes and s > 0 else None,
               "host_budget_bytes": host_budget, "pinned_bytes": pinned, "gpu_mem_mb": gpu_mb}
     return [(MONITOR_PREFIX + k, float(values[k]), step) for k in MONITOR_SERIES if values[k] is not None]
+
+
+# The held-out loss (train --eval-fraction/--eval-data), written at the steps it is computed (--eval-every and
+# the last), beside the per-step series: aidaptiv/eval_loss (aidaptiv_eval_loss.csv in the CSV monitor).
+EVAL_SERIES = ("eval_loss",)
+
+
+def eval_events(step: int, eval_loss: float) -> list:
+    """[(name, value, step)] of one evaluation, as DeepSpeed's MonitorMaster.write_events takes them."""
+    return [(MONITOR_PREFIX + "eval_loss", float(eval_loss), step)]

@@ -1,4 +1,5 @@
-"""Tokenizers: a byte-level one for presets (offline, deterministic), or a local HF model's own.
+"""Tokenizers: a byte-level one for presets (offline, deterministic), or a local HF model's own (with its chat
+template, when it has one: ``has_chat_template``, ``encode_chat``).
 
 The byte tokenizer maps UTF-8 bytes 0..255 to ids 0..255 and adds three specials, BOS=256, EOS=257, PAD=258.
 Every preset vocabulary (2,048 and up) contains these 259 ids, so the same text gives the same ids for every
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 
 class ByteTokenizer:
+    """No chat template: records keep the fixed text template of aidaptiv_ds.data."""
     BOS = 256
     EOS = 257
     PAD = 258
     vocab_size = 259
     name = "byte"
+    has_chat_template = False
 
     bos_token_id = BOS
     eos_token_id = EOS
@@ -39,6 +42,9 @@ class HFTokenizer:
         self.eos_token_id = self._tok.eos_token_id
         self.pad_token_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_token_id
         self.vocab_size = len(self._tok)
+        # A model's chat template is how it will be prompted after fine-tuning, so records are rendered
+        # through it when the tokenizer has one (tokenizer_config.json "chat_template", or chat_template.jinja).
+        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
@@ -46,6 +52,15 @@ class HFTokenizer:
             ids = [self.bos_token_id] + ids
         if add_eos and self.eos_token_id is not None:
             ids = ids + [self.eos_token_id]
+        return ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation through the chat template (which places BOS and the turn markers itself), then EOS
+        unless the template ended on it: documents packed into one stream stay separated."""
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
+        if self.eos_token_id is not None and (not ids or ids[-1] != self.eos_token_id):
+            ids.append(self.eos_token_id)
         return ids
 
     def decode(self, ids) -> str:

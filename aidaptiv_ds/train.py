@@ -4,8 +4,12 @@
   deepspeed --num_accelerators 2 --module aidaptiv_ds train --config ds_configs/zero_infinity.json ...
 
 The model is a preset shape with random weights (micro, tiny, llama2-7b, ..., see --model) or a local Hugging
-Face directory; the data is an instruction JSONL file (the packaged set by default) packed into sequences of
-exactly --seq-len tokens. Every step is timed by phase; --metrics-out writes one JSON object with tokens/s,
+Face directory; the data is a file or folder of instruction records (JSONL, JSON, CSV, Parquet or a datasets
+save_to_disk folder; the packaged set by default), rendered through the tokenizer's chat template when it has
+one, packed into sequences of exactly --seq-len tokens. The run makes --steps optimizer steps or --epochs passes
+over the data, can hold records out and report their loss (--eval-fraction/--eval-data, --eval-every), follow
+a learning-rate schedule with warm-up (--lr-schedule, --warmup-steps), save every N steps and pick up where it
+stopped (--save-every, --resume auto). Every step is timed by phase; --metrics-out writes one JSON object with tokens/s,
 the median step time after --warmup steps, the loss trajectory (mean over ranks), peak host/GPU memory and
 the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of memory (GPU or host); the
 metrics file says which ("status") either way. With an "aidaptiv" block, --output-dir writes the trained model
@@ -40,10 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", metavar="PRESET|HF_DIR",
                    help=f"a preset ({', '.join(preset_names())}) with random weights, or a local Hugging Face "
                         "model directory (config, weights and tokenizer read from disk). Default: tiny")
-    p.add_argument("--data", default=None, metavar="FILE.jsonl",
-                   help="instruction records (Dolly, Alpaca, prompt/response or chat messages); "
-                        "default: the set packaged with aidaptiv_ds")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps to reach (counting resumed ones); default 10")
+    p.add_argument("--data", default=None, metavar="FILE|DIR",
+                   help="instruction records (Dolly, Alpaca, prompt/response or chat messages) in a .jsonl, .json, "
+                        ".csv or .parquet file or a datasets save_to_disk folder; default: the set packaged with "
+                        "aidaptiv_ds")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps to reach (counting resumed ones); default 10, or with --epochs as many as "
+                        "the epochs take (with both, whichever ends first)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence; default 512")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per rank per micro-step (overrides train_micro_batch_size_per_gpu)")
@@ -59,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="aidaptiv only: host memory for staging and caching (bytes, '512MiB', '25%%' of RAM); "
                         "overrides the config's aidaptiv.host_memory_budget")
     p.add_argument("--warmup", type=int, default=2,
-                   help="first steps left out of medians and NVMe byte counts; default 2 (at least one step is "
-                        "always timed)")
+                   help="first steps left out of medians and NVMe byte counts (timing only; the learning-rate "
+                        "warm-up is --warmup-steps); default 2 (at least one step is always timed)")
     p.add_argument("--metrics-out", default=None, metavar="FILE.json", help="write the run's metrics here (rank 0)")
     p.add_argument("--save-dir", default=None, help="write DeepSpeed checkpoints here (tag stepN)")
     p.add_argument("--save-every", type=int, default=0,
@@ -73,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after training, save the model's logits on rank 0's first batch ({'input_ids', "
                         "'logits'} with torch.save): to check an exported model against the trained one")
     p.add_argument("--resume-from", default=None, metavar="DIR",
-                   help="a --save-dir (resumes its latest tag) or one tag directory in it")
+                   help="a --save-dir (resumes its latest tag) or one tag directory in it (see also --resume auto)")
     p.add_argument("--keep-swap", action="store_true",
                    help="keep DeepSpeed's NVMe swap files after the run (default: each rank removes its own; "
                         "checkpoints carry their own copy)")
@@ -81,6 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
+    from aidaptiv_ds import train_plan
+    train_plan.add_arguments(p)   # epochs, held-out evaluation, lr schedule, --resume auto
     # The deepspeed launcher passes --local_rank=N (we read LOCAL_RANK from the environment instead).
     p.add_argument("--local_rank", "--local-rank", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
@@ -181,15 +190,16 @@ class Run:
 
     def prepare(self):
         """Config, model spec, data: everything that can fail cheaply, before DeepSpeed starts."""
-        from aidaptiv_ds import ds_config, models
-        from aidaptiv_ds.data import DEFAULT_DATA, build_batches
+        from aidaptiv_ds import ds_config, models, train_plan
         from aidaptiv_ds.tokenizer import tokenizer_for
         a = self.args
-        for name in ("steps", "seq_len"):
-            if getattr(a, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)} must be at least 1")
+        if a.seq_len < 1:
+            raise ValueError(f"--seq-len {a.seq_len} must be at least 1")
         if a.save_every < 0 or a.warmup < 0:
             raise ValueError("--save-every and --warmup must not be negative")
+        found = train_plan.problems(a)
+        if found:
+            raise TrainingFailed("; ".join(found))
         cfg = ds_config.load(a.config, what="--config")
         cfg = ds_config.apply_overrides(cfg, micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
                                         nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
@@ -222,9 +232,7 @@ class Run:
         if self.tokenizer.vocab_size > self.spec.config.vocab_size:
             raise TrainingFailed(f"the tokenizer of {a.model} has {self.tokenizer.vocab_size} ids but the model's "
                                  f"vocabulary is {self.spec.config.vocab_size}: use the model's own tokenizer files")
-        data_path = a.data or DEFAULT_DATA
-        self.batches = build_batches(data_path, self.tokenizer, a.seq_len, self.micro_batch, a.seed,
-                                     self.rank, self.world_size)
+        data_path = self.prepare_data(cfg)
         self.info.update(
             model=self.spec.name, params=self.spec.num_parameters, backend=self.backend,
             dtype=ds_config.dtype_name(cfg), micro_batch=self.micro_batch, seq_len=a.seq_len,
@@ -233,6 +241,43 @@ class Run:
             lr=((cfg.get("optimizer") or {}).get("params") or {}).get("lr"),
             nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
             device="cuda" if self.cuda else "cpu")
+
+    def prepare_data(self, cfg: dict) -> str:
+        """Training stream and held-out batches, the run's step count, and the lr schedule that needs it."""
+        from aidaptiv_ds import data as D
+        from aidaptiv_ds import lr_schedule, train_plan
+        a = self.args
+        data_path = a.data or D.DEFAULT_DATA
+        train_records, held_out = D.split_held_out(D.load_records(data_path), a.eval_fraction, a.seed)
+        self.batches = D.ShardedBatches(D.PackedStream(D.tokenize(train_records, self.tokenizer), a.seq_len, a.seed),
+                                        self.micro_batch, self.rank, self.world_size)
+        if a.eval_data:
+            held_out = D.load_records(a.eval_data)
+        self.eval_batches = None
+        if held_out:
+            what = f"--eval-data {a.eval_data}" if a.eval_data else f"the held-out {a.eval_fraction:g} of {data_path}"
+            self.eval_batches = D.EvalBatches(D.tokenize(held_out, self.tokenizer), a.seq_len, self.micro_batch,
+                                              self.rank, self.world_size, what=what)
+        epoch_tokens = self.batches.stream.epoch_tokens
+        tokens_per_step = self.micro_batch * a.seq_len * self.grad_accum * self.world_size
+        self.steps = train_plan.total_steps(a.steps, a.epochs, epoch_tokens, tokens_per_step)
+        found = lr_schedule.problems(a.lr_schedule, a.warmup_steps, self.steps)
+        if found:
+            raise TrainingFailed("; ".join(found))
+        self.lr_scheduler = None
+        if a.lr_schedule:
+            if cfg.pop("scheduler", None) is not None:
+                self.log(f"aidaptiv-ds train: --lr-schedule {a.lr_schedule} replaces the config's scheduler section")
+            self.lr_scheduler = lr_schedule.scheduler_factory(a.lr_schedule, a.warmup_steps, self.steps)
+        self.info.update(
+            train_records=len(train_records), epoch_tokens=epoch_tokens,
+            steps_per_epoch=epoch_tokens / tokens_per_step,
+            eval_data=a.eval_data or (data_path if held_out else None),
+            eval_records=len(held_out) or None,
+            eval_sequences=self.eval_batches.sequences if self.eval_batches else None,
+            lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps if a.lr_schedule else None,
+            chat_template=bool(getattr(self.tokenizer, "has_chat_template", False)))
+        return data_path
 
     def check_fits(self, cfg: dict, seq_len: int) -> None:
         """Refuse, before a byte is written, a job whose swap space, host budget or host memory cannot hold
@@ -288,7 +333,8 @@ class Run:
         self.info["build_s"] = time.perf_counter() - t0
         params = [p for p in model.parameters() if p.requires_grad]
         t0 = time.perf_counter()
-        self.engine, _, _, _ = initialize(model=model, model_parameters=params, config=self.cfg)
+        self.engine, _, _, _ = initialize(model=model, model_parameters=params, config=self.cfg,
+                                          lr_scheduler=self.lr_scheduler)
         self.info["initialize_s"] = time.perf_counter() - t0
         self.check_partition_dtype(model)
         self.note_loss_chunking(model)
@@ -319,15 +365,24 @@ class Run:
                                        "chunked": chunked_loss.logits_bytes(tokens, vocab, chunk) / 2**20}
 
     def resume(self) -> dict:
-        """Restore from --resume-from; returns the client state (or a fresh one)."""
+        """Restore from --resume-from or --resume auto; returns the client state (or a fresh one)."""
+        from aidaptiv_ds.train_plan import latest_checkpoint
         a = self.args
-        if not a.resume_from:
-            return {"step": 0, "data_position": 0, "losses": []}
-        load_dir, tag = _resolve_resume(a.resume_from)
+        fresh = {"step": 0, "data_position": 0, "losses": [], "lrs": []}
+        source = a.resume_from
+        if a.resume == "auto":
+            source = latest_checkpoint(a.save_dir)
+            if source is None:
+                self.log(f"aidaptiv-ds train: --resume auto: no checkpoint in {a.save_dir} yet, starting from step 0")
+                return fresh
+            self.log(f"aidaptiv-ds train: --resume auto: the latest checkpoint in {a.save_dir} is {source}")
+        if not source:
+            return fresh
+        load_dir, tag = _resolve_resume(source)
         path, client = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if path is None or client is None or "step" not in client:
-            raise TrainingFailed(f"--resume-from {a.resume_from}: DeepSpeed found no loadable checkpoint there")
+            raise TrainingFailed(f"--resume-from {source}: DeepSpeed found no loadable checkpoint there")
         was = {k: client.get(k) for k in ("seq_len", "micro_batch", "world_size")}
         now = {"seq_len": a.seq_len, "micro_batch": self.micro_batch, "world_size": self.world_size}
         if any(was[k] is not None and was[k] != now[k] for k in now):
@@ -366,6 +421,7 @@ class Run:
         save_dir = save_dir or self.args.save_dir
         tag = f"step{step}"
         client = {"step": step, "data_position": position, "losses": list(losses), "rng": _rng_state(),
+                  "lrs": list(getattr(self, "lrs", [])), "eval_losses": list(getattr(self, "eval_losses", [])),
                   "seed": self.args.seed, "seq_len": self.args.seq_len, "micro_batch": self.micro_batch,
                   "world_size": self.world_size}
         self.engine.save_checkpoint(save_dir, tag=tag, client_state=client)
@@ -443,32 +499,56 @@ class Run:
             host_budget=self.host_budget, pinned=stats.get("pinned_bytes") if stats else None,
             gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None))
 
+    def current_lr(self) -> float | None:
+        """The lr the optimizer's next update uses (its first parameter group's)."""
+        with contextlib.suppress(Exception):
+            return float(self.engine.get_lr()[0])
+        return None
+
+    def run_eval(self, step: int, monitor) -> None:
+        """The held-out loss after optimizer step ``step``: into the metrics, the log and the monitors."""
+        from aidaptiv_ds import metrics as M
+        from aidaptiv_ds.evaluation import evaluate
+        t0 = time.perf_counter()
+        loss = evaluate(self.engine, self.eval_batches)
+        self.eval_losses.append([step, loss])
+        self.log(f"aidaptiv-ds train: step {step}: eval loss {loss:.4f} on {self.eval_batches.sequences} held-out "
+                 f"sequence(s) ({time.perf_counter() - t0:.1f} s)")
+        if monitor:
+            monitor.write_events(M.eval_events(step, loss))
+
     def train(self) -> dict:
         import torch
         import torch.distributed as dist
         from aidaptiv_ds import metrics as M
+        from aidaptiv_ds.train_plan import eval_due
         a, engine = self.args, self.engine
         sync = torch.cuda.synchronize if self.cuda else None
         timer = M.StepTimer(sync)
         client = self.resume()
         start, position, losses = int(client["step"]), int(client["data_position"]), list(client["losses"])
-        steps_to_run = max(0, a.steps - start)
+        # per step, what the run before a resume recorded (None for a checkpoint older than these fields)
+        self.lrs = list(client.get("lrs") or [None] * start)
+        self.eval_losses = [list(e) for e in client.get("eval_losses") or []]
+        steps = self.steps
+        steps_to_run = max(0, steps - start)
         warmup = min(a.warmup, max(0, steps_to_run - 1))
         tokens_per_step = self.micro_batch * a.seq_len * self.grad_accum * self.world_size
         device = engine.device
         bar = None
         if self.rank == 0 and not a.no_progress:
             from tqdm import tqdm
-            bar = tqdm(total=a.steps, initial=start, file=sys.stderr, desc=f"train {self.spec.name}",
+            bar = tqdm(total=steps, initial=start, file=sys.stderr, desc=f"train {self.spec.name}",
                        unit="step", dynamic_ncols=True)
         io_start = None
         io_excluded = {"read_bytes": 0, "write_bytes": 0}
         engine.train()
         monitor = self.monitor()
-        for i, step in enumerate(range(start, a.steps)):
+        for i, step in enumerate(range(start, steps)):
             if i == warmup:
                 io_start = M.proc_io()
             step_io = M.proc_io() if monitor else None
+            self.lrs.append(self.current_lr())   # what this step's update uses
             timer.start_step()
             micro_losses = []
             for _ in range(self.grad_accum):
@@ -491,7 +571,14 @@ class Run:
             losses.append(step_loss.item() / self.world_size)
             if monitor:
                 self.write_monitor(monitor, step + 1, timer.steps[-1], losses[-1], tokens_per_step, step_io)
-            if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
+            if self.eval_batches is not None and eval_due(step + 1, a.eval_every, steps):
+                before = M.proc_io()
+                self.run_eval(step + 1, monitor)
+                after = M.proc_io()
+                if before and after:   # the held-out forwards are not the training steps' traffic
+                    for k in io_excluded:
+                        io_excluded[k] += after[k] - before[k]
+            if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
                 before = M.proc_io()
                 self.save(step + 1, position, losses)
                 after = M.proc_io()
@@ -505,9 +592,9 @@ class Run:
         if bar is not None:
             bar.close()
         if a.save_dir and steps_to_run > 0:
-            self.save(a.steps, position, losses)
+            self.save(steps, position, losses)
         if getattr(a, "output_dir", None):
-            self.write_output(a.steps, position, losses)
+            self.write_output(steps, position, losses)
         if getattr(a, "logits_out", None):
             self.write_logits(a.logits_out)
 
@@ -535,8 +622,12 @@ class Run:
             engine_stats=stats, peak_rss=peak.item(), peak_gpu=peak_gpu,
             nvme_read=int(t[0].item()) if nvme[0] is not None else None,
             nvme_write=int(t[1].item()) if nvme[1] is not None else None,
-            extra={**self.info, "steps": a.steps, "first_step": start, "warmup": warmup,
-                   "tokens_per_step": tokens_per_step,
+            extra={**self.info, "steps": steps, "first_step": start, "warmup": warmup,
+                   "tokens_per_step": tokens_per_step, "lrs": self.lrs,
+                   "epochs_done": position * self.micro_batch * self.world_size * a.seq_len
+                   / self.batches.stream.epoch_tokens,
+                   "eval_losses": self.eval_losses or None,
+                   "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
                    "nvme_bytes_steps": (steps_to_run - warmup) if io_start else None})
 
     def close(self):
@@ -594,7 +685,7 @@ def run(args) -> int:
     finally:
         job.close()
     if status != "ok":
-        metrics = {"status": status, "error": error, **job.info, "steps": args.steps,
+        metrics = {"status": status, "error": error, **job.info, "steps": getattr(job, "steps", args.steps),
                    "losses": None, "tokens_per_s": None, "step_s_median": None}
     else:   # what close() did with the swap files
         metrics.update({k: job.info[k] for k in ("swap_kept", "swap_removed") if k in job.info})
