@@ -12,7 +12,7 @@ path alone, never guessed from the content:
 - a folder written by ``datasets``' ``save_to_disk`` (``state.json``/``dataset_info.json``, or a
   ``dataset_dict.json`` whose ``train`` split is used).
 
-pandas, pyarrow and datasets are imported only for the forms that need them.
+pyarrow and datasets are imported only for the forms that need them.
 """
 from __future__ import annotations
 
