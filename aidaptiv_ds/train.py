@@ -204,6 +204,7 @@ class Run:
                         model_name=self.spec.name, cuda=self.cuda)
         self.cfg = cfg
         self.backend = ds_config.backend(cfg)
+        self.note_wandb(cfg)
         self.check_fits(cfg, a.seq_len)
         if getattr(a, "output_dir", None) and self.backend != "aidaptiv":
             raise TrainingFailed(f"--output-dir needs a config with an \"aidaptiv\" block (this one runs "
@@ -233,6 +234,15 @@ class Run:
             lr=((cfg.get("optimizer") or {}).get("params") or {}).get("lr"),
             nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
             device="cuda" if self.cuda else "cpu")
+
+    def note_wandb(self, cfg: dict) -> None:
+        """With the config's "wandb" section on: W&B offline (unless WANDB_MODE says otherwise), its files in
+        the --metrics-out folder (else the working directory) unless WANDB_DIR says otherwise."""
+        from aidaptiv_ds import wandb_env
+        out = self.args.metrics_out
+        wandb = wandb_env.prepare(cfg, os.path.dirname(os.path.abspath(out)) if out else os.getcwd())
+        if wandb:
+            self.info["wandb"] = wandb
 
     def check_fits(self, cfg: dict, seq_len: int) -> None:
         """Refuse, before a byte is written, a job whose swap space, host budget or host memory cannot hold
@@ -438,10 +448,11 @@ class Run:
                 from aidaptiv_ds import config as C
                 settings = C.resolve(self.cfg)[1]
                 self.host_budget = settings.host_budget_bytes if settings else None
-        monitor.write_events(M.monitor_events(
+        from aidaptiv_ds.zero3 import monitors
+        monitors.write_events(monitor, M.monitor_events(
             step, record, loss=loss, lr=lr, tokens_per_step=tokens_per_step, io_bytes=io,
             host_budget=self.host_budget, pinned=stats.get("pinned_bytes") if stats else None,
-            gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None))
+            gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None), self.engine)
 
     def train(self) -> dict:
         import torch
