@@ -11,7 +11,8 @@ the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of me
 metrics file says which ("status") either way. With an "aidaptiv" block, --output-dir writes the trained model
 in Hugging Face format (see aidaptiv_ds.export); with DeepSpeed's "csv_monitor", "tensorboard" or "wandb"
 sections, every step's loss, lr, tokens/s, step split, NVMe GB/s, host budget, pinned and GPU memory go to
-them (aidaptiv_ds.metrics.MONITOR_SERIES).
+them (aidaptiv_ds.metrics.MONITOR_SERIES); W&B runs offline into the --metrics-out folder unless WANDB_MODE /
+WANDB_DIR say otherwise (aidaptiv_ds.wandb_env).
 
 Run directly it is a 1-process job (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set when absent); under the
 deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA).
