@@ -15,7 +15,8 @@ the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of me
 metrics file says which ("status") either way. With an "aidaptiv" block, --output-dir writes the trained model
 in Hugging Face format (see aidaptiv_ds.export); with DeepSpeed's "csv_monitor", "tensorboard" or "wandb"
 sections, every step's loss, lr, tokens/s, step split, NVMe GB/s, host budget, pinned and GPU memory go to
-them (aidaptiv_ds.metrics.MONITOR_SERIES).
+them (aidaptiv_ds.metrics.MONITOR_SERIES); W&B runs offline into the --metrics-out folder unless WANDB_MODE /
+WANDB_DIR say otherwise (aidaptiv_ds.wandb_env).
 
 Run directly it is a 1-process job (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set when absent); under the
 deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA).
@@ -214,6 +215,7 @@ class Run:
                         model_name=self.spec.name, cuda=self.cuda)
         self.cfg = cfg
         self.backend = ds_config.backend(cfg)
+        self.note_wandb(cfg)
         self.check_fits(cfg, a.seq_len)
         if getattr(a, "output_dir", None) and self.backend != "aidaptiv":
             raise TrainingFailed(f"--output-dir needs a config with an \"aidaptiv\" block (this one runs "
@@ -278,6 +280,15 @@ class Run:
             lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps if a.lr_schedule else None,
             chat_template=bool(getattr(self.tokenizer, "has_chat_template", False)))
         return data_path
+
+    def note_wandb(self, cfg: dict) -> None:
+        """With the config's "wandb" section on: W&B offline (unless WANDB_MODE says otherwise), its files in
+        the --metrics-out folder (else the working directory) unless WANDB_DIR says otherwise."""
+        from aidaptiv_ds import wandb_env
+        out = self.args.metrics_out
+        wandb = wandb_env.prepare(cfg, os.path.dirname(os.path.abspath(out)) if out else os.getcwd())
+        if wandb:
+            self.info["wandb"] = wandb
 
     def check_fits(self, cfg: dict, seq_len: int) -> None:
         """Refuse, before a byte is written, a job whose swap space, host budget or host memory cannot hold
@@ -494,10 +505,11 @@ class Run:
                 from aidaptiv_ds import config as C
                 settings = C.resolve(self.cfg)[1]
                 self.host_budget = settings.host_budget_bytes if settings else None
-        monitor.write_events(M.monitor_events(
+        from aidaptiv_ds.zero3 import monitors
+        monitors.write_events(monitor, M.monitor_events(
             step, record, loss=loss, lr=lr, tokens_per_step=tokens_per_step, io_bytes=io,
             host_budget=self.host_budget, pinned=stats.get("pinned_bytes") if stats else None,
-            gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None))
+            gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None), self.engine)
 
     def current_lr(self) -> float | None:
         """The lr the optimizer's next update uses (its first parameter group's)."""
@@ -515,7 +527,8 @@ class Run:
         self.log(f"aidaptiv-ds train: step {step}: eval loss {loss:.4f} on {self.eval_batches.sequences} held-out "
                  f"sequence(s) ({time.perf_counter() - t0:.1f} s)")
         if monitor:
-            monitor.write_events(M.eval_events(step, loss))
+            from aidaptiv_ds.zero3 import monitors
+            monitors.write_events(monitor, M.eval_events(step, loss), self.engine)
 
     def train(self) -> dict:
         import torch

@@ -44,6 +44,12 @@ SHM_ALLREDUCE_PREFIX = "deepspeed_allreduce_buffer"
 SHM_ALLREDUCE_SEGMENT = SHM_ALLREDUCE_PREFIX + "_{uid}_{master_addr}_{master_port}_{rank}"
 
 
+# -- the monitors DeepSpeed's MonitorMaster holds (attributes set on rank 0 only) and the engine's own step
+# for them: the engine logs its monitor events at step = engine.global_samples (see zero3/monitors.py).
+MONITOR_WANDB = "wandb_monitor"
+MONITORS_WITH_OWN_STEPS = ("tb_monitor", "csv_monitor", "comet_monitor")
+ENGINE_SAMPLES = "global_samples"
+
 class UnsupportedDeepSpeedError(RuntimeError):
     pass
 
