@@ -1,6 +1,9 @@
 """Export a checkpoint's weights as a Hugging Face model folder, in bounded memory.
 
-  aidaptiv-ds export CKPT_DIR --out MODEL_DIR [--max-shard-size 5GB] [--model PRESET|HF_DIR]
+  aidaptiv-ds export CKPT_DIR --out MODEL_DIR [--max-shard-size 5GB] [--model PRESET|HF_DIR] [--merge-lora]
+
+Checkpoints of ``train --lora`` (see :class:`LoraExport`): the base under transformers' names (merged with
+the adapters under --merge-lora) and the adapter in PEFT's format in ``MODEL_DIR/adapter``.
 
 Reads the per-rank files an aidaptiv run saves (``<save_dir>/<tag>/aidaptiv/rank<r>/params.bin`` and its
 ``manifest.json``, see :mod:`aidaptiv_ds.zero3.checkpoint`: every parameter by name, shape, partition size

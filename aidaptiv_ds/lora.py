@@ -13,7 +13,7 @@ optimizer updated it, so the base is streamed read-only. The adapters, created h
 partitioned, are partitioned by ``deepspeed.initialize`` like any parameter built outside ``zero.Init``;
 they and their optimizer state are small enough to stay in the host budget's resident tier.
 
-QLoRA (a 4-bit bitsandbytes base) is refused: see :data:`QLORA_REFUSAL` for why.
+QLoRA (a 4-bit bitsandbytes base, ``bits=4``) is refused: see :data:`QLORA_REFUSAL` for why.
 """
 from __future__ import annotations
 
@@ -24,13 +24,15 @@ DEFAULT_TARGETS = ("q_proj", "v_proj")
 ADAPTER_CONFIG = "adapter_config.json"     # PEFT's file names (PeftModel.from_pretrained reads these)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-# What a try on this CPU showed (bitsandbytes 0.50.2, DeepSpeed 0.19.8, peft 0.21.2); see README "LoRA".
+# A try on this CPU (bitsandbytes 0.50.2, DeepSpeed 0.19.8, peft 0.21.2): a micro model quantised to nf4
+# Linear4bit (quant_storage fp32) *before* deepspeed.initialize did run 2 LoRA steps through our swapper, its
+# first loss equal to the unpartitioned model's (quant_state stays on the Python object; the packed data is
+# swapped). What is missing is quantising during the build: presets and HF directories are partitioned into
+# the swap space as zero.Init builds them, and nothing here quantises a partitioned weight yet.
 QLORA_REFUSAL = (
-    "--lora bits=4 (QLoRA) is not supported with ZeRO-3 partitioning on this build: a bitsandbytes 4-bit "
-    "weight (Params4bit) keeps its quantisation state (absmax, code, shape) beside a packed uint8 tensor, and "
-    "ZeRO-3 (DeepSpeed's partitioner and our NVMe swapper alike) flattens, slices and frees the tensor data "
-    "without that state, so the layer cannot be re-gathered; train LoRA on a bf16/fp32 base instead "
-    "(drop bits=4); QLoRA is to be tested on GPU in the GPU issue")
+    "--lora bits=4 (QLoRA) is not supported by 'aidaptiv-ds train' yet: the base is partitioned into the swap "
+    "space while it is built, and quantising partitioned weights to bitsandbytes 4-bit is not implemented; "
+    "drop bits=4 to train LoRA on the bf16/fp32 base (QLoRA is to be tested on GPU in the GPU issue)")
 
 
 @dataclass(frozen=True)
