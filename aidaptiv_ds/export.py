@@ -1,6 +1,9 @@
 """Export a checkpoint's weights as a Hugging Face model folder, in bounded memory.
 
-  aidaptiv-ds export CKPT_DIR --out MODEL_DIR [--max-shard-size 5GB] [--model PRESET|HF_DIR]
+  aidaptiv-ds export CKPT_DIR --out MODEL_DIR [--max-shard-size 5GB] [--model PRESET|HF_DIR] [--merge-lora]
+
+Checkpoints of ``train --lora`` (see :class:`LoraExport`): the base under transformers' names (merged with
+the adapters under --merge-lora) and the adapter in PEFT's format in ``MODEL_DIR/adapter``.
 
 Reads the per-rank files an aidaptiv run saves (``<save_dir>/<tag>/aidaptiv/rank<r>/params.bin`` and its
 ``manifest.json``, see :mod:`aidaptiv_ds.zero3.checkpoint`: every parameter by name, shape, partition size
@@ -139,6 +142,34 @@ class Checkpoint:
             left -= n
 
 
+def torch_uint8():
+    import torch
+    return torch.uint8
+
+
+def read_tensor(ck: Checkpoint, name: str):
+    """One parameter of the checkpoint, whole, as a torch tensor of its shape and dtype."""
+    import torch
+    p = ck.parameters[name]
+    t = torch.empty(p["numel"], dtype=getattr(torch, ck.dtype))
+    raw = memoryview(t.view(torch.uint8).numpy())
+    pos = 0
+    for src, offset, nbytes in ck.pieces(name):
+        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            done = 0
+            while done < nbytes:
+                got = os.preadv(fd, [raw[pos + done:pos + nbytes]], offset + done)
+                if got <= 0:
+                    raise ExportError(f"checkpoint file {src} ends at byte {offset + done}, parameter {name} needs "
+                                      f"{nbytes - done} more: the checkpoint is damaged")
+                done += got
+        finally:
+            os.close(fd)
+        pos += nbytes
+    return t.view(p["shape"])
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -163,26 +194,34 @@ def plan_shards(sizes: Dict[str, int], max_shard_bytes: int) -> List[List[str]]:
     return shards if shards[0] else []
 
 
-def _header(ck: Checkpoint, names: List[str]) -> bytes:
+def _header(ck: Checkpoint, names: List[str], rename: Optional[Dict[str, str]] = None) -> bytes:
     st, _ = _ST_DTYPE[ck.dtype]
     h, pos = {"__metadata__": {"format": "pt"}}, 0
     for name in names:
         n = ck.nbytes(name)
-        h[name] = {"dtype": st, "shape": list(ck.parameters[name]["shape"]), "data_offsets": [pos, pos + n]}
+        out = (rename or {}).get(name, name)
+        h[out] = {"dtype": st, "shape": list(ck.parameters[name]["shape"]), "data_offsets": [pos, pos + n]}
         pos += n
     raw = json.dumps(h, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)        # the data starts 8-byte aligned, as the safetensors library writes it
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_shard(ck: Checkpoint, names: List[str], path: str, buf: bytearray) -> None:
+def _write_shard(ck: Checkpoint, names: List[str], path: str, buf: bytearray,
+                 rename: Optional[Dict[str, str]] = None, computed: Optional[Dict[str, "callable"]] = None) -> None:
+    """Stream ``names`` from the checkpoint into one safetensors file (named as ``rename`` says); a name in
+    ``computed`` is written from the tensor its function returns instead (a merged LoRA weight: one tensor
+    in memory at a time)."""
     tmp = path + ".partial"
     view = memoryview(buf)
     with open(tmp, "wb") as out:
-        out.write(_header(ck, names))
+        out.write(_header(ck, names, rename))
         sources: Dict[str, int] = {}
         try:
             for name in names:
+                if computed and name in computed:
+                    out.write(computed[name]().contiguous().view(-1).view(torch_uint8()).numpy().tobytes())
+                    continue
                 for src, offset, nbytes in ck.pieces(name):
                     fd = sources.get(src)
                     if fd is None:
@@ -210,8 +249,9 @@ def copy_model_files(src: str, out: str) -> List[str]:
     import shutil
     copied = []
     for f in sorted(os.listdir(src)):
+        # adapter_config.json stays out: beside the weights it would make transformers load them as an adapter
         if f.endswith((".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")) or f.endswith(".index.json") \
-                or not os.path.isfile(os.path.join(src, f)):
+                or f == "adapter_config.json" or not os.path.isfile(os.path.join(src, f)):
             continue
         shutil.copyfile(os.path.join(src, f), os.path.join(out, f))
         copied.append(f)
@@ -271,6 +311,67 @@ def save_byte_tokenizer(folder: str) -> None:
                             pad_token="<pad>", split_special_tokens=True).save_pretrained(folder)
 
 
+ADAPTER_DIR = "adapter"   # <out>/adapter/: the LoRA adapter in PEFT's format (PeftModel.from_pretrained)
+_PEFT_PREFIX = "base_model.model."
+
+
+class LoraExport:
+    """How a checkpoint of a PEFT model (``aidaptiv-ds train --lora``) is written: the base weights under
+    the names transformers gives them (``base_model.model.`` and ``.base_layer`` dropped), merged with
+    ``W + scaling * B @ A`` when ``merge`` (one weight in memory at a time), and the adapter tensors under
+    the names PEFT saves (adapter name dropped) with the adapter_config.json the train job saved."""
+
+    def __init__(self, ck: Checkpoint, files_dir: str, merge: bool):
+        from aidaptiv_ds.lora import ADAPTER_CONFIG
+        self.ck = ck
+        path = os.path.join(files_dir, ADAPTER_CONFIG)
+        if not os.path.isfile(path):
+            raise ExportError(f"checkpoint {ck.tag_dir} holds LoRA adapters but no {MODEL_FILES}/{ADAPTER_CONFIG}: "
+                              "it was not saved by 'aidaptiv-ds train --lora'; export it with PEFT instead")
+        with open(path, encoding="utf-8") as f:
+            self.config = json.load(f)
+        if self.config.get("rank_pattern") or self.config.get("alpha_pattern"):
+            raise ExportError(f"{path} has a rank_pattern or alpha_pattern, which this exporter does not merge: "
+                              "export it with PEFT's merge_and_unload")
+        r, alpha = float(self.config["r"]), float(self.config["lora_alpha"])
+        self.scaling = alpha / (r ** 0.5) if self.config.get("use_rslora") else alpha / r
+        adapters = [n for n in ck.parameters if ".lora_" in n]
+        others = [n for n in ck.parameters if n not in set(adapters)]
+        if any(not n.startswith(_PEFT_PREFIX) for n in ck.parameters):
+            raise ExportError(f"checkpoint {ck.tag_dir} holds lora_ parameters outside a PEFT model "
+                              f"(names not under {_PEFT_PREFIX}): it was not saved by 'aidaptiv-ds train --lora'")
+        self.base_names = others
+        self.rename = {n: n[len(_PEFT_PREFIX):].replace(".base_layer.", ".") for n in others}
+        # adapter tensors as PEFT saves them: "...q_proj.lora_A.weight" (".default" is the adapter's name)
+        self.adapter_rename = {n: n.replace(".default.", ".") for n in adapters}
+        self.computed = {}
+        if merge:
+            for n in others:
+                if ".base_layer.weight" not in n:
+                    continue
+                stem = n[:-len(".base_layer.weight")]
+                a, b = f"{stem}.lora_A.default.weight", f"{stem}.lora_B.default.weight"
+                if a in ck.parameters and b in ck.parameters:
+                    self.computed[n] = (lambda w=n, a=a, b=b: self.merged(w, a, b))
+
+    def merged(self, w: str, a: str, b: str):
+        import torch
+        ck = self.ck
+        weight = read_tensor(ck, w)
+        delta = read_tensor(ck, b).float() @ read_tensor(ck, a).float()
+        return (weight.float() + self.scaling * delta).to(weight.dtype)
+
+    def write_adapter(self, out: str, buf: bytearray) -> List[str]:
+        from aidaptiv_ds.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+        folder = os.path.join(out, ADAPTER_DIR)
+        os.makedirs(folder, exist_ok=True)
+        config = dict(self.config, base_model_name_or_path=os.path.abspath(out))
+        with open(os.path.join(folder, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        _write_shard(self.ck, list(self.adapter_rename), os.path.join(folder, ADAPTER_WEIGHTS), buf, self.adapter_rename)
+        return [f"{ADAPTER_DIR}/{ADAPTER_CONFIG}", f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"]
+
+
 def out_problem(out: str) -> Optional[str]:
     """Why ``out`` cannot receive a model (it holds weights already, or is a file), or None."""
     if os.path.exists(out) and not os.path.isdir(out):
@@ -291,13 +392,12 @@ def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str]
     if merge_lora and not ck.has_adapters:
         raise ExportError(f"--merge-lora: checkpoint {tag_dir} has no LoRA adapters (no lora_ parameters); drop "
                           "the flag to export its full weights")
-    if ck.has_adapters:
-        raise ExportError(f"checkpoint {tag_dir} holds LoRA adapters, which this version cannot export yet")
+    files_dir = os.path.join(tag_dir, MODEL_FILES)
+    lora = LoraExport(ck, files_dir, merge_lora) if ck.has_adapters else None
     limit = parse_size(max_shard_size, what="--max-shard-size") if isinstance(max_shard_size, str) \
         else int(max_shard_size)
     if limit < 1:
         raise ExportError(f"--max-shard-size {max_shard_size} must be a positive size such as 5GB")
-    files_dir = os.path.join(tag_dir, MODEL_FILES)
     if model is None and not os.path.isfile(os.path.join(files_dir, "config.json")):
         raise ExportError(f"checkpoint {tag_dir} has no {MODEL_FILES}/config.json (saved by an older aidaptiv-ds, "
                           "or not by aidaptiv-ds train): give --model with the preset or HF directory it trained")
@@ -313,19 +413,26 @@ def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str]
         spec = models.resolve(model)
         save_model_files(spec, tokenizer_for(spec), out, dtype=ck.dtype)
         copied = sorted(os.listdir(out))
-    sizes = {name: ck.nbytes(name) for name in ck.parameters}
+    base = lora.base_names if lora else list(ck.parameters)
+    rename = lora.rename if lora else {}
+    sizes = {name: ck.nbytes(name) for name in base}
     shards = plan_shards(sizes, limit)
     buf = bytearray(min(COPY_BUFFER, max(sizes.values(), default=1)))
     files = []
     for i, names in enumerate(shards):
         fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_shard(ck, names, os.path.join(out, fname), buf)
+        _write_shard(ck, names, os.path.join(out, fname), buf, rename, lora.computed if lora else None)
         files.append(fname)
         if log:
             log(f"aidaptiv-ds export: wrote {fname} ({len(names)} tensors, {sum(sizes[n] for n in names):,} bytes)")
+    if lora:
+        files += lora.write_adapter(out, buf)
+        if log:
+            log(f"aidaptiv-ds export: LoRA adapters {'merged into the weights, and ' if merge_lora else ''}"
+                f"in PEFT's format in {os.path.join(out, ADAPTER_DIR)}")
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {n: files[i] for i, names in enumerate(shards) for n in names}}
+                 "weight_map": {rename.get(n, n): files[i] for i, names in enumerate(shards) for n in names}}
         with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
         files.append("model.safetensors.index.json")
@@ -347,7 +454,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model the checkpoint trained, for config and tokenizer files when the checkpoint has "
                         f"no {MODEL_FILES}/ folder (default: the checkpoint's own)")
     p.add_argument("--merge-lora", action="store_true",
-                   help="merge LoRA adapters into the base weights (refused: checkpoints hold no adapters yet)")
+                   help="checkpoints of 'train --lora': write the base weights with the adapters merged in "
+                        "(W + alpha/r * B @ A) instead of the frozen base; either way the adapter is also written "
+                        f"in PEFT's format to DIR/{ADAPTER_DIR}")
 
 
 def run(args: argparse.Namespace) -> int:

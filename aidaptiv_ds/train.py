@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, default=None,
                    help="micro-steps per optimizer step (overrides gradient_accumulation_steps)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's optimizer lr)")
+    p.add_argument("--lora", default=None, metavar="r=R,alpha=A,targets=M1,M2",
+                   help="train LoRA adapters (PEFT) on a frozen base instead of every weight, e.g. "
+                        "r=16,alpha=32,targets=q_proj,v_proj (alpha defaults to 2r, targets to q_proj,v_proj; "
+                        "dropout=P optional). With an \"aidaptiv\" block the base is streamed read-only from NVMe. "
+                        "bits=4 (QLoRA) is refused on this build (see README)")
     p.add_argument("--seed", type=int, default=1234, help="seeds weights, data order and RNGs; default 1234")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="override the config's precision (fp16 needs CUDA)")
@@ -201,6 +206,10 @@ class Run:
         found = train_plan.problems(a)
         if found:
             raise TrainingFailed("; ".join(found))
+        self.lora = None
+        if getattr(a, "lora", None):
+            from aidaptiv_ds.lora import parse_spec
+            self.lora = parse_spec(a.lora)
         cfg = ds_config.load(a.config, what="--config")
         cfg = ds_config.apply_overrides(cfg, micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
                                         nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
@@ -341,6 +350,8 @@ class Run:
             init_context = deepspeed.zero.Init(config_dict_or_path=self.cfg)
         t0 = time.perf_counter()
         model = build_model(self.spec, self.dtype, init_context, self.cfg)
+        if self.lora is not None:
+            model = self.add_adapters(model)
         self.info["build_s"] = time.perf_counter() - t0
         params = [p for p in model.parameters() if p.requires_grad]
         t0 = time.perf_counter()
@@ -349,6 +360,19 @@ class Run:
         self.info["initialize_s"] = time.perf_counter() - t0
         self.check_partition_dtype(model)
         self.note_loss_chunking(model)
+
+    def add_adapters(self, model):
+        """--lora: PEFT's adapters on the built (and, under ZeRO-3, partitioned) base, which is frozen."""
+        from aidaptiv_ds import lora
+        model = lora.apply(model, self.lora)
+        if self.dtype is not None:   # adapters are made in fp32; train them in the base's dtype
+            for p in model.parameters():
+                if p.requires_grad and p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
+        self.info["lora"] = {"spec": self.lora.describe(), "trainable_params": lora.trainable_numel(model)}
+        self.log(f"aidaptiv-ds train: {self.lora.describe()}: {self.info['lora']['trainable_params']:,} trainable "
+                 "parameters")
+        return model
 
     def check_partition_dtype(self, model) -> None:
         """Every backend trains in the dtype the config asks for, or the job stops here saying why: DeepSpeed
@@ -442,6 +466,9 @@ class Run:
             from aidaptiv_ds.export import MODEL_FILES, save_model_files
             save_model_files(self.spec, self.tokenizer, os.path.join(folder, MODEL_FILES),
                              dtype=str(self.dtype).replace("torch.", ""))
+            if self.lora is not None:   # how to read the lora_ parameters (export merges or copies them)
+                from aidaptiv_ds.lora import save_adapter_config
+                save_adapter_config(self.engine.module, os.path.join(folder, MODEL_FILES))
         if save_dir == self.args.save_dir:
             self.info.setdefault("saved", []).append(folder)
         return folder
@@ -460,7 +487,7 @@ class Run:
         failed = None
         if self.rank == 0:
             try:
-                summary = export(final, out, log=self.log)
+                summary = export(final, out, merge_lora=self.lora is not None, log=self.log)
             except (ValueError, OSError) as e:   # reported after the barrier the other ranks wait at
                 failed = e
             else:
