@@ -70,10 +70,12 @@ class BudgetSplit:
                 "prefetch_depth or optimizer_chunk_numel")
 
 
-def retention_slots(budget: int, minimum: int, slot: int, groups: int) -> int:
+def retention_slots(budget: int, minimum: int, general: int, slot: int, groups: int) -> int:
     """Layer groups that can be retained across the forward/backward turn: whole slots of what the budget
-    holds beyond ``minimum``, at most every group."""
-    return max(0, min(groups, (budget - minimum) // slot)) if slot > 0 else 0
+    holds beyond ``minimum`` and a second ``general`` (the room for gradients and optimizer chunks that
+    :func:`split_budget` doubles before anything else: with the minimum's alone, a tiny-preset run ran out
+    of room for a gradient buffer), at most every group."""
+    return max(0, min(groups, (budget - minimum - general) // slot)) if slot > 0 else 0
 
 
 def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequence[int], chunk_numel: int,
@@ -98,7 +100,7 @@ def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequ
     if not split.fits:
         return split
     retain_groups = min(retain_groups, len(group_bytes))
-    if retain_groups > retention_slots(budget, minimum, slot, len(group_bytes)):
+    if retain_groups > retention_slots(budget, minimum, general, slot, len(group_bytes)):
         raise ValueError(f"{retain_groups} retained layer groups of {slot} bytes do not fit the {budget} bytes "
                          f"left beyond the minimum {minimum}: ask retention_slots how many do")
     resident_cost = lambda n: parts * fp32_part(n) + fp32_part(n)  # chunk images and gradient, in host memory

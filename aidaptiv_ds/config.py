@@ -71,21 +71,19 @@ def parse_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional
 PER_RANK, PER_NODE = "rank", "node"
 
 
-def parse_retention(value: Union[int, str]) -> Union[int, str]:
-    """A ``retention_budget`` as bytes (an int, or a size as :func:`aidaptiv_ds.sizes.parse_size` reads it),
-    or "auto"."""
+def parse_retention(value: Union[int, str]) -> int:
+    """A ``retention_budget`` in bytes (an int, or a size as :func:`aidaptiv_ds.sizes.parse_size` reads it).
+    ("auto" is not offered: our train job refuses "auto" anywhere, as values only a trainer fills in.)"""
     if isinstance(value, bool):
-        raise ValueError("expected bytes, a size such as '256MiB' or 'auto', got a boolean")
+        raise ValueError("expected bytes or a size such as '256MiB', got a boolean")
     if isinstance(value, str):
         text = value.strip()
-        if text == "auto":
-            return "auto"
         try:
             value = parse_size(text)
         except ValueError:
-            raise ValueError(f"'{text}' is not a size: use bytes (268435456), a unit (256MiB) or 'auto'") from None
+            raise ValueError(f"'{text}' is not a size: use bytes (268435456) or a unit (256MiB)") from None
     if value < 0:
-        raise ValueError(f"expected a size of at least 0 bytes or 'auto', got {value}")
+        raise ValueError(f"expected a size of at least 0 bytes, got {value}")
     return int(value)
 
 
@@ -253,8 +251,9 @@ class AidaptivConfig(BaseModel):
     retention_budget: Union[int, str] = Field(
         0, description="Host memory (inside host_memory_budget) that keeps the last layer groups of the forward "
                        "resident until the backward has used them, so the backward does not read them from NVMe "
-                       "again: bytes, a size ('256MiB') or 'auto' (all the budget holds beyond the swapper's "
-                       "minimum). Whole layer-group slots are retained. 0: none beyond what the cache keeps.")
+                       "again: bytes or a size ('256MiB'), in whole layer-group slots; a run whose budget holds "
+                       "less beyond the swapper's minimum is refused, saying how much fits. 0: none beyond what "
+                       "the cache keeps by itself.")
     activations: ActivationsConfig = Field(
         default_factory=ActivationsConfig,
         description="How activations are held between forward and backward (keep, recompute, or stored on NVMe) "
@@ -323,7 +322,7 @@ class SwapSettings:
     cache_optimizer_state: bool
     keep_swap_files: bool
     activations: ActivationSettings = ActivationSettings()
-    retention_budget: Union[int, str] = 0     # bytes, or "auto" (sized by the run's plan)
+    retention_budget: int = 0     # bytes
 
     def __post_init__(self):
         # from_block passes the nested object as the dict pydantic dumps; resolve it like the rest.
@@ -399,13 +398,13 @@ def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional
     per_rank = _budget_bytes(cfg.host_memory_budget, ram_bytes, ranks)
     problems = []
     retention = parse_retention(cfg.retention_budget)
-    if retention != "auto" and retention >= per_rank:
+    if retention >= per_rank:
         # The exact room (the budget less the swapper's minimum) is known once the model is: the run's plan
         # checks it before training. A retention as large as the whole budget can never fit.
         problems.append(
             f"{BLOCK}.retention_budget {cfg.retention_budget!r} ({retention / MiB:.1f} MiB) is not below this "
-            f"rank's host_memory_budget ({per_rank / MiB:.1f} MiB), which it is part of: lower it, or use "
-            "\"auto\" for what the budget holds beyond the swapper's minimum")
+            f"rank's host_memory_budget ({per_rank / MiB:.1f} MiB), which it is part of: lower it (the run's plan "
+            "says how much fits beyond the swapper's minimum)")
     node = per_rank * ranks
     if node > ram_bytes:
         share = f"each of the {ranks} ranks on this node {per_rank / GiB:.2f} GiB, {node / GiB:.2f} GiB together" \

@@ -1,7 +1,7 @@
 """How many layer groups a host budget can retain across the forward/backward turn (``aidaptiv.retention_budget``).
 
 Retention is sized after everything else the swapper cannot do without (:func:`aidaptiv_ds.budget_split.split_budget`'s
-``minimum``: the prefetch slots and the room for gradients and optimizer chunks): it comes out of what would
+``minimum``: the prefetch slots and the room for gradients and optimizer chunks, that room twice): it comes out of what would
 otherwise hold optimizer sub-groups resident or cache more groups elastically. Each retained group takes one
 layer-group slot (the largest group's size), so a budget buys whole groups, counted from the end of the
 forward. Plain arithmetic on byte counts, shared by the run's plan (:mod:`aidaptiv_ds.zero3.plan`) and
@@ -10,7 +10,7 @@ anything that predicts it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Sequence
 
 from aidaptiv_ds.budget_split import BudgetSplit, retention_slots
 from aidaptiv_ds.sizes import MiB
@@ -26,21 +26,20 @@ class Retention:
 def retention_that_fits(split: BudgetSplit, group_bytes: Sequence[int]) -> Retention:
     """The most the budget of ``split`` (a split without retention) can retain: whole slots of what it
     holds beyond the swapper's minimum, at most every group."""
-    n = retention_slots(split.budget, split.minimum, split.slot, len(group_bytes))
+    n = retention_slots(split.budget, split.minimum, split.general, split.slot, len(group_bytes))
     return Retention(n, n * split.slot, sum(group_bytes[len(group_bytes) - n:]) if n else 0)
 
 
-def plan_retention(requested: Union[int, str], split: BudgetSplit, group_bytes: Sequence[int]) -> Retention:
-    """The retention a ``retention_budget`` (bytes, or "auto": all that fits) gets. Raises ValueError,
+def plan_retention(requested: int, split: BudgetSplit, group_bytes: Sequence[int]) -> Retention:
+    """The retention a ``retention_budget`` of ``requested`` bytes gets (whole slots). Raises ValueError,
     naming the setting and what fits, when the bytes asked for are more than fit."""
     fits = retention_that_fits(split, group_bytes)
-    if requested == "auto":
-        return fits
     n = min(len(group_bytes), int(requested) // split.slot) if split.slot else 0
     if n > fits.groups:
         raise ValueError(
             f"aidaptiv.retention_budget is {int(requested) / MiB:.1f} MiB ({n} layer-group slots of "
             f"{split.slot / MiB:.1f} MiB) but the {split.budget / MiB:.1f} MiB host budget holds "
             f"{fits.slot_bytes / MiB:.1f} MiB ({fits.groups} slots) beyond the swapper's minimum of "
-            f"{split.minimum / MiB:.1f} MiB: lower it, set it to \"auto\", or raise aidaptiv.host_memory_budget")
+            f"{split.minimum / MiB:.1f} MiB and {split.general / MiB:.1f} MiB more for gradients and optimizer "
+            "chunks: lower it to at most that, or raise aidaptiv.host_memory_budget")
     return Retention(n, n * split.slot, sum(group_bytes[len(group_bytes) - n:]) if n else 0)
