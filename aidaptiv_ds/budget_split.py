@@ -53,6 +53,8 @@ class BudgetSplit:
     slots: int = 0
     resident: Set[int] = field(default_factory=set)
     resident_bytes: int = 0
+    retained_groups: int = 0  # the last layer groups of the forward kept until the backward uses them
+    retained_bytes: int = 0   # their bytes (each takes one slot)
 
     @property
     def fits(self) -> bool:
@@ -68,11 +70,22 @@ class BudgetSplit:
                 "prefetch_depth or optimizer_chunk_numel")
 
 
+def retention_slots(budget: int, minimum: int, general: int, slot: int, groups: int) -> int:
+    """Layer groups that can be retained across the forward/backward turn: whole slots of what the budget
+    holds beyond ``minimum`` and a second ``general`` (the room for gradients and optimizer chunks that
+    :func:`split_budget` doubles before anything else: with the minimum's alone, a tiny-preset run ran out
+    of room for a gradient buffer), at most every group."""
+    return max(0, min(groups, (budget - minimum - general) // slot)) if slot > 0 else 0
+
+
 def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequence[int], chunk_numel: int,
-                 elsize: int, parts: int, prefetch_depth: int, cache_optimizer_state: bool) -> BudgetSplit:
+                 elsize: int, parts: int, prefetch_depth: int, cache_optimizer_state: bool,
+                 retain_groups: int = 0) -> BudgetSplit:
     """Split ``budget`` (bytes of this rank) between layer-group slots, resident optimizer sub-groups and
     the elastic rest. ``parts``: fp32 vectors per chunk image (3 with a separate master, 2 for fp32
-    models). A split whose ``fits`` is False has no pool, slots or resident sub-groups."""
+    models). ``retain_groups``: slots set aside, before anything else beyond the minimum, for the last
+    layer groups of the forward (:func:`retention_slots` says how many fit). A split whose ``fits`` is
+    False has no pool, slots or resident sub-groups."""
     slot = align_up(max(group_bytes))  # every layer group occupies one slot of the largest group's size
     # Slots: the group computing, the ones being prefetched, and one more (the forward/backward turn,
     # or the group whose update is being applied).
@@ -86,6 +99,10 @@ def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequ
     split = BudgetSplit(budget, prefetch_depth, slot, min_slots, general, chunk_set, largest_sub_grad, minimum)
     if not split.fits:
         return split
+    retain_groups = min(retain_groups, len(group_bytes))
+    if retain_groups > retention_slots(budget, minimum, general, slot, len(group_bytes)):
+        raise ValueError(f"{retain_groups} retained layer groups of {slot} bytes do not fit the {budget} bytes "
+                         f"left beyond the minimum {minimum}: ask retention_slots how many do")
     resident_cost = lambda n: parts * fp32_part(n) + fp32_part(n)  # chunk images and gradient, in host memory
     everything = len(group_bytes) * slot + sum(resident_cost(n) for n in sub_group_numels) + general
     pool = min(budget, everything)
@@ -93,7 +110,8 @@ def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequ
     # gradients and chunks (gradients kept in memory save a write and a read each), optimizer sub-groups
     # kept resident (they save reading and writing their moments every step, on the update's critical
     # path), and more slots to cache layer groups across the forward/backward turn and into the next step.
-    leftover = pool - minimum - general
+    retained = retain_groups * slot
+    leftover = pool - minimum - retained - general
     resident = set()
     if cache_optimizer_state and leftover > 0:
         for i, n in enumerate(sub_group_numels):
@@ -101,7 +119,9 @@ def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequ
                 resident.add(i)
                 leftover -= resident_cost(n)
     split.pool = pool
-    split.slots = min(len(group_bytes), min_slots + max(0, leftover) // slot)
+    split.slots = min(len(group_bytes), min_slots + retain_groups + max(0, leftover) // slot)
+    split.retained_groups = retain_groups
+    split.retained_bytes = sum(group_bytes[len(group_bytes) - retain_groups:])
     split.resident = resident
     split.resident_bytes = sum(resident_cost(sub_group_numels[i]) for i in resident)
     return split

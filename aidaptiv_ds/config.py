@@ -71,6 +71,22 @@ def parse_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional
 PER_RANK, PER_NODE = "rank", "node"
 
 
+def parse_retention(value: Union[int, str]) -> int:
+    """A ``retention_budget`` in bytes (an int, or a size as :func:`aidaptiv_ds.sizes.parse_size` reads it).
+    ("auto" is not offered: our train job refuses "auto" anywhere, as values only a trainer fills in.)"""
+    if isinstance(value, bool):
+        raise ValueError("expected bytes or a size such as '256MiB', got a boolean")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = parse_size(text)
+        except ValueError:
+            raise ValueError(f"'{text}' is not a size: use bytes (268435456) or a unit (256MiB)") from None
+    if value < 0:
+        raise ValueError(f"expected a size of at least 0 bytes, got {value}")
+    return int(value)
+
+
 def parse_host_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional[float], str]:
     """Return (bytes, share_of_ram, scope) of a ``host_memory_budget``; scope is "node" (split between the
     node's ranks) or "rank". A share of RAM is always of the node; a size is per rank unless it ends in
@@ -232,6 +248,12 @@ class AidaptivConfig(BaseModel):
                                                           "leftover (after staging); they then skip NVMe each step.")
     keep_swap_files: bool = Field(False, description="Leave the swap files in place at exit (they are removed "
                                                      "otherwise). Checkpoints never depend on them.")
+    retention_budget: Union[int, str] = Field(
+        0, description="Host memory (inside host_memory_budget) that keeps the last layer groups of the forward "
+                       "resident until the backward has used them, so the backward does not read them from NVMe "
+                       "again: bytes or a size ('256MiB'), in whole layer-group slots; a run whose budget holds "
+                       "less beyond the swapper's minimum is refused, saying how much fits. 0: none beyond what "
+                       "the cache keeps by itself.")
     activations: ActivationsConfig = Field(
         default_factory=ActivationsConfig,
         description="How activations are held between forward and backward (keep, recompute, or stored on NVMe) "
@@ -254,6 +276,12 @@ class AidaptivConfig(BaseModel):
             raise ValueError(f"expected 'auto' or a non-negative integer, got {value}")
         if info.field_name == "optimizer_chunk_numel" and value < 1024:
             raise ValueError(f"expected 'auto' or at least 1024 elements, got {value}")
+        return value
+
+    @field_validator("retention_budget")
+    @classmethod
+    def _check_retention(cls, value):
+        parse_retention(value)
         return value
 
     @field_validator("block_size")
@@ -294,6 +322,7 @@ class SwapSettings:
     cache_optimizer_state: bool
     keep_swap_files: bool
     activations: ActivationSettings = ActivationSettings()
+    retention_budget: int = 0     # bytes
 
     def __post_init__(self):
         # from_block passes the nested object as the dict pydantic dumps; resolve it like the rest.
@@ -317,9 +346,10 @@ class SwapSettings:
         chunk = cfg.optimizer_chunk_numel
         if chunk == "auto":
             chunk = max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, nbytes // 512))
-        same = cfg.model_dump(exclude={"enabled", "nvme_path", "host_memory_budget", "optimizer_chunk_numel"})
+        same = cfg.model_dump(exclude={"enabled", "nvme_path", "host_memory_budget", "optimizer_chunk_numel",
+                                       "retention_budget"})
         return cls(nvme_path=os.path.abspath(cfg.nvme_path), host_budget_bytes=nbytes,
-                   optimizer_chunk_numel=chunk, **same)
+                   optimizer_chunk_numel=chunk, retention_budget=parse_retention(cfg.retention_budget), **same)
 
     def block(self) -> Dict[str, Any]:
         """These settings as an ``"aidaptiv"`` block with every value explicit (bytes, elements, an absolute
@@ -366,13 +396,23 @@ def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional
     io_uring counts every registration of the user together)."""
     ranks = local_ranks or local_rank_count()
     per_rank = _budget_bytes(cfg.host_memory_budget, ram_bytes, ranks)
+    problems = []
+    retention = parse_retention(cfg.retention_budget)
+    if retention >= per_rank:
+        # The exact room (the budget less the swapper's minimum) is known once the model is: the run's plan
+        # checks it before training. A retention as large as the whole budget can never fit.
+        problems.append(
+            f"{BLOCK}.retention_budget {cfg.retention_budget!r} ({retention / MiB:.1f} MiB) is not below this "
+            f"rank's host_memory_budget ({per_rank / MiB:.1f} MiB), which it is part of: lower it (the run's plan "
+            "says how much fits beyond the swapper's minimum)")
     node = per_rank * ranks
     if node > ram_bytes:
         share = f"each of the {ranks} ranks on this node {per_rank / GiB:.2f} GiB, {node / GiB:.2f} GiB together" \
             if ranks > 1 else f"{per_rank / GiB:.2f} GiB"
-        return [f"{BLOCK}.host_memory_budget {cfg.host_memory_budget!r} gives {share}, but this node may use "
-                f"{ram_bytes / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (a share such "
-                "as \"25%\" or a size per node such as \"64GiB/node\" is split between the node's ranks)"]
+        return problems + [
+            f"{BLOCK}.host_memory_budget {cfg.host_memory_budget!r} gives {share}, but this node may use "
+            f"{ram_bytes / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (a share such "
+            "as \"25%\" or a size per node such as \"64GiB/node\" is split between the node's ranks)"]
     limit = memlock_limit()
     pinned = node if cfg.register_buffers else per_rank
     if limit is not None and pinned > limit and os.environ.get("LOCAL_RANK", "0") == "0":
@@ -383,7 +423,7 @@ def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional
             "raise it (memlock in /etc/security/limits.conf, LimitMEMLOCK= for systemd, --ulimit memlock=-1 "
             "for docker)", f"the {ranks} ranks on this node" if ranks > 1 else "this rank", pinned / GiB,
             limit / MiB)
-    return []
+    return problems
 
 
 _NVME_PATH_REQUIRED = f"{BLOCK}.nvme_path is required when {BLOCK}.enabled is true: a directory on NVMe"

@@ -11,6 +11,9 @@ Bookkeeping of a group, all under :attr:`LayerGroupCache.lock`:
 - ``users``: partitions of the group currently handed out (:meth:`~LayerGroupCache.publish`); such a group
   is never evicted;
 - ``pins``: a swap-in, a prefetch window or an optimizer update needs the group; not evicted either;
+- ``held``: a retained group (one of the last ``retain`` of the forward, :meth:`~LayerGroupCache.plan`)
+  that the forward has used and the backward not yet: it holds one pin, so it stays in its slot across
+  the forward/backward turn and the backward does not read it again;
 - ``writes``: write-throughs from its slot still in flight. A group evicted while it has some is a *ghost*:
   its slot cannot be reused before those writes complete, and it holds exactly what the disk will hold, so
   a read of the group in that window takes the slot back instead of reading the same bytes again, and an
@@ -56,6 +59,7 @@ class LayerGroupCache:
         self.slots: Optional[SlotPool] = None
         self.slot_bytes = 0  # host buffer size of every layer group (the largest group's span)
         self.planned = False
+        self.retain_from = 0  # index of the first retained group (len(groups): none)
         self.lock = threading.RLock()
         self._clock = itertools.count(1)
         # Updated partitions being written: staging buffers (finishing frees them) or views of a cached
@@ -63,9 +67,12 @@ class LayerGroupCache:
         self._write_behind = WriteBehind(store)
 
     # ---------------------------------------------------------------- set-up
-    def plan(self, named_records: Sequence[Tuple[str, List[ParamRecord]]], memory, slots: int) -> None:
+    def plan(self, named_records: Sequence[Tuple[str, List[ParamRecord]]], memory, slots: int,
+             retain: int = 0) -> None:
         """Form one layer group of each ``(name, records)`` (in forward order), make each contiguous on
-        disk, carve ``slots`` group buffers from ``memory`` (a store.HostMemory) and switch to grouped I/O."""
+        disk, carve ``slots`` group buffers from ``memory`` (a store.HostMemory) and switch to grouped I/O.
+        The last ``retain`` groups are retained across the forward/backward turn (:meth:`note_use`); the
+        plan counts one of the ``slots`` for each."""
         with self.lock:
             for name, recs in named_records:
                 self.groups.append(LayerGroup(len(self.groups), name, list(recs)))
@@ -79,6 +86,9 @@ class LayerGroupCache:
             self.memory = memory
             self.slot_bytes = max(g.nbytes for g in self.groups)
             self.slots = SlotPool(memory, slots, self.slot_bytes)
+            self.retain_from = len(self.groups) - min(retain, len(self.groups))
+            self.stats.retained_groups = len(self.groups) - self.retain_from
+            self.stats.retained_bytes = sum(g.nbytes for g in self.groups[self.retain_from:])
             memory.add_reclaimer("finished parameter writes", self._forget_finished_writes, cheap=True)
             memory.add_reclaimer("parameter write-behind", self._reclaim_write)
             memory.add_holder("layer-group slots", lambda: self.slots.region.numel())
@@ -142,6 +152,7 @@ class LayerGroupCache:
         g.ticket = self.store.read_span(self.params_file, g.offset, g.buffer, f"layer group {g.name}")
         g.last_used = next(self._clock)
         self.stats.group_reads += 1
+        self.stats.group_read_bytes += g.nbytes
         return True
 
     def wait_group(self, g: LayerGroup) -> None:
@@ -186,6 +197,22 @@ class LayerGroupCache:
         with self.lock:
             g.users -= 1
             g.last_used = next(self._clock)
+
+    def note_use(self, g: LayerGroup, backward: bool) -> None:
+        """``g`` was just published by the forward (``backward`` False) or the backward. A retained group
+        used by the forward is held (one pin) until the backward's first use of it, which then found it
+        in memory instead of reading it: that use is counted as a read avoided."""
+        if g.index < self.retain_from:
+            return
+        with self.lock:
+            if not backward and not g.held:
+                g.held = True
+                g.pins += 1
+            elif backward and g.held:
+                g.held = False
+                g.pins -= 1
+                self.stats.retention_hits += 1
+                self.stats.retention_avoided_read_bytes += g.nbytes
 
     def prefetch(self, groups: List[LayerGroup]) -> None:
         """Start reading ``groups`` (nearest first) as far as free or evictable slots allow without waiting.

@@ -59,6 +59,8 @@ class LayerGroup:
     # write completes, and it holds exactly what the disk will hold, so a read of the group in that window
     # takes the slot back instead of waiting for the write and reading the same bytes again.
     ghost: bool = False
+    # Retained: used by the forward, not yet by the backward; holds one of ``pins`` meanwhile.
+    held: bool = False
 
     def view(self, rec: ParamRecord) -> torch.Tensor:
         start = rec.extent.offset - self.offset

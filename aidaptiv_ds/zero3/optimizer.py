@@ -65,7 +65,7 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         plan = plan_run(runtime, self.module, sub_group_numels)
         runtime.plan = plan
         runtime.start_training(plan.pool_bytes)
-        runtime.param_swapper.plan(self.module, plan.layer_group_size, plan.group_slots)
+        runtime.param_swapper.plan(self.module, plan.layer_group_size, plan.group_slots, plan.retained_groups)
         swapper = AidaptivOptimizerSwapper(runtime, self.optimizer, self, plan.chunk_numel)
         records = runtime.param_swapper.records
         positions = {}

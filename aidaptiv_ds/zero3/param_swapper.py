@@ -179,9 +179,10 @@ class AidaptivParamSwapper:
                                  for p, src in zip(dst_fp16_params, src_fp32_params)])
 
     # ---------------------------------------------------------------- layer groups
-    def plan(self, module, layer_group_size: int, slots: int) -> None:
+    def plan(self, module, layer_group_size: int, slots: int, retain: int = 0) -> None:
         """Form layer groups from the module structure and hand them to the cache with ``slots`` group
-        buffers of the runtime's host memory. Called once the runtime has its pinned pool."""
+        buffers of the runtime's host memory, the last ``retain`` groups retained across the
+        forward/backward turn. Called once the runtime has its pinned pool."""
         from aidaptiv_ds.zero3.layer_groups import partition_into_groups
         with self._lock:
             named = []
@@ -199,7 +200,7 @@ class AidaptivParamSwapper:
             rest = [r for i, r in self.records.items() if i not in seen]
             if rest:
                 named.append(("other", rest))
-            self.cache.plan(named, self.runtime.memory, slots)
+            self.cache.plan(named, self.runtime.memory, slots, retain)
 
     def _publish(self, params) -> None:
         """Wait for each partition's group (loading it if needed) and hand DeepSpeed a view into it, with
@@ -219,6 +220,7 @@ class AidaptivParamSwapper:
                     data = self._read_alone(rec)
                 else:
                     cache.publish(g, reason=f"partition {p.ds_id}")
+                    cache.note_use(g, backward=self.runtime.phase == "backward")
                     data = g.view(rec)
                 p.ds_tensor.data = data
                 p.ds_tensor.status = ParamStatus.AVAILABLE

@@ -3,10 +3,12 @@
 Staging is what moving the model needs at any moment: in forward and backward, the layer group being
 computed, the ones being prefetched and one cached across the turn, plus open gradient buffers; in the
 optimizer step, the sub-group being updated, the read-ahead and the write-behind. The two phases do not
-overlap, so the larger of the two is reserved. What the budget has beyond that holds optimizer
-sub-groups resident (the RAM cache tier): each one saves reading and writing 12-16 bytes per parameter
-every step, which is on the step's critical path, whereas parameter reads overlap compute. Whatever is
-not resident is cached elastically (least recently used layer groups, gradients) and given back on demand.
+overlap, so the larger of the two is reserved. What the budget has beyond that goes first to the slots
+of any retention (``aidaptiv.retention_budget``: the last layer groups of the forward, kept until the
+backward has used them), then holds optimizer sub-groups resident (the RAM cache tier): each one saves
+reading and writing 12-16 bytes per parameter every step, which is on the step's critical path, whereas
+parameter reads overlap compute. Whatever is not resident is cached elastically (least recently used
+layer groups, gradients) and given back on demand.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from aidaptiv_ds.budget_split import shrink_layer_groups, split_budget
 from aidaptiv_ds.chunk_layout import PARTS
 from aidaptiv_ds.ds_config import ConfigError
+from aidaptiv_ds.planner.retention import plan_retention
 from aidaptiv_ds.sizes import MiB, dtype_bytes
 from aidaptiv_ds.zero3.layer_groups import partition_into_groups
 
@@ -37,15 +40,19 @@ class RunPlan:
     resident_sub_groups: Set[int] = field(default_factory=set)
     group_slots: int = 0
     resident_bytes: int = 0
+    retained_groups: int = 0     # the last layer groups of the forward, kept until the backward uses them
+    retained_bytes: int = 0
 
     def describe(self) -> str:
         res = self.resident_bytes
+        kept = (f", last {self.retained_groups} layer groups retained ({self.retained_bytes / MiB:.1f} MiB)"
+                if self.retained_groups else "")
         return (f"{len(self.group_bytes)} layer groups of up to {self.layer_group_size} layers (largest "
                 f"{max(self.group_bytes) / MiB:.1f} MiB), "
                 f"{len(self.sub_group_numels)} optimizer sub-groups ({len(self.resident_sub_groups)} resident, "
                 f"streamed in chunks of {self.chunk_numel:,} elements; "
                 f"{res / MiB:.1f} MiB), pinned pool {self.pool_bytes / MiB:.1f} MiB of a "
-                f"{self.budget_bytes / MiB:.1f} MiB budget, {self.group_slots} layer-group slots, minimum "
+                f"{self.budget_bytes / MiB:.1f} MiB budget, {self.group_slots} layer-group slots{kept}, minimum "
                 f"{self.staging_bytes / MiB:.1f} MiB")
 
 
@@ -75,9 +82,17 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
         log.info("aidaptiv: layer groups of %d layers instead of %d, so that prefetching %d ahead fits the "
                  "%.1f MiB host budget", layer_group_size, cfg.layer_group_size, cfg.prefetch_depth, budget / MiB)
     parts = 2 if runtime.model_dtype == torch.float32 else PARTS  # chunk image parts (fp32: no master)
-    split = split_budget(budget, group_bytes, sub_group_numels, cfg.optimizer_chunk_numel,
-                         dtype_bytes(runtime.model_dtype), parts, cfg.prefetch_depth, cfg.cache_optimizer_state)
+    args = (budget, group_bytes, sub_group_numels, cfg.optimizer_chunk_numel, dtype_bytes(runtime.model_dtype), parts,
+            cfg.prefetch_depth, cfg.cache_optimizer_state)
+    split = split_budget(*args)
     if not split.fits:
         raise ConfigError([split.shortfall()])
+    if cfg.retention_budget:
+        try:
+            retention = plan_retention(cfg.retention_budget, split, group_bytes)
+        except ValueError as err:
+            raise ConfigError([str(err)]) from None
+        split = split_budget(*args, retain_groups=retention.groups)
     return RunPlan(budget, split.pool, split.minimum, group_bytes, list(sub_group_numels), cfg.optimizer_chunk_numel,
-                   layer_group_size, split.resident, split.slots, split.resident_bytes)
+                   layer_group_size, split.resident, split.slots, split.resident_bytes, split.retained_groups,
+                   split.retained_bytes)

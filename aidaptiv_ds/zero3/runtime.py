@@ -37,6 +37,11 @@ class SwapStats:
         self.prefetched_groups = 0
         self.group_reads = 0
         self.group_hits = 0            # group needed and already in host memory
+        self.group_read_bytes = 0      # bytes of layer groups read from NVMe
+        self.retained_groups = 0       # the last layer groups of the forward, kept for the backward
+        self.retained_bytes = 0        # their bytes
+        self.retention_hits = 0        # backward uses of a retained group found in memory
+        self.retention_avoided_read_bytes = 0  # the bytes of those groups: reads the retention saved
 
 
 class SwapRuntime:
@@ -148,6 +153,11 @@ class SwapRuntime:
             "group_reads": s.group_reads,
             "group_hits": s.group_hits,
             "prefetched_groups": s.prefetched_groups,
+            "group_read_bytes": s.group_read_bytes,
+            "retained_groups": s.retained_groups,
+            "retained_bytes": s.retained_bytes,
+            "retention_hits": s.retention_hits,
+            "retention_avoided_read_bytes": s.retention_avoided_read_bytes,
             "plan": self.plan.describe() if self.plan is not None else None,
         }
 

@@ -96,7 +96,7 @@ def _fake_run(model, world, dtype, budget, layer_group_size, prefetch_depth, chu
         p.ds_id = i
         records[i] = SimpleNamespace(extent=SimpleNamespace(reserved=align_up(math.ceil(p.numel() / world) * elsize)))
     cfg = SimpleNamespace(host_budget_bytes=budget, layer_group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                          optimizer_chunk_numel=chunk, cache_optimizer_state=True)
+                          optimizer_chunk_numel=chunk, cache_optimizer_state=True, retention_budget=0)
     return SimpleNamespace(cfg=cfg, param_swapper=SimpleNamespace(records=records), model_dtype=dtype)
 
 
