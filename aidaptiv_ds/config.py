@@ -453,7 +453,8 @@ def _free_space_problems(path: str, needed_bytes: Optional[int]) -> List[str]:
     if free >= needed_bytes:
         return []
     return [f"{BLOCK}.nvme_path {path} has {free / GiB:.2f} GiB free but the model state needs "
-            f"{needed_bytes / GiB:.2f} GiB on this rank: free space or choose a larger disk"]
+            f"{needed_bytes / GiB:.2f} GiB more on this node (all its ranks swap to this disk): free space or choose "
+            "a larger disk"]
 
 
 def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
@@ -461,7 +462,8 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
     """Validate the aidaptiv block and what it needs from the rest of the config, and resolve it.
 
     Returns the resolved settings, or None when there is no enabled block. Raises :class:`ConfigError`
-    listing every problem. ``needed_bytes`` (swap bytes of this rank's model state), when known, is checked
+    listing every problem. ``needed_bytes`` (swap bytes the model state of this node's ranks still needs), when
+    known, is checked
     against the free space of ``nvme_path``. The machine's memory (and its cgroup limit) is read once.
     """
     block = block_of(ds_config)
@@ -653,8 +655,8 @@ def resolve(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None
     Trainer and accelerate build the model under ``zero.Init`` with the autos and call
     ``deepspeed.initialize`` with them filled) is validated again, gets the same settings, and its
     :data:`BOUNDED` settings that were "auto" get our values again.
-    ``needed_bytes`` (swap bytes of this rank's model state), when given, is checked against the free space
-    of ``nvme_path`` on every call, since the model may be known only on the second one.
+    ``needed_bytes`` (swap bytes the model state of this node's ranks still needs), when given, is checked
+    against the free space of ``nvme_path`` on every call, since the model may be known only on the second one.
     """
     cwd = os.getcwd()
     key = _key([cwd, ds_config])
