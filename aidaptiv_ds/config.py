@@ -217,9 +217,14 @@ class AidaptivConfig(BaseModel):
                                                         "O_DIRECT (not tmpfs).")
     backend: Backend = Field(Backend.AUTO, description="I/O backend: io_uring, posix (thread pool) or auto (io_uring, "
                                                        "falling back to posix with a message).")
-    block_size: int = Field(1 * MiB, ge=4 * KiB, le=64 * MiB, description="Bytes per I/O piece; a larger transfer is "
-                                                                           "split into pieces of this size.")
-    queue_depth: int = Field(32, ge=1, le=4096, description="I/O pieces in flight per engine.")
+    block_size: Union[int, str] = Field(
+        "auto", description="Bytes per I/O piece (4 KiB to 64 MiB, a multiple of 4 KiB); a larger transfer is split "
+                            "into pieces of this size. 'auto': the choice of 'aidaptiv-ds plan --nvme' for this disk "
+                            "(an O_DIRECT sweep, cached per disk), or 1048576 when the disk was never swept.")
+    queue_depth: Union[int, str] = Field(
+        "auto", description="I/O pieces in flight per engine (1 to 4096). 'auto': the choice of 'aidaptiv-ds plan "
+                            "--nvme' for this disk (with the block_size given, if one is), or 32 when the disk was "
+                            "never swept.")
     io_threads: int = Field(4, ge=1, le=256, description="Threads of the posix backend.")
     register_buffers: bool = Field(True, description="Register the pinned pool with io_uring as fixed buffers "
                                                      "(falls back to plain buffers when the memlock limit refuses).")
@@ -284,10 +289,21 @@ class AidaptivConfig(BaseModel):
         parse_retention(value)
         return value
 
-    @field_validator("block_size")
+    @field_validator("block_size", "queue_depth", mode="before")
     @classmethod
-    def _check_block(cls, value):
-        if value % ALIGN:
+    def _check_io(cls, value, info):
+        # "auto" (the default) is told apart from a number the user wrote: only "auto" takes the tuned choice.
+        # Before pydantic's own parsing, which would read true as 1.
+        low, high = (4 * KiB, 64 * MiB) if info.field_name == "block_size" else (1, 4096)
+        if isinstance(value, str):
+            if value != "auto":
+                raise ValueError(f"expected 'auto' or an integer from {low} to {high}, got '{value}'")
+            return value
+        if not isinstance(value, (int, float)):
+            return value                    # pydantic names the type it expected
+        if isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"expected 'auto' or an integer from {low} to {high}, got {value}")
+        if info.field_name == "block_size" and value % ALIGN:
             raise ValueError(f"block_size must be a multiple of {ALIGN} bytes (O_DIRECT), got {value}")
         return value
 
@@ -323,6 +339,11 @@ class SwapSettings:
     keep_swap_files: bool
     activations: ActivationSettings = ActivationSettings()
     retention_budget: int = 0     # bytes
+    # Where block_size and queue_depth came from: "config" (a number in the block), "tuned" (the cached sweep
+    # of the swap disk, for "auto"), "default" ("auto" on a disk never swept). Not compared: the same values
+    # are the same settings, and the written-out block() says "config" for both.
+    block_size_source: str = dataclasses.field(default="config", compare=False)
+    queue_depth_source: str = dataclasses.field(default="config", compare=False)
 
     def __post_init__(self):
         # from_block passes the nested object as the dict pydantic dumps; resolve it like the rest.
@@ -346,10 +367,15 @@ class SwapSettings:
         chunk = cfg.optimizer_chunk_numel
         if chunk == "auto":
             chunk = max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, nbytes // 512))
+        from aidaptiv_ds.io_tuning import resolve_io
+        path = os.path.abspath(cfg.nvme_path)
+        auto = lambda v: None if v == "auto" else v
+        block, depth, block_source, depth_source = resolve_io(path, auto(cfg.block_size), auto(cfg.queue_depth))
         same = cfg.model_dump(exclude={"enabled", "nvme_path", "host_memory_budget", "optimizer_chunk_numel",
-                                       "retention_budget"})
-        return cls(nvme_path=os.path.abspath(cfg.nvme_path), host_budget_bytes=nbytes,
-                   optimizer_chunk_numel=chunk, retention_budget=parse_retention(cfg.retention_budget), **same)
+                                       "retention_budget", "block_size", "queue_depth"})
+        return cls(nvme_path=path, host_budget_bytes=nbytes, optimizer_chunk_numel=chunk, block_size=block,
+                   queue_depth=depth, block_size_source=block_source, queue_depth_source=depth_source,
+                   retention_budget=parse_retention(cfg.retention_budget), **same)
 
     def block(self) -> Dict[str, Any]:
         """These settings as an ``"aidaptiv"`` block with every value explicit (bytes, elements, an absolute
@@ -358,6 +384,7 @@ class SwapSettings:
         out = dataclasses.asdict(self)
         out["backend"] = self.backend.value
         out["host_memory_budget"] = out.pop("host_budget_bytes")
+        del out["block_size_source"], out["queue_depth_source"]
         return {"enabled": True, **out}
 
 
@@ -493,7 +520,8 @@ def _free_space_problems(path: str, needed_bytes: Optional[int]) -> List[str]:
     if free >= needed_bytes:
         return []
     return [f"{BLOCK}.nvme_path {path} has {free / GiB:.2f} GiB free but the model state needs "
-            f"{needed_bytes / GiB:.2f} GiB on this rank: free space or choose a larger disk"]
+            f"{needed_bytes / GiB:.2f} GiB more on this node (all its ranks swap to this disk): free space or choose "
+            "a larger disk"]
 
 
 def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
@@ -501,7 +529,8 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
     """Validate the aidaptiv block and what it needs from the rest of the config, and resolve it.
 
     Returns the resolved settings, or None when there is no enabled block. Raises :class:`ConfigError`
-    listing every problem. ``needed_bytes`` (swap bytes of this rank's model state), when known, is checked
+    listing every problem. ``needed_bytes`` (swap bytes the model state of this node's ranks still needs), when
+    known, is checked
     against the free space of ``nvme_path``. The machine's memory (and its cgroup limit) is read once.
     """
     block = block_of(ds_config)
@@ -693,8 +722,8 @@ def resolve(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None
     Trainer and accelerate build the model under ``zero.Init`` with the autos and call
     ``deepspeed.initialize`` with them filled) is validated again, gets the same settings, and its
     :data:`BOUNDED` settings that were "auto" get our values again.
-    ``needed_bytes`` (swap bytes of this rank's model state), when given, is checked against the free space
-    of ``nvme_path`` on every call, since the model may be known only on the second one.
+    ``needed_bytes`` (swap bytes the model state of this node's ranks still needs), when given, is checked
+    against the free space of ``nvme_path`` on every call, since the model may be known only on the second one.
     """
     cwd = os.getcwd()
     key = _key([cwd, ds_config])

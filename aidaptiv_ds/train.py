@@ -358,6 +358,7 @@ class Run:
         self.engine, _, _, _ = initialize(model=model, model_parameters=params, config=self.cfg,
                                           lr_scheduler=self.lr_scheduler)
         self.info["initialize_s"] = time.perf_counter() - t0
+        self.note_io_settings()
         self.check_partition_dtype(model)
         self.note_loss_chunking(model)
 
@@ -373,6 +374,20 @@ class Run:
         self.log(f"aidaptiv-ds train: {self.lora.describe()}: {self.info['lora']['trainable_params']:,} trainable "
                  "parameters")
         return model
+
+    def note_io_settings(self) -> None:
+        """Log, and keep for the metrics, the swapper's block size and queue depth and where each came from
+        ("config", "tuned" for the disk by 'aidaptiv-ds plan --nvme', or "default")."""
+        if self.backend != "aidaptiv":
+            return
+        from aidaptiv_ds import config as C
+        settings = C.resolve(self.cfg)[1]     # the settings the swapper got (resolved once per config)
+        if settings is None:
+            return
+        self.info["aidaptiv_io"] = {"block_size": settings.block_size, "block_size_source": settings.block_size_source,
+                           "queue_depth": settings.queue_depth, "queue_depth_source": settings.queue_depth_source}
+        self.log(f"aidaptiv I/O: block_size {settings.block_size // 1024} KiB ({settings.block_size_source}), "
+                 f"queue_depth {settings.queue_depth} ({settings.queue_depth_source})")
 
     def check_partition_dtype(self, model) -> None:
         """Every backend trains in the dtype the config asks for, or the job stops here saying why: DeepSpeed

@@ -74,12 +74,30 @@ def compare(row: dict, rates: Rates) -> dict:
     return out
 
 
+def rates_cpu(cpu_key_text: str) -> str:
+    """The CPU model name inside a rates cache key ("cpu:<model>:<threads>:<dtype>")."""
+    parts = cpu_key_text.split(":")
+    return ":".join(parts[1:-2]) if len(parts) >= 4 else cpu_key_text
+
+
+def mark_machines(results: list, rows: list, cpu: str) -> None:
+    """Say of each result whether its row was measured on the CPU the rates come from (tokens/s compares
+    like with like only then)."""
+    for r, row in zip(results, rows):
+        r["same_machine"] = (row.get("machine") or {}).get("cpu") == cpu
+
+
 def summarize(results: list) -> dict:
     ok = [r for r in results if r["status"] == "ok"]
     host = [r for r in ok if "host_error" in r]
     tokens = [r for r in ok if "tokens_error" in r]
     frac = lambda hits, of: (len(hits) / len(of)) if of else None
+    within = lambda rs: [r for r in rs if abs(r["tokens_error"]) <= TOKENS_TOLERANCE]
+    same = [r for r in tokens if r.get("same_machine")]
+    other = [r for r in tokens if r.get("same_machine") is False]
     return {
+        "tokens_within_30pct_same_machine": frac(within(same), same), "tokens_cells_same_machine": len(same),
+        "tokens_within_30pct_other_machine": frac(within(other), other), "tokens_cells_other_machine": len(other),
         "cells": len(results), "ok_cells": len(ok),
         "feasibility_right": frac([r for r in results if r["feasibility_right"]], results),
         "host_within_15pct": frac([r for r in host if abs(r["host_error"]) <= HOST_TOLERANCE], host),
@@ -117,7 +135,10 @@ def markdown(summary: dict, results: list, rates: Rates, conditions: dict) -> st
              f"- cells: {summary['cells']} ({summary['ok_cells']} ok)",
              f"- feasibility right: {pct(summary['feasibility_right'])} (target >= 95%)",
              f"- peak host memory within 15%: {pct(summary['host_within_15pct'])} of ok cells (target >= 80%)",
-             f"- tokens/s within 30%: {pct(summary['tokens_within_30pct'])} of ok cells (target >= 80%)",
+             f"- tokens/s within 30%: {pct(summary['tokens_within_30pct'])} of ok cells (target >= 80%); rows taken "
+             f"on the rates' machine: {pct(summary['tokens_within_30pct_same_machine'])} of "
+             f"{summary['tokens_cells_same_machine']}, on another machine: "
+             f"{pct(summary['tokens_within_30pct_other_machine'])} of {summary['tokens_cells_other_machine']}",
              "- NVMe bytes per step, predicted / measured - 1 (read, write): "
              + (", ".join(f"{k} {v['read']:+.0%} {v['write']:+.0%}" for k, v in summary["nvme_bytes_error"].items())
                 or "no cell read from NVMe"), "",
@@ -145,7 +166,14 @@ def main(argv=None) -> int:
     else:
         from aidaptiv_ds.planner.rates import machine_rates
         rates = machine_rates("fp32", args.nvme, log=lambda m: print(m, file=sys.stderr))
-    results = [compare(r, rates) for r in load_rows()]
+    rows = load_rows()
+    results = [compare(r, rates) for r in rows]
+    from aidaptiv_ds.planner.rates import cpu_key
+    here = cpu_key("fp32")
+    if args.rates:
+        with open(args.rates, encoding="utf-8") as f:
+            here = (json.load(f).get("conditions") or {}).get("cpu") or here
+    mark_machines(results, rows, rates_cpu(here))
     summary = summarize(results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "rows.jsonl"), "w", encoding="utf-8") as f:

@@ -1,8 +1,9 @@
 """This machine's rates, measured by short probes and cached; each one can be given by hand instead.
 
 - NVMe read/write bandwidth of the swap directory: a short O_DIRECT write and read-back of a fresh file
-  through our engine (``aidaptiv_ds.io.IOEngine``, pinned pool, default block size and queue depth),
-  median of the repeats; cached per device (``st_dev`` and the disk's model).
+  through our engine (``aidaptiv_ds.io.IOEngine``, pinned pool), median of the repeats, with the block size
+  and queue depth that a short sweep (:mod:`aidaptiv_ds.io_tuning`) chose for the disk; cached per device
+  (``st_dev`` and the disk's model) with the sweep, where the swapper finds its "auto" I/O settings.
 - CPU matmul FLOP/s in the training dtype (all threads), and CPU Adam throughput (parameters per second
   of torch's foreach AdamW on fp32 CPU tensors: DeepSpeed's CPU Adam is faster, so this bounds it from
   below); cached per CPU model and thread count.
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
+from aidaptiv_ds.machine_cache import cache_path, disk_key, load_cache, save_cache  # noqa: F401
 from aidaptiv_ds.sizes import MiB
 
 RATE_NAMES = ("nvme_read", "nvme_write", "cpu_flops", "cpu_adam", "framework_host", "pcie", "gpu_flops")
@@ -45,6 +47,9 @@ class Rates:
     pcie: Optional[float] = None           # host->GPU bytes/s per GPU
     gpu_flops: Optional[float] = None      # FLOP/s per GPU
     source: Dict[str, str] = field(default_factory=dict)
+    # The I/O settings the NVMe probe chose for the swap disk (aidaptiv_ds.io_tuning): block_size,
+    # queue_depth, when; empty when the disk was not probed (or was, before tuning existed).
+    io: Dict[str, object] = field(default_factory=dict)
 
     def set(self, name: str, value: Optional[float], how: str) -> None:
         if value is not None:
@@ -57,46 +62,7 @@ class Rates:
 
 
 # ------------------------------------------------------------------------------------------------ cache
-
-def cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "aidaptiv-ds", "rates.json")
-
-
-def load_cache(path: Optional[str] = None) -> dict:
-    path = path or cache_path()
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def save_cache(entries: dict, path: Optional[str] = None) -> None:
-    path = path or cache_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(entries, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-
-
-def disk_key(directory: str) -> str:
-    """The cache key of the disk under ``directory``: its st_dev and the disk's model."""
-    from aidaptiv_ds.harness.io_bench import block_device
-    st = os.stat(directory)
-    dev = block_device(directory).get("device") or ""
-    name = os.path.basename(dev)
-    model = ""
-    for candidate in (name, name.rstrip("0123456789").rstrip("p")):
-        try:
-            with open(f"/sys/block/{candidate}/device/model") as f:
-                model = f.read().strip()
-                break
-        except OSError:
-            continue
-    return f"disk:{os.major(st.st_dev)}:{os.minor(st.st_dev)}:{model or name or 'unknown'}"
+# (aidaptiv_ds.machine_cache: one file, shared with the swapper, which reads the I/O settings tuned per disk)
 
 
 def cpu_key(dtype: str) -> str:
@@ -119,11 +85,16 @@ def _stamp() -> str:
 
 # ------------------------------------------------------------------------------------------------ probes
 
-def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NVME_PROBE_REPEATS) -> Dict[str, float]:
+def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NVME_PROBE_REPEATS,
+               tune: bool = True) -> Dict[str, object]:
     """Median O_DIRECT write and read bandwidth (bytes/s) of a fresh file in ``directory`` through our engine.
+    With ``tune``, first the block size x queue depth sweep of :mod:`aidaptiv_ds.io_tuning` (files of at most
+    ``nbytes``): the bandwidths are then measured with its choice, which is returned with the whole table
+    (``block_size``, ``queue_depth``, ``io_sweep``); without, with the engine's defaults.
     Raises ValueError for a memory filesystem or one that refuses O_DIRECT."""
     import torch
 
+    from aidaptiv_ds import io_tuning
     from aidaptiv_ds.harness.io_bench import BenchError, check_dir
     from aidaptiv_ds.io import IOEngine, PinnedPool
     with open("/proc/self/mounts") as f:
@@ -132,10 +103,15 @@ def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NV
         check_dir(directory, mounts)
     except BenchError as e:
         raise ValueError(str(e).replace("--dir", "--nvme")) from None
+    tuned: Dict[str, object] = {}
+    if tune:
+        table = io_tuning.sweep(directory, nbytes=min(nbytes, io_tuning.SWEEP_BYTES))
+        block, depth = io_tuning.choose(table)
+        tuned = {"block_size": block, "queue_depth": depth, "io_sweep": table}
     pool = PinnedPool(nbytes)
     buf = pool.allocate(nbytes)
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-    engine = IOEngine(pool=pool)
+    engine = IOEngine(pool=pool, block_size=tuned.get("block_size"), queue_depth=tuned.get("queue_depth"))
     writes, reads = [], []
     try:
         for i in range(repeats):
@@ -153,7 +129,7 @@ def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NV
             reads.append(nbytes / (t2 - t1))
     finally:
         engine.close()
-    return {"nvme_write": statistics.median(writes), "nvme_read": statistics.median(reads)}
+    return {"nvme_write": statistics.median(writes), "nvme_read": statistics.median(reads), **tuned}
 
 
 def probe_cpu(dtype: str = "bf16") -> Dict[str, float]:
@@ -296,7 +272,12 @@ def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, repro
                 rates.set(n, entry[n], entry.get("when", "measured") + ("" if fresh else ", cached"))
 
     if nvme_dir is not None:
-        fill(disk_key(nvme_dir), ("nvme_read", "nvme_write"), lambda: probe_nvme(nvme_dir))
+        key = disk_key(nvme_dir)
+        fill(key, ("nvme_read", "nvme_write"), lambda: probe_nvme(nvme_dir))
+        entry = cache.get(key) or {}
+        if "block_size" in entry and "queue_depth" in entry:
+            rates.io = {"block_size": entry["block_size"], "queue_depth": entry["queue_depth"],
+                        "when": entry.get("when", "measured")}
     fill(cpu_key(dtype), ("cpu_flops", "cpu_adam"), lambda: probe_cpu(dtype))
     fill(f"framework:train-micro:{sys.executable}", ("framework_host",), probe_framework)
     if want_gpu:

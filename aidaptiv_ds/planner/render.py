@@ -34,6 +34,7 @@ def as_dict(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
                      "gpu_mem_bytes": hw.gpu_mem, "host_mem_bytes": hw.host_mem, "nvme_free_bytes": hw.nvme_free,
                      "framework_host_bytes": hw.framework_host, "gpu_overhead_bytes": hw.gpu_overhead},
         "rates": rates.as_dict(),
+        "io_tuning": rates.io or None,
         "backends": {},
     }
     for p in plans:
@@ -67,8 +68,12 @@ def table(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
         + (f"{_gib(hw.nvme_free)} free" if hw.nvme_free is not None else "not given"),
         "rates: " + ("; ".join(f"{n} {_rate(n, v['value'])} ({v['source']})" for n, v in rates.as_dict().items())
                      or "none"),
-        "",
     ]
+    if rates.io:
+        lines.append(f"I/O tuned for the swap disk: block_size {rates.io['block_size'] // 1024} KiB, queue_depth "
+                     f"{rates.io['queue_depth']} ({rates.io['when']}); aidaptiv uses them where its block leaves "
+                     "them 'auto'")
+    lines.append("")
     head = ("backend", "fits", "GPU/rank", "host/node", "pinned/node", "NVMe/node", "step s", "tokens/s", "bound")
     rows = [head]
     for p in plans:

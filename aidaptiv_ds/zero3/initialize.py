@@ -27,12 +27,35 @@ def _model_numel(model) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
 
 
-def needed_swap_bytes(model, ds_config: Dict[str, Any], world_size: int) -> Optional[int]:
-    """NVMe bytes this rank's share of the model state needs (None when the model is unknown)."""
+def _swap_bytes_written(ds_config: Dict[str, Any]) -> int:
+    """Disk bytes the swap folders under the block's ``nvme_path`` already take (``<nvme_path>/aidaptiv-swap``:
+    every rank of this node that shares the disk). ``zero.Init`` writes the parameters there before
+    ``initialize`` knows the model; those bytes are part of the need, already taken from the free space."""
+    block = aconfig.block_of(ds_config) or {}
+    path = block.get("nvme_path") if isinstance(block, dict) else None
+    if not path:
+        return 0
+    total = 0
+    for folder, _, files in os.walk(os.path.join(os.path.abspath(path), "aidaptiv-swap")):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+            except OSError:   # a file another rank removes meanwhile
+                continue
+    return total
+
+
+def needed_swap_bytes(model, ds_config: Dict[str, Any], world_size: int, local_ranks: Optional[int] = None
+                      ) -> Optional[int]:
+    """NVMe bytes the model state of this node's ranks still needs (None when the model is unknown): every rank
+    on the node (``local_ranks``, from the launcher's environment when None) swaps to the same filesystem, so
+    the free space must hold all their shares, less what their swap folders already take."""
     numel = _model_numel(model)
     if not numel:
         return None
-    return state_bytes_per_param(dtype_bytes(dtype_name(ds_config))) * -(-numel // max(1, world_size))
+    local = max(1, min(local_ranks or aconfig.local_rank_count(), max(1, world_size)))
+    per_rank = state_bytes_per_param(dtype_bytes(dtype_name(ds_config))) * -(-numel // max(1, world_size))
+    return max(0, per_rank * local - _swap_bytes_written(ds_config))
 
 
 def prepare(ds_config: Dict[str, Any], model=None, world_size: int = 1

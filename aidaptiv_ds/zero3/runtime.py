@@ -115,8 +115,10 @@ class SwapRuntime:
         self.training = True
         if self.rank == 0:
             s = self.pool.stats()
-            log.info("aidaptiv: pinned pool %.1f MiB (%s), engine %s%s, ready in %.2fs", pool_bytes / 2**20,
-                     s["lock_method"], engine.backend.value, " with fixed buffers" if engine.fixed_buffers else "",
+            log.info("aidaptiv: pinned pool %.1f MiB (%s), engine %s%s, block_size %d KiB (%s), queue_depth %d (%s), "
+                     "ready in %.2fs", pool_bytes / 2**20, s["lock_method"], engine.backend.value,
+                     " with fixed buffers" if engine.fixed_buffers else "", self.cfg.block_size // 1024,
+                     self.cfg.block_size_source, self.cfg.queue_depth, self.cfg.queue_depth_source,
                      time.perf_counter() - t0)
 
     def create_optimizer_file(self):

@@ -211,7 +211,8 @@ def test_the_translated_block_is_the_resolution_written_out(tmp_path, monkeypatc
 
 def test_settings_carry_every_setting_of_the_block():
     names = {f.name for f in dataclasses.fields(C.SwapSettings)}
-    assert names == set(C.AidaptivConfig.model_fields) - {"enabled", "host_memory_budget"} | {"host_budget_bytes"}
+    assert names == set(C.AidaptivConfig.model_fields) - {"enabled", "host_memory_budget"} | {
+        "host_budget_bytes", "block_size_source", "queue_depth_source"}
 
 
 def test_a_block_deepspeed_got_without_resolve_is_resolved_once(tmp_path, monkeypatch):

@@ -43,3 +43,13 @@ def test_nvme_bytes_per_step_within_20_percent(bench, results):
     errors = bench.summarize(results)["nvme_bytes_error"]
     assert len(errors) >= 7          # every ok zero_infinity and aidaptiv cell of cpu_small read from NVMe
     assert all(abs(e) <= 0.20 for v in errors.values() for e in v.values()), errors
+
+
+def test_rows_from_another_machine_are_counted_apart(bench, results):
+    rows = bench.load_rows()
+    assert bench.rates_cpu("cpu:AMD EPYC 7B13:2:fp32") == "AMD EPYC 7B13"
+    bench.mark_machines(results, rows, "AMD EPYC")            # the committed rates' CPU; the rows are Intel's
+    summary = bench.summarize(results)
+    assert summary["tokens_cells_same_machine"] == 0 and summary["tokens_cells_other_machine"] == 15
+    bench.mark_machines(results, rows, rows[0]["machine"]["cpu"])
+    assert bench.summarize(results)["tokens_cells_same_machine"] == 15
