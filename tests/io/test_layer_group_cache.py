@@ -70,7 +70,9 @@ class FakeMemory:
 
 
 def stats():
-    return types.SimpleNamespace(group_reads=0, group_hits=0, prefetched_groups=0, sync_param_reads=0)
+    return types.SimpleNamespace(group_reads=0, group_hits=0, prefetched_groups=0, sync_param_reads=0,
+                                 group_read_bytes=0, retained_groups=0, retained_bytes=0, retention_hits=0,
+                                 retention_avoided_read_bytes=0)
 
 
 def fake_cache(groups=4, slots=2, partition=1024):
