@@ -393,6 +393,12 @@ def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str]
         raise ExportError(f"--merge-lora: checkpoint {tag_dir} has no LoRA adapters (no lora_ parameters); drop "
                           "the flag to export its full weights")
     files_dir = os.path.join(tag_dir, MODEL_FILES)
+    from aidaptiv_ds.lora import QLORA_FILE
+    qlora = os.path.isfile(os.path.join(files_dir, QLORA_FILE))
+    if qlora and merge_lora:
+        raise ExportError(f"--merge-lora: checkpoint {tag_dir} is QLoRA (its base holds bitsandbytes 4-bit data, "
+                          f"{MODEL_FILES}/{QLORA_FILE}), which is not merged into HF weights: drop --merge-lora to "
+                          "export the adapter, and merge it with PEFT on the original base")
     lora = LoraExport(ck, files_dir, merge_lora) if ck.has_adapters else None
     limit = parse_size(max_shard_size, what="--max-shard-size") if isinstance(max_shard_size, str) \
         else int(max_shard_size)
@@ -413,6 +419,14 @@ def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str]
         spec = models.resolve(model)
         save_model_files(spec, tokenizer_for(spec), out, dtype=ck.dtype)
         copied = sorted(os.listdir(out))
+    if qlora:   # the adapter alone: the base's packed 4-bit data are no HF weights
+        files = lora.write_adapter(out, bytearray(COPY_BUFFER))
+        if log:
+            log(f"aidaptiv-ds export: QLoRA checkpoint: the adapter in PEFT's format in {os.path.join(out, ADAPTER_DIR)} "
+                "(load it with PeftModel.from_pretrained on the original base)")
+        return {"checkpoint": tag_dir, "out": out, "files": files + copied, "tensors": len(lora.adapter_rename),
+                "bytes": sum(ck.nbytes(n) for n in lora.adapter_rename), "dtype": ck.dtype,
+                "world_size": ck.world_size, "qlora": True}
     base = lora.base_names if lora else list(ck.parameters)
     rename = lora.rename if lora else {}
     sizes = {name: ck.nbytes(name) for name in base}

@@ -13,7 +13,10 @@ optimizer updated it, so the base is streamed read-only. The adapters, created h
 partitioned, are partitioned by ``deepspeed.initialize`` like any parameter built outside ``zero.Init``;
 they and their optimizer state are small enough to stay in the host budget's resident tier.
 
-QLoRA (a 4-bit bitsandbytes base, ``bits=4``) is refused: see :data:`QLORA_REFUSAL` for why.
+QLoRA (``bits=4``): :func:`quantize_base` turns the base's linear layers into bitsandbytes nf4 ``Linear4bit``
+before the adapters are added; the base is built whole in host memory first (at the training dtype), quantised,
+and then partitioned and swapped by ``deepspeed.initialize``, so it must fit in RAM once at that precision.
+Its checkpoint exports the adapter only (a 4-bit base is not written as HF weights, nor merged).
 """
 from __future__ import annotations
 
@@ -24,15 +27,9 @@ DEFAULT_TARGETS = ("q_proj", "v_proj")
 ADAPTER_CONFIG = "adapter_config.json"     # PEFT's file names (PeftModel.from_pretrained reads these)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-# A try on this CPU (bitsandbytes 0.50.2, DeepSpeed 0.19.8, peft 0.21.2): a micro model quantised to nf4
-# Linear4bit (quant_storage fp32) *before* deepspeed.initialize did run 2 LoRA steps through our swapper, its
-# first loss equal to the unpartitioned model's (quant_state stays on the Python object; the packed data is
-# swapped). What is missing is quantising during the build: presets and HF directories are partitioned into
-# the swap space as zero.Init builds them, and nothing here quantises a partitioned weight yet.
-QLORA_REFUSAL = (
-    "--lora bits=4 (QLoRA) is not supported by 'aidaptiv-ds train' yet: the base is partitioned into the swap "
-    "space while it is built, and quantising partitioned weights to bitsandbytes 4-bit is not implemented; "
-    "drop bits=4 to train LoRA on the bf16/fp32 base (QLoRA is to be tested on GPU in the GPU issue)")
+QLORA_FILE = "aidaptiv_qlora.json"   # in a checkpoint's hf/ folder: its base holds bitsandbytes 4-bit data
+QLORA_QUANT_TYPE = "nf4"             # QLoRA's NormalFloat4 (Dettmers et al. 2023)
+QLORA_KEEP = ("lm_head",)            # left unquantised, as transformers' bitsandbytes loader does
 
 
 @dataclass(frozen=True)
@@ -43,9 +40,11 @@ class LoraSpec:
     alpha: float
     targets: Tuple[str, ...]
     dropout: float = 0.0
+    bits: int = 16          # 4: QLoRA, the frozen base quantised to bitsandbytes nf4 (see quantize_base)
 
     def describe(self) -> str:
-        return f"LoRA r={self.r} alpha={self.alpha:g} targets={','.join(self.targets)} dropout={self.dropout:g}"
+        what = "QLoRA (nf4 base)" if self.bits == 4 else "LoRA"
+        return f"{what} r={self.r} alpha={self.alpha:g} targets={','.join(self.targets)} dropout={self.dropout:g}"
 
     def peft_config(self):
         from peft import LoraConfig
@@ -54,9 +53,10 @@ class LoraSpec:
 
 
 def parse_spec(text: str) -> LoraSpec:
-    """``r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05]``: keys ``r`` (required), ``alpha`` (default
-    2 x r), ``targets`` (module names, default q_proj,v_proj; a comma-separated list runs to the next
-    ``key=``), ``dropout`` (default 0). Raises ValueError naming every problem."""
+    """``r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05][,bits=4]``: keys ``r`` (required), ``alpha``
+    (default 2 x r), ``targets`` (module names, default q_proj,v_proj; a comma-separated list runs to the next
+    ``key=``), ``dropout`` (default 0), ``bits`` (4: QLoRA; 16 or 32: the base as trained, the default).
+    Raises ValueError naming every problem."""
     keys = {"r": None, "alpha": None, "targets": None, "dropout": None, "bits": None}
     problems: List[str] = []
     current: Optional[str] = None
@@ -67,7 +67,7 @@ def parse_spec(text: str) -> LoraSpec:
             key, _, value = token.partition("=")
             key = key.strip().lower()
             if key not in keys:
-                problems.append(f"unknown key {key!r} (expected r, alpha, targets, dropout)")
+                problems.append(f"unknown key {key!r} (expected r, alpha, targets, dropout, bits)")
                 current = None
                 continue
             if keys[key] is not None:
@@ -103,9 +103,8 @@ def parse_spec(text: str) -> LoraSpec:
     if problems:
         raise ValueError(f"--lora {text!r}: {'; '.join(problems)}: write it as "
                          "r=16,alpha=32,targets=q_proj,v_proj")
-    if bits == 4:
-        raise ValueError(QLORA_REFUSAL)
-    return LoraSpec(r=r, alpha=alpha if alpha is not None else 2.0 * r, targets=targets, dropout=dropout or 0.0)
+    return LoraSpec(r=r, alpha=alpha if alpha is not None else 2.0 * r, targets=targets, dropout=dropout or 0.0,
+                    bits=bits or 16)
 
 
 def apply(model, spec: LoraSpec):
@@ -130,3 +129,38 @@ def save_adapter_config(model, folder: str) -> None:
     """PEFT's adapter_config.json of ``model`` (a PeftModel) into ``folder`` (the export needs it to merge or
     to write the adapter in PEFT's format)."""
     model.peft_config["default"].save_pretrained(folder)
+
+
+def quantize_base(model, compute_dtype) -> int:
+    """QLoRA's base: every ``nn.Linear`` of ``model`` but the output head becomes bitsandbytes' frozen nf4
+    ``Linear4bit`` holding the same weights (quantised), computing in ``compute_dtype``. The packed 4-bit data
+    is stored in ``compute_dtype`` elements (bitsandbytes' ``quant_storage``) because ZeRO-3 partitions and
+    swaps float parameters; the quantisation constants stay on each weight object, in memory (1/32 of the
+    packed bytes with blocks of 64). Call it on a built, unpartitioned model, before :func:`apply`.
+    Returns the number of layers quantised. Raises ValueError when bitsandbytes is missing."""
+    import torch
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ValueError(f"--lora bits=4 needs bitsandbytes (requirements.txt pins it): {e}") from None
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m) is torch.nn.Linear and name.rsplit(".", 1)[-1] not in QLORA_KEEP]
+    for name, linear in targets:
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                              compute_dtype=compute_dtype, quant_type=QLORA_QUANT_TYPE, quant_storage=compute_dtype,
+                              device="meta")
+        q.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type=QLORA_QUANT_TYPE,
+                                     quant_storage=compute_dtype).to(linear.weight.device)   # quantises
+        if linear.bias is not None:
+            q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+        setattr(parent, name.rsplit(".", 1)[-1], q)
+    return len(targets)
+
+
+def save_qlora_marker(folder: str) -> None:
+    """Mark a checkpoint whose base is 4-bit (the export must not read its packed data as weights)."""
+    import json
+    import os
+    with open(os.path.join(folder, QLORA_FILE), "w", encoding="utf-8") as f:
+        json.dump({"bits": 4, "quant_type": QLORA_QUANT_TYPE, "keep": list(QLORA_KEEP)}, f)

@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train LoRA adapters (PEFT) on a frozen base instead of every weight, e.g. "
                         "r=16,alpha=32,targets=q_proj,v_proj (alpha defaults to 2r, targets to q_proj,v_proj; "
                         "dropout=P optional). With an \"aidaptiv\" block the base is streamed read-only from NVMe. "
-                        "bits=4 (QLoRA) is refused on this build (see README)")
+                        "bits=4: QLoRA, the base's linear layers quantised to bitsandbytes nf4 (built whole in RAM "
+                        "first, then swapped; --output-dir and export write the adapter only)")
     p.add_argument("--seed", type=int, default=1234, help="seeds weights, data order and RNGs; default 1234")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="override the config's precision (fp16 needs CUDA)")
@@ -349,7 +350,13 @@ class Run:
             # dtype=torch.float32 into bf16 on a CPU without fp16, an operator-precedence bug).
             init_context = deepspeed.zero.Init(config_dict_or_path=self.cfg)
         t0 = time.perf_counter()
-        model = build_model(self.spec, self.dtype, init_context, self.cfg)
+        qlora = self.lora is not None and self.lora.bits == 4
+        # QLoRA quantises a built base, so it is built whole (not partitioned while built); initialize then
+        # partitions the 4-bit model into the swap space like any model built outside zero.Init.
+        model = build_model(self.spec, self.dtype, None if qlora else init_context, self.cfg)
+        if qlora:
+            from aidaptiv_ds import lora
+            self.info["qlora_layers"] = lora.quantize_base(model, self.dtype or torch.float32)
         if self.lora is not None:
             model = self.add_adapters(model)
         self.info["build_s"] = time.perf_counter() - t0
@@ -482,8 +489,10 @@ class Run:
             save_model_files(self.spec, self.tokenizer, os.path.join(folder, MODEL_FILES),
                              dtype=str(self.dtype).replace("torch.", ""))
             if self.lora is not None:   # how to read the lora_ parameters (export merges or copies them)
-                from aidaptiv_ds.lora import save_adapter_config
+                from aidaptiv_ds.lora import save_adapter_config, save_qlora_marker
                 save_adapter_config(self.engine.module, os.path.join(folder, MODEL_FILES))
+                if self.lora.bits == 4:
+                    save_qlora_marker(os.path.join(folder, MODEL_FILES))
         if save_dir == self.args.save_dir:
             self.info.setdefault("saved", []).append(folder)
         return folder
@@ -502,7 +511,8 @@ class Run:
         failed = None
         if self.rank == 0:
             try:
-                summary = export(final, out, merge_lora=self.lora is not None, log=self.log)
+                summary = export(final, out, merge_lora=self.lora is not None and self.lora.bits != 4,
+                                 log=self.log)
             except (ValueError, OSError) as e:   # reported after the barrier the other ranks wait at
                 failed = e
             else:

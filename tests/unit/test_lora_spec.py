@@ -1,7 +1,7 @@
 """--lora spec parsing (aidaptiv_ds.lora.parse_spec): defaults, comma lists of targets, every problem at once."""
 import pytest
 
-from aidaptiv_ds.lora import QLORA_REFUSAL, parse_spec
+from aidaptiv_ds.lora import parse_spec
 
 
 def test_targets_run_to_the_next_key_and_alpha_defaults_to_twice_r():
@@ -18,7 +18,10 @@ def test_every_problem_is_listed():
         assert part in msg, msg
 
 
-def test_qlora_is_refused_with_the_reason():
+def test_bits_4_asks_for_qlora_and_other_bits_are_refused():
+    assert parse_spec("r=8,bits=4").bits == 4
+    assert parse_spec("r=8").bits == 16
+    assert "QLoRA" in parse_spec("r=8,bits=4").describe()
     with pytest.raises(ValueError) as e:
-        parse_spec("r=8,bits=4")
-    assert str(e.value) == QLORA_REFUSAL and "GPU issue" in QLORA_REFUSAL
+        parse_spec("r=8,bits=8")
+    assert "bits=8 must be 4 (QLoRA), 16 or 32" in str(e.value)
