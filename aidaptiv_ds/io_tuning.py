@@ -18,6 +18,7 @@ defaults (1 MiB, 32), and the settings say which of "config", "tuned" or "defaul
 from __future__ import annotations
 
 import os
+import time
 from typing import Dict, List, Optional, Tuple
 
 from aidaptiv_ds.machine_cache import disk_key, load_cache
@@ -39,13 +40,32 @@ DEPTH_RANGE = (1, 4096)
 CONFIG, TUNED, DEFAULT = "config", "tuned", "default"
 
 
+def time_write_read(engine, buf, directory: str, stem: str, repeats: int):
+    """Write ``buf`` to a fresh file in ``directory`` and read it back, ``repeats`` times, with ``engine``;
+    the files are removed. Returns the write and read bandwidths (bytes/s) of each repeat."""
+    nbytes = buf.numel() * buf.element_size()
+    writes, reads = [], []
+    for i in range(repeats):
+        path = os.path.join(directory, f"{stem}-{os.getpid()}-{i}")
+        try:
+            t0 = time.perf_counter()
+            engine.write(buf, path)
+            t1 = time.perf_counter()
+            engine.read(buf, path)
+            t2 = time.perf_counter()
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        writes.append(nbytes / (t1 - t0))
+        reads.append(nbytes / (t2 - t1))
+    return writes, reads
+
+
 def sweep(directory: str, nbytes: int = SWEEP_BYTES, repeats: int = SWEEP_REPEATS,
           blocks=CANDIDATE_BLOCKS, depths=CANDIDATE_DEPTHS) -> List[Dict[str, float]]:
     """Write and read-back bandwidth (bytes/s, best of ``repeats``) of every block size x queue depth, one row
     each: ``{"block_size", "queue_depth", "write", "read"}``. The files are removed; the directory must take
     O_DIRECT (the caller checks)."""
-    import time
-
     import torch
 
     from aidaptiv_ds.io import IOEngine, PinnedPool
@@ -56,23 +76,11 @@ def sweep(directory: str, nbytes: int = SWEEP_BYTES, repeats: int = SWEEP_REPEAT
     for block in blocks:
         for depth in depths:
             engine = IOEngine(block_size=block, queue_depth=depth, pool=pool)
-            best_w = best_r = 0.0
             try:
-                for i in range(repeats):
-                    path = os.path.join(directory, f".aidaptiv-io-sweep-{os.getpid()}-{block}-{depth}-{i}")
-                    try:
-                        t0 = time.perf_counter()
-                        engine.write(buf, path)
-                        t1 = time.perf_counter()
-                        engine.read(buf, path)
-                        t2 = time.perf_counter()
-                    finally:
-                        if os.path.exists(path):
-                            os.unlink(path)
-                    best_w, best_r = max(best_w, nbytes / (t1 - t0)), max(best_r, nbytes / (t2 - t1))
+                writes, reads = time_write_read(engine, buf, directory, f".aidaptiv-io-sweep-{block}-{depth}", repeats)
             finally:
                 engine.close()
-            rows.append({"block_size": block, "queue_depth": depth, "write": best_w, "read": best_r})
+            rows.append({"block_size": block, "queue_depth": depth, "write": max(writes), "read": max(reads)})
     return rows
 
 

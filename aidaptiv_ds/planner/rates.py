@@ -112,21 +112,8 @@ def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NV
     buf = pool.allocate(nbytes)
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     engine = IOEngine(pool=pool, block_size=tuned.get("block_size"), queue_depth=tuned.get("queue_depth"))
-    writes, reads = [], []
     try:
-        for i in range(repeats):
-            path = os.path.join(directory, f".aidaptiv-plan-probe-{os.getpid()}-{i}")
-            try:
-                t0 = time.perf_counter()
-                engine.write(buf, path)
-                t1 = time.perf_counter()
-                engine.read(buf, path)
-                t2 = time.perf_counter()
-            finally:
-                if os.path.exists(path):
-                    os.unlink(path)
-            writes.append(nbytes / (t1 - t0))
-            reads.append(nbytes / (t2 - t1))
+        writes, reads = io_tuning.time_write_read(engine, buf, directory, ".aidaptiv-plan-probe", repeats)
     finally:
         engine.close()
     return {"nvme_write": statistics.median(writes), "nvme_read": statistics.median(reads), **tuned}
