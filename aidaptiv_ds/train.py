@@ -19,7 +19,9 @@ them (aidaptiv_ds.metrics.MONITOR_SERIES); W&B runs offline into the --metrics-o
 WANDB_DIR say otherwise (aidaptiv_ds.wandb_env).
 
 Run directly it is a 1-process job (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set when absent); under the
-deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA).
+deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA); started by srun (by hand or
+DeepSpeed's --launcher slurm), it takes its rank, world size and rendezvous from SLURM's variables
+(aidaptiv_ds.slurm_env).
 """
 from __future__ import annotations
 
@@ -110,7 +112,14 @@ def _free_port() -> int:
 
 
 def ensure_single_process_env() -> None:
-    """Without a launcher, make this process rank 0 of 1 (DeepSpeed needs the env:// rendezvous variables)."""
+    """Without a launcher, make this process rank 0 of 1 (DeepSpeed needs the env:// rendezvous variables);
+    started by srun, take them from SLURM's variables (aidaptiv_ds.slurm_env) and say which."""
+    from aidaptiv_ds import slurm_env
+    found = slurm_env.rendezvous(os.environ)
+    if found:
+        os.environ.update({k: v for k, (v, _) in found.items()})
+        if os.environ.get("RANK") == "0":
+            print(f"aidaptiv-ds train: srun step: {slurm_env.describe(found)}", file=sys.stderr, flush=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
