@@ -19,7 +19,9 @@ them (aidaptiv_ds.metrics.MONITOR_SERIES); W&B runs offline into the --metrics-o
 WANDB_DIR say otherwise (aidaptiv_ds.wandb_env).
 
 Run directly it is a 1-process job (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set when absent); under the
-deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA).
+deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA); started by srun (by hand or
+DeepSpeed's --launcher slurm), it takes its rank, world size and rendezvous from SLURM's variables
+(aidaptiv_ds.slurm_env).
 """
 from __future__ import annotations
 
@@ -69,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the config's precision (fp16 needs CUDA)")
     p.add_argument("--nvme-path", default=None,
                    help="swap directory: replaces nvme_path wherever the config has one")
+    p.add_argument("--create-nvme-path", action="store_true",
+                   help="make --nvme-path on this node (mode 0700, parents too) when it is missing, and remove it "
+                        "at exit when empty: for a swap folder named by a launcher on another node, as "
+                        "'aidaptiv-ds sweep' does for cells that span nodes")
     p.add_argument("--host-budget", default=None, metavar="SIZE",
                    help="aidaptiv only: host memory for staging and caching (bytes, '512MiB', '25%%' of RAM); "
                         "overrides the config's aidaptiv.host_memory_budget")
@@ -111,7 +117,14 @@ def _free_port() -> int:
 
 
 def ensure_single_process_env() -> None:
-    """Without a launcher, make this process rank 0 of 1 (DeepSpeed needs the env:// rendezvous variables)."""
+    """Without a launcher, make this process rank 0 of 1 (DeepSpeed needs the env:// rendezvous variables);
+    started by srun, take them from SLURM's variables (aidaptiv_ds.slurm_env) and say which."""
+    from aidaptiv_ds import slurm_env
+    found = slurm_env.rendezvous(os.environ)
+    if found:
+        os.environ.update({k: v for k, (v, _) in found.items()})
+        if os.environ.get("RANK") == "0":
+            print(f"aidaptiv-ds train: srun step: {slurm_env.describe(found)}", file=sys.stderr, flush=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -119,6 +132,25 @@ def ensure_single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def make_nvme_path(path: str) -> bool:
+    """Make the swap folder ``path`` on this node, private (0700: it will hold model state), when missing; True
+    when this process made it. A folder that already exists (another rank of this node made it first) is kept
+    as it is. The folder is removed at exit if the job left it empty; the atexit hook, registered before the
+    swapper starts, runs after the swapper's own clean-up (atexit runs last-registered first)."""
+    try:
+        os.makedirs(path, mode=0o700)
+    except FileExistsError:
+        return False
+    os.chmod(path, 0o700)   # makedirs' mode is masked by the umask
+    import atexit
+
+    def remove_if_empty():
+        with contextlib.suppress(OSError):   # not empty: another rank's files, or kept swap files
+            os.rmdir(path)
+    atexit.register(remove_if_empty)
+    return True
 
 
 class TrainingFailed(Exception):
@@ -205,8 +237,12 @@ class Run:
         if a.save_every < 0 or a.warmup < 0:
             raise ValueError("--save-every and --warmup must not be negative")
         found = train_plan.problems(a)
+        if getattr(a, "create_nvme_path", False) and not a.nvme_path:
+            found.append("--create-nvme-path needs --nvme-path: give the swap folder to make on this node")
         if found:
             raise TrainingFailed("; ".join(found))
+        if getattr(a, "create_nvme_path", False):   # before the config check, which refuses a missing folder
+            self.info["nvme_path_created"] = make_nvme_path(os.path.abspath(a.nvme_path))
         self.lora = None
         if getattr(a, "lora", None):
             from aidaptiv_ds.lora import parse_spec

@@ -9,7 +9,8 @@
 LOCAL_RANK from the environment instead. On CUDA with CUDA_VISIBLE_DEVICES set (SLURM does), the GPUs are
 named with ``--include localhost:<ids>``, because ``--num_gpus`` would make the launcher drop that variable
 and use GPUs 0..G-1. Across nodes, a hostfile (``host slots=K`` lines) and ``--num_nodes``/``--num_gpus``
-per node are used.
+per node are used, with ``--create-nvme-path`` after ``--nvme-path``: the sweep makes the cell's swap folder on
+its own node only, so each rank makes it (0700) on a node that lacks it.
 
 The train module is ``aidaptiv_ds train`` unless AIDAPTIV_DS_TRAIN_MODULE or --train-module names another
 (``"MODULE [ARGS...]"``), which is how the tests substitute a fake.
@@ -113,8 +114,10 @@ def launch_command(cell: Cell, spec: LaunchSpec, *, port: int, swap_dir: str, me
         "--steps", str(steps),
         "--warmup", str(warmup),
         "--nvme-path", swap_dir,
-        "--metrics-out", metrics_out,
     ]
+    if spec.hostfile:   # ranks may run on other nodes, where the sweep did not make swap_dir
+        cmd.append("--create-nvme-path")
+    cmd += ["--metrics-out", metrics_out]
     if gpu_mem_cap_gb is not None:
         cmd += ["--gpu-mem-cap-gb", f"{gpu_mem_cap_gb:g}"]
     if host_budget_bytes is not None:

@@ -1,6 +1,6 @@
 """Tables and plots from a sweep's results.jsonl: DIR/report.md and DIR/figures/*.png; or, for one
-training run's directory (no results.jsonl; see aidaptiv_ds.harness.run_report), its loss, tokens/s and NVMe
-GB/s per step: DIR/figures/run_curves.png.
+training run's directory (no results.jsonl; see aidaptiv_ds.harness.run_report), its loss (and held-out loss),
+tokens/s and NVMe GB/s per step: DIR/figures/run_curves.png.
 
 Everything measured comes from the rows (the newest row of each cell); published numbers come from
 aidaptiv_ds/harness/published.py and are labelled with their source and hardware. Per model: a throughput

@@ -3,7 +3,9 @@
 A run directory is one where ``aidaptiv-ds train`` left its per-step series: the files DeepSpeed's CSV monitor
 writes for them (``aidaptiv_loss.csv``, ``aidaptiv_tokens_per_s.csv``, ... anywhere below RUN_DIR, from the
 config's ``"csv_monitor"`` section; see aidaptiv_ds.metrics.MONITOR_SERIES), or else a ``--metrics-out``
-JSON file, which holds the loss and step time of every step but no per-step I/O. The figure goes to
+JSON file, which holds the loss and step time of every step but no per-step I/O. The held-out loss (train
+--eval-fraction/--eval-data) is drawn on the loss panel at the steps it was computed: from the CSV monitor's
+``aidaptiv_eval_loss.csv``, else from the metrics JSON's ``eval_losses``. The figure goes to
 ``RUN_DIR/figures/run_curves.png``; a panel whose series the run did not record says so instead of a curve.
 """
 from __future__ import annotations
@@ -13,14 +15,14 @@ import json
 import os
 from typing import Dict, List, Optional, Tuple
 
-from aidaptiv_ds.metrics import MONITOR_PREFIX, MONITOR_SERIES
+from aidaptiv_ds.metrics import EVAL_SERIES, MONITOR_PREFIX, MONITOR_SERIES
 
 Series = List[Tuple[float, float]]     # (step, value)
 
 
 def csv_series(run_dir: str) -> Dict[str, Series]:
     """Our series from the CSV monitor's files below ``run_dir`` (by series name, steps in order)."""
-    wanted = {MONITOR_PREFIX.replace("/", "_") + s + ".csv": s for s in MONITOR_SERIES}
+    wanted = {MONITOR_PREFIX.replace("/", "_") + s + ".csv": s for s in MONITOR_SERIES + EVAL_SERIES}
     out: Dict[str, Series] = {}
     for root, _, files in os.walk(run_dir):
         for f in sorted(files):
@@ -34,7 +36,8 @@ def csv_series(run_dir: str) -> Dict[str, Series]:
 
 
 def metrics_series(run_dir: str) -> Dict[str, Series]:
-    """Loss and tokens/s per step from a train metrics JSON in ``run_dir`` (the first that has them)."""
+    """Loss and tokens/s per step, and the held-out loss where it was computed, from a train metrics JSON in
+    ``run_dir`` (the first that has them)."""
     for f in sorted(os.listdir(run_dir)):
         if not f.endswith(".json"):
             continue
@@ -50,20 +53,38 @@ def metrics_series(run_dir: str) -> Dict[str, Series]:
         tps = m.get("tokens_per_step")
         if tps:
             out["tokens_per_s"] = [(float(first + i + 1), tps / s) for i, s in enumerate(m["step_s"]) if s]
+        evals = _eval_points(m.get("eval_losses"))
+        if evals:
+            out["eval_loss"] = evals
         return out
     return {}
 
 
+def _eval_points(pairs) -> Series:
+    """[(step, loss)] from the metrics JSON's "eval_losses" ([[step, loss], ...]); malformed pairs are skipped."""
+    if not isinstance(pairs, list):
+        return []
+    return sorted((float(p[0]), float(p[1])) for p in pairs
+                  if isinstance(p, (list, tuple)) and len(p) == 2
+                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p))
+
+
 def find_series(run_dir: str) -> Tuple[Dict[str, Series], Optional[str]]:
-    """(series, where they came from) of a run directory; ({}, None) when it holds neither source."""
+    """(series, where they came from) of a run directory; ({}, None) when it holds neither source. CSV monitor
+    files of a run made before the held-out loss went to the monitor lack it: it is then taken from the
+    metrics JSON beside them, when that has it."""
     s = csv_series(run_dir)
     if s:
+        if "eval_loss" not in s:
+            evals = metrics_series(run_dir).get("eval_loss")
+            if evals:
+                s["eval_loss"] = evals
         return s, "DeepSpeed CSV monitor files"
     s = metrics_series(run_dir)
     return (s, "metrics JSON") if s else ({}, None)
 
 
-PANELS = (("loss", ("loss",), "loss"), ("tokens/s", ("tokens_per_s",), "tokens/s"),
+PANELS = (("loss", ("loss", "eval_loss"), "loss"), ("tokens/s", ("tokens_per_s",), "tokens/s"),
           ("NVMe I/O (rank 0)", ("nvme_read_GBps", "nvme_write_GBps"), "GB/s"))
 
 
@@ -76,15 +97,17 @@ def plot(run_dir: str, series: Dict[str, Series], source: str) -> str:
     for ax, (title, names, unit) in zip(axes, PANELS):
         ax.set_title(title)
         ax.set_ylabel(unit)
-        drawn = False
+        drawn = 0
         for name in names:
             pts = series.get(name)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-                drawn = True
+                # The held-out loss has a point every --eval-every steps: bigger markers keep a single one visible.
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s" if name == "eval_loss" else "o",
+                        ms=6 if name == "eval_loss" else 3, label=name)
+                drawn += 1
         if not drawn:
             ax.text(0.5, 0.5, f"not recorded in the {source}", ha="center", va="center", transform=ax.transAxes)
-        elif len(names) > 1:
+        elif drawn > 1 or names[0] not in series:
             ax.legend()
     axes[-1].set_xlabel("optimizer step")
     fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))} ({source})")

@@ -29,7 +29,11 @@ def parse():
     for flag in ("--seq-len", "--micro-batch", "--grad-accum", "--steps", "--warmup"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--gpu-mem-cap-gb", type=float)
-    return p.parse_args()
+    p.add_argument("--create-nvme-path", action="store_true")
+    args = p.parse_args()
+    if args.create_nvme_path:
+        os.makedirs(args.nvme_path, mode=0o700, exist_ok=True)
+    return args
 
 
 def write_metrics(args, status, error=None, steps=None):

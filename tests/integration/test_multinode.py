@@ -51,10 +51,13 @@ def test_two_nodes_no_ssh_match_one_node(tmp_path, one_node_two_ranks):
     nodes = []
     for node in (0, 1):
         swap = tmp_path / f"node{node}_nvme"   # each node's own disk, given as the same flag on every node
-        swap.mkdir()
+        # Node 1 lacks its folder, as a sweep's cell folder is made on the first node only: --create-nvme-path.
+        make = ["--create-nvme-path"] if node == 1 else []
+        if not make:
+            swap.mkdir()
         cmd = [deepspeed, "--no_ssh", "--node_rank", str(node), "--hostfile", str(hostfile), "--master_addr",
                "127.0.0.1", "--master_port", port, "--no_local_rank", "--module", "aidaptiv_ds", "train",
-               "--config", config, *COMMON, "--nvme-path", str(swap), "--metrics-out", str(tmp_path / "m.json")]
+               "--config", config, *COMMON, "--nvme-path", str(swap), *make, "--metrics-out", str(tmp_path / "m.json")]
         nodes.append((swap, subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True)))
     logs = [p.communicate(timeout=600)[0] for _, p in nodes]
@@ -67,3 +70,4 @@ def test_two_nodes_no_ssh_match_one_node(tmp_path, one_node_two_ranks):
     assert m["losses"] == pytest.approx(one_node_two_ranks["losses"], rel=LOSS_REL)
     # Global rank r swaps under <its node's nvme_path>/aidaptiv-swap/rank<r> and nowhere else.
     assert [_rank_folders(swap) for swap, _ in nodes] == [["rank0"], ["rank1"]]
+    assert (nodes[1][0].stat().st_mode & 0o777) == 0o700

@@ -46,6 +46,9 @@ def test_multinode_uses_the_hostfile():
     c = cmd(spec)
     assert c[:c.index("--master_port")] == ["deepspeed", "--hostfile", "/job/hostfile", "--num_nodes", "2",
                                              "--num_gpus", "1", "--master_addr", "node001", "--launcher", "pdsh"]
+    # A rank on another node has no swap folder: the sweep made it on its own node only; train makes it there.
+    assert c[c.index("--nvme-path"):c.index("--nvme-path") + 3] == ["--nvme-path", "/nvme/cell/swap",
+                                                                     "--create-nvme-path"]
     one_node = LaunchSpec(hostfile="/job/hostfile", gpus_per_node=8)
     c = cmd(one_node)
     assert c[1:7] == ["--hostfile", "/job/hostfile", "--num_nodes", "1", "--num_gpus", "2"]

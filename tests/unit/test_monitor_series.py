@@ -57,3 +57,44 @@ def test_report_of_a_run_folder_with_only_metrics_json(tmp_path, capsys):
     assert series["tokens_per_s"] == [(1.0, 100.0), (2.0, 50.0), (3.0, 25.0)]
     assert main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "figures" / "run_curves.png").stat().st_size > 10000
+
+
+def test_report_draws_the_held_out_loss_from_the_metrics_json(tmp_path):
+    (tmp_path / "m.json").write_text(json.dumps({"status": "ok", "losses": [5.0, 4.0, 3.0, 2.5],
+                                                 "step_s": [1.0, 1.0, 1.0, 1.0], "tokens_per_step": 100,
+                                                 "first_step": 0, "eval_losses": [[2, 4.5], [4, 3.25]]}))
+    from aidaptiv_ds.harness import run_report
+    series, _ = run_report.find_series(str(tmp_path))
+    assert series["eval_loss"] == [(2.0, 4.5), (4.0, 3.25)]
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "figures" / "run_curves.png").stat().st_size > 10000
+
+
+def test_report_draws_the_held_out_loss_from_the_csv_monitor(tmp_path):
+    folder = tmp_path / "run" / "monitor" / "job"
+    _write_csv_monitor(folder)
+    with open(folder / "aidaptiv_eval_loss.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["step", "eval_loss"], [2, 7.0], [4, 6.0]])
+    from aidaptiv_ds.harness import run_report
+    series, source = run_report.find_series(str(tmp_path / "run"))
+    assert "CSV monitor" in source and series["eval_loss"] == [(2.0, 7.0), (4.0, 6.0)]
+
+
+def test_report_takes_the_held_out_loss_from_the_json_when_the_csv_lacks_it(tmp_path):
+    _write_csv_monitor(tmp_path / "monitor" / "job")
+    (tmp_path / "m.json").write_text(json.dumps({"status": "ok", "losses": [5.0, 4.0], "step_s": [1.0, 1.0],
+                                                 "eval_losses": [[2, 3.0]]}))
+    from aidaptiv_ds.harness import run_report
+    series, _ = run_report.find_series(str(tmp_path))
+    assert series["eval_loss"] == [(2.0, 3.0)] and len(series["loss"]) == 4
+
+
+def test_the_loss_panel_shows_the_held_out_loss(tmp_path, monkeypatch):
+    from aidaptiv_ds.harness import run_report
+    import matplotlib.axes
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **kw: drawn.append((self.get_title(), kw.get("label"))) or real(self, *a, **kw))
+    run_report.plot(str(tmp_path), {"loss": [(1.0, 3.0), (2.0, 2.0)], "eval_loss": [(2.0, 2.5)]}, "metrics JSON")
+    assert ("loss", "eval_loss") in drawn and ("loss", "loss") in drawn

@@ -113,3 +113,4 @@ def test_multinode_cell_command_spans_nodes(tmp_path):
     assert f"--hostfile {hostfile} --num_nodes 2 --num_gpus 4 --master_addr gpu-a01 " in eight[0]
     assert f"--hostfile {hostfile} --num_nodes 1 --num_gpus 4 --master_addr gpu-a01 " in four[0]
     assert "--gpu-mem-cap-gb 40" in eight[0]  # from the grid
+    assert all(" --create-nvme-path" in ln for ln in eight + four)   # each node's rank makes its swap folder

@@ -107,3 +107,41 @@ def test_aidaptiv_api_is_used_when_present(monkeypatch):
     monkeypatch.setattr(aidaptiv_ds, "initialize", init, raising=False)
     monkeypatch.setattr(aidaptiv_ds, "zero_init", zinit, raising=False)
     assert train._aidaptiv_api() == (init, zinit)
+
+
+def test_create_nvme_path_makes_a_private_folder_on_this_node(tmp_path):
+    path = tmp_path / "swap-root" / "cell.123"          # the parent is missing too on a fresh node
+    old = os.umask(0o022)
+    try:
+        assert train.make_nvme_path(str(path)) is True
+    finally:
+        os.umask(old)
+    assert path.is_dir() and (path.stat().st_mode & 0o777) == 0o700
+    assert train.make_nvme_path(str(path)) is False     # another rank of this node made it first: kept as it is
+
+
+def _prepare(tmp_path, *extra):
+    args = cli.parse_args(["train", "--config", os.path.join(os.path.dirname(__file__), "..", "..",
+                                                                            "ds_configs", "aidaptiv.json"),
+                                          "--model", "micro", "--seq-len", "16", "--steps", "1", *extra])
+    job = train.Run(args)
+    job.prepare()
+    return job
+
+
+def test_a_rank_whose_node_lacks_the_swap_folder_makes_it_when_told(clean_env, tmp_path):
+    from aidaptiv_ds import config, ds_config
+    swap = tmp_path / "node-local" / "cell.7"
+    job = _prepare(tmp_path, "--nvme-path", str(swap))
+    # What deepspeed.initialize then checks (config.validate): the sweep made the folder on the first node only.
+    with pytest.raises(ds_config.ConfigError, match="does not exist"):
+        config.validate(job.cfg)
+    job = _prepare(tmp_path, "--nvme-path", str(swap), "--create-nvme-path")
+    assert swap.is_dir() and (swap.stat().st_mode & 0o777) == 0o700
+    assert job.info["nvme_paths"] == [str(swap)] and job.info["nvme_path_created"] is True
+    assert config.validate(job.cfg).nvme_path == str(swap)
+
+
+def test_create_nvme_path_needs_nvme_path(clean_env, tmp_path):
+    with pytest.raises(train.TrainingFailed, match="--create-nvme-path needs --nvme-path"):
+        _prepare(tmp_path, "--create-nvme-path")
