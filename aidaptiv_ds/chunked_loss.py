@@ -118,8 +118,19 @@ def _head_forward(self, hidden, labels=None, *, loss_chunk_tokens=None, num_item
                           num_items_in_batch)
 
 
+def loss_owner(model):
+    """The module whose forward computes ``model``'s loss: the base model of a PEFT wrapper (its forward runs
+    the adapters and then calls the base's, which other libraries patch there: TRL's fused LM head), else
+    ``model`` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and hasattr(model, "peft_config"):
+        return get_base()
+    return model
+
+
 def unsupported_reason(model) -> Optional[str]:
     """Why :func:`install` cannot apply to ``model`` (None when it can)."""
+    model = loss_owner(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -140,13 +151,15 @@ def unsupported_reason(model) -> Optional[str]:
 def install(model, chunk_tokens: int) -> None:
     """Make ``model`` (a Hugging Face causal LM of a supported type) compute its loss in chunks of
     ``chunk_tokens`` tokens whenever it is called with ``labels`` and gradients are enabled (training); it
-    then returns no logits. Without labels, or under ``torch.no_grad`` (evaluation), it behaves as before. Raises ValueError for a model it cannot apply to. Idempotent (the chunk
-    size is updated)."""
+    then returns no logits. Without labels, or under ``torch.no_grad`` (evaluation), it behaves as before. A
+    PEFT model's base model gets the chunked forward (:func:`loss_owner`), below the adapters. Raises
+    ValueError for a model it cannot apply to. Idempotent (the chunk size is updated)."""
     if chunk_tokens < 1:
         raise ValueError(f"loss chunk of {chunk_tokens} tokens: expected at least 1")
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"the chunked loss cannot apply to {type(model).__name__}: {reason}")
+    model = loss_owner(model)
     head = model.get_output_embeddings()
     head._aidaptiv_loss_chunk = int(chunk_tokens)
     if getattr(model, "_aidaptiv_chunked_loss", False):
@@ -177,6 +190,7 @@ def install(model, chunk_tokens: int) -> None:
 
 def installed_chunk(model) -> Optional[int]:
     """The chunk size :func:`install` gave ``model``, or None when its loss is not chunked."""
+    model = loss_owner(model)
     if not getattr(model, "_aidaptiv_chunked_loss", False):
         return None
     return getattr(model.get_output_embeddings(), "_aidaptiv_loss_chunk", None)

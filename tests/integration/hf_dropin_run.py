@@ -13,6 +13,12 @@ comes from the accelerate config file. Nothing here knows about aidaptiv: the co
 Writes to ``--out`` the exact loss of every step (the trainers log them rounded to 4 digits), the
 reduce-bucket size and persistence threshold DeepSpeed trained with, and whether our swapper ran.
 ``--save DIR`` ends with ``trainer.save_model(DIR)``.
+
+``--lora`` trains LoRA adapters (PEFT) instead of the whole model: ``trainer`` wraps the built model with
+``get_peft_model`` itself, ``sft`` hands TRL a ``peft_config`` and lets TRL wrap it. The run then also writes
+the names and element count of the parameters that require gradients and our swapper's cumulative NVMe write
+bytes when training begins and at the end of every step (``nvme_write_bytes_steps``, 1 + steps values), so
+that the test sees what each step wrote.
 """
 import argparse
 import json
@@ -21,6 +27,14 @@ import sys
 import torch
 
 SEQ, BATCH, SAMPLES, LR, SEED = 64, 2, 32, 1e-4, 0
+# LoRA B starts at zero: adapters need a larger rate than 1e-4 to move the loss visibly in 3 steps.
+LORA_LR, LORA_R, LORA_ALPHA, LORA_TARGETS = 1e-2, 8, 16, ["q_proj", "v_proj"]
+
+
+def lora_config():
+    from peft import LoraConfig
+    return LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0,
+                      bias="none", task_type="CAUSAL_LM")
 
 
 def model_config():
@@ -51,15 +65,46 @@ class Rows(torch.utils.data.Dataset):
 
 
 def recording(trainer_cls):
-    """``trainer_cls`` that keeps the exact loss of every training step."""
+    """``trainer_cls`` that keeps the exact loss of every training step and, when our swapper runs, its
+    cumulative NVMe write bytes when training begins and at the end of every step (after the optimizer step
+    and its write-back)."""
+    from transformers import TrainerCallback
+
+    class WriteBytes(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer = trainer
+
+        def record(self):
+            stats = getattr(self.trainer.model_wrapped, "aidaptiv_stats", None)
+            if callable(stats):
+                self.trainer.write_bytes.append(stats()["nvme_write_bytes"])
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.record()   # the engine is made: the base is in the swap space
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.record()
+
     class Recording(trainer_cls):
         losses = []
+        write_bytes = []
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(WriteBytes(self))
 
         def training_step(self, *args, **kwargs):
             loss = super().training_step(*args, **kwargs)
             self.losses.append(float(loss))
             return loss
     return Recording
+
+
+def trainable(model):
+    """Names and element count (partitioned or not) of the parameters that require gradients."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+    return {"trainable_names": names, "trainable_params": numel}
 
 
 def engine_facts(engine):
@@ -72,8 +117,8 @@ def engine_facts(engine):
 
 def common_args(a):
     return dict(output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=BATCH,
-                learning_rate=LR, logging_steps=1, report_to="none", save_strategy="no", seed=SEED,
-                deepspeed=a.config)
+                learning_rate=LORA_LR if a.lora else LR, logging_steps=1, report_to="none", save_strategy="no",
+                seed=SEED, deepspeed=a.config)
 
 
 def run_trainer(a):
@@ -83,11 +128,20 @@ def run_trainer(a):
     if model is None:
         model = build_model()  # under deepspeed.zero.Init: TrainingArguments registered the ZeRO-3 config
     rows = token_rows(model.config.vocab_size)
+    if a.lora:
+        from peft import get_peft_model
+        model = get_peft_model(model, lora_config())   # the user's own wrapping, before the Trainer
     trainer = recording(Trainer)(model=model, args=args, train_dataset=Rows(rows))
     trainer.train()
     if a.save:
         trainer.save_model(a.save)
-    return trainer.losses, engine_facts(trainer.model_wrapped)
+    return trainer.losses, {**engine_facts(trainer.model_wrapped), **lora_facts(a, trainer)}
+
+
+def lora_facts(a, trainer):
+    if not a.lora:
+        return {}
+    return {**trainable(trainer.model), "nvme_write_bytes_steps": trainer.write_bytes}
 
 
 def run_sft(a):
@@ -105,9 +159,10 @@ def run_sft(a):
                                                                                unk_token="0")),
                                   unk_token="0", pad_token="1", eos_token="2")
     data = Dataset.from_dict({"input_ids": token_rows(vocab).tolist()})
-    trainer = recording(SFTTrainer)(model=model, args=args, train_dataset=data, processing_class=tok)
+    extra = {"peft_config": lora_config()} if a.lora else {}   # TRL wraps the model with PEFT itself
+    trainer = recording(SFTTrainer)(model=model, args=args, train_dataset=data, processing_class=tok, **extra)
     trainer.train()
-    return trainer.losses, engine_facts(trainer.model_wrapped)
+    return trainer.losses, {**engine_facts(trainer.model_wrapped), **lora_facts(a, trainer)}
 
 
 def run_accelerate(a):
@@ -143,6 +198,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--save")
     p.add_argument("--model-first", action="store_true")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) on the frozen model")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     a = p.parse_args()
     losses, facts = {"trainer": run_trainer, "sft": run_sft, "accelerate": run_accelerate}[a.mode](a)

@@ -6,6 +6,10 @@ gathers the weights (stage3_gather_16bit_weights_on_model_save), writes what sto
 
 The runs are in hf_dropin_run.py: the micro preset, 3 steps of batch 2 x 64 tokens, fp32, one process. The
 host budget (40 MiB) is below the model state (94 MiB), so the state moves through the swap files.
+
+LoRA the same two ways (``--lora``): the user's PEFT model in the HF Trainer, and TRL's SFTTrainer given a
+``peft_config``; only the adapters train, the frozen base is never written back, and the losses are those
+of the same PEFT run on stock ZeRO-3.
 """
 import json
 import os
@@ -127,6 +131,46 @@ def test_trl_sft_trainer_with_the_same_config_trains_like_stock_zero3(tmp_path):
     ours = deepspeed_launch(tmp_path, "sft", ours_cfg, "ours")
     assert_swapped(ours)
     assert_same_losses(ours["losses"], stock["losses"])
+
+
+# micro, LoRA r=8 on q_proj and v_proj: 2 layers x 2 targets x (A: 8 x 256 + B: 256 x 8)
+LORA_TRAINABLE = 2 * 2 * 2 * 8 * 256
+
+
+def assert_lora_trained_only_adapters(ours, stock):
+    assert_swapped(ours)
+    assert_same_losses(ours["losses"], stock["losses"])
+    assert ours["trainable_names"] == stock["trainable_names"]
+    assert all(".lora_A." in n or ".lora_B." in n for n in ours["trainable_names"]), ours["trainable_names"]
+    assert ours["trainable_params"] == stock["trainable_params"] == LORA_TRAINABLE
+    # Swap writes from the start of training to the end of each step: at most the adapters and their two Adam
+    # moments (fp32: 12 bytes a parameter; twice that for 4 KiB extents). Writing back any layer group of the
+    # 18.9 MB frozen base (1 MiB and more each) would exceed it.
+    writes = ours["nvme_write_bytes_steps"]
+    assert len(writes) == 1 + 3, writes
+    steps = [b - a for a, b in zip(writes, writes[1:])]
+    assert all(0 <= w <= 2 * 12 * LORA_TRAINABLE for w in steps), steps
+
+
+def test_peft_model_in_the_hf_trainer_trains_only_adapters_like_stock_zero3(tmp_path):
+    """A user's get_peft_model(model) in transformers.Trainer with deepspeed= the config with the block."""
+    pytest.importorskip("peft")
+    ours_cfg, stock_cfg = write_configs(tmp_path)
+    stock = deepspeed_launch(tmp_path, "trainer", stock_cfg, "stock", "--lora")
+    ours = deepspeed_launch(tmp_path, "trainer", ours_cfg, "ours", "--lora")
+    assert_lora_trained_only_adapters(ours, stock)
+
+
+def test_trl_sft_trainer_with_a_peft_config_trains_only_adapters_like_stock_zero3(tmp_path):
+    """TRL wraps the model with PEFT itself and patches its fused LM head into the base model. Before the fix
+    our chunked loss went on the PEFT wrapper, around that head: AttributeError: 'CausalLMOutputWithPast'
+    object has no attribute 'log_probs'."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    ours_cfg, stock_cfg = write_configs(tmp_path)
+    stock = deepspeed_launch(tmp_path, "sft", stock_cfg, "stock", "--lora")
+    ours = deepspeed_launch(tmp_path, "sft", ours_cfg, "ours", "--lora")
+    assert_lora_trained_only_adapters(ours, stock)
 
 
 # accelerate refuses mixed_precision (and the other DeepSpeed settings) beside a deepspeed_config_file: the

@@ -158,3 +158,45 @@ def test_a_forward_another_library_replaced_is_left_alone():
     assert _cl.unsupported_reason(model) is None
     model.forward = _types.MethodType(lambda self, **kw: "theirs", model)
     assert "another library" in _cl.unsupported_reason(model)
+
+
+def _peft(model):
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+
+
+def test_a_peft_model_whose_base_forward_another_library_replaced_is_left_alone():
+    """TRL's SFTTrainer with peft_config patches the fused LM head into the PEFT model's *base* model; chunking
+    the wrapper (whose own forward nobody replaced) went around it and TRL's loss failed with
+    'CausalLMOutputWithPast' object has no attribute 'log_probs'."""
+    import types as _types
+
+    model = _peft(_tiny_llama())
+    base = model.get_base_model()
+    base.forward = _types.MethodType(lambda self, **kw: "theirs", base)
+    assert "another library" in chunked_loss.unsupported_reason(model)
+
+
+def test_a_peft_model_is_chunked_below_its_adapters_with_the_same_loss_and_gradients():
+    """The chunked loss goes on the base model, so PEFT's own forward (adapters, their scaling) still runs."""
+    model = _peft(_tiny_llama())
+    with torch.no_grad():   # LoRA B starts at zero: give the adapters a visible effect
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, 64, (2, 40))
+    ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+
+    chunked_loss.install(model, 16)
+    assert "forward" not in vars(model) and chunked_loss.installed_chunk(model) == 16
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None
+    out.loss.backward()
+    assert abs(out.loss.item() - ref.item()) <= REL * abs(ref.item())
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert close(p.grad, ref_grads[n]), n
