@@ -45,6 +45,21 @@ ZI_PARAM_BUFFER_SIZE = 20_000_000
 ZI_OPT_BUFFER_COUNT = 4
 ZI_SUB_GROUP_SIZE = 100_000_000
 ADDITIONAL_BUFFER_FACTOR = 1.5        # estimate_zero3_model_states_mem_needs's default
+# The transient above the steady state in a DeepSpeed backend's first steps on CPU, in host bytes per parameter
+# of the whole (unpartitioned) model: every rank computes the gradients of the gathered layers, and the
+# optimizer's first step allocates its work buffers. Measured, not fitted: a 1-rank run of the tiny preset
+# (57.8M parameters, fp32) under ds_configs/zero3.json, RSS sampled every 0.3 s from /proc/PID/status:
+#   aidaptiv-ds train --config ds_configs/zero3.json --model tiny --seq-len 64 --steps 3 --warmup 1
+# peaked at 2426 MiB against a steady 1856 MiB after the first step: 570 MiB / 57.8M = 10.3 B per parameter.
+# Its parts (autograd's gradients, the optimizer's buffers) are not separated yet; on a GPU these live in GPU
+# memory and are bounded by the reduce bucket, so the term is counted only when training on CPU.
+DS_STEP_TRANSIENT_PER_PARAM = 10.3
+# The same for aidaptiv (the gradients of one gathered layer group at a time, not the whole model's), measured
+# the same way: a 1-rank run of the tiny preset, RSS sampled every 0.2 s,
+#   aidaptiv-ds train --config ds_configs/aidaptiv.json --model tiny --seq-len 64 --micro-batch 2 --steps 4
+#     --warmup 1 --host-budget 290000000 --nvme-path DIR
+# peaked at 1287 MiB against a steady 1033 MiB between steps: 254 MiB / 57.8M = 4.6 B per parameter.
+AIDAPTIV_STEP_TRANSIENT_PER_PARAM = 4.6
 # Chunk chosen for 'auto' (config.SwapSettings.from_block): budget / 512, clamped.
 AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 1 << 18, 1 << 25
 
@@ -88,6 +103,8 @@ class Hardware:
     host_mem: int = 0                    # bytes per node
     nvme_free: Optional[int] = None      # bytes free in the swap directory, per node; None: not checked
     framework_host: int = 0              # host bytes per rank of torch/DeepSpeed/transformers themselves
+    launcher_host: int = 0               # host bytes per node of the deepspeed launcher's own processes
+                                         # (its runner and launch.py) when the job runs under it; 0: started directly
     gpu_overhead: int = 0                # GPU bytes per rank outside tensors (CUDA context, workspaces)
 
     @property
@@ -225,7 +242,18 @@ def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
         plan.host_pageable["gradients (fp32)"] = 4 * pr
         plan.host_pageable["optimizer-init gradient buffer (fp32)"] = 4 * largest_sub
     _common(plan, job, hw)
+    if hw.gpu_mem is None:
+        plan.host_pageable["first-step transient (gradients of the gathered model, optimizer buffers)"] = (
+            step_transient_bytes(job.shape.num_parameters))
     return plan
+
+
+def step_transient_bytes(num_parameters: int, backend: str = "zero3") -> int:
+    """Host bytes a rank holds above its steady state in its steps on CPU (:data:`DS_STEP_TRANSIENT_PER_PARAM`
+    for DeepSpeed's backends, :data:`AIDAPTIV_STEP_TRANSIENT_PER_PARAM` for aidaptiv, both measured): of the
+    whole model, as every rank gathers every layer."""
+    per = AIDAPTIV_STEP_TRANSIENT_PER_PARAM if backend == "aidaptiv" else DS_STEP_TRANSIENT_PER_PARAM
+    return int(per * num_parameters)
 
 
 def _sub_groups(part_numels: List[int], sub_group_size: int) -> List[int]:
@@ -284,12 +312,15 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
     plan = BackendPlan("aidaptiv")
     _device(plan, hw, {"gathered largest layer": 4 * s.largest_layer_params})
     _common(plan, job, hw)
+    if hw.gpu_mem is None:
+        plan.host_pageable["step transient (gradients of the gathered layer groups)"] = (
+            step_transient_bytes(s.num_parameters, "aidaptiv"))
     # DeepSpeed's reduce bucket, capped by the budget (on CPU only what the gradients touch, in host memory).
     bucket_bytes = lambda b: (aidaptiv_reduce_bucket(b) if hw.gpu_mem is not None
                               else min(aidaptiv_reduce_bucket(b), s.num_parameters)) * e
     local = hw.gpus
     pageable = sum(plan.host_pageable.values())
-    available = hw.host_mem // local - pageable
+    available = (hw.host_mem - hw.launcher_host) // local - pageable
     budget = job.host_budget
     if budget is None:
         # The largest budget host memory allows, but no more than the run can use (everything resident).
@@ -342,12 +373,13 @@ def check(plan: BackendPlan, hw: Hardware) -> BackendPlan:
         top = max(plan.gpu, key=plan.gpu.get)
         plan.problems.append(f"GPU memory: needs {plan.gpu_bytes / GiB:.1f} GiB per GPU but has "
                              f"{hw.gpu_mem / GiB:.1f} GiB (largest: {top}, {plan.gpu[top] / GiB:.1f} GiB)")
-    host = plan.host_bytes * local
+    host = plan.host_bytes * local + hw.launcher_host
     if host > hw.host_mem:
         items = {**plan.host_pinned, **plan.host_pageable}
         top = max(items, key=items.get)
+        launcher = f" + {hw.launcher_host / GiB:.1f} GiB for the launcher" if hw.launcher_host else ""
         plan.problems.append(f"host memory: needs {host / GiB:.1f} GiB per node ({local} rank(s) x "
-                             f"{plan.host_bytes / GiB:.1f} GiB) but has {hw.host_mem / GiB:.1f} GiB (largest: {top}, "
+                             f"{plan.host_bytes / GiB:.1f} GiB{launcher}) but has {hw.host_mem / GiB:.1f} GiB (largest: {top}, "
                              f"{items[top] / GiB:.1f} GiB per rank)")
     if plan.nvme:
         nvme = plan.nvme_bytes * local

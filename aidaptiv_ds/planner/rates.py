@@ -9,6 +9,9 @@
   below); cached per CPU model and thread count.
 - Host memory the framework takes per rank: the peak RSS of a real 1-rank ``aidaptiv-ds train`` run of
   the micro preset under ZeRO-3, less what the plan counts for its model (state, buffers, activations).
+- Host memory of the deepspeed launcher per node: its runner and launch.py are two Python processes that
+  import deepspeed (and so torch) and then wait on the ranks; the peak RSS of a Python that imports
+  deepspeed, twice.
 - With CUDA: pinned host->GPU copy bandwidth and GPU matmul FLOP/s.
 
 The cache is ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default). Every figure records how
@@ -30,9 +33,10 @@ from typing import Dict, Optional
 from aidaptiv_ds.machine_cache import cache_path, disk_key, load_cache, save_cache  # noqa: F401
 from aidaptiv_ds.sizes import MiB
 
-RATE_NAMES = ("nvme_read", "nvme_write", "cpu_flops", "cpu_adam", "framework_host", "pcie", "gpu_flops")
+RATE_NAMES = ("nvme_read", "nvme_write", "cpu_flops", "cpu_adam", "framework_host", "launcher_host", "pcie",
+              "gpu_flops")
 UNITS = {"nvme_read": "B/s", "nvme_write": "B/s", "cpu_flops": "FLOP/s", "cpu_adam": "params/s",
-         "framework_host": "B", "pcie": "B/s", "gpu_flops": "FLOP/s"}
+         "framework_host": "B", "launcher_host": "B", "pcie": "B/s", "gpu_flops": "FLOP/s"}
 NVME_PROBE_BYTES = 256 * MiB
 NVME_PROBE_REPEATS = 3
 
@@ -44,6 +48,7 @@ class Rates:
     cpu_flops: Optional[float] = None      # FLOP/s of one node's CPUs (all threads) in the training dtype
     cpu_adam: Optional[float] = None       # parameters/s of one node's CPUs
     framework_host: Optional[float] = None  # host bytes per rank before any model state
+    launcher_host: Optional[float] = None   # host bytes per node of the deepspeed launcher's processes
     pcie: Optional[float] = None           # host->GPU bytes/s per GPU
     gpu_flops: Optional[float] = None      # FLOP/s per GPU
     source: Dict[str, str] = field(default_factory=dict)
@@ -181,6 +186,24 @@ def probe_framework() -> Dict[str, float]:
     return {"framework_host": float(max(0.0, peak * MiB - model))}
 
 
+# The deepspeed launcher runs two Python processes per node besides the ranks: bin/deepspeed (the runner)
+# and deepspeed.launcher.launch, each of which imports deepspeed.
+LAUNCHER_PROCESSES = 2
+
+
+def probe_launcher() -> Dict[str, float]:
+    """Host bytes per node of the deepspeed launcher's own processes: the peak RSS of a Python that imports
+    deepspeed (as the runner and launch.py do), times :data:`LAUNCHER_PROCESSES`."""
+    code = ("import resource, deepspeed; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines or not lines[-1].isdigit():
+        raise RuntimeError(f"the launcher memory probe (python -c 'import deepspeed') failed (exit "
+                           f"{out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return {"launcher_host": float(LAUNCHER_PROCESSES * int(lines[-1]) * 1024)}
+
+
 def probe_gpu(dtype: str = "bf16") -> Dict[str, float]:
     """Pinned host->GPU copy bandwidth and GPU matmul FLOP/s (empty without CUDA)."""
     import torch
@@ -267,6 +290,7 @@ def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, repro
                         "when": entry.get("when", "measured")}
     fill(cpu_key(dtype), ("cpu_flops", "cpu_adam"), lambda: probe_cpu(dtype))
     fill(f"framework:train-micro:{sys.executable}", ("framework_host",), probe_framework)
+    fill(f"launcher:deepspeed:{sys.executable}", ("launcher_host",), probe_launcher)
     if want_gpu:
         key = gpu_key()
         if key is not None:

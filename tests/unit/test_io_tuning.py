@@ -110,6 +110,7 @@ def test_plan_reports_the_tuned_choice(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(R, "probe_nvme", fake_nvme)
     monkeypatch.setattr(R, "probe_cpu", lambda dtype: {"cpu_flops": 1e11, "cpu_adam": 1e8})
     monkeypatch.setattr(R, "probe_framework", lambda: {"framework_host": 1e9})
+    monkeypatch.setattr(R, "probe_launcher", lambda: {"launcher_host": 5e8})
     assert cli.main(["plan", "--model", "tiny", "--seq-len", "64", "--micro-batch", "1", "--nvme", str(tmp_path),
                      "--host-mem", "8GiB", "--backend", "aidaptiv"]) == 0
     assert "I/O tuned for the swap disk: block_size 1024 KiB, queue_depth 128" in capsys.readouterr().out
@@ -146,6 +147,7 @@ def test_real_probe_sweeps_and_the_swapper_takes_its_choice(tmp_path, monkeypatc
     monkeypatch.setattr(R, "probe_nvme", lambda d: real(d, nbytes=4 * MiB, repeats=1))
     monkeypatch.setattr(R, "probe_cpu", lambda dtype: {"cpu_flops": 1e11, "cpu_adam": 1e8})
     monkeypatch.setattr(R, "probe_framework", lambda: {"framework_host": 1e9})
+    monkeypatch.setattr(R, "probe_launcher", lambda: {"launcher_host": 5e8})
     swap = tmp_path / "swap"
     swap.mkdir()
     rates = R.machine_rates("fp32", str(swap))

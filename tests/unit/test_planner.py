@@ -102,6 +102,7 @@ def test_rates_are_cached_per_device_and_given_ones_win(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "probe_nvme", fake_nvme)
     monkeypatch.setattr(R, "probe_cpu", lambda dtype: {"cpu_flops": 1e11, "cpu_adam": 1e8})
     monkeypatch.setattr(R, "probe_framework", lambda: {"framework_host": 1e9})
+    monkeypatch.setattr(R, "probe_launcher", lambda: {"launcher_host": 5e8})
     cache = str(tmp_path / "rates.json")
     first = R.machine_rates("bf16", str(tmp_path), cache_file=cache)
     again = R.machine_rates("bf16", str(tmp_path), cache_file=cache, given={"nvme_read": 5e9})
@@ -181,7 +182,7 @@ def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, 
     rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "small",
                    "--steps", "1", "--no-progress"])
     assert rc == 1 and not built
-    assert "host memory: zero3 needs at least 5.1 GiB" in capsys.readouterr().out
+    assert "host memory: zero3 needs at least 7.3 GiB" in capsys.readouterr().out
 
 
 def test_train_lets_a_job_that_fits_go_on(clean_env, tmp_path, monkeypatch, repo):
@@ -194,3 +195,46 @@ def test_train_lets_a_job_that_fits_go_on(clean_env, tmp_path, monkeypatch, repo
     rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "aidaptiv.json"), "--model", "micro",
                    "--nvme-path", str(tmp_path), "--steps", "1", "--no-progress"])
     assert rc == 1 and built
+
+
+def test_launcher_memory_counts_once_per_node():
+    """The deepspeed launcher's processes are counted per node, beside the ranks, when the job runs under it."""
+    job = M.Job(resolve_shape("tiny"), 64, 2, dtype="fp32")
+    base = M.plan_backend("zero3", job, M.Hardware(gpus=2, host_mem=1 << 40))
+    need = base.host_bytes * 2
+    fits = M.plan_backend("zero3", job, M.Hardware(gpus=2, host_mem=need + (100 << 20)))
+    assert fits.fits
+    squeezed = M.plan_backend("zero3", job, M.Hardware(gpus=2, host_mem=need + (100 << 20), launcher_host=200 << 20))
+    assert not squeezed.fits and "for the launcher" in squeezed.problems[0]
+    # aidaptiv chooses its budget from what the launcher leaves
+    a = M.plan_backend("aidaptiv", job, M.Hardware(gpus=1, host_mem=2 << 30))
+    b = M.plan_backend("aidaptiv", job, M.Hardware(gpus=1, host_mem=2 << 30, launcher_host=1 << 30))
+    assert b.settings["host_memory_budget"] < a.settings["host_memory_budget"]
+
+
+def test_step_transient_on_cpu_only_and_of_the_whole_model():
+    job = M.Job(resolve_shape("tiny"), 64, 2, dtype="fp32")
+    n = job.shape.num_parameters
+    for backend, per in (("zero3", M.DS_STEP_TRANSIENT_PER_PARAM), ("zero_infinity", M.DS_STEP_TRANSIENT_PER_PARAM),
+                         ("aidaptiv", M.AIDAPTIV_STEP_TRANSIENT_PER_PARAM)):
+        for gpus in (1, 2):    # not partitioned: every rank gathers every layer
+            cpu = M.plan_backend(backend, job, M.Hardware(gpus=gpus, host_mem=1 << 40))
+            assert [v for k, v in cpu.host_pageable.items() if "transient" in k] == [int(per * n)]
+        gpu = M.plan_backend(backend, job, M.Hardware(gpus=1, host_mem=1 << 40, gpu_mem=80 << 30))
+        assert not any("transient" in k for k in {**gpu.host_pageable, **gpu.gpu})
+
+
+def test_launcher_probe_doubles_one_runner_import(monkeypatch):
+    import subprocess as sp
+
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        return sp.CompletedProcess(cmd, 0, stdout="250000\n", stderr="")
+    monkeypatch.setattr(R.subprocess, "run", fake_run)
+    assert R.probe_launcher() == {"launcher_host": 2 * 250000 * 1024.0}
+    assert "import resource, deepspeed" in seen["cmd"][-1]
+    monkeypatch.setattr(R.subprocess, "run", lambda cmd, **kw: sp.CompletedProcess(cmd, 1, stdout="", stderr="boom"))
+    with pytest.raises(RuntimeError, match="launcher memory probe"):
+        R.probe_launcher()

@@ -24,7 +24,7 @@ def test_predicted_oom_cell_is_recorded_not_run(tmp_path, monkeypatch, repo):
     (row,) = [json.loads(line) for line in open(out / "results.jsonl")]
     assert row["key"] == "small__zero3__g1__mb1__s8__ga1"
     assert row["status"] == "oom" and row["inferred"] is True and row["command"] is None
-    assert row["error"].startswith("skipped: predicted OOM: host memory: needs 5.2 GiB per node")
+    assert row["error"].startswith("skipped: predicted OOM: host memory: needs 7.3 GiB per node")
     assert not os.path.exists(out / "cells" / row["key"] / "metrics.json")
 
 
