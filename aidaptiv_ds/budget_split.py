@@ -87,6 +87,10 @@ def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequ
     layer groups of the forward (:func:`retention_slots` says how many fit). A split whose ``fits`` is
     False has no pool, slots or resident sub-groups."""
     slot = align_up(max(group_bytes))  # every layer group occupies one slot of the largest group's size
+    # A chunk never spans two sub-groups (chunk_layout cuts each sub-group on its own), so no chunk is
+    # larger than the largest sub-group: sized at the configured chunk instead, the chunks in flight of a
+    # LoRA run (a few thousand trainable elements) took the room that would keep its optimizer state resident.
+    chunk_numel = min(chunk_numel, max(sub_group_numels))
     # Slots: the group computing, the ones being prefetched, and one more (the forward/backward turn,
     # or the group whose update is being applied).
     min_slots = prefetch_depth + 2

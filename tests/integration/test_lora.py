@@ -46,10 +46,11 @@ def test_lora_on_swapped_base_matches_zero3_in_memory_and_writes_only_adapters(t
     assert trainable == r["lora"]["trainable_params"] == 2 * 2 * 2 * 8 * 256
     assert_same_losses(m["losses"], r["losses"], rel=1e-5)
     assert m["losses"][-1] < m["losses"][0]
-    # Each timed step writes the adapters and their two Adam moments (fp32: 12 bytes a parameter, in 4 KiB
-    # extents); writing back any layer group of the 18.9 MB base (2 MiB and more each) would exceed it.
+    # The adapters' optimizer state is resident under the 64 MiB budget, so a timed step writes only the
+    # updated adapter weights (fp32: 4 bytes a parameter, in 4 KiB extents); writing their Adam moments
+    # (8 bytes a parameter more) or any layer group of the 18.9 MB base (2 MiB and more each) would exceed it.
     per_step = m["nvme_write_bytes"] / m["nvme_bytes_steps"]
-    assert per_step <= 2 * 12 * trainable, (per_step, trainable)
+    assert per_step <= 4 * trainable, (per_step, trainable)
 
 
 def test_lora_export_merged_and_as_peft_adapter_give_the_trained_logits(tmp_path):
