@@ -355,7 +355,6 @@ class LoraExport:
                     self.computed[n] = (lambda w=n, a=a, b=b: self.merged(w, a, b))
 
     def merged(self, w: str, a: str, b: str):
-        import torch
         ck = self.ck
         weight = read_tensor(ck, w)
         delta = read_tensor(ck, b).float() @ read_tensor(ck, a).float()

@@ -23,9 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
-from aidaptiv_ds.harness.results import git_state  # noqa: E402
-from train_run import run_train  # noqa: E402  (bench/train_run.py)
+from aidaptiv_ds.harness.machine import summary  # noqa: E402
+from train_run import bench_setup, run_train  # noqa: E402  (bench/train_run.py)
 
 # name -> (shipped config, "activations" object or None for a config without an aidaptiv block)
 VARIANTS = {
@@ -66,12 +65,7 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "activation_memory"),
                    help="folder for rows.jsonl (bench/results/activation_memory)")
     args = p.parse_args()
-    os.makedirs(args.swap_root, exist_ok=True)
-    os.makedirs(args.out, exist_ok=True)
-    env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
-    machine = machine_info(args.swap_root)
-    sha, dirty = git_state(ROOT)
+    env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     print(summary(machine), file=sys.stderr)
     print("| variant | seq | status | peak RSS MiB | step s | fwd / bwd s | activation I/O wait s | stored MiB (all steps) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -29,9 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
-from aidaptiv_ds.harness.results import git_state  # noqa: E402
-from train_run import run_train  # noqa: E402  (bench/train_run.py)
+from aidaptiv_ds.harness.machine import summary  # noqa: E402
+from train_run import bench_setup, run_train  # noqa: E402  (bench/train_run.py)
 
 # name -> (shipped config, LoRA or full fine-tuning, what the side is)
 SIDES = {
@@ -99,12 +98,7 @@ def main():
     unknown = [s for s in args.sides.split(",") if s not in SIDES]
     if unknown:
         p.error(f"--sides names {', '.join(unknown)}: expected some of {', '.join(SIDES)}")
-    os.makedirs(args.swap_root, exist_ok=True)
-    os.makedirs(args.out, exist_ok=True)
-    env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
-    machine = machine_info(args.swap_root)
-    sha, dirty = git_state(ROOT)
+    env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     conditions = (f"`{args.model}` preset, fp32, micro-batch from the config (2), seq {args.seq_len}, {args.steps} "
                   f"steps (first one warm-up), one CPU process, lr {args.lr}, LoRA `{args.lora}`, aidaptiv host "
                   f"budget {args.host_budget}")

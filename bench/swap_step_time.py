@@ -26,9 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
-from aidaptiv_ds.harness.results import git_state  # noqa: E402
-from train_run import run_train  # noqa: E402  (bench/train_run.py)
+from aidaptiv_ds.harness.machine import summary  # noqa: E402
+from train_run import bench_setup, run_train  # noqa: E402  (bench/train_run.py)
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
 
 # fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter, its gradient, an fp32 master
@@ -68,12 +67,7 @@ def main():
     from aidaptiv_ds.models import count_parameters, preset_config
     params = count_parameters(preset_config(args.model))
     args.budget_bytes = int(params * STATE_BYTES_PER_PARAM * args.budget_fraction)
-    os.makedirs(args.swap_root, exist_ok=True)
-    os.makedirs(args.out, exist_ok=True)
-    env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
-    machine = machine_info(args.swap_root)
-    sha, dirty = git_state(ROOT)
+    env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     print(summary(machine), file=sys.stderr)
     print(f"model {args.model}: {params / 1e6:.2f}M parameters, state {params * STATE_BYTES_PER_PARAM / 2**20:.0f} MiB,"
           f" aidaptiv host budget {args.budget_bytes / 2**20:.0f} MiB", file=sys.stderr)

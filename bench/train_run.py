@@ -22,3 +22,17 @@ def run_train(cmd, cwd, env, swap, metrics, **row):
         row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     shutil.rmtree(swap, ignore_errors=True)
     return row
+
+
+def bench_setup(root, swap_root, out):
+    """What every benchmark run starts with: its swap and output folders made, the child environment (the
+    repository's JIT-op folder unless TORCH_EXTENSIONS_DIR says otherwise), the machine's facts and the
+    commit. Returns (env, machine, sha, dirty)."""
+    from aidaptiv_ds.harness.machine import machine_info
+    from aidaptiv_ds.harness.results import git_state
+    os.makedirs(swap_root, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".torch_extensions"))
+    sha, dirty = git_state(root)
+    return env, machine_info(swap_root), sha, dirty

@@ -65,3 +65,17 @@ def assert_same_losses(ours, reference, rel=1e-5):
     assert len(ours) == len(reference)
     for a, b in zip(ours, reference):
         assert abs(a - b) <= rel * abs(b), (ours, reference)
+
+
+def adapter_config(folder, name, budget="64MiB"):
+    """ds_configs/<name> for an adapter run in ``folder``: lr 1e-2 (LoRA's B starts at zero; adapters must move
+    visibly in a few steps) and, with an aidaptiv block, a swap folder of its own and ``budget``."""
+    with open(os.path.join(CONFIGS, name)) as f:
+        cfg = json.load(f)
+    cfg["optimizer"]["params"]["lr"] = 1e-2
+    if "aidaptiv" in cfg:
+        (folder / "swap").mkdir()
+        cfg["aidaptiv"].update(nvme_path=str(folder / "swap"), host_memory_budget=budget)
+    path = folder / name
+    path.write_text(json.dumps(cfg))
+    return str(path)

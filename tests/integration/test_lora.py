@@ -3,7 +3,6 @@
 The loss trajectory equals PEFT on plain ZeRO-3 in memory (fp32, 1e-5 relative); after the first steps a
 step writes only the adapters and their optimizer state (no byte of the base goes back to NVMe); the
 export gives the trained model's logits, merged (``--merge-lora``) or as base + PEFT adapter."""
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import CONFIGS, assert_same_losses, child_env, read_metrics, run_train
+from helpers import adapter_config, assert_same_losses, child_env, read_metrics, run_train
 
 pytest.importorskip("peft")
 
@@ -19,25 +18,15 @@ LORA = "r=8,alpha=16,targets=q_proj,v_proj"
 ARGS = ["--model", "micro", "--seq-len", "64", "--steps", "4", "--warmup", "1", "--no-progress", "--lora", LORA]
 
 
-def _config(tmp_path, name):
-    with open(os.path.join(CONFIGS, name)) as f:
-        cfg = json.load(f)
-    cfg["optimizer"]["params"]["lr"] = 1e-2     # adapters that move visibly in a few steps
-    if "aidaptiv" in cfg:
-        (tmp_path / "swap").mkdir()
-        cfg["aidaptiv"].update(nvme_path=str(tmp_path / "swap"), host_memory_budget="64MiB")
-    path = tmp_path / name
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
 
 def test_lora_on_swapped_base_matches_zero3_in_memory_and_writes_only_adapters(tmp_path):
     ours, ref = tmp_path / "ours", tmp_path / "ref"
     ours.mkdir(), ref.mkdir()
-    rc, log = run_train(["--config", _config(ours, "aidaptiv.json"), *ARGS, "--metrics-out", str(ours / "m.json")],
+    rc, log = run_train(["--config", adapter_config(ours, "aidaptiv.json"), *ARGS,
+                         "--metrics-out", str(ours / "m.json")],
                         cwd=ours)
     assert rc == 0, log[-3000:]
-    rc, log = run_train(["--config", _config(ref, "zero3.json"), *ARGS, "--metrics-out", str(ref / "m.json")],
+    rc, log = run_train(["--config", adapter_config(ref, "zero3.json"), *ARGS, "--metrics-out", str(ref / "m.json")],
                         cwd=ref)
     assert rc == 0, log[-3000:]
     m, r = read_metrics(ours / "m.json"), read_metrics(ref / "m.json")
@@ -57,7 +46,7 @@ def test_lora_export_merged_and_as_peft_adapter_give_the_trained_logits(tmp_path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     ck, out = tmp_path / "ck", tmp_path / "merged"
-    rc, log = run_train(["--config", _config(tmp_path, "aidaptiv.json"), *ARGS, "--save-dir", str(ck),
+    rc, log = run_train(["--config", adapter_config(tmp_path, "aidaptiv.json"), *ARGS, "--save-dir", str(ck),
                          "--output-dir", str(out), "--logits-out", str(tmp_path / "logits.pt")], cwd=tmp_path)
     assert rc == 0, log[-3000:]
     trained = torch.load(tmp_path / "logits.pt")

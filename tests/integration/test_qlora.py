@@ -4,7 +4,6 @@ partitioned and streamed read-only by our swapper; only the adapters train.
 Runs on this CPU (bitsandbytes' CPU backend). The loss trajectory equals the same QLoRA model on plain ZeRO-3
 in memory (fp32, 1e-5 relative); the export writes the adapter only, which PEFT loads on the quantised base
 to give the trained logits; merging into a 4-bit base is refused with the reason."""
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import CONFIGS, assert_same_losses, child_env, read_metrics, run_train
+from helpers import adapter_config, assert_same_losses, child_env, read_metrics, run_train
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -21,28 +20,17 @@ ARGS = ["--model", "micro", "--seq-len", "64", "--steps", "3", "--warmup", "1", 
         "--lora", "r=8,alpha=16,targets=q_proj,v_proj,bits=4"]
 
 
-def _config(folder, name):
-    with open(os.path.join(CONFIGS, name)) as f:
-        cfg = json.load(f)
-    cfg["optimizer"]["params"]["lr"] = 1e-2
-    if "aidaptiv" in cfg:
-        (folder / "swap").mkdir()
-        cfg["aidaptiv"].update(nvme_path=str(folder / "swap"), host_memory_budget="64MiB")
-    path = folder / name
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
 
 def test_qlora_on_swapped_base_matches_zero3_and_exports_the_adapter(tmp_path):
     from peft import PeftModel
     from aidaptiv_ds import lora, models
     ours, ref = tmp_path / "ours", tmp_path / "ref"
     ours.mkdir(), ref.mkdir()
-    rc, log = run_train(["--config", _config(ours, "aidaptiv.json"), *ARGS, "--metrics-out", str(ours / "m.json"),
+    rc, log = run_train(["--config", adapter_config(ours, "aidaptiv.json"), *ARGS, "--metrics-out", str(ours / "m.json"),
                          "--save-dir", str(ours / "ck"), "--output-dir", str(ours / "out"),
                          "--logits-out", str(ours / "logits.pt")], cwd=ours)
     assert rc == 0, log[-3000:]
-    rc, log = run_train(["--config", _config(ref, "zero3.json"), *ARGS, "--metrics-out", str(ref / "m.json")],
+    rc, log = run_train(["--config", adapter_config(ref, "zero3.json"), *ARGS, "--metrics-out", str(ref / "m.json")],
                         cwd=ref)
     assert rc == 0, log[-3000:]
     m, r = read_metrics(ours / "m.json"), read_metrics(ref / "m.json")
