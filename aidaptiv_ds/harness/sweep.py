@@ -243,7 +243,7 @@ def _aidaptiv_budget(cell: Cell, ctx: dict) -> Optional[int]:
 def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
     """The planner's reason why ``cell`` will not fit under the sweep's caps, or None. The plan uses the
     host cap (else this machine's RAM), the GPU cap (else the GPU's memory, or none on CPU), the
-    backend config's dtype and the framework memory measured by an earlier 'aidaptiv-ds plan' (cached;
+    backend config's dtype and the framework and launcher memory measured by an earlier 'aidaptiv-ds plan' (cached;
     nothing is probed here, and an unknown figure counts as 0, so a cell is never predicted OOM for it)."""
     from aidaptiv_ds import ds_config
     from aidaptiv_ds.planner.guard import predicted_oom
@@ -254,7 +254,9 @@ def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
         return None
     dtype = ds_config.dtype_name(cfg)
     if "framework" not in ctx:
-        ctx["framework"] = int(machine_rates(dtype, None, probe=False).framework_host or 0)
+        cached = machine_rates(dtype, None, probe=False)
+        ctx["framework"] = int(cached.framework_host or 0)
+        ctx["launcher"] = int(cached.launcher_host or 0)   # every cell runs under the deepspeed launcher
     host = int(ctx["cap"]["gb"] * 2**30) if ctx["cap"]["gb"] else int(ctx["machine"].get("ram_gb", 0) * 2**30)
     gpu = None
     if ctx["spec"].accelerator == "cuda":
@@ -262,7 +264,8 @@ def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
     nodes = ctx["spec"].nodes_for(cell)
     return predicted_oom(cell.model, cell.backend, gpus=cell.gpus // nodes, nodes=nodes, micro_batch=cell.micro_batch,
                          seq_len=cell.seq_len, grad_accum=cell.grad_accum, dtype=dtype, host_mem=host, gpu_mem=gpu,
-                         host_budget=_aidaptiv_budget(cell, ctx), framework_host=ctx["framework"])
+                         host_budget=_aidaptiv_budget(cell, ctx), framework_host=ctx["framework"],
+                         launcher_host=ctx["launcher"])
 
 
 def _run_one(cell: Cell, ctx: dict, tick) -> dict:

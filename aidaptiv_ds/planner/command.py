@@ -123,6 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU Adam parameters/s of a node (all cores)")
     r.add_argument("--framework-mem", type=_size("--framework-mem"), default=None, metavar="SIZE",
                    help="host memory per rank of torch, DeepSpeed and transformers themselves")
+    r.add_argument("--launcher-mem", type=_size("--launcher-mem"), default=None, metavar="SIZE",
+                   help="host memory per node of the deepspeed launcher's own processes, counted for jobs of "
+                        "more than one rank (which need the launcher)")
     r.add_argument("--gpu-overhead", type=_size("--gpu-overhead"), default=None, metavar="SIZE",
                    help=f"GPU memory per rank outside tensors (CUDA context, workspaces); default: "
                         f"{GPU_OVERHEAD_ASSUMED / GiB:.0f} GiB, assumed")
@@ -211,7 +214,7 @@ def _run(args) -> int:
     host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
     given = {"nvme_read": args.nvme_read_bw, "nvme_write": args.nvme_write_bw, "pcie": args.pcie_bw,
              "gpu_flops": args.gpu_flops, "cpu_flops": args.cpu_flops, "cpu_adam": args.cpu_adam,
-             "framework_host": args.framework_mem}
+             "framework_host": args.framework_mem, "launcher_host": args.launcher_mem}
     rates = Rates()
     for name, value in given.items():
         rates.set(name, value, "given")
@@ -230,6 +233,8 @@ def _run(args) -> int:
     hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem=gpu_mem, host_mem=host_mem,
                   nvme_free=args.nvme_free if args.nvme_free is not None else (_nvme_free(nvme_dirs) if nvme_dirs else None),
                   framework_host=int(rates.framework_host or 0),
+                  # one rank per job runs without the launcher ('aidaptiv-ds train' directly); more need it
+                  launcher_host=int(rates.launcher_host or 0) if args.gpus * args.nodes > 1 else 0,
                   gpu_overhead=gpu_overhead if gpu_mem is not None else 0)
     job = Job(shape, args.seq_len, args.micro_batch, args.grad_accum, args.dtype, args.activations,
               host_budget=args.host_budget, layer_group_size=args.layer_group_size,

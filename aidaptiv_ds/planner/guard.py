@@ -90,7 +90,7 @@ def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_worl
 
 def predicted_oom(model: str, backend: str, *, gpus: int, nodes: int, micro_batch: int, seq_len: int,
                   grad_accum: int, dtype: str, host_mem: int, gpu_mem: Optional[int], host_budget: Optional[int],
-                  framework_host: int = 0) -> Optional[str]:
+                  framework_host: int = 0, launcher_host: int = 0) -> Optional[str]:
     """Why the plan says a sweep cell will run out of memory (its first problem), or None when it fits or
     the model is not one the planner can size. Unlike :func:`launch_problems`, the whole plan counts:
     framework, activations and DeepSpeed's buffers too."""
@@ -98,7 +98,8 @@ def predicted_oom(model: str, backend: str, *, gpus: int, nodes: int, micro_batc
         shape = resolve_shape(model)
     except ValueError:
         return None
-    hw = Hardware(gpus=gpus, nodes=nodes, gpu_mem=gpu_mem, host_mem=host_mem, framework_host=framework_host)
+    hw = Hardware(gpus=gpus, nodes=nodes, gpu_mem=gpu_mem, host_mem=host_mem, framework_host=framework_host,
+                  launcher_host=launcher_host)
     job = Job(shape, seq_len, micro_batch, grad_accum, dtype=dtype, host_budget=host_budget)
     plan = plan_backend(backend, job, hw)
     return plan.problems[0] if plan.problems else None

@@ -238,3 +238,22 @@ def test_launcher_probe_doubles_one_runner_import(monkeypatch):
     monkeypatch.setattr(R.subprocess, "run", lambda cmd, **kw: sp.CompletedProcess(cmd, 1, stdout="", stderr="boom"))
     with pytest.raises(RuntimeError, match="launcher memory probe"):
         R.probe_launcher()
+
+
+def test_plan_counts_the_launcher_for_jobs_of_more_than_one_rank(capsys):
+    common = ["--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--dtype", "fp32", "--backend", "zero3",
+              "--host-mem", "64GiB", "--framework-mem", "0", "--launcher-mem", "1GiB", "--no-probe"]
+    _, one = plan_json(capsys, *common, "--gpus", "1")
+    _, two = plan_json(capsys, *common, "--gpus", "2")
+    assert one["hardware"]["launcher_host_bytes"] == 0      # 'aidaptiv-ds train' alone needs no launcher
+    assert two["hardware"]["launcher_host_bytes"] == 1 << 30
+
+
+def test_a_sweep_cell_is_predicted_oom_when_the_launcher_leaves_too_little():
+    from aidaptiv_ds.planner.guard import predicted_oom
+    job = M.Job(resolve_shape("tiny"), 64, 2, dtype="fp32")
+    need = M.plan_backend("zero3", job, M.Hardware(gpus=1, host_mem=1 << 40)).host_bytes
+    cell = dict(gpus=1, nodes=1, micro_batch=2, seq_len=64, grad_accum=1, dtype="fp32", host_mem=need + (100 << 20),
+                gpu_mem=None, host_budget=None)
+    assert predicted_oom("tiny", "zero3", **cell) is None
+    assert "launcher" in predicted_oom("tiny", "zero3", **cell, launcher_host=200 << 20)

@@ -33,7 +33,7 @@ def test_a_cell_that_fits_is_not_predicted_oom(repo):
     from aidaptiv_ds.harness.launch import LaunchSpec
     from aidaptiv_ds.harness.sweep import _predicted_oom
     spec = LaunchSpec(accelerator="cpu", ds_configs=os.path.join(repo, "ds_configs"))
-    ctx = {"spec": spec, "cap": {"gb": 5.0}, "machine": {}, "gpu_mem_cap_gb": None, "framework": 1 << 30,
+    ctx = {"spec": spec, "cap": {"gb": 5.0}, "machine": {}, "gpu_mem_cap_gb": None, "framework": 1 << 30, "launcher": 0,
            "grid_obj": None}
     assert _predicted_oom(Cell("micro", "zero3", 1, 2, 64, 1), ctx) is None
     assert "host memory" in _predicted_oom(Cell("small", "zero3", 1, 1, 64, 1), ctx)
