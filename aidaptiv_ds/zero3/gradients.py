@@ -50,6 +50,53 @@ class SubGroupGradients:
             sg.grad = grad
             return grad
 
+    def open_bucket(self, sgs: List[SubGroup]) -> None:
+        """Open the gradient buffers of ``sgs`` (the sub-groups one reduce bucket of ZeRO-3 is about to
+        write into) as one contiguous block, before ZeRO-3 touches any of them.
+
+        Why: ZeRO-3 holds a view of every gradient buffer a bucket touched until the whole bucket is
+        partitioned, so those buffers cannot be freed before then; opened one by one, each between
+        buffers that were written out and freed meanwhile, they cut the pool so that the bucket's largest
+        buffer found no block big enough although the pool had room for it (a 29.3 MiB gradient against a
+        27.4 MiB largest free block, tiny preset, 260 MiB budget). As one block, taken while nothing of
+        the bucket is held yet, everything else in the way can still be written out, so the block fits
+        whenever the bucket's gradients fit at all. A member already open elsewhere (from an earlier bucket
+        or micro-step) joins the block only when the block does not fit beside it: it is written out and
+        read back into the block, so no member of the bucket is left where it could cut the free space."""
+        with self.lock:
+            bucket = list({sg.index: sg for sg in sgs if not sg.resident}.values())
+            todo = [sg for sg in bucket if sg.grad is None]
+            if not todo:
+                return
+            for sg in bucket:
+                sg.pins += 1
+            try:
+                buf = self.memory.try_take(sum(sg.part for sg in todo))
+                if buf is None:
+                    for sg in bucket:
+                        if sg.grad is not None:
+                            self._write_out(sg)
+                    todo = bucket
+                    names = ", ".join(str(sg.index) for sg in todo)
+                    buf = self.memory.take(sum(sg.part for sg in todo),
+                                           f"gradients of sub-groups {names} (one reduce bucket, one block)")
+                offset, reads = 0, []
+                for sg in todo:
+                    part = buf[offset:offset + sg.part]
+                    offset += sg.part
+                    if sg.grad_on_disk:
+                        reads.append(self.store.read_span(self.file, sg.grad_extent.offset,
+                                                          part[:sg.grad_extent.reserved],
+                                                          f"gradients of sub-group {sg.index}"))
+                    else:
+                        part.zero_()
+                    sg.grad = part[:sg.numel * 4].view(FP32)
+                for t in reads:
+                    self.store.wait(t)
+            finally:
+                for sg in bucket:
+                    sg.pins -= 1
+
     def tensor(self, sg: SubGroup) -> Optional[torch.Tensor]:
         """This window's gradient of ``sg`` in host memory (read back if it was written out); None when no
         gradient arrived."""
@@ -82,14 +129,17 @@ class SubGroupGradients:
             candidates = [sg for sg in self.sub_groups if sg.grad is not None and sg.pins == 0 and not sg.resident]
             if not candidates:
                 return False
-            sg = candidates[-1]
-            self._sync_device()
-            buf = sg.grad.view(torch.uint8)
-            t = self.store.write_span(self.file, sg.grad_extent.offset, buf, f"gradients of sub-group {sg.index}")
-            self.writes.add(t, buf, True)
-            sg.grad = None
-            sg.grad_on_disk = True
+            self._write_out(candidates[-1])
             return True
+
+    def _write_out(self, sg: SubGroup) -> None:
+        """Write the gradient buffer of ``sg`` to its extent (behind the caller) and let go of it."""
+        self._sync_device()
+        buf = sg.grad.view(torch.uint8)
+        t = self.store.write_span(self.file, sg.grad_extent.offset, buf, f"gradients of sub-group {sg.index}")
+        self.writes.add(t, buf, True)
+        sg.grad = None
+        sg.grad_on_disk = True
 
     @staticmethod
     def reset(sg: SubGroup) -> None:

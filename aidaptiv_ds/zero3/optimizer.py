@@ -9,6 +9,8 @@ every override defers to DeepSpeed unchanged. When it has one:
   layer-group prefetcher into the parameter coordinator;
 - ``_setup_for_real_optimizer`` does DeepSpeed's set-up without its host buffer of every gradient
   partition (4 bytes per parameter outside any budget): gradients go to per-sub-group buffers instead;
+- ``partition_grads`` opens a reduce bucket's gradient buffers as one block first (see
+  :meth:`~aidaptiv_ds.zero3.gradients.SubGroupGradients.open_bucket`);
 - ``step`` and the backward hooks record where the time goes.
 """
 from __future__ import annotations
@@ -176,6 +178,18 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if self._aidaptiv is not None:
             self._aidaptiv.phase = "forward"
         return out
+
+    def partition_grads(self, params_to_release, grad_partitions):
+        runtime = self._aidaptiv
+        if runtime is not None:
+            # One block for the bucket's gradient buffers, opened before ZeRO-3 holds views of any of them
+            # (see SubGroupGradients.open_bucket: opened one by one they fragmented the pool).
+            # Parameters whose partition on this rank is empty are skipped by ZeRO-3 as by us.
+            positions = self._aidaptiv_positions
+            runtime.optimizer_swapper.gradients.open_bucket(
+                [positions[p.ds_id][0] for p in params_to_release if p.ds_id in positions
+                 and p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel])
+        return super().partition_grads(params_to_release, grad_partitions)
 
     def step(self, closure=None):
         runtime = self._aidaptiv
