@@ -85,11 +85,14 @@ def summarize(*, step_records: list[dict], warmup: int, tokens_per_step: int, lo
     step_med = median([r["step_s"] for r in timed])
     io_wait = None
     peak_pinned = None
-    update = None
+    update = update_deferred = None
     if engine_stats:
         applied = engine_stats.get("optimizer_apply_s_steps")
         if applied:
             update = median(list(applied)[warmup:] if len(applied) > warmup else list(applied))
+        deferred = engine_stats.get("optimizer_apply_deferred_s_steps")
+        if deferred:
+            update_deferred = median(list(deferred)[warmup:] if len(deferred) > warmup else list(deferred))
         waits = engine_stats.get("io_wait_s")
         if isinstance(waits, (list, tuple)):
             io_wait = median(list(waits)[warmup:] if len(waits) > warmup else list(waits))
@@ -120,6 +123,9 @@ def summarize(*, step_records: list[dict], warmup: int, tokens_per_step: int, lo
         # Our swapper applies an fp32 step's updates inside the next forward: this is that share of the
         # forward (and all of what engine.step() itself took is in "optimizer").
         out["phases_s"]["optimizer_update"] = update
+    if update_deferred is not None:
+        # The part of it applied outside engine.step(): in the forward (hidden behind its I/O, or not).
+        out["phases_s"]["optimizer_update_deferred"] = update_deferred
     activations = (engine_stats or {}).get("activations")
     if activations:
         out["activations"] = activations

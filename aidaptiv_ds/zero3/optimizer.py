@@ -208,6 +208,10 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # step's forward) and whatever this step applied at once.
         runtime.stats.apply_steps.append(runtime.stats.optimizer_apply_s - getattr(self, "_aidaptiv_apply_mark", 0.0))
         self._aidaptiv_apply_mark = runtime.stats.optimizer_apply_s
+        # Of that, what was applied outside step() (the previous step's updates, in this step's forward).
+        deferred = runtime.stats.optimizer_apply_deferred_s
+        runtime.stats.deferred_apply_steps.append(deferred - getattr(self, "_aidaptiv_deferred_mark", 0.0))
+        self._aidaptiv_deferred_mark = deferred
         runtime.stats.optimizer_s += time.perf_counter() - t0
         runtime.pinned_bytes()
         # The next forward starts with the first groups: read them while the last writes finish.

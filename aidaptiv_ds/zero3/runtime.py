@@ -32,6 +32,9 @@ class SwapStats:
         self.apply_steps = []          # time applying optimizer updates during each step (incl. deferred)
         self.optimizer_s = 0.0
         self.optimizer_apply_s = 0.0   # time spent applying optimizer updates (in step() or deferred)
+        self.optimizer_apply_deferred_s = 0.0  # the part of it outside step(): in the next forward (or the
+                                               # backward's flush of updates no forward fetched)
+        self.deferred_apply_steps = []  # that part, for each step (applied in the forward after it)
         self.optimizer_io_wait_s = 0.0
         self.sync_param_reads = 0      # parameter fetches DeepSpeed asked for before our prefetch finished
         self.prefetched_groups = 0
@@ -149,6 +152,8 @@ class SwapRuntime:
             "optimizer_io_wait_s": s.optimizer_io_wait_s,
             "optimizer_apply_s": s.optimizer_apply_s,
             "optimizer_apply_s_steps": list(s.apply_steps),
+            "optimizer_apply_deferred_s": s.optimizer_apply_deferred_s,
+            "optimizer_apply_deferred_s_steps": list(s.deferred_apply_steps),
             "pinned_bytes": self.pool.stats()["in_use"] if self.pool is not None else 0,
             "peak_pinned_bytes": s.peak_pinned_bytes,
             "sync_param_reads": s.sync_param_reads,

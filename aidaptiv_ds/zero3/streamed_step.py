@@ -76,6 +76,7 @@ class StreamedStep:
         self._cursor = 0                       # chunks of _pending already updated
         self._ctx: dict = {}
         self._last_chunk_of = {}
+        self._in_step = False                  # inside begin(), i.e. inside the optimizer's step()
 
     # ------------------------------------------------------------------ the step
     def begin(self, parameters: List[torch.Tensor], grad_scale, run_optimizer: Callable[[int], None],
@@ -92,20 +93,28 @@ class StreamedStep:
         its updates even after the learning-rate scheduler has moved on. ``param_groups``: the optimizer's.
         """
         with self.lock:
-            self.flush()  # a previous step not yet applied everywhere
-            self._pending = [(sg, c) for sg in self.sub_groups for c in sg.chunks]
-            self._cursor = 0
-            self._ctx = dict(parameters=parameters, grad_scale=grad_scale, run_optimizer=run_optimizer,
-                             write_params=write_params, hyperparameters=hyperparameters,
-                             param_groups=param_groups,
-                             remaining={sg.index: len(sg.chunks) for sg in self.sub_groups},
-                             progress={})
-            self._last_chunk_of = {}
-            for k, (sg, c) in enumerate(self._pending):
-                for p in c.pieces:
-                    self._last_chunk_of[p.record.ds_id] = k
-            if not defer:
-                self.flush()
+            self._in_step = True
+            try:
+                self._begin(parameters, grad_scale, run_optimizer, write_params, hyperparameters, param_groups,
+                            defer)
+            finally:
+                self._in_step = False
+
+    def _begin(self, parameters, grad_scale, run_optimizer, write_params, hyperparameters, param_groups, defer):
+        self.flush()  # a previous step not yet applied everywhere
+        self._pending = [(sg, c) for sg in self.sub_groups for c in sg.chunks]
+        self._cursor = 0
+        self._ctx = dict(parameters=parameters, grad_scale=grad_scale, run_optimizer=run_optimizer,
+                         write_params=write_params, hyperparameters=hyperparameters,
+                         param_groups=param_groups,
+                         remaining={sg.index: len(sg.chunks) for sg in self.sub_groups},
+                         progress={})
+        self._last_chunk_of = {}
+        for k, (sg, c) in enumerate(self._pending):
+            for p in c.pieces:
+                self._last_chunk_of[p.record.ds_id] = k
+        if not defer:
+            self.flush()
 
     def pending(self) -> bool:
         return self._cursor < len(self._pending)
@@ -146,7 +155,10 @@ class StreamedStep:
             except BaseException:
                 self.discard_pending()  # never leave chunks or pinned groups behind
                 raise
-        self.stats.optimizer_apply_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.optimizer_apply_s += elapsed
+        if not self._in_step:
+            self.stats.optimizer_apply_deferred_s += elapsed
 
     def _update_chunk(self, sg: SubGroup, c: Chunk, ctx: dict) -> None:
         self.wait_chunk(c)
