@@ -73,8 +73,13 @@ def apply_to_engine(engine, runtime, settings) -> dict:
     def aidaptiv_stats() -> dict:
         out = stats()
         auto = activation_policy.auto_plan(engine.module)
-        out["activations"] = {**plan, **(stores[0].stats_dict() if stores else {}),
-                              **({"plan": auto} if auto is not None else {})}
+        stored = stores[0].stats_dict() if stores else {}
+        if auto is not None:
+            # The micro-step whose forward measured stored nothing and so waited for nothing: its entry keeps
+            # the waits aligned with the steps (the metrics take one per micro-step, warm-up first).
+            stored["io_wait_s_cycles"] = [0.0] + stored["io_wait_s_cycles"]
+            stored["plan"] = auto
+        out["activations"] = {**plan, **stored}
         return out
 
     engine.aidaptiv_stats = aidaptiv_stats
