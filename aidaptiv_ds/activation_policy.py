@@ -10,9 +10,10 @@ the chunked loss.
 - ``nvme``: ``recompute``, and the tensors those checkpoints keep go to an
   :class:`aidaptiv_ds.activation_store.ActivationStore` during every forward of the model (hooks on the
   model's own forward, so ``model(...)``, a DeepSpeed engine around it and the HF Trainer all take it).
-
-- ``auto``: each block in its own mode (keep, nvme without recompute, or recompute), planned by
-  :mod:`aidaptiv_ds.activation_plan` from what the first training forward measures (:class:`AutoPolicy`).
+- ``auto``: each block in its own mode (keep; nvme, which here stores everything the block saves and
+  recomputes nothing; or recompute), planned by :mod:`aidaptiv_ds.activation_plan` from what the first
+  training forward measures (:class:`AutoPolicy`). Every model with a block list, Hugging Face's included,
+  gets its blocks' forwards wrapped (HF's own checkpointing, all or nothing, is switched off).
 
 Non-reentrant checkpointing works with ZeRO-3 (the recomputed block calls its modules again, so their
 partitioned parameters are gathered by ZeRO-3's own hooks) and on CPU and CUDA alike. Nothing here imports

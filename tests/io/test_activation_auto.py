@@ -87,3 +87,29 @@ def test_auto_refusals_say_what_to_do(rig):
         activation_policy.apply(tiny_llama(), settings, make_store=None)
     with pytest.raises(ValueError, match="nvme_bandwidth"):
         activation_policy.apply(tiny_llama(), ActivationSettings(policy="auto"), lambda: rig.activation_store())
+
+
+def test_bandwidth_from_the_rates_cache_or_measured_through_the_engine(rig, tmp_path, monkeypatch):
+    import json
+    import types
+
+    from aidaptiv_ds.machine_cache import disk_key
+    from aidaptiv_ds.zero3.activations import nvme_bandwidth
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runtime = types.SimpleNamespace(cfg=types.SimpleNamespace(nvme_path=str(tmp_path)), memory=rig.memory,
+                                    store=rig.store)
+    store = rig.activation_store()
+    read, write, how = nvme_bandwidth(runtime, store)         # no cache: 4 MiB (an eighth of 32) out and back
+    assert read > 0 and write > 0 and how == "measured now: 4 MiB written and read back"
+    assert rig.pool.stats()["in_use"] == 0
+    (tmp_path / "cache" / "aidaptiv-ds").mkdir(parents=True)
+    (tmp_path / "cache" / "aidaptiv-ds" / "rates.json").write_text(json.dumps(
+        {disk_key(str(tmp_path)): {"nvme_read": 3e9, "nvme_write": 2e9, "when": "measured 2026-01-01 00:00 UTC"}}))
+    assert nvme_bandwidth(runtime, store) == (3e9, 2e9, "the rates cache (measured 2026-01-01 00:00 UTC)")
+
+
+def test_default_budget_on_cpu_is_the_host_budget():
+    assert activation_policy.default_budget(torch.device("cpu"), 123 << 20) == (123 << 20,
+                                                                                  "this rank's host_memory_budget")
+    with pytest.raises(ValueError, match="give activations.budget in bytes"):
+        activation_policy.default_budget(torch.device("cpu"), None)
