@@ -29,7 +29,7 @@ import os
 import shutil
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from aidaptiv_ds.ds_config import ConfigError, dtype_name, precision_enabled
 from aidaptiv_ds.io_backend import Backend
@@ -175,34 +175,104 @@ class ActivationsConfig(BaseModel):
                             "checkpointing of every transformer block (only each block's input is kept; the "
                             "block is recomputed in the backward). nvme: recompute, and each block's input is "
                             "written to this rank's swap space during the forward and read back, ahead of "
-                            "need, during the backward. auto (a per-block plan from measured costs) is not "
-                            "implemented yet and is refused.")
+                            "need, during the backward. auto: a plan per block from what the first training "
+                            "forward measures: keep the blocks the activation budget holds; store each other "
+                            "block's saved tensors on NVMe (no recompute) when writing and reading them takes "
+                            "less time than recomputing the block, else recompute it (see docs/DESIGN.md).")
     loss_chunk_tokens: int = Field(
         1024, ge=0, description="Tokens per chunk of the LM head and loss: the full tokens x vocabulary logits "
                                 "and their gradient never exist at once (Llama, Qwen2 and Mistral models; "
                                 "the same loss). 0 computes the model's own unchunked loss.")
-    read_ahead: int = Field(2, ge=0, le=64, description="nvme: stored activations read ahead of the backward "
-                                                        "(each in a staging buffer of the host budget).")
-    min_bytes: int = Field(64 * KiB, ge=0, description="nvme: saved tensors smaller than this stay in memory "
-                                                       "(token ids, masks).")
+    read_ahead: int = Field(2, ge=0, le=64, description="nvme and auto: stored activations read ahead of the "
+                                                        "backward (each in a staging buffer of the host budget).")
+    min_bytes: int = Field(64 * KiB, ge=0, description="nvme and auto: saved tensors smaller than this stay in "
+                                                       "memory (token ids, masks).")
+    budget: Union[int, str] = Field(
+        "auto", description="auto only: memory the blocks' activations may hold (bytes or a size, '512MiB'). "
+                            "'auto': on CUDA half the GPU memory free when the plan is made (the other half "
+                            "for the backward's gradients and recompute); on CPU this rank's host_memory_budget "
+                            "(the activations live in ordinary memory beside it).")
+    nvme_bandwidth: Union[int, float, str] = Field(
+        "auto", description="auto only: bytes/s the swap disk reads and writes activations at (a number, or a "
+                            "size per second such as '2GiB'). 'auto': the rates 'aidaptiv-ds plan --nvme' "
+                            "measured for this disk (its cache), else a short write and read-back through the "
+                            "engine when the plan is made.")
 
-    @field_validator("policy")
+    @field_validator("budget")
     @classmethod
-    def _refuse_auto(cls, value):
-        if value == "auto":
-            raise ValueError("'auto' (a per-block plan from measured recompute time and NVMe bandwidth) is not "
-                             "implemented yet: choose keep, recompute or nvme")
+    def _check_budget(cls, value):
+        parse_activation_budget(value)
         return value
+
+    @field_validator("nvme_bandwidth")
+    @classmethod
+    def _check_bandwidth(cls, value):
+        parse_bandwidth(value)
+        return value
+
+    @model_validator(mode="after")
+    def _auto_only(self):
+        given = [n for n in ("budget", "nvme_bandwidth") if getattr(self, n) != "auto"]
+        if given and self.policy != "auto":
+            raise ValueError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to policy "
+                             f"\"auto\" only, but the policy is \"{self.policy}\": remove "
+                             f"{'them' if len(given) > 1 else 'it'} or set the policy to \"auto\"")
+        return self
+
+
+def parse_activation_budget(value: Union[int, str]) -> Optional[int]:
+    """``activations.budget`` in bytes, or None for "auto"."""
+    if value == "auto":
+        return None
+    try:
+        return parse_size(value.strip() if isinstance(value, str) else value, "budget")
+    except ValueError as e:
+        raise ValueError(f"{e}; or 'auto'") from None
+
+
+def parse_bandwidth(value: Union[int, float, str]) -> Optional[float]:
+    """``activations.nvme_bandwidth`` in bytes/s, or None for "auto"; a size may end in "/s"."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected bytes per second or 'auto', got a boolean")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = parse_size(text[:-2] if text.endswith("/s") else text, "nvme_bandwidth")
+        except ValueError as e:
+            raise ValueError(f"{e}; or 'auto'") from None
+    if not value > 0:
+        raise ValueError(f"expected a bandwidth above 0 bytes/s or 'auto', got {value}")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSettings:
-    """A resolved ``"activations"`` object (the same names and values)."""
+    """A resolved ``"activations"`` object (the same names; ``budget`` in bytes and ``nvme_bandwidth`` in
+    bytes/s, each None for "auto")."""
 
     policy: str = "keep"
     loss_chunk_tokens: int = 1024
     read_ahead: int = 2
     min_bytes: int = 64 * KiB
+    budget: Optional[int] = None
+    nvme_bandwidth: Optional[float] = None
+
+    def __post_init__(self):
+        # from_block passes the values pydantic dumps ("auto", "512MiB"); resolve them like the rest.
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)):
+            object.__setattr__(self, "budget", parse_activation_budget(self.budget))
+        if self.nvme_bandwidth is not None and not isinstance(self.nvme_bandwidth, float):
+            object.__setattr__(self, "nvme_bandwidth", parse_bandwidth(self.nvme_bandwidth))
+
+    def block(self) -> Dict[str, Any]:
+        """As the block's ``"activations"`` object ("auto" where a value is None)."""
+        out = dataclasses.asdict(self)
+        for name in ("budget", "nvme_bandwidth"):
+            if out[name] is None:
+                out[name] = "auto"
+        return out
 
 
 class AidaptivConfig(BaseModel):
@@ -383,6 +453,7 @@ class SwapSettings:
         without reading the machine."""
         out = dataclasses.asdict(self)
         out["backend"] = self.backend.value
+        out["activations"] = self.activations.block()
         out["host_memory_budget"] = out.pop("host_budget_bytes")
         del out["block_size_source"], out["queue_depth_source"]
         return {"enabled": True, **out}

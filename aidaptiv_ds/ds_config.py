@@ -170,7 +170,8 @@ def check(cfg: dict, *, world_size: int, largest_param_numel: int | None = None,
           cuda: bool = False) -> None:
     """Problems DeepSpeed would report late (an assert mid-step) or not at all, all at once."""
     problems = []
-    autos = list(_find_auto(cfg))
+    # The aidaptiv block's own "auto" values (block_size, activations.policy, ...) are ours to resolve.
+    autos = [p for p in _find_auto(cfg) if not p.startswith("aidaptiv.")]
     if autos:
         problems.append(f"values 'auto' at {', '.join(autos)} are filled by the Hugging Face Trainer (and TRL, "
                         "accelerate), which this job does not use: write numbers (ds_configs/aidaptiv.json has them)")

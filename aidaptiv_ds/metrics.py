@@ -11,8 +11,10 @@ Only measured numbers go in; what this process cannot measure is JSON null, neve
   for fp32 our swapper does inside the next forward) and ``swapper`` (its cumulative counters).
 - ``peak_gpu_mb``: torch.cuda.max_memory_allocated when CUDA is used.
 - ``activations`` (aidaptiv only): the activation policy applied (``aidaptiv.activations``), how blocks are
-  recomputed, the loss chunk, and for the nvme policy the store's counters (tensors and bytes stored and
-  read back, reads ahead, its file's size, ``io_wait_s``); ``phases_s.activation_io_wait`` is the median per
+  recomputed, the loss chunk, and for the nvme and auto policies the store's counters (tensors and bytes
+  stored and read back, reads ahead, its file's size, ``io_wait_s``); for auto also ``plan``, each block's
+  mode, why and measured figures, with the kept, stored and recomputed blocks and the budget
+  (:func:`aidaptiv_ds.activation_plan.summary`); ``phases_s.activation_io_wait`` is the median per
   step of the time the backward waited for stored activations (not in ``phases_s.io_wait``, which is the
   parameters' and optimizer state's). ``loss_logits_mb`` (any run whose loss is
   chunked) is arithmetic from the shapes: the fp32 logits and their gradient that exist at once, unchunked

@@ -227,6 +227,15 @@ class Run:
         if self.rank == 0:
             print(msg, file=sys.stderr, flush=True)
 
+    def print_activation_plan(self, engine) -> None:
+        """The auto activation policy's plan, made during the first forward: printed once (it is also in the
+        metrics under activations.plan)."""
+        stats = engine.aidaptiv_stats() if callable(getattr(engine, "aidaptiv_stats", None)) else None
+        plan = ((stats or {}).get("activations") or {}).get("plan")
+        if plan:
+            from aidaptiv_ds.activation_plan import render
+            self.log(f"aidaptiv-ds train: {render(plan)}")
+
     def prepare(self):
         """Config, model spec, data: everything that can fail cheaply, before DeepSpeed starts."""
         from aidaptiv_ds import ds_config, models, train_plan
@@ -670,6 +679,8 @@ class Run:
             step_loss = torch.stack(micro_losses).mean().to(torch.float64)
             dist.all_reduce(step_loss)
             losses.append(step_loss.item() / self.world_size)
+            if i == 0:
+                self.print_activation_plan(engine)
             if monitor:
                 self.write_monitor(monitor, step + 1, timer.steps[-1], losses[-1], tokens_per_step, step_io)
             if self.eval_batches is not None and eval_due(step + 1, a.eval_every, steps):

@@ -79,11 +79,24 @@ def test_bf16_nvme_policy_is_as_close_as_the_chunked_sums_allow(tmp_path):
     assert m["activations"]["bytes_stored"] >= 2 * STEPS * 2 * 64 * 256 * 2
 
 
-def test_nvme_policy_on_two_ranks_matches_zero3_two_ranks(tmp_path):
+def test_nvme_and_auto_policies_on_two_ranks_match_zero3_two_ranks(tmp_path, monkeypatch):
     ref = train(tmp_path, os.path.join(CONFIGS, "zero3.json"), "zero3-2", procs=2)
     m = train(tmp_path, aidaptiv_config(tmp_path, policy="nvme", loss_chunk_tokens=CHUNK), "nvme-2", procs=2)
     assert_same_losses(m["losses"], ref["losses"])
     assert m["activations"]["bytes_stored"] > 0
+    # auto with no budget: nothing can be kept and no recomputed input fits, so both blocks are stored on
+    # every rank (rank 0's plan); no rates cache, so the plan measured the disk through the engine.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))
+    m = train(tmp_path, aidaptiv_config(tmp_path, policy="auto", loss_chunk_tokens=CHUNK, budget=0), "auto-2",
+              procs=2)
+    assert_same_losses(m["losses"], ref["losses"])
+    a = m["activations"]
+    assert a["plan"]["stored_blocks"] == [0, 1] and a["plan"]["budget_source"] == "activations.budget"
+    assert a["plan"]["nvme_bandwidth_source"].startswith("measured now") and a["plan"]["nvme_read_bps"] > 0
+    # Stored from the second step on (the first measures), every block's saved tensors, and read back.
+    assert a["cycles"] == STEPS - 1 and a["bytes_read"] >= a["bytes_stored"]
+    assert a["bytes_stored"] >= (STEPS - 1) * sum(b["stored_bytes"] for b in a["plan"]["blocks"])
+    assert len(a["io_wait_s_cycles"]) == STEPS and m["phases_s"]["activation_io_wait"] is not None
 
 
 PLAIN_SCRIPT = """
@@ -131,6 +144,31 @@ def test_plain_deepspeed_script_under_zero_init_gets_the_policy(tmp_path):
     assert_same_losses(nvme, keep)
     assert stats["policy"] == "nvme" and stats["loss_chunk_tokens"] == 32
     assert stats["tensors_stored"] >= 3 * 3 and stats["bytes_read"] >= stats["bytes_stored"] > 0
+
+
+SLOW_DISK = 1000.0    # bytes/s given as the disk's bandwidth: storing a block never beats recomputing it
+
+
+def test_auto_policy_mixing_every_mode_matches_keep(tmp_path):
+    keep, _ = run_plain(tmp_path, "keep", policy="keep", loss_chunk_tokens=0)
+    # A budget with room for everything keeps all three blocks, and reports what each one measured.
+    everything, first = run_plain(tmp_path, "all", policy="auto", loss_chunk_tokens=0, budget=1 << 40,
+                                  nvme_bandwidth=SLOW_DISK)
+    assert_same_losses(everything, keep)
+    assert first["plan"]["kept_blocks"] == [0, 1, 2] and first["bytes_stored"] == 0
+    # The blocks have one shape: room for one kept block, one recomputed input and one stored block's rest.
+    b = first["plan"]["blocks"][-1]
+    assert b["input_bytes"] == 2 * 128 * 128 * 4 and b["saved_bytes"] > b["stored_bytes"] // 2 > b["input_bytes"]
+    budget = b["saved_bytes"] + b["input_bytes"] + b["left_bytes"]
+    mixed, stats = run_plain(tmp_path, "mixed", policy="auto", loss_chunk_tokens=0, budget=budget,
+                             nvme_bandwidth=SLOW_DISK)
+    assert_same_losses(mixed, keep)
+    plan = stats["plan"]
+    assert [x["mode"] for x in plan["blocks"]] == ["nvme", "recompute", "keep"], plan
+    assert plan["held_bytes"] <= budget and plan["recomputed_layers"] == [1]
+    # Block 0's saved tensors went to the disk in steps 2 and 3 (step 1 measured) and came back.
+    assert stats["cycles"] == 2 and stats["bytes_stored"] == 2 * plan["blocks"][0]["stored_bytes"]
+    assert stats["bytes_read"] >= stats["bytes_stored"]
 
 
 def run_hf_trainer(tmp_path, name, **activations):
