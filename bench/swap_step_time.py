@@ -12,6 +12,8 @@ repeats; every figure comes from the runs' own metrics files.
     python bench/swap_step_time.py [--repeats 3] [--steps 12] [--out bench/results/swap_step_time]
 
 Writes one JSON row per run to OUT/rows.jsonl and a summary (medians over repeats) to OUT/summary.md.
+Every run here is our train job; bench/user_paths.py measures the same backends through a plain zero.Init
+script and the Hugging Face Trainer as well.
 """
 import argparse
 import json

@@ -9,20 +9,54 @@ the block) works the same way. With an "aidaptiv" block in the config (and aidap
 hooks deepspeed at start-up), the
 parameters and optimizer state live on NVMe through our swapper; with any other ZeRO-3 config this is a
 plain DeepSpeed run. --model takes a preset of aidaptiv_ds.models (random weights) or a local HF directory.
+--step_times_out FILE writes each optimizer step's wall time (a TrainerCallback, from on_step_begin to
+on_step_end: data, forward, backward and step), peak RSS and, when the engine has it, its aidaptiv_stats().
 """
 import json
 import os
+import resource
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 
 @dataclass
 class ModelArguments:
     model: str = field(default="micro", metadata={"help": "preset name or local Hugging Face model directory"})
     seq_len: int = field(default=64, metadata={"help": "tokens per packed sequence"})
+    step_times_out: str = field(default=None, metadata={"help": "write per-step wall times (JSON) here"})
+
+
+def proc_io():
+    """This process's block-device (read, write) bytes so far, or None without /proc/self/io."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+class StepTimes(TrainerCallback):
+    """Wall time of every optimizer step, as the Trainer's own callbacks see it, and the block-device bytes
+    read and written so far at the end of each."""
+
+    def __init__(self):
+        self.step_s = []
+        self.io_bytes = []
+        self._t0 = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.step_s.append(time.perf_counter() - self._t0)
+        self.io_bytes.append(proc_io())
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -54,7 +88,8 @@ def main():
         model = AutoModelForCausalLM.from_pretrained(spec.hf_dir, local_files_only=True)
     batches = build_batches(DEFAULT_DATA, tokenizer_for(spec), margs.seq_len, 1, targs.seed, 0, 1)
     blocks = [batches.batch(i)["input_ids"][0].tolist() for i in range(64)]
-    trainer = Trainer(model=model, args=targs, train_dataset=PackedDataset(blocks))
+    times = StepTimes()
+    trainer = Trainer(model=model, args=targs, train_dataset=PackedDataset(blocks), callbacks=[times])
     result = trainer.train()
     stats = getattr(trainer.model_wrapped, "aidaptiv_stats", None)
     if targs.process_index == 0:
@@ -63,6 +98,13 @@ def main():
               f"nvme_read_bytes={stats()['nvme_read_bytes']}" if stats else "")
         if stats and stats().get("activations"):
             print(f"activations={json.dumps(stats()['activations'])}")
+        if margs.step_times_out:
+            record = {"step_s": times.step_s, "io_bytes_at_step_end": times.io_bytes,
+                      "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                      "aidaptiv_stats": stats() if stats else None}
+            with open(margs.step_times_out, "w") as f:
+                json.dump(record, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
