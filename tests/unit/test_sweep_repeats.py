@@ -123,3 +123,17 @@ def test_report_shows_medians_spreads_and_failed_repeats(tmp_path):
     assert "over 3 pair(s)" not in md and "over 5 pair(s)" in md
     fails = md[md.index("### Failures"):]
     assert "| tiny__zero_infinity__g1__mb2__s64__ga1 | 1 | oom | killed by the host memory cap |" in fails
+
+
+def test_report_shows_each_eqmem_cells_sizing_and_its_ratio(tmp_path):
+    sizing = {"budget_bytes": 700 << 20, "sized_bytes": 690 << 20, "over_budget_bytes": 0, "parts": {},
+              "sub_group_size": 7680000, "max_in_cpu": 24198144, "param_buffer_count": 5,
+              "param_buffer_size": 7680000, "optimizer_buffer_count": 4, "cached_numel": 24198144,
+              "partition_numel": 57837312}
+    rows = repeat_rows() + [row("zero_infinity_eqmem", 70.0 + k, repeat=k, eqmem=sizing) for k in range(3)]
+    for r in rows:
+        append_row(str(tmp_path / "results.jsonl"), r)
+    md, _ = build_report(str(tmp_path), plots=False)
+    assert "| 1 | 1 | 64 | 700 | 690 | 0 | 24,198,144 | 42% | 7,680,000 |" in md
+    section = md[md.index("### aidaptiv / ZeRO-Infinity (aidaptiv's memory)"):]
+    assert "| 64 | 1 | 1.41× (1.25–1.69) |" in section    # 100/71 of the medians; 100/70, 120/71, 90/72
