@@ -3,7 +3,9 @@
 A grid names model presets and the batch x sequence x GPU values to run them at; ``per_model`` overrides
 those lists for one model (Signal65 ran each model at its own micro-batch). A cell is one
 (model, backend, gpus, micro_batch, seq_len, grad_accum); its id is a deterministic string from exactly
-those fields, used as the resume key and as the name of its log folder.
+those fields, used as the resume key and as the name of its log folder. With ``repeats`` > 1 each cell runs
+that many times; a run is (cell, repeat), and the runs are interleaved: every cell once, then every cell
+again, so a slow spell of the machine falls on all backends alike rather than on one cell's repeats.
 
 Everything here is pure (no processes, no files but the grid), so it is cheap to test.
 """
@@ -17,6 +19,7 @@ from typing import Iterable, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from aidaptiv_ds.ds_config import BACKENDS
+from aidaptiv_ds.harness.eqmem import BACKEND as EQMEM_BACKEND
 from aidaptiv_ds.models import PRESETS, nominal_parameters
 from aidaptiv_ds.sizes import state_bytes_per_param
 
@@ -29,6 +32,12 @@ def _known_names(names, known, kind: str, field: str):
     if len(set(names)) != len(names):
         raise ValueError(f"{field} has repeated names: {names}")
     return names
+
+
+# What a sweep can run, in report column order: the four configurations of ds_configs/, and ZeRO-Infinity with
+# aidaptiv's host memory (harness/eqmem.py), whose config the sweep derives per cell from zero_infinity.json.
+SWEEP_BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", EQMEM_BACKEND, "aidaptiv")
+assert set(BACKENDS) <= set(SWEEP_BACKENDS)
 
 
 class GridError(ValueError):
@@ -106,8 +115,12 @@ class Grid(BaseModel):
     """Steps excluded from timing; --warmup replaces it."""
     timeout_s: float = Field(gt=0)
     """Wall-clock limit per cell, launcher start-up included; the cell's process tree is killed after it."""
+    repeats: int = Field(1, ge=1)
+    """Runs per cell, interleaved (every cell once, then every cell again); each run is its own row with its
+    repeat index; --repeats replaces it."""
     backends: list[str] = Field(default_factory=lambda: list(BACKENDS), min_length=1)
-    """Backends (ds_configs/<name>.json) to run by default; --backends replaces them."""
+    """Backends to run by default (ds_configs/<name>.json, or zero_infinity_eqmem: zero_infinity.json sized
+    to aidaptiv's host budget, which needs aidaptiv_state_fraction); --backends replaces them."""
     lr: Optional[float] = Field(None, gt=0)
     """Learning rate of the published runs (recorded in rows; does not change throughput)."""
     gpu_mem_cap_gb: Optional[float] = Field(None, gt=0)
@@ -129,7 +142,7 @@ class Grid(BaseModel):
     @field_validator("backends")
     @classmethod
     def _check_backends(cls, v):
-        return _known_names(v, BACKENDS, "backend(s)", "backends")
+        return _known_names(v, SWEEP_BACKENDS, "backend(s)", "backends")
 
     @field_validator("micro_batches", "seq_lens", "gpus")
     @classmethod
@@ -179,6 +192,14 @@ def _cross_field_problems(data) -> list[str]:
     if isinstance(steps, int) and isinstance(warmup, int) and 0 <= steps <= warmup:
         problems.append(f"warmup ({warmup}) must be smaller than steps ({steps}): no step would be timed")
     models, per_model = data.get("models"), data.get("per_model", {})
+    backends = data.get("backends")
+    if isinstance(backends, list) and EQMEM_BACKEND in backends and isinstance(models, list):
+        unsized = [m for m in models if isinstance(m, str) and not data.get("aidaptiv_state_fraction")
+                   and not (isinstance(per_model, dict) and isinstance(per_model.get(m), dict)
+                            and per_model[m].get("aidaptiv_state_fraction"))]
+        if unsized:
+            problems.append(f"backend {EQMEM_BACKEND} is sized to aidaptiv's host budget, but models {unsized} "
+                            "have no aidaptiv_state_fraction: set one (top level or per_model)")
     if isinstance(models, list) and isinstance(per_model, dict):
         stray = [m for m in per_model if m not in models]
         if stray:
@@ -253,6 +274,29 @@ class Cell:
                 and other.micro_batch >= self.micro_batch and other.seq_len >= self.seq_len)
 
 
+@dataclass(frozen=True)
+class Run:
+    """One run of a cell: its repeat index (0-based) among the grid's repeats."""
+
+    cell: Cell
+    repeat: int = 0
+
+    @property
+    def id(self) -> str:
+        """The cell's id for repeat 0 (so grids without repeats keep their folders and resume keys), else
+        <cell id>__r<repeat>; also the name of the run's log folder."""
+        return run_id(self.cell.id, self.repeat)
+
+
+def run_id(cell_key: str, repeat: int) -> str:
+    return cell_key if repeat == 0 else f"{cell_key}__r{repeat}"
+
+
+def interleave_repeats(cells: list[Cell], repeats: int) -> list[Run]:
+    """Every cell once in ``cells``' order, then every cell again, ``repeats`` times."""
+    return [Run(c, r) for r in range(repeats) for c in cells]
+
+
 def cell_id(model: str, backend: str, gpus: int, micro_batch: int, seq_len: int, grad_accum: int) -> str:
     return f"{model}__{backend}__g{gpus}__mb{micro_batch}__s{seq_len}__ga{grad_accum}"
 
@@ -283,7 +327,7 @@ def order_cells(cells: list[Cell], backends: Optional[list[str]] = None) -> list
     shape every backend in turn, so each backend has results early. The backend order rotates by one from
     shape to shape, so no backend always runs right after another one (the disk is shared and noisy)."""
     if backends is None:
-        backends = [b for b in BACKENDS if any(c.backend == b for c in cells)]
+        backends = [b for b in SWEEP_BACKENDS if any(c.backend == b for c in cells)]
         backends += sorted({c.backend for c in cells} - set(backends))
     shapes = sorted({(c.model, c.gpus, c.micro_batch, c.seq_len, c.grad_accum) for c in cells},
                     key=lambda s: (_model_rank(s[0]), s[2] * s[3], s[3], s[2], s[1], s[4]))

@@ -101,12 +101,13 @@ def launcher_args(cell: Cell, spec: LaunchSpec, port: int) -> list[str]:
 
 def launch_command(cell: Cell, spec: LaunchSpec, *, port: int, swap_dir: str, metrics_out: str, steps: int,
                    warmup: int, gpu_mem_cap_gb: Optional[float] = None,
-                   host_budget_bytes: Optional[int] = None) -> list[str]:
-    """The whole command line of one cell (see the module docstring)."""
+                   host_budget_bytes: Optional[int] = None, config: Optional[str] = None) -> list[str]:
+    """The whole command line of one cell (see the module docstring). ``config``: a config file written for
+    this cell (zero_infinity_eqmem) instead of ds_configs/<backend>.json."""
     module, *lead = shlex.split(spec.train)
     cmd = launcher_args(cell, spec, port) + ["--module", module, *lead]
     cmd += [
-        "--config", config_path(spec, cell.backend),
+        "--config", config or config_path(spec, cell.backend),
         "--model", cell.model,
         "--seq-len", str(cell.seq_len),
         "--micro-batch", str(cell.micro_batch),

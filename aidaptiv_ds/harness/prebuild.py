@@ -20,6 +20,7 @@ OPS = {
     "zero3": ["FusedAdamBuilder", "ShareMemCommBuilder"],
     "zero3_cpu_offload": ["CPUAdamBuilder", "ShareMemCommBuilder"],
     "zero_infinity": ["CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder"],
+    "zero_infinity_eqmem": ["CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder"],
     "aidaptiv": ["CPUAdamBuilder", "ShareMemCommBuilder"],
 }
 

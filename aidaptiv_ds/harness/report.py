@@ -2,12 +2,15 @@
 training run's directory (no results.jsonl; see aidaptiv_ds.harness.run_report), its loss (and held-out loss),
 tokens/s and NVMe GB/s per step: DIR/figures/run_curves.png.
 
-Everything measured comes from the rows (the newest row of each cell); published numbers come from
-aidaptiv_ds/harness/published.py and are labelled with their source and hardware. Per model: a throughput
-table in the shape of the C-DAC paper's Table VI (rows: sequence x batch; columns: backend x GPU count;
-published columns beside ours where the cell shape matches), a feasibility map per backend, the ratio
-aidaptiv / zero_infinity where both ran (and its median), where the time went, failures, and plots of
-throughput against batch size and GPU count.
+Everything measured comes from the rows (the newest row of each run: cell and repeat); published numbers
+come from aidaptiv_ds/harness/published.py and are labelled with their source and hardware. A cell that ran
+several times (the grid's repeats) shows the median tokens/s of its ok runs and their spread (min-max); its
+other figures (phases, memory) are those of its median run. Per model: a throughput table in the shape of the
+C-DAC paper's Table VI (rows: sequence x batch; columns: backend x GPU count; published columns beside ours
+where the cell shape matches), a feasibility map per backend, the ratio aidaptiv / each other backend on the
+shared cells (both ran ok at least once; the ratio of the medians, with the min-max of the per-repeat ratios,
+repeat k of one against repeat k of the other, which ran close in time), where the time went, failures, and
+plots of throughput against batch size and GPU count.
 """
 from __future__ import annotations
 
@@ -18,14 +21,14 @@ import sys
 from collections import Counter, defaultdict
 from typing import Optional
 
-from aidaptiv_ds.ds_config import BACKENDS
 from aidaptiv_ds.harness import published
+from aidaptiv_ds.harness.grid import SWEEP_BACKENDS
 from aidaptiv_ds.harness.machine import summary as machine_summary
 from aidaptiv_ds.harness.results import RESULTS_FILE, load_rows
 from aidaptiv_ds.models import nominal_parameters
 
 SHORT = {"zero3": "ZeRO-3", "zero3_cpu_offload": "ZeRO-3 CPU offload", "zero_infinity": "ZeRO-Infinity",
-         "aidaptiv": "aidaptiv"}
+         "zero_infinity_eqmem": "ZeRO-Infinity (aidaptiv's memory)", "aidaptiv": "aidaptiv"}
 SYMBOL = {"ok": "✓", "oom": "✗", "error": "E", "timeout": "T"}
 RATIO = ("aidaptiv", "zero_infinity")
 
@@ -54,12 +57,18 @@ def fmt_tps(v: Optional[float]) -> str:
 
 
 def cell_text(row: Optional[dict]) -> str:
-    """What a table cell shows for one of our rows."""
+    """What a table cell shows for one of our cells: tokens/s (with repeats: the median of the ok runs, their
+    min-max, and how many ran ok when not all did), or the status."""
     if row is None:
         return ""
     st = row["status"]
     if st == "ok":
-        return fmt_tps(row["tokens_per_s"])
+        text = fmt_tps(row["tokens_per_s"])
+        if row.get("n_ok", 1) > 1:
+            text += f" ({fmt_tps(row['tps_min'])}–{fmt_tps(row['tps_max'])})"
+        if row.get("n_ok", 1) < row.get("n_runs", 1):
+            text += f", {row['n_ok']}/{row['n_runs']} ok"
+        return text
     if st == "oom":
         return "OOM*" if row.get("inferred") else "OOM"
     return {"error": "ERR", "timeout": "TIMEOUT"}[st]
@@ -90,7 +99,43 @@ def md_table(header: list[str], rows: list[list[str]], right_from: int = 0) -> s
 
 def _order_backends(rows) -> list[str]:
     present = {r["backend"] for r in rows}
-    return [b for b in BACKENDS if b in present] + sorted(present - set(BACKENDS))
+    return [b for b in SWEEP_BACKENDS if b in present] + sorted(present - set(SWEEP_BACKENDS))
+
+
+def cell_summaries(rows: list[dict]) -> list[dict]:
+    """One row per cell from its runs (the newest row of each cell and repeat; rows without a repeat are
+    repeat 0): the row of its median ok run (for an even count the lower middle one) with ``tokens_per_s`` and
+    ``step_s`` the medians over its ok runs, or its newest row when none ran ok; and ``runs`` (its rows by
+    repeat), ``n_runs``, ``n_ok``, ``tps_min``/``tps_max`` and ``tps_by_repeat`` of the ok runs."""
+    by_run: dict = {}
+    for r in rows:
+        k = (r["key"], r.get("repeat") or 0)
+        if k not in by_run or r["time_end"] >= by_run[k]["time_end"]:
+            by_run[k] = r
+    by_cell: dict = defaultdict(list)
+    for (key, _), r in sorted(by_run.items()):
+        by_cell[key].append(r)
+    out = []
+    for key, runs in sorted(by_cell.items()):
+        ok = [r for r in runs if r["status"] == "ok" and r["tokens_per_s"]]
+        if ok:
+            mid = sorted(ok, key=lambda r: r["tokens_per_s"])[(len(ok) - 1) // 2]
+            s = dict(mid)
+            s["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in ok)
+            steps = [r["step_s"] for r in ok if r["step_s"]]
+            s["step_s"] = statistics.median(steps) if steps else None
+        else:
+            s = dict(max(runs, key=lambda r: r["time_end"]))
+        vals = [r["tokens_per_s"] for r in ok]
+        s.update(runs=runs, n_runs=len(runs), n_ok=len(ok), tps_min=min(vals) if vals else None,
+                 tps_max=max(vals) if vals else None,
+                 tps_by_repeat={r.get("repeat") or 0: r["tokens_per_s"] for r in ok})
+        out.append(s)
+    return out
+
+
+def _summarized(rows: list[dict]) -> list[dict]:
+    return rows if not rows or "n_runs" in rows[0] else cell_summaries(rows)
 
 
 def _shapes(rows) -> list[tuple[int, int, int]]:
@@ -102,9 +147,13 @@ def _index(rows) -> dict:
 
 
 def ratios(rows: list[dict], num: str = RATIO[0], den: str = RATIO[1]) -> dict:
-    """Per shape and GPU count: num/den tokens/s where both are ok; cells only one of them ran; the median."""
+    """Per shape and GPU count, on the shared cells (both ran ok at least once): num/den of the median tokens/s
+    (``both``), and the min, max and count of the per-repeat ratios, repeat k against repeat k (``spread``);
+    the cells only one of them ran; the median of the cell ratios. ``rows``: result rows (every run) or
+    cell_summaries."""
+    rows = _summarized(rows)
     idx = _index(rows)
-    both, only_num, only_den = {}, [], []
+    both, only_num, only_den, spread = {}, [], [], {}
     for (b, g, seq, mb, ga), r in idx.items():
         if b != num:
             continue
@@ -114,12 +163,30 @@ def ratios(rows: list[dict], num: str = RATIO[0], den: str = RATIO[1]) -> dict:
         key = (r["model"], g, seq, mb, ga)
         if r["status"] == "ok" and d["status"] == "ok" and r["tokens_per_s"] and d["tokens_per_s"]:
             both[key] = r["tokens_per_s"] / d["tokens_per_s"]
+            a, b = r.get("tps_by_repeat") or {}, d.get("tps_by_repeat") or {}
+            paired = [a[k] / b[k] for k in sorted(set(a) & set(b))]
+            spread[key] = (min(paired), max(paired), len(paired)) if paired else None
         elif r["status"] == "ok" and d["status"] != "ok":
             only_num.append(key)
         elif d["status"] == "ok" and r["status"] != "ok":
             only_den.append(key)
-    return {"both": both, "only_num": sorted(only_num), "only_den": sorted(only_den),
+    return {"both": both, "spread": spread, "only_num": sorted(only_num), "only_den": sorted(only_den),
             "median": statistics.median(both.values()) if both else None}
+
+
+def _ratio_text(ratio: float, spread) -> str:
+    """'1.64×', or with more than one paired repeat '1.64× (1.52–1.71)'."""
+    text = f"{ratio:.2f}×"
+    if spread and spread[2] > 1:
+        text += f" ({spread[0]:.2f}–{spread[1]:.2f})"
+    return text
+
+
+def _others(rows: list[dict]) -> list[str]:
+    """The backends aidaptiv is compared with, ZeRO-Infinity first (the comparison the project is about)."""
+    present = [b for b in _order_backends(rows) if b != RATIO[0]]
+    return sorted(present, key=lambda b: (0 if b == RATIO[1] else 1 if b == "zero_infinity_eqmem" else 2,
+                                          SWEEP_BACKENDS.index(b) if b in SWEEP_BACKENDS else 99))
 
 
 def _published_columns(model: str, rows: list[dict]) -> dict:
@@ -181,10 +248,11 @@ def feasibility_maps(rows: list[dict]) -> str:
     return "\n\n".join(parts)
 
 
-def ratio_section(rows: list[dict]) -> str:
-    rt = ratios(rows)
+def ratio_section(rows: list[dict], den: str = RATIO[1]) -> str:
+    rt = ratios(rows, RATIO[0], den)
+    name = SHORT.get(den, den)
     if not rt["both"] and not rt["only_num"] and not rt["only_den"]:
-        return "_No cell ran on both aidaptiv and zero_infinity._"
+        return f"_No cell ran on both aidaptiv and {name}._"
     gpus = sorted({r["gpus"] for r in rows})
     body = []
     for seq, mb, ga in _shapes(rows):
@@ -192,27 +260,38 @@ def ratio_section(rows: list[dict]) -> str:
         for g in gpus:
             key = (rows[0]["model"], g, seq, mb, ga)
             if key in rt["both"]:
-                line.append(f"{rt['both'][key]:.2f}×")
+                line.append(_ratio_text(rt["both"][key], rt["spread"].get(key)))
             elif key in rt["only_num"]:
                 line.append("aidaptiv only")
             elif key in rt["only_den"]:
-                line.append("ZeRO-Infinity only")
+                line.append(f"{name} only")
             else:
                 line.append("")
         body.append(line)
     med = rt["median"]
     vals = list(rt["both"].values())
-    head = (f"Median aidaptiv / ZeRO-Infinity tokens/s over {len(vals)} cell(s) where both ran: "
+    head = (f"Median aidaptiv / {name} tokens/s over {len(vals)} cell(s) where both ran: "
             f"**{med:.2f}×** (min {min(vals):.2f}×, max {max(vals):.2f}×). " if vals else
             "No cell ran on both. ")
-    head += (f"Ran on aidaptiv only: {len(rt['only_num'])}; on ZeRO-Infinity only: {len(rt['only_den'])}.")
+    head += _repeat_spread_text(rt)
+    head += (f"Ran on aidaptiv only: {len(rt['only_num'])}; on {name} only: {len(rt['only_den'])}.")
     return head + "\n\n" + md_table(["seq", "batch"] + [f"{g} {unit_of(rows)}" for g in gpus], body, right_from=2)
+
+
+def _repeat_spread_text(rt: dict) -> str:
+    """The per-repeat ratios over all shared cells, when any cell has more than one paired repeat."""
+    paired = [s for s in rt["spread"].values() if s]
+    if not any(s[2] > 1 for s in paired):
+        return ""
+    return (f"Per-repeat ratios (repeat k against repeat k) range from {min(s[0] for s in paired):.2f}× to "
+            f"{max(s[1] for s in paired):.2f}× over {sum(s[2] for s in paired)} pair(s); each cell shows the ratio "
+            "of its medians and that range. ")
 
 
 def phases_table(rows: list[dict]) -> str:
     ok = sorted((r for r in rows if r["status"] == "ok"),
-                key=lambda r: (r["seq_len"], r["micro_batch"], r["gpus"], BACKENDS.index(r["backend"])
-                               if r["backend"] in BACKENDS else 9))
+                key=lambda r: (r["seq_len"], r["micro_batch"], r["gpus"], SWEEP_BACKENDS.index(r["backend"])
+                               if r["backend"] in SWEEP_BACKENDS else 9))
     if not ok:
         return "_No cell ran._"
 
@@ -232,17 +311,46 @@ def phases_table(rows: list[dict]) -> str:
 
 
 def failures_table(rows: list[dict]) -> str:
-    bad = [r for r in rows if r["status"] != "ok" and not r.get("inferred")]
+    """Every run that did not end ok (a cell that ran several times may have failed in some runs only)."""
+    runs = [r for s in rows for r in s.get("runs", [s])]
+    bad = [r for r in runs if r["status"] != "ok" and not r.get("inferred")]
+    inferred = sum(1 for r in runs if r.get("inferred"))
+    repeats = any(r.get("repeat") for r in runs)
+    tail = ("" if not inferred else
+            f"\n\nNot run, inferred OOM from a smaller cell's OOM: {inferred} cell(s) (OOM* above)." if not repeats else
+            f"\n\nNot run, inferred OOM from a smaller cell's OOM or from this cell's OOM in an earlier repeat: "
+            f"{inferred} run(s) (OOM* above).")
     if not bad:
-        return "_None._"
-    body = [[r["key"], r["status"], (r["error"] or "")[:200], f"{r['wall_s']:.0f}"] for r in
-            sorted(bad, key=lambda r: r["key"])]
-    inferred = sum(1 for r in rows if r.get("inferred"))
-    tail = f"\n\nNot run, inferred OOM from a smaller cell's OOM: {inferred} cell(s) (OOM* above)." if inferred else ""
-    return md_table(["cell", "status", "error (last line)", "wall s"], body, right_from=3) + tail
+        return "_None._" + tail
+    body = [[r["key"]] + ([str(r.get("repeat") or 0)] if repeats else [])
+            + [r["status"], (r["error"] or "")[:200], f"{r['wall_s']:.0f}"]
+            for r in sorted(bad, key=lambda r: (r["key"], r.get("repeat") or 0))]
+    header = ["cell"] + (["repeat"] if repeats else []) + ["status", "error (last line)", "wall s"]
+    return md_table(header, body, right_from=len(header) - 1) + tail
+
+
+def eqmem_table(rows: list[dict]) -> str:
+    """How each zero_infinity_eqmem cell's host memory was sized to aidaptiv's budget (harness/eqmem.py)."""
+    sel = [r for r in rows if r["backend"] == "zero_infinity_eqmem" and r.get("eqmem")]
+    if not sel:
+        return ""
+    mib = 2 ** 20
+    body = []
+    for r in sorted(sel, key=lambda r: (r["gpus"], r["seq_len"], r["micro_batch"])):
+        e = r["eqmem"]
+        body.append([str(r["gpus"]), str(r["micro_batch"]), str(r["seq_len"]), f"{e['budget_bytes'] / mib:.0f}",
+                     f"{e['sized_bytes'] / mib:.0f}", f"{e['over_budget_bytes'] / mib:.0f}",
+                     f"{e['max_in_cpu']:,}", f"{100 * e['cached_numel'] / max(1, e['partition_numel']):.0f}%",
+                     f"{e['sub_group_size']:,}"])
+    return ("Host memory DeepSpeed holds for the model state per rank (gradient partitions, swap buffers, "
+            "parameter RAM cache), sized to aidaptiv's budget; over budget: ZeRO-Infinity's smallest working set "
+            "exceeds it, and it runs with that minimum (see ds_configs/README.md).\n\n"
+            + md_table([f"{unit_of(rows)}s", "batch", "seq", "aidaptiv budget MiB", "ZeRO-Infinity sized MiB",
+                        "over budget MiB", "max_in_cpu", "parameters cached", "sub_group_size"], body, right_from=0))
 
 
 def header_section(rows: list[dict], loaded, superseded: int, out_dir: str) -> str:
+    """``rows``: cell summaries."""
     starts = sorted(r["time_start"] for r in rows)
     ends = sorted(r["time_end"] for r in rows)
     shas = Counter(f"{r['git_sha'] or 'unknown'}{' (dirty)' if r.get('git_dirty') else ''}" for r in rows)
@@ -262,7 +370,9 @@ def header_section(rows: list[dict], loaded, superseded: int, out_dir: str) -> s
         f"# Sweep report: {os.path.basename(os.path.abspath(out_dir))}",
         "",
         f"Made by `aidaptiv-ds report` from `{RESULTS_FILE}` alone: {len(rows)} cell(s), the newest row of each "
-        f"({superseded} older row(s) superseded"
+        + (f"of their {sum(r.get('n_runs', 1) for r in rows)} runs (cell and repeat: at most "
+           f"{max(r.get('n_runs', 1) for r in rows)} per cell) " if any(r.get("n_runs", 1) > 1 for r in rows) else "")
+        + f"({superseded} older row(s) superseded"
         + (f", {loaded.recovered} recovered from cells/*/row.json" if loaded.recovered else "")
         + (f", {len(loaded.problems)} unusable line(s) skipped" if loaded.problems else "")
         + "). Every measured number below comes from those rows; published numbers are marked as such.",
@@ -289,13 +399,21 @@ def header_section(rows: list[dict], loaded, superseded: int, out_dir: str) -> s
 
 
 def overall_ratio(rows: list[dict]) -> str:
-    rt = ratios(rows)
-    vals = list(rt["both"].values())
-    if not vals:
+    """One line per backend aidaptiv is compared with, over all models."""
+    lines = []
+    if not any(r["backend"] == RATIO[0] for r in rows):
         return ""
-    return (f"**aidaptiv / ZeRO-Infinity, all models:** median {statistics.median(vals):.2f}× over {len(vals)} "
-            f"cell(s) where both ran; aidaptiv ran {len(rt['only_num'])} cell(s) ZeRO-Infinity could not, "
-            f"ZeRO-Infinity {len(rt['only_den'])} that aidaptiv could not.")
+    for den in _others(rows):
+        rt = ratios(rows, RATIO[0], den)
+        vals = list(rt["both"].values())
+        if not vals:
+            continue
+        name = SHORT.get(den, den)
+        lines.append(f"**aidaptiv / {name}, all models:** median {statistics.median(vals):.2f}× over {len(vals)} "
+                     f"cell(s) where both ran (cells from {min(vals):.2f}× to {max(vals):.2f}×). "
+                     + _repeat_spread_text(rt) + f"aidaptiv ran {len(rt['only_num'])} cell(s) {name} could not, "
+                     f"{name} {len(rt['only_den'])} that aidaptiv could not.")
+    return "\n\n".join(lines)
 
 
 def figure8_section(rows: list[dict]) -> str:
@@ -374,7 +492,7 @@ def _plots(model: str, rows: list[dict], fig_dir: str) -> list[str]:
     made = []
     unit = unit_of(rows)
     backends = _order_backends(rows)
-    colors = {b: c for b, c in zip(BACKENDS, ("tab:blue", "tab:orange", "tab:red", "tab:green"))}
+    colors = {b: c for b, c in zip(SWEEP_BACKENDS, ("tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:green"))}
     ok = [r for r in rows if r["status"] == "ok" and r["tokens_per_s"]]
     seqs = sorted({r["seq_len"] for r in rows})
     gpus = sorted({r["gpus"] for r in rows})
@@ -480,12 +598,11 @@ def _plots(model: str, rows: list[dict], fig_dir: str) -> list[str]:
 def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
     """(markdown, figure paths) for a results folder."""
     loaded = load_rows(out_dir)
-    latest = loaded.latest_by_key()
-    rows = sorted(latest.values(), key=lambda r: r["key"])
+    rows = cell_summaries(loaded.rows)
     if not rows:
         raise ValueError(f"{os.path.join(out_dir, RESULTS_FILE)} has no usable rows: run `aidaptiv-ds sweep` first "
                          "(or give one train run's folder: aidaptiv_*.csv from a \"csv_monitor\" or a metrics JSON)")
-    superseded = len(loaded.rows) - len(rows)
+    superseded = len(loaded.rows) - sum(r["n_runs"] for r in rows)
     parts = [header_section(rows, loaded, superseded, out_dir)]
     ov = overall_ratio(rows)
     if ov:
@@ -506,9 +623,15 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
         if sources:
             parts.append("Published columns from: " + ", ".join(sources) + " (see Sources).")
         parts += ["### Feasibility per backend (✓ ok, ✗ OOM, ✗* inferred OOM, E error, T timeout, · not run)",
-                  feasibility_maps(mrows),
-                  "### aidaptiv / ZeRO-Infinity (tokens/s ratio where both ran)", ratio_section(mrows),
-                  "### Where the time went (cells that ran)", phases_table(mrows),
+                  feasibility_maps(mrows)]
+        if any(r["backend"] == RATIO[0] for r in mrows):
+            for den in _others(mrows):
+                parts += [f"### aidaptiv / {SHORT.get(den, den)} (tokens/s ratio where both ran)",
+                          ratio_section(mrows, den)]
+        sizing = eqmem_table(mrows)
+        if sizing:
+            parts += ["### ZeRO-Infinity with aidaptiv's host memory: the sizing", sizing]
+        parts += ["### Where the time went (cells that ran; with repeats, the median run)", phases_table(mrows),
                   "### Failures", failures_table(mrows)]
         if plots:
             try:

@@ -1,6 +1,7 @@
 """Result rows: their schema, durable appends to DIR/results.jsonl, and reading them back.
 
-One JSON object per line, one line per cell. A row is written twice: first atomically as
+One JSON object per line, one line per run of a cell (a grid with ``repeats`` runs each cell that many times;
+rows written before repeats existed have no ``repeat`` and load as repeat 0). A row is written twice: first atomically as
 DIR/cells/<cell-id>/row.json, then appended to DIR/results.jsonl with a single O_APPEND write under an
 exclusive lock on DIR/results.jsonl.lock, followed by fsync. So an interrupted sweep loses at most the cell
 that was running, concurrent SLURM array tasks never interleave lines, and a row whose append did not
@@ -59,9 +60,14 @@ class Row(BaseModel):
     """Random id of this row (rows of one cell from several runs differ in it)."""
     key: str
     """Cell id: model__backend__gG__mbB__sL__gaA."""
+    repeat: int = 0
+    """Which run of the cell this is (0-based; the grid's ``repeats``); absent in older rows, read as 0."""
     grid: Optional[str] = None
     aidaptiv_host_budget_bytes: Optional[int] = None
     """aidaptiv cells: the per-rank host budget the grid gave (--host-budget); None: the config's."""
+    eqmem: Optional[dict] = None
+    """zero_infinity_eqmem cells: how its host memory was sized to aidaptiv's budget (harness/eqmem.py
+    EqmemSizing.as_row: budget_bytes, sized_bytes, over_budget_bytes, parts, max_in_cpu, ...)."""
     git_sha: Optional[str] = None
     git_dirty: Optional[bool] = None
     time_start: str
@@ -185,11 +191,20 @@ class LoadedRows:
     """Rows found only as cells/*/row.json (their append to results.jsonl did not happen)."""
 
     def latest_by_key(self) -> dict[str, dict]:
-        """The newest row of each cell (by time_end)."""
+        """The newest row of each cell (by time_end), whatever its repeat."""
         out: dict[str, dict] = {}
         for r in self.rows:
             if r["key"] not in out or r["time_end"] >= out[r["key"]]["time_end"]:
                 out[r["key"]] = r
+        return out
+
+    def latest_by_run(self) -> dict[tuple[str, int], dict]:
+        """The newest row of each run: (cell id, repeat) -> row."""
+        out: dict[tuple[str, int], dict] = {}
+        for r in self.rows:
+            k = (r["key"], r["repeat"])
+            if k not in out or r["time_end"] >= out[k]["time_end"]:
+                out[k] = r
         return out
 
 

@@ -16,7 +16,15 @@ status oom. Each row says which mechanism was used (host_mem_cap.mechanism).
 
 Cells run in an order that gives every backend results early (backends interleaved, cheap shapes first);
 with --skip-dominated (default) a cell is not run when a smaller cell of the same model, backend and GPU
-count already ran out of memory: its row says status oom, "inferred": true. Cells the planner says will
+count already ran out of memory: its row says status oom, "inferred": true. With repeats (the grid's
+"repeats", or --repeats) the whole ordered list runs once, then again: every run is its own row with its
+repeat index, logs in OUT/cells/<cell-id>__r<k>/ (repeat 0 keeps OUT/cells/<cell-id>/), and a repeat of a
+cell that ran out of memory in an earlier repeat is inferred oom too.
+
+Backend zero_infinity_eqmem (harness/eqmem.py) is ZeRO-Infinity with aidaptiv's host memory: before such a
+cell starts, ds_configs/zero_infinity.json is copied to OUT/cells/<run>/ds_config.json with max_in_cpu, the
+swap buffers and sub_group_size sized so that DeepSpeed's host memory for the model state is the aidaptiv
+cell's host budget, and the sizing is recorded in the row ("eqmem"). Cells the planner says will
 not fit under the caps are reported as "predicted OOM" beside their outcome; with --skip-predicted-oom they
 are not run (status oom, "inferred": true, the plan's reason as the error).
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import shlex
 import shutil
@@ -36,9 +45,10 @@ import sys
 import uuid
 from typing import Optional
 
-from aidaptiv_ds.ds_config import BACKENDS
+from aidaptiv_ds.harness import eqmem
 from aidaptiv_ds.harness.cellrun import CellRun, run_cell
-from aidaptiv_ds.harness.grid import Cell, GridError, enumerate_cells, load_grid
+from aidaptiv_ds.harness.grid import (SWEEP_BACKENDS, Cell, GridError, Run, enumerate_cells, interleave_repeats,
+                                      load_grid)
 from aidaptiv_ds.harness.hostcap import MECHANISMS, probe_cgroup
 from aidaptiv_ds.harness.launch import LaunchSpec, free_port, launch_command, train_spec
 from aidaptiv_ds.harness.machine import gpus as detect_gpus, machine_info
@@ -60,16 +70,18 @@ def _int_list(text: str) -> list[int]:
 
 def _backend_list(text: str) -> list[str]:
     vals = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [v for v in vals if v not in BACKENDS]
+    bad = [v for v in vals if v not in SWEEP_BACKENDS]
     if not vals or bad:
-        raise argparse.ArgumentTypeError(f"unknown backend(s) {bad or text!r}: choose from {','.join(BACKENDS)}")
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {bad or text!r}: choose from {','.join(SWEEP_BACKENDS)}")
     return vals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", required=True, help="grid file, e.g. bench/grids/cdac_rudra.json")
     p.add_argument("--out", help="results folder (results.jsonl, cells/); required unless listing cells")
-    p.add_argument("--backends", type=_backend_list, help=f"comma list replacing the grid's ({','.join(BACKENDS)})")
+    p.add_argument("--backends", type=_backend_list,
+                   help=f"comma list replacing the grid's ({','.join(SWEEP_BACKENDS)}; {eqmem.BACKEND} is "
+                        "zero_infinity.json with its host memory sized to aidaptiv's budget)")
     p.add_argument("--gpus", type=_int_list, help="comma list of GPU (on CPU: process) counts replacing the grid's")
     p.add_argument("--steps", type=int, help="steps per cell, warm-up included (default: the grid's)")
     p.add_argument("--warmup", type=int, help="untimed steps per cell (default: the grid's)")
@@ -85,8 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "killed by it is status oom (default: the grid's)")
     p.add_argument("--host-mem-cap-mechanism", choices=MECHANISMS, default="auto",
                    help="force one cap mechanism (default auto: cgroup2, cgroup1, then rss-watchdog)")
+    p.add_argument("--repeats", type=int, help="runs per cell, interleaved: every cell once, then every cell again "
+                                                "(default: the grid's repeats, 1 when it has none)")
     p.add_argument("--resume", action="store_true",
-                   help="skip cells that already have a row in OUT/results.jsonl (any status)")
+                   help="skip runs (cell and repeat) that already have a row in OUT/results.jsonl (any status)")
     p.add_argument("--skip-dominated", action=argparse.BooleanOptionalAction, default=True,
                    help="do not run a cell when a smaller one (same model, backend, GPUs) ran out of memory; "
                         "record it as oom with inferred: true (default: on)")
@@ -94,11 +108,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not run a cell that the planner (aidaptiv-ds plan) says will run out of memory under "
                         "the caps; record it as oom with inferred: true (default: off: such cells run, and are "
                         "reported as 'predicted OOM' beside their outcome)")
-    p.add_argument("--max-cells", type=int, help="run only the first N cells of the ordered list")
-    p.add_argument("--list-cells", action="store_true", help="print 'index cell-id' per cell and exit")
-    p.add_argument("--count-cells", action="store_true", help="print the number of cells and exit "
+    p.add_argument("--max-cells", type=int, help="run only the first N cells of the ordered list (each of them "
+                                                  "--repeats times)")
+    p.add_argument("--list-cells", action="store_true", help="print 'index run-id' per run (cell and repeat) and exit")
+    p.add_argument("--count-cells", action="store_true", help="print the number of runs (cells x repeats) and exit "
                                                               "(for sbatch --array=0-$((N-1)))")
-    p.add_argument("--cell-index", type=int, help="run only the cell at this index of the ordered list "
+    p.add_argument("--cell-index", type=int, help="run only the run at this index of the ordered list of runs "
                                                    "(a SLURM array task)")
     p.add_argument("--train-module", help="module and leading args of the trainer (default: "
                                           "$AIDAPTIV_DS_TRAIN_MODULE or 'aidaptiv_ds train')")
@@ -147,9 +162,10 @@ def _num(x) -> Optional[float]:
 
 def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun], command: Optional[str],
               time_start: str, time_end: str, cell_dir: Optional[str], inferred: bool = False,
-              cap_used: Optional[dict] = None) -> dict:
+              cap_used: Optional[dict] = None, repeat: int = 0) -> dict:
     """One row from a cell's outcome and its metrics (see results.Row for the fields). ``cap_used``:
-    the host cap as applied to this cell (mechanism, detail), default the sweep's."""
+    the host cap as applied to this cell (mechanism, detail), default the sweep's; ``repeat``: which run of
+    the cell this is."""
     m = (run.metrics if run else None) or {}
     timed = _timed_steps(m.get("step_s"), ctx["steps"], ctx["warmup"])
     step_med = _num(m.get("step_s_median")) or (statistics.median(timed) if timed else None)
@@ -165,8 +181,10 @@ def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun]
     row = {
         "row_id": uuid.uuid4().hex,
         "key": cell.id,
+        "repeat": repeat,
         "grid": ctx["grid"],
         "aidaptiv_host_budget_bytes": _aidaptiv_budget(cell, ctx),
+        "eqmem": _eqmem_sizing(cell, ctx).as_row() if cell.backend == eqmem.BACKEND else None,
         "git_sha": ctx["git_sha"], "git_dirty": ctx["git_dirty"],
         "time_start": time_start, "time_end": time_end,
         "wall_s": round(run.wall_s, 3) if run else 0.0,
@@ -203,15 +221,18 @@ def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun]
 
 
 def _dominating_oom(cell: Cell, rows: list[dict], ctx: dict) -> Optional[str]:
-    """Id of a measured (not inferred) oom cell that is smaller than ``cell`` under the same caps."""
+    """Why ``cell`` need not run: a measured (not inferred) oom, under the same caps, of a smaller cell or of
+    this cell in an earlier repeat (``rows`` are the runs done before it). None when there is none."""
     for r in rows:
         if r["status"] != "oom" or r.get("inferred"):
             continue
         if r.get("gpu_mem_cap_gb") != ctx["gpu_mem_cap_gb"] or (r.get("host_mem_cap") or {}).get("gb") != ctx["cap"]["gb"]:
             continue
         other = Cell(r["model"], r["backend"], r["gpus"], r["micro_batch"], r["seq_len"], r["grad_accum"])
+        if other == cell:
+            return f"this cell ran out of memory in repeat {r.get('repeat', 0)}"
         if other.dominates(cell):
-            return other.id
+            return f"smaller cell {other.id} ran out of memory"
     return None
 
 
@@ -221,23 +242,45 @@ def _record(ctx: dict, row: dict, cell_dir: str) -> None:
     append_row(os.path.join(ctx["out"], RESULTS_FILE), row)
 
 
-def _cell_paths(cell: Cell, ctx: dict) -> tuple[str, str, str]:
-    """(cell folder, swap folder, metrics file) of a cell."""
-    cell_dir = os.path.join(ctx["out"], "cells", cell.id)
-    swap_dir = (os.path.join(ctx["swap_root"], f"{cell.id}.{os.getpid()}") if ctx["swap_root"]
+def _cell_paths(run: Run, ctx: dict) -> tuple[str, str, str]:
+    """(run folder, swap folder, metrics file) of a run of a cell."""
+    cell_dir = os.path.join(ctx["out"], "cells", run.id)
+    swap_dir = (os.path.join(ctx["swap_root"], f"{run.id}.{os.getpid()}") if ctx["swap_root"]
                 else os.path.join(cell_dir, "swap"))
     return cell_dir, swap_dir, os.path.join(cell_dir, "metrics.json")
 
 
-def _command(cell: Cell, ctx: dict, port: int) -> list[str]:
-    _, swap_dir, metrics_path = _cell_paths(cell, ctx)
+def _eqmem_config_path(run: Run, ctx: dict) -> str:
+    return os.path.join(_cell_paths(run, ctx)[0], "ds_config.json")
+
+
+def _command(run: Run, ctx: dict, port: int) -> list[str]:
+    _, swap_dir, metrics_path = _cell_paths(run, ctx)
+    cell = run.cell
     return launch_command(cell, ctx["spec"], port=port, swap_dir=swap_dir, metrics_out=metrics_path,
                           steps=ctx["steps"], warmup=ctx["warmup"], gpu_mem_cap_gb=ctx["gpu_mem_cap_gb"],
-                          host_budget_bytes=_aidaptiv_budget(cell, ctx))
+                          host_budget_bytes=_aidaptiv_budget(cell, ctx),
+                          config=_eqmem_config_path(run, ctx) if cell.backend == eqmem.BACKEND else None)
 
 
 def _aidaptiv_budget(cell: Cell, ctx: dict) -> Optional[int]:
     return ctx["grid_obj"].aidaptiv_budget_bytes(cell.model, cell.gpus) if cell.backend == "aidaptiv" else None
+
+
+def _eqmem_base(ctx: dict) -> dict:
+    """ds_configs/zero_infinity.json, read once per sweep."""
+    if "eqmem_base" not in ctx:
+        from aidaptiv_ds import ds_config
+        ctx["eqmem_base"] = ds_config.load(os.path.join(ctx["spec"].ds_configs, f"{eqmem.BASE}.json"))
+    return ctx["eqmem_base"]
+
+
+def _eqmem_sizing(cell: Cell, ctx: dict) -> eqmem.EqmemSizing:
+    """The zero_infinity_eqmem sizing of a cell: aidaptiv's budget for the same model and GPU count."""
+    budget = ctx["grid_obj"].aidaptiv_budget_bytes(cell.model, cell.gpus)
+    if budget is None:   # the grid's validation and run() refuse this before any cell runs
+        raise ValueError(f"{cell.id}: no aidaptiv budget to size {eqmem.BACKEND} to (aidaptiv_state_fraction)")
+    return eqmem.size_eqmem(_eqmem_base(ctx), cell.model, cell.gpus, budget)
 
 
 def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
@@ -248,6 +291,8 @@ def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
     from aidaptiv_ds import ds_config
     from aidaptiv_ds.planner.guard import predicted_oom
     from aidaptiv_ds.planner.rates import machine_rates
+    if cell.backend == eqmem.BACKEND:
+        return None   # the planner sizes the shipped configs; this one is sized per cell
     try:
         cfg = ds_config.load(os.path.join(ctx["spec"].ds_configs, f"{cell.backend}.json"))
     except ds_config.ConfigError:
@@ -268,14 +313,19 @@ def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
                          launcher_host=ctx["launcher"])
 
 
-def _run_one(cell: Cell, ctx: dict, tick) -> dict:
-    cell_dir, swap_dir, metrics_path = _cell_paths(cell, ctx)
+def _run_one(run_: Run, ctx: dict, tick) -> dict:
+    cell = run_.cell
+    cell_dir, swap_dir, metrics_path = _cell_paths(run_, ctx)
     shutil.rmtree(cell_dir, ignore_errors=True)  # a rerun must never read an old metrics.json
     os.makedirs(cell_dir)
+    if cell.backend == eqmem.BACKEND:
+        with open(_eqmem_config_path(run_, ctx), "w") as f:
+            json.dump(eqmem.eqmem_config(_eqmem_base(ctx), _eqmem_sizing(cell, ctx)), f, indent=1)
+            f.write("\n")
     shutil.rmtree(swap_dir, ignore_errors=True)
     os.makedirs(swap_dir, mode=0o700)
     os.chmod(swap_dir, 0o700)  # model state is private (DESIGN.md); makedirs' mode is masked by umask
-    cmd = _command(cell, ctx, free_port())
+    cmd = _command(run_, ctx, free_port())
     cap = ctx["cap"]
     cap_bytes = int(cap["gb"] * 2**30) if cap["gb"] else None
     cgroup, watchdog, cap_used = None, False, {}
@@ -301,7 +351,7 @@ def _run_one(cell: Cell, ctx: dict, tick) -> dict:
                        cap_kill=run.cap_kill, output_tail=run.output_tail, metrics=run.metrics,
                        metrics_problem=run.metrics_problem)
     row = build_row(cell, ctx=ctx, outcome=outcome, run=run, command=shlex.join(cmd), time_start=time_start,
-                    time_end=_now(), cell_dir=cell_dir, cap_used=cap_used)
+                    time_end=_now(), cell_dir=cell_dir, cap_used=cap_used, repeat=run_.repeat)
     _record(ctx, row, cell_dir)
     return row
 
@@ -312,7 +362,8 @@ def _fmt_row(row: dict) -> str:
         what = f"ok {tps:,.1f} tokens/s" if tps is not None else "ok"
     else:
         what = f"{row['status']}{' (inferred)' if row['inferred'] else ''}: {row['error']}"
-    return f"{row['key']}: {what} [{row['wall_s']:.1f} s]"
+    rep = f" (repeat {row['repeat']})" if row["repeat"] else ""
+    return f"{row['key']}{rep}: {what} [{row['wall_s']:.1f} s]"
 
 
 def _host_cap(gb: Optional[float], mechanism: str):
@@ -344,22 +395,27 @@ def run(args: argparse.Namespace) -> int:
     cells = enumerate_cells(grid, backends=args.backends, gpus=args.gpus)
     if args.max_cells is not None:
         cells = cells[:max(0, args.max_cells)]
+    repeats = args.repeats if args.repeats is not None else grid.repeats
+    if repeats < 1:
+        print(f"error: --repeats {repeats}: need at least 1", file=sys.stderr)
+        return 2
+    runs = interleave_repeats(cells, repeats)
     if args.count_cells:
-        print(len(cells))
+        print(len(runs))
         return 0
     if args.list_cells:
-        for i, c in enumerate(cells):
-            print(i, c.id)
+        for i, r in enumerate(runs):
+            print(i, r.id)
         return 0
     if not args.out:
         print("error: --out is required to run cells: give the results folder", file=sys.stderr)
         return 2
     if args.cell_index is not None:
-        if not 0 <= args.cell_index < len(cells):
-            print(f"error: --cell-index {args.cell_index} is outside 0..{len(cells) - 1} "
-                  f"(the grid has {len(cells)} cells)", file=sys.stderr)
+        if not 0 <= args.cell_index < len(runs):
+            print(f"error: --cell-index {args.cell_index} is outside 0..{len(runs) - 1} "
+                  f"(the grid has {len(cells)} cells x {repeats} repeats)", file=sys.stderr)
             return 2
-        cells = [cells[args.cell_index]]
+        runs = [runs[args.cell_index]]
 
     steps = args.steps if args.steps is not None else grid.steps
     warmup = args.warmup if args.warmup is not None else grid.warmup
@@ -371,9 +427,15 @@ def run(args: argparse.Namespace) -> int:
     if not ds_bin or not (os.access(ds_bin, os.X_OK) or shutil.which(ds_bin)):
         problems.append(f"deepspeed launcher {ds_bin or 'deepspeed'} not found: install deepspeed or pass --deepspeed")
     ds_configs = os.path.abspath(args.ds_configs)
-    for b in sorted({c.backend for c in cells}, key=BACKENDS.index):
-        if not os.path.isfile(os.path.join(ds_configs, f"{b}.json")):
-            problems.append(f"backend {b}: {os.path.join(ds_configs, b + '.json')} not found (--ds-configs)")
+    for b in sorted({r.cell.backend for r in runs}, key=SWEEP_BACKENDS.index):
+        name = eqmem.BASE if b == eqmem.BACKEND else b   # eqmem's config is derived from zero_infinity.json
+        if not os.path.isfile(os.path.join(ds_configs, f"{name}.json")):
+            problems.append(f"backend {b}: {os.path.join(ds_configs, name + '.json')} not found (--ds-configs)")
+    unsized = sorted({r.cell.model for r in runs if r.cell.backend == eqmem.BACKEND
+                      and grid.aidaptiv_budget_bytes(r.cell.model, r.cell.gpus) is None})
+    if unsized:
+        problems.append(f"backend {eqmem.BACKEND} is sized to aidaptiv's host budget, but the grid gives models "
+                        f"{unsized} none: set aidaptiv_state_fraction in the grid")
     if args.hostfile and not os.path.isfile(args.hostfile):
         problems.append(f"--hostfile {args.hostfile} not found")
     if problems:
@@ -418,9 +480,9 @@ def run(args: argparse.Namespace) -> int:
     usable_gpus = (len([d for d in spec.visible_devices.split(",") if d.strip()]) if spec.visible_devices
                    else len(gpu_list))
     bad_split = []
-    for cell in cells:
+    for r in runs:
         try:
-            _command(cell, ctx, port=0)
+            _command(r, ctx, port=0)
         except ValueError as e:
             if spec.hostfile:  # a cell that cannot be spread over the nodes: the grid and the allocation disagree
                 bad_split.append(str(e))
@@ -434,12 +496,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: --gpu-mem-cap-gb {gpu_cap:g} exceeds this GPU's {smallest:.0f} GiB: the cap changes "
                   "nothing", file=sys.stderr)
 
-    done = {r["key"] for r in loaded.rows}
+    done = {(r["key"], r["repeat"]) for r in loaded.rows}
     # Rows that can make a cell dominated: this run's, and with --resume the kept ones (without it, an OOM
     # recorded by an older build must not stop a newer one from trying).
     rows = list(loaded.rows) if args.resume else []
     if args.resume:
-        changed = [r["key"] for r in loaded.latest_by_key().values() if any(c.id == r["key"] for c in cells)
+        keys = {c.id for c in cells}
+        changed = [r["key"] for r in loaded.latest_by_key().values() if r["key"] in keys
                    and (r["steps"], r["warmup"], r["gpu_mem_cap_gb"], r["host_mem_cap"]["gb"]) !=
                    (steps, warmup, gpu_cap, host_cap)]
         if changed:
@@ -447,10 +510,20 @@ def run(args: argparse.Namespace) -> int:
                   f"e.g. {changed[0]}", file=sys.stderr)
 
     if args.dry_run:
-        for cell in cells:
-            if not (args.resume and cell.id in done):
-                print(shlex.join(_command(cell, ctx, port=29500)))
+        for r in runs:
+            if not (args.resume and (r.cell.id, r.repeat) in done):
+                print(shlex.join(_command(r, ctx, port=29500)))
         return 0
+
+    over = {}
+    for c in {r.cell for r in runs if r.cell.backend == eqmem.BACKEND}:
+        sizing = _eqmem_sizing(c, ctx)
+        if sizing.over_budget_bytes:
+            over[c.id] = sizing
+    for cid, sizing in sorted(over.items()):
+        print(f"note: {cid}: ZeRO-Infinity's smallest host memory for the state, {sizing.sized_bytes / 2**20:.0f} "
+              f"MiB, exceeds aidaptiv's budget of {sizing.budget_bytes / 2**20:.0f} MiB; it runs with that "
+              "minimum and max_in_cpu 0 (see harness/eqmem.py)", file=sys.stderr)
 
     # Cells run under host-memory caps: RAM that earlier DeepSpeed CPU runs left in /dev/shm is RAM the
     # cells do not have.
@@ -461,13 +534,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.prebuild:
         from aidaptiv_ds.harness.prebuild import prebuild
-        for line in prebuild({c.backend for c in cells}, env):
+        for line in prebuild({r.cell.backend for r in runs}, env):
             print(f"DeepSpeed op {line}", file=sys.stderr)
 
     from tqdm import tqdm
     counts: dict[str, int] = {}
     unrunnable = []
-    pbar = tqdm(total=len(cells), unit="cell", file=sys.stderr, dynamic_ncols=True, disable=args.no_progress)
+    pbar = tqdm(total=len(runs), unit="run", file=sys.stderr, dynamic_ncols=True, disable=args.no_progress)
     last = "-"
 
     def on_term(signum, frame):
@@ -476,9 +549,9 @@ def run(args: argparse.Namespace) -> int:
     old_term = signal.signal(signal.SIGTERM, on_term)
     current = None
     try:
-        for cell in cells:
-            current = cell
-            if args.resume and cell.id in done:
+        for run_ in runs:
+            cell = current = run_.cell
+            if args.resume and (cell.id, run_.repeat) in done:
                 counts["skipped (resume)"] = counts.get("skipped (resume)", 0) + 1
                 pbar.update(1)
                 continue
@@ -487,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
                 pbar.write(f"{cell.id}: not run, needs {cell.gpus} GPUs and {usable_gpus} are usable here")
                 pbar.update(1)
                 continue
-            pbar.set_description(cell.id)
+            pbar.set_description(run_.id)
             dom = _dominating_oom(cell, rows, ctx) if args.skip_dominated else None
             predicted = _predicted_oom(cell, ctx)
             if predicted:
@@ -496,14 +569,14 @@ def run(args: argparse.Namespace) -> int:
                 t = _now()
                 row = build_row(cell, ctx=ctx, inferred=True, run=None, command=None, time_start=t, time_end=t,
                                 outcome=Outcome("oom", f"skipped: predicted OOM: {predicted}"),
-                                cell_dir=os.path.join(out, "cells", cell.id))
-                _record(ctx, row, os.path.join(out, "cells", cell.id))
+                                cell_dir=os.path.join(out, "cells", run_.id), repeat=run_.repeat)
+                _record(ctx, row, os.path.join(out, "cells", run_.id))
             elif dom:
                 t = _now()
                 row = build_row(cell, ctx=ctx, inferred=True, run=None, command=None, time_start=t, time_end=t,
-                                outcome=Outcome("oom", f"skipped: smaller cell {dom} ran out of memory"),
-                                cell_dir=os.path.join(out, "cells", cell.id))
-                _record(ctx, row, os.path.join(out, "cells", cell.id))
+                                outcome=Outcome("oom", f"skipped: {dom}"),
+                                cell_dir=os.path.join(out, "cells", run_.id), repeat=run_.repeat)
+                _record(ctx, row, os.path.join(out, "cells", run_.id))
             else:
                 shown = [-1]
 
@@ -511,7 +584,7 @@ def run(args: argparse.Namespace) -> int:
                     if int(elapsed) != shown[0]:  # once a second
                         shown[0] = int(elapsed)
                         pbar.set_postfix_str(f"{elapsed:.0f} s, last: {last}", refresh=True)
-                row = _run_one(cell, ctx, tick)
+                row = _run_one(run_, ctx, tick)
             rows.append(row)
             last = row["status"] + ("*" if row["inferred"] else "")
             counts[last] = counts.get(last, 0) + 1
@@ -521,7 +594,7 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, _Interrupted) as e:
         pbar.close()
         what = "SIGTERM" if isinstance(e, _Interrupted) else "Ctrl-C"
-        print(f"interrupted by {what} during {current.id if current else '-'}: that cell has no row; "
+        print(f"interrupted by {what} during {current.id if current else '-'}: that run has no row; "
               f"run again with --resume to continue", file=sys.stderr)
         return 130
     finally:

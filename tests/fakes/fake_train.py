@@ -29,6 +29,7 @@ def parse():
     for flag in ("--seq-len", "--micro-batch", "--grad-accum", "--steps", "--warmup"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--gpu-mem-cap-gb", type=float)
+    p.add_argument("--host-budget", type=int)   # the sweep gives aidaptiv cells their budget
     p.add_argument("--create-nvme-path", action="store_true")
     args = p.parse_args()
     if args.create_nvme_path:

@@ -62,3 +62,25 @@ def test_aidaptiv_cell_streams_its_state_through_the_disk(sweep_out):
     state = state_bytes_per_param() * row["params"]
     assert 0 < row["aidaptiv_host_budget_bytes"] < state
     assert row["nvme_read_bytes"] > 0 and row["nvme_write_bytes"] > 0
+
+
+def test_zero_infinity_with_aidaptivs_memory_runs_and_trains_like_zero_infinity(sweep_out, tmp_path):
+    """One real zero_infinity_eqmem cell: micro at 0.6 of its state, where the sized config keeps a RAM cache
+    of whole sub-groups (max_in_cpu > 0) and swaps the rest; it runs under the cap, holds no more than
+    aidaptiv's budget by the sizing, and follows ZeRO-Infinity's losses (same model, data and optimizer)."""
+    grid = json.load(open(os.path.join(REPO, "bench", "grids", "cpu_ci.json")))
+    grid.update(notes="one eqmem cell", gpus=[1], backends=["zero_infinity_eqmem"], aidaptiv_state_fraction=0.6)
+    path = tmp_path / "eqmem.json"
+    path.write_text(json.dumps(grid))
+    out = str(tmp_path / "out")
+    assert sweep(["--grid", str(path), "--out", out, "--ds-configs", os.path.join(REPO, "ds_configs"),
+                  "--swap-root", str(tmp_path / "swap"), "--no-progress"]) == 0
+    (row,) = rows(out)
+    assert row["status"] == "ok", (row["status"], row["error"])
+    eq = row["eqmem"]
+    assert 0 < eq["max_in_cpu"] < eq["partition_numel"] and eq["sized_bytes"] <= eq["budget_bytes"]
+    cfg = json.load(open(os.path.join(out, row["cell_dir"], "ds_config.json")))
+    assert cfg["zero_optimization"]["offload_param"]["max_in_cpu"] == eq["max_in_cpu"]
+    assert row["nvme_read_bytes"] > 0   # the uncached sub-groups and the optimizer state still come from disk
+    zi = next(r for r in rows(sweep_out) if r["backend"] == "zero_infinity")
+    assert row["losses"] == pytest.approx(zi["losses"], rel=1e-5)

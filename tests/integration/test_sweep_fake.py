@@ -174,3 +174,33 @@ def test_sigterm_kills_the_running_cell(fake_env, tmp_path):
     time.sleep(0.5)
     assert leftovers(str(tmp_path)) == []
     assert not os.path.exists(os.path.join(out, "cells", "micro__zero3__g1__mb1__s8__ga1", "swap"))
+
+
+def test_repeats_interleave_resume_and_size_eqmem_configs(fake_env, tmp_path, monkeypatch, capsys):
+    """Two cells x 2 repeats: the runs go cell by cell, then again; an interrupted sweep (here: one array task
+    done) resumes with the runs it lacks; a zero_infinity_eqmem cell gets its sized config in its folder."""
+    monkeypatch.setenv("FAKE_TRAIN_PLAN", json.dumps({}))
+    grid = write_grid(tmp_path / "g.json", models=["tiny"], repeats=2, aidaptiv_state_fraction=0.6,
+                      backends=["zero_infinity_eqmem", "aidaptiv"])
+    (tmp_path / "ds_configs" / "zero_infinity.json").write_text(
+        open(os.path.join(ROOT, "ds_configs", "zero_infinity.json")).read())
+    assert sweep(["--grid", grid, "--list-cells"]) == 0
+    listed = [ln.split()[1] for ln in capsys.readouterr().out.splitlines()]
+    assert listed == ["tiny__zero_infinity_eqmem__g1__mb1__s8__ga1", "tiny__aidaptiv__g1__mb1__s8__ga1",
+                      "tiny__zero_infinity_eqmem__g1__mb1__s8__ga1__r1", "tiny__aidaptiv__g1__mb1__s8__ga1__r1"]
+    out = str(tmp_path / "out")
+    common = ["--grid", grid, "--out", out, "--ds-configs", fake_env, "--no-progress", "--no-prebuild"]
+    assert sweep(common + ["--cell-index", "1"]) == 0
+    assert sweep(common + ["--resume"]) == 0
+    rows = rows_of(out)
+    assert [(r["key"].split("__")[1], r["repeat"]) for r in rows] == [
+        ("aidaptiv", 0), ("zero_infinity_eqmem", 0), ("zero_infinity_eqmem", 1), ("aidaptiv", 1)]
+    assert all(r["status"] == "ok" for r in rows)
+    eq = rows[2]
+    assert eq["cell_dir"] == "cells/tiny__zero_infinity_eqmem__g1__mb1__s8__ga1__r1"
+    cfg = json.load(open(os.path.join(out, eq["cell_dir"], "ds_config.json")))
+    assert f"--config {os.path.join(out, eq['cell_dir'], 'ds_config.json')}" in eq["command"]
+    assert cfg["zero_optimization"]["offload_param"]["max_in_cpu"] == eq["eqmem"]["max_in_cpu"] > 0
+    assert eq["eqmem"]["sized_bytes"] <= eq["eqmem"]["budget_bytes"] == rows[0]["aidaptiv_host_budget_bytes"]
+    assert sweep(common + ["--resume"]) == 0   # nothing left: no new rows
+    assert len(rows_of(out)) == 4
