@@ -107,6 +107,8 @@ def parse_args(argv=None):
         problems.append(str(e))
     if not 0 < args.aidaptiv_state_fraction < 1:
         problems.append(f"--aidaptiv-state-fraction {args.aidaptiv_state_fraction}: must be between 0 and 1")
+    problems += [f"--{name.replace('_', '-')}: {v} is not a positive length or batch"
+                 for name in ("micro_batches", "confirm_seqs") for v in getattr(args, name) if v < 1]
     from aidaptiv_ds.models import PRESETS
     problems += [f"--models: {m} is not a preset ({', '.join(PRESETS)})" for m in args.models if m not in PRESETS]
     if problems:
