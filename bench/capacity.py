@@ -117,7 +117,7 @@ def parse_args(argv=None):
 
 
 def write_configs(args) -> dict:
-    """{variant: folder holding <backend>.json} under OUT/configs, and {variant: extra train flags}."""
+    """({variant: its folder under OUT/configs holding <backend>.json}, {variant: extra train flags})."""
     folders, flags = {}, {}
     for v in args.variants:
         backend = "aidaptiv" if v in AIDAPTIV else v
@@ -180,6 +180,7 @@ class Runner:
         os.makedirs(cell_dir)
         shutil.rmtree(swap, ignore_errors=True)
         os.makedirs(swap, mode=0o700)
+        os.chmod(swap, 0o700)   # model state is private (DESIGN.md); makedirs' mode is masked by the umask
         metrics = os.path.join(cell_dir, "metrics.json")
         budget = self.budget(variant, model)
         cmd = launch_command(cell, spec, port=free_port(), swap_dir=swap, metrics_out=metrics, steps=self.args.steps,

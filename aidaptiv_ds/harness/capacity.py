@@ -236,4 +236,6 @@ def ratio_lines(found: list[Found], ours_prefix: str = "aidaptiv", theirs: str =
         else:
             ratio = f"{'>= ' if best.result.reached_max else ''}{a / b:.2f}"
         lines.append(f"| {model} | {mb} | {best.variant}: {_fmt_seq(best)} | {_fmt_seq(base[0])} | {ratio} |")
+    if len(lines) == 2:
+        return [f"(no model and micro-batch searched with both {ours_prefix} and {theirs})"]
     return lines

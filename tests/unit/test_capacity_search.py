@@ -108,3 +108,4 @@ def test_summary_and_ratio():
     ratios = "\n".join(C.ratio_lines([ours, theirs, nothing, small]))
     assert f"| tiny | 1 | aidaptiv-nvme: 12,032 | 2,816 | {12032 / 2816:.2f} |" in ratios
     assert "| small | 1 | aidaptiv-nvme: 768 | none | > 3 (zero_infinity trains no length of the grid) |" in ratios
+    assert C.ratio_lines([theirs]) == ["(no model and micro-batch searched with both aidaptiv and zero_infinity)"]
