@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import logging
 import os
 import random
@@ -66,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dropout=P optional). With an \"aidaptiv\" block the base is streamed read-only from NVMe. "
                         "bits=4: QLoRA, the base's linear layers quantised to bitsandbytes nf4 (built whole in RAM "
                         "first, then swapped; --output-dir and export write the adapter only)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each transformer block in the backward instead of keeping its activations, as the "
+                        "Hugging Face Trainer's gradient_checkpointing=True does (the model's "
+                        "gradient_checkpointing_enable(use_reentrant=False)); the loss is unchanged. With an "
+                        "\"aidaptiv\" block it means aidaptiv.activations.policy \"recompute\" (\"nvme\" and "
+                        "\"recompute\" include it; an explicit \"keep\" is refused)")
     p.add_argument("--seed", type=int, default=1234, help="seeds weights, data order and RNGs; default 1234")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="override the config's precision (fp16 needs CUDA)")
@@ -260,6 +267,8 @@ class Run:
         cfg = ds_config.apply_overrides(cfg, micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
                                         nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
                                         dtype=a.dtype, host_budget=a.host_budget)
+        if getattr(a, "gradient_checkpointing", False):
+            cfg = self.checkpointing_in_block(cfg)
         for block in ds_config.nvme_blocks(cfg):   # relative paths mean the working directory, as in DeepSpeed;
             if block["nvme_path"]:                   # made absolute so that logs and metrics are unambiguous
                 block["nvme_path"] = os.path.abspath(block["nvme_path"])
@@ -298,6 +307,28 @@ class Run:
             lr=((cfg.get("optimizer") or {}).get("params") or {}).get("lr"),
             nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
             device="cuda" if self.cuda else "cpu")
+
+    def checkpointing_in_block(self, cfg: dict) -> dict:
+        """--gradient-checkpointing with an "aidaptiv" block: the block's activation policy does the
+        checkpointing (one mechanism, and "nvme" stores what it keeps), so the flag becomes policy "recompute"
+        where the block names none; "recompute" and "nvme" already checkpoint; an explicit "keep" contradicts
+        the flag. Without the block the flag is applied to the model in build()."""
+        from aidaptiv_ds import ds_config
+        block = cfg.get("aidaptiv")
+        if not isinstance(block, dict) or not block.get("enabled"):
+            return cfg
+        activations = block.get("activations") or {}
+        policy = activations.get("policy") if isinstance(activations, dict) else None
+        if policy == "keep":
+            raise TrainingFailed("--gradient-checkpointing asks to recompute activations but the config's "
+                                 "aidaptiv.activations.policy is \"keep\": drop the flag, or set the policy to "
+                                 "\"recompute\" (or \"nvme\", which also stores the checkpoints on NVMe)")
+        if policy is None and isinstance(activations, dict):
+            cfg = copy.deepcopy(cfg)
+            cfg["aidaptiv"]["activations"] = {**activations, "policy": "recompute"}
+            policy = "recompute"
+        self.info["gradient_checkpointing"] = f"aidaptiv.activations.policy {policy}"
+        return cfg
 
     def prepare_data(self, cfg: dict) -> str:
         """Training stream and held-out batches, the run's step count, and the lr schedule that needs it."""
@@ -402,6 +433,8 @@ class Run:
         if qlora:
             from aidaptiv_ds import lora
             self.info["qlora_layers"] = lora.quantize_base(model, self.dtype or torch.float32)
+        if getattr(a, "gradient_checkpointing", False) and self.backend != "aidaptiv":
+            self.enable_gradient_checkpointing(model)
         if self.lora is not None:
             model = self.add_adapters(model)
         self.info["build_s"] = time.perf_counter() - t0
@@ -413,6 +446,17 @@ class Run:
         self.note_io_settings()
         self.check_partition_dtype(model)
         self.note_loss_chunking(model)
+
+    def enable_gradient_checkpointing(self, model) -> None:
+        """--gradient-checkpointing for the stock backends: what their users turn on, the Hugging Face model's
+        gradient_checkpointing_enable(use_reentrant=False) (the HF Trainer's gradient_checkpointing=True), called
+        on the built (under ZeRO-3 partitioned) model before deepspeed.initialize, as the Trainer does.
+        DeepSpeed's "activation_checkpointing" section is not it: that section only configures
+        deepspeed.checkpointing.checkpoint, which a model must call itself (Megatron-style code) and Hugging Face
+        models never do; its partition_activations / cpu_checkpointing need model parallelism."""
+        from aidaptiv_ds.activation_policy import enable_recompute
+        self.info["gradient_checkpointing"] = enable_recompute(model)
+        self.log(f"aidaptiv-ds train: gradient checkpointing: {self.info['gradient_checkpointing']}")
 
     def add_adapters(self, model):
         """--lora: PEFT's adapters on the built (and, under ZeRO-3, partitioned) base, which is frozen."""

@@ -366,7 +366,7 @@ def _fmt_row(row: dict) -> str:
     return f"{row['key']}{rep}: {what} [{row['wall_s']:.1f} s]"
 
 
-def _host_cap(gb: Optional[float], mechanism: str):
+def host_cap(gb: Optional[float], mechanism: str):
     """The sweep's host-cap settings {gb, mechanism, detail, factory}, or a sentence saying why the forced
     mechanism cannot be used."""
     cap = {"gb": gb, "mechanism": None, "detail": None, "factory": None}
@@ -450,8 +450,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {p}", file=sys.stderr)
 
     gpu_cap = args.gpu_mem_cap_gb if args.gpu_mem_cap_gb is not None else grid.gpu_mem_cap_gb
-    host_cap = args.host_mem_cap_gb if args.host_mem_cap_gb is not None else grid.host_mem_cap_gb
-    cap = _host_cap(host_cap, args.host_mem_cap_mechanism)
+    host_cap_gb = args.host_mem_cap_gb if args.host_mem_cap_gb is not None else grid.host_mem_cap_gb
+    cap = host_cap(host_cap_gb, args.host_mem_cap_mechanism)
     if isinstance(cap, str):
         print(f"error: {cap}", file=sys.stderr)
         return 2
@@ -504,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
         keys = {c.id for c in cells}
         changed = [r["key"] for r in loaded.latest_by_key().values() if r["key"] in keys
                    and (r["steps"], r["warmup"], r["gpu_mem_cap_gb"], r["host_mem_cap"]["gb"]) !=
-                   (steps, warmup, gpu_cap, host_cap)]
+                   (steps, warmup, gpu_cap, host_cap_gb)]
         if changed:
             print(f"warning: --resume keeps {len(changed)} earlier row(s) run under other steps/warm-up/caps, "
                   f"e.g. {changed[0]}", file=sys.stderr)
