@@ -71,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="recompute each transformer block in the backward instead of keeping its activations, as the "
                         "Hugging Face Trainer's gradient_checkpointing=True does (the model's "
                         "gradient_checkpointing_enable(use_reentrant=False)); the loss is unchanged. With an "
-                        "\"aidaptiv\" block it means aidaptiv.activations.policy \"recompute\" (\"nvme\" and "
-                        "\"recompute\" include it; an explicit \"keep\" is refused)")
+                        "\"aidaptiv\" block it means aidaptiv.activations.policy \"recompute\" where the block sets none "
+                        "(\"recompute\", \"nvme\" and \"auto\" are kept as set; an explicit \"keep\" is refused)")
     p.add_argument("--seed", type=int, default=1234, help="seeds weights, data order and RNGs; default 1234")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="override the config's precision (fp16 needs CUDA)")
