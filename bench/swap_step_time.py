@@ -29,7 +29,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
-from train_run import bench_setup, run_train  # noqa: E402  (bench/train_run.py)
+from train_run import add_run_arguments, bench_setup, run_train  # noqa: E402  (bench/train_run.py)
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
 
 # fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter, its gradient, an fp32 master
@@ -51,14 +51,7 @@ def run_one(backend, args, swap_root, env):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="model preset (default tiny: 58M parameters)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (64)")
-    p.add_argument("--micro-batch", type=int, default=2, help="sequences per step (2)")
-    p.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included (12)")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (2)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per backend, interleaved (3)")
-    p.add_argument("--budget-fraction", type=float, default=0.25,
-                   help="aidaptiv host budget as a fraction of the model state (default 0.25)")
+    add_run_arguments(p, 3, "runs per backend")
     p.add_argument("--backends", default="zero_infinity,aidaptiv,zero3",
                    help="comma-separated backends (default: zero_infinity,aidaptiv,zero3)")
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")

@@ -36,3 +36,16 @@ def bench_setup(root, swap_root, out):
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".torch_extensions"))
     sha, dirty = git_state(root)
     return env, machine_info(swap_root), sha, dirty
+
+
+def add_run_arguments(parser, repeats: int, repeats_help: str) -> None:
+    """The run shape every step-time benchmark takes: model, sequence, micro-batch, steps, warm-up, repeats
+    and the aidaptiv host budget as a fraction of the model state."""
+    parser.add_argument("--model", default="tiny", help="model preset (default tiny: 58M parameters)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (64)")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per step (2)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included (12)")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (2)")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help}, interleaved ({repeats})")
+    parser.add_argument("--budget-fraction", type=float, default=0.25,
+                        help="aidaptiv host budget as a fraction of the model state (default 0.25)")

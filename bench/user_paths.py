@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
-from train_run import bench_setup  # noqa: E402  (bench/train_run.py)
+from train_run import add_run_arguments, bench_setup  # noqa: E402  (bench/train_run.py)
 
 PATHS = ("script", "trainer", "train")
 BACKENDS = ("aidaptiv", "zero_infinity", "zero3")
@@ -172,14 +172,7 @@ def run_one(path, backend, args, env):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="model preset (default tiny: 58M parameters)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (64)")
-    p.add_argument("--micro-batch", type=int, default=2, help="sequences per step (2)")
-    p.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included (12)")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (2)")
-    p.add_argument("--repeats", type=int, default=5, help="runs per path and backend, interleaved (5)")
-    p.add_argument("--budget-fraction", type=float, default=0.25,
-                   help="aidaptiv host budget as a fraction of the model state (default 0.25)")
+    add_run_arguments(p, 5, "runs per path and backend")
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated paths (default {','.join(PATHS)})")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help=f"comma-separated backends (default {','.join(BACKENDS)})")
