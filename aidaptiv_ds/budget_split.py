@@ -9,6 +9,8 @@ This module imports nothing but :mod:`aidaptiv_ds.sizes` (no torch, no DeepSpeed
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable, List, Sequence, Set, Tuple
 
@@ -62,8 +64,12 @@ class BudgetSplit:
 
     def shortfall(self) -> str:
         """The problem of a budget below the minimum, as ``aidaptiv.host_memory_budget`` reports it."""
-        return (f"aidaptiv.host_memory_budget is {self.budget / MiB:.1f} MiB but the run needs at least "
-                f"{self.minimum / MiB:.1f} MiB of host memory ({self.min_slots} layer-group slots of "
+        # The minimum rounded up (and the budget down) to what is shown: a budget 0.04 MiB short must not
+        # read "24.0 MiB but needs at least 24.0 MiB".
+        need = math.ceil(self.minimum / MiB * 10) / 10
+        have = math.floor(self.budget / MiB * 10) / 10
+        return (f"aidaptiv.host_memory_budget is {have:.1f} MiB ({self.budget:,} bytes) but the run needs at "
+                f"least {need:.1f} MiB ({self.minimum:,} bytes) of host memory ({self.min_slots} layer-group slots of "
                 f"{self.slot / MiB:.1f} MiB for prefetch depth {self.prefetch_depth}, the gradient of the largest "
                 f"optimizer sub-group {self.largest_sub_grad / MiB:.1f} MiB, optimizer chunks of "
                 f"{self.chunk_set / MiB:.1f} MiB): raise the budget, or lower aidaptiv.layer_group_size, "

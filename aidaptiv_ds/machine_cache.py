@@ -1,5 +1,5 @@
 """The cache of what was measured on this machine (``$XDG_CACHE_HOME/aidaptiv-ds/rates.json``, ``~/.cache`` by
-default): where it is, reading and writing it, and the key of a disk.
+default, or ``$AIDAPTIV_DS_CACHE_DIR/rates.json``): where it is, reading and writing it, and the key of a disk.
 
 One JSON object, one entry per measured thing: a disk (``disk:<major>:<minor>:<model>``: its bandwidths and
 the I/O settings tuned for it), the CPUs, the framework's memory, a GPU. The planner's rate probes
@@ -14,6 +14,11 @@ from typing import Optional
 
 
 def cache_path() -> str:
+    """``$AIDAPTIV_DS_CACHE_DIR/rates.json`` when that is set (the test suite sets it, to run apart from the
+    machine's cache), else ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default)."""
+    own = os.environ.get("AIDAPTIV_DS_CACHE_DIR")
+    if own:
+        return os.path.join(own, "rates.json")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "aidaptiv-ds", "rates.json")
 

@@ -14,8 +14,14 @@ from helpers import REPO  # noqa: E402
 
 
 def pytest_sessionstart(session):
-    """Free the RAM that DeepSpeed runs of earlier sessions left in /dev/shm (aidaptiv_ds.zero3.dist_shm): on a
+    """Keep the run apart from this machine's cache of measured rates and tuned I/O settings (aidaptiv_ds.
+    machine_cache): with a developer's cache the swapper picks other block sizes and queue depths than in CI,
+    so the same suite would test other I/O patterns on each machine. Children inherit the variable.
+
+    Free the RAM that DeepSpeed runs of earlier sessions left in /dev/shm (aidaptiv_ds.zero3.dist_shm): on a
     machine that has run this suite many times it is gigabytes the multi-rank tests then lack."""
+    import tempfile
+    os.environ["AIDAPTIV_DS_CACHE_DIR"] = tempfile.mkdtemp(prefix="aidaptiv-tests-cache-")
     from aidaptiv_ds import remove_leaked_shared_memory
     from aidaptiv_ds.harness.prebuild import put_build_tools_first
     put_build_tools_first(os.environ)  # one ninja for every DeepSpeed op build of the session and its children

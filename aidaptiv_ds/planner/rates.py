@@ -14,8 +14,9 @@
   deepspeed, twice.
 - With CUDA: pinned host->GPU copy bandwidth and GPU matmul FLOP/s.
 
-The cache is ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default). Every figure records how
-it was obtained ("measured <date>", "given"); figures that are neither are left out, never guessed.
+The cache is ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default; ``$AIDAPTIV_DS_CACHE_DIR``
+replaces the folder). Every figure records how it was obtained ("measured <date>", "given"); figures that are
+neither are left out, never guessed.
 """
 from __future__ import annotations
 

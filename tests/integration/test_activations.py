@@ -87,6 +87,7 @@ def test_nvme_and_auto_policies_on_two_ranks_match_zero3_two_ranks(tmp_path, mon
     # auto with no budget: nothing can be kept and no recomputed input fits, so both blocks are stored on
     # every rank (rank 0's plan); no rates cache, so the plan measured the disk through the engine.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))
+    monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win
     m = train(tmp_path, aidaptiv_config(tmp_path, policy="auto", loss_chunk_tokens=CHUNK, budget=0), "auto-2",
               procs=2)
     assert_same_losses(m["losses"], ref["losses"])

@@ -96,6 +96,7 @@ def test_bandwidth_from_the_rates_cache_or_measured_through_the_engine(rig, tmp_
     from aidaptiv_ds.machine_cache import disk_key
     from aidaptiv_ds.zero3.activations import nvme_bandwidth
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win
     runtime = types.SimpleNamespace(cfg=types.SimpleNamespace(nvme_path=str(tmp_path)), memory=rig.memory,
                                     store=rig.store)
     store = rig.activation_store()

@@ -23,6 +23,7 @@ TABLE = [row(256 * KiB, 8, 0.5e9, 0.6e9), row(256 * KiB, 128, 1.5e9, 2.0e9), row
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win
 
 
 def swept(directory, table=TABLE):
@@ -159,3 +160,4 @@ def test_real_probe_sweeps_and_the_swapper_takes_its_choice(tmp_path, monkeypatc
     assert os.listdir(swap) == []                     # every sweep and probe file is gone
     s = C.SwapSettings.from_block(block(swap))
     assert (s.block_size, s.queue_depth) == T.choose(table) and s.queue_depth_source == "tuned"
+

@@ -20,6 +20,7 @@ A100_NODE = ["--gpu-mem", "40GB", "--host-mem", "192GB", "--nvme-free", "1800GB"
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win
 
 
 def plan_json(capsys, *argv):
@@ -172,7 +173,7 @@ def test_train_refuses_a_model_the_swap_disk_cannot_hold_before_writing(clean_en
     assert m["status"] == "error"
     printed = capsys.readouterr()
     assert "swap space" in printed.out and "93.1 GiB free" in printed.out and "llama2-70b" in printed.out
-    assert "host_memory_budget is 4096.0 MiB but the run needs at least" in printed.out   # plan_run's message, early
+    assert "host_memory_budget is 4096.0 MiB (4,294,967,296 bytes) but the run needs at least" in printed.out   # plan_run's message, early
 
 
 def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, monkeypatch, capsys, repo):

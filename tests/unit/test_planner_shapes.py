@@ -146,3 +146,13 @@ def test_aidaptiv_reduce_bucket_is_the_translated_configs(budget, tmp_path):
                                                 "host_memory_budget": budget})
     cfg = aconfig.to_deepspeed_config({"zero_optimization": {"stage": 3}}, settings)
     assert cfg["zero_optimization"]["reduce_bucket_size"] == M.aidaptiv_reduce_bucket(budget)
+
+
+def test_a_budget_just_short_of_the_minimum_does_not_read_as_enough():
+    from aidaptiv_ds.budget_split import BudgetSplit
+    from aidaptiv_ds.sizes import MiB
+    split = BudgetSplit(budget=24 * MiB, prefetch_depth=1, slot=int(3.5 * MiB), min_slots=3, general=int(1.5 * MiB),
+                        chunk_set=3 * MiB, largest_sub_grad=int(1.5 * MiB), minimum=24 * MiB + 40_000)
+    msg = split.shortfall()
+    assert not split.fits
+    assert "is 24.0 MiB (25,165,824 bytes) but the run needs at least 24.1 MiB (25,205,824 bytes)" in msg, msg

@@ -13,6 +13,7 @@ def sweep(argv):
 
 def test_predicted_oom_cell_is_recorded_not_run(tmp_path, monkeypatch, repo):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))   # no cached framework figure: counted as 0
+    monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win
     grid = tmp_path / "g.json"
     grid.write_text(json.dumps({"notes": "test", "models": ["small"], "micro_batches": [1], "seq_lens": [8],
                                 "gpus": [1], "steps": 2, "warmup": 1, "timeout_s": 60, "backends": ["zero3"]}))
