@@ -11,8 +11,9 @@ over the data, can hold records out and report their loss (--eval-fraction/--eva
 a learning-rate schedule with warm-up (--lr-schedule, --warmup-steps), save every N steps and pick up where it
 stopped (--save-every, --resume auto). Every step is timed by phase; --metrics-out writes one JSON object with tokens/s,
 the median step time after --warmup steps, the loss trajectory (mean over ranks), peak host/GPU memory and
-the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of memory (GPU or host); the
-metrics file says which ("status") either way. With an "aidaptiv" block, --output-dir writes the trained model
+the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of memory (GPU or host) or refused
+before launch because the plan says the job cannot fit (status "refused"); the metrics file says which
+("status") either way. With an "aidaptiv" block, --output-dir writes the trained model
 in Hugging Face format (see aidaptiv_ds.export); with DeepSpeed's "csv_monitor", "tensorboard" or "wandb"
 sections, every step's loss, lr, tokens/s, step split, NVMe GB/s, host budget, pinned and GPU memory go to
 them (aidaptiv_ds.metrics.MONITOR_SERIES); W&B runs offline into the --metrics-out folder unless WANDB_MODE /
@@ -162,6 +163,11 @@ def make_nvme_path(path: str) -> bool:
 
 class TrainingFailed(Exception):
     """A failure that already has its one-line explanation."""
+
+
+class DoesNotFit(TrainingFailed):
+    """The launch guard's refusal: the plan says the swap space, host budget or host memory cannot hold the
+    job (status "refused", exit status 3 as for an out-of-memory: nothing was trained or written)."""
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -392,7 +398,7 @@ class Run:
                                    world_size=self.world_size, local_world_size=min(local, self.world_size),
                                    seq_len=seq_len, micro_batch=micro, cuda=self.cuda, ram_bytes=total_ram_bytes())
         if problems:   # every problem, in full (a ConfigError would be cut to its last line by run())
-            raise TrainingFailed(str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}")))
+            raise DoesNotFit(str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}")))
 
     def build(self):
         import deepspeed
@@ -836,7 +842,7 @@ def run(args) -> int:
             oom = isinstance(exc, MemoryError)
         if not known and not oom:
             traceback.print_exc(file=sys.stderr)
-        status = "oom" if oom else "error"
+        status = "oom" if oom else "refused" if isinstance(exc, DoesNotFit) else "error"
         error = str(exc) if isinstance(exc, TrainingFailed) else _last_line(exc)
     finally:
         job.close()
@@ -848,4 +854,4 @@ def run(args) -> int:
     _write_metrics(job, metrics, failed=status != "ok")
     if job.rank == 0 or status != "ok":
         print(one_line(metrics) if job.rank == 0 else f"rank {job.rank}: {one_line(metrics)}", flush=True)
-    return {"ok": EXIT_OK, "oom": EXIT_OOM}.get(status, EXIT_ERROR)
+    return {"ok": EXIT_OK, "oom": EXIT_OOM, "refused": EXIT_OOM}.get(status, EXIT_ERROR)

@@ -1,4 +1,5 @@
-"""Deciding what happened to a cell: ok, oom, error or timeout, and the one line that says why.
+"""Deciding what happened to a cell: ok, oom, error or timeout, and the one line that says why (a job train's
+launch guard refused as not fitting is an oom that was predicted, not measured: see REFUSED).
 
 The metrics file alone is not trusted: a cell killed by a signal, the host-memory cap or the timeout has
 none, and DeepSpeed's launcher reports a rank killed by signal N as exit code 256-N (it calls
@@ -12,8 +13,12 @@ import signal as _signal
 from dataclasses import dataclass
 from typing import Optional
 
-# train's exit code for CUDA OOM / MemoryError (the contract with aidaptiv_ds/train.py).
+# train's exit code for CUDA OOM / MemoryError, and for a job its launch guard refused as not fitting (the
+# contract with aidaptiv_ds/train.py).
 OOM_EXIT_CODE = 3
+# How an oom outcome that train's launch guard predicted (status "refused") begins: nothing ran out of memory,
+# the plan said it would; such rows are marked inferred, like the sweep's own predicted-OOM skips.
+REFUSED = "refused before training by the plan: "
 
 # Messages that mean memory ran out, whatever the process then did.
 _OOM_PATTERNS = [
@@ -110,6 +115,10 @@ def classify(*, returncode: Optional[int], timed_out: bool, timeout_s: Optional[
     ran_ok = code == 0 and metrics is not None and metrics.get("status") == "ok"
     if cap_kill and not ran_ok:
         return Outcome("oom", cap_kill, sig)
+    if metrics is not None and metrics.get("status") == "refused":
+        # train's launch guard: the plan says the job cannot fit these caps, so nothing was trained. An
+        # out-of-memory that was predicted, not measured (the row says so: see REFUSED).
+        return Outcome("oom", f"{REFUSED}{metrics.get('error') or error_line(lines) or 'no reason given'}", sig)
     if metrics is not None and metrics.get("status") in ("ok", "oom", "error"):
         st = metrics["status"]
         err = metrics.get("error") or error_line(lines)

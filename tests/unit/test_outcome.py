@@ -22,6 +22,9 @@ OK = {"status": "ok", "tokens_per_s": 100.0}
     (dict(returncode=3, metrics={"status": "oom", "error": "torch.OutOfMemoryError: CUDA out of memory"}),
      "oom", "CUDA out of memory"),
     (dict(returncode=1, metrics={"status": "error", "error": "ValueError: bad config"}), "error", "bad config"),
+    # refused by train's launch guard: an out-of-memory the plan predicted, said to be one
+    (dict(returncode=3, metrics={"status": "refused", "error": "host memory: zero3 needs at least 7.3 GiB"}),
+     "oom", "refused before training by the plan: host memory: zero3 needs"),
     # train said error, but the error is an out-of-memory one
     (dict(returncode=1, metrics={"status": "error", "error": "RuntimeError: CUDA error: out of memory"}),
      "oom", "out of memory"),

@@ -167,10 +167,10 @@ def test_train_refuses_a_model_the_swap_disk_cannot_hold_before_writing(clean_en
     rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "aidaptiv.json"), "--model", "llama2-70b",
                    "--nvme-path", str(swap), "--host-budget", "4GiB", "--steps", "1", "--metrics-out", str(out),
                    "--no-progress"])
-    assert rc == 1 and not built
+    assert rc == 3 and not built   # 3: does not fit (as for an out-of-memory), not 1: an error
     assert os.listdir(swap) == []
     m = json.loads(out.read_text())
-    assert m["status"] == "error"
+    assert m["status"] == "refused"
     printed = capsys.readouterr()
     assert "swap space" in printed.out and "93.1 GiB free" in printed.out and "llama2-70b" in printed.out
     assert "host_memory_budget is 4096.0 MiB (4,294,967,296 bytes) but the run needs at least" in printed.out   # plan_run's message, early
@@ -182,7 +182,7 @@ def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, 
     monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
     rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "small",
                    "--steps", "1", "--no-progress"])
-    assert rc == 1 and not built
+    assert rc == 3 and not built
     assert "host memory: zero3 needs at least 7.3 GiB" in capsys.readouterr().out
 
 

@@ -73,6 +73,21 @@ def test_row_without_metrics_uses_nominal_params(tmp_path):
     assert row["params"] == 58_000_000 and row["params_source"] == "nominal"
 
 
+def test_a_cell_refused_by_the_launch_guard_is_an_inferred_oom(tmp_path):
+    """Nothing was measured: the plan inside train said the job cannot fit, so the row is not a measured OOM
+    (bench/plan_accuracy.py must not count the plan agreeing with itself)."""
+    from aidaptiv_ds.harness.outcome import classify
+    metrics = {"status": "refused", "error": "host memory: zero3 needs at least 7.3 GiB on this node"}
+    outcome = classify(returncode=3, timed_out=False, metrics=metrics)
+    cell = Cell("small", "zero3", 1, 1, 64, 1)
+    row = build_row(cell, ctx=ctx(tmp_path), outcome=outcome, run=CellRun(returncode=3, wall_s=9.0, metrics=metrics),
+                    command="deepspeed x", time_start="2026-01-01T00:00:00+00:00",
+                    time_end="2026-01-01T00:00:09+00:00", cell_dir=str(tmp_path / "cells" / cell.id))
+    assert row["status"] == "oom" and row["inferred"] is True
+    assert row["error"].startswith("refused before training by the plan: host memory")
+    assert make_row(tmp_path, metrics=None, status="oom")["inferred"] is False   # a measured OOM stays measured
+
+
 def test_schema_rejects_unknown_fields_and_statuses(tmp_path):
     row = make_row(tmp_path)
     with pytest.raises(ValidationError):
