@@ -1,7 +1,8 @@
 """What a training run measured, and how it is written: one JSON object per run (``--metrics-out``).
 
 Only measured numbers go in; what this process cannot measure is JSON null, never an estimate:
-- ``peak_rss_mb``: getrusage(RUSAGE_SELF).ru_maxrss, max over ranks (includes pinned buffers).
+- ``peak_rss_mb``: this process's peak RSS since it started (VmHWM in /proc/self/status; ru_maxrss where
+  that is missing), max over ranks (includes pinned buffers).
 - ``nvme_read_bytes``/``nvme_write_bytes``: deltas of /proc/self/io read_bytes/write_bytes over the timed
   steps, summed over ranks. These count block-device I/O this process caused (O_DIRECT included, page-cache
   hits excluded; writes are counted when dirtied). Everything the process reads or writes on a block device
@@ -31,8 +32,17 @@ import time
 
 
 def peak_rss_mb() -> float:
-    # Linux reports ru_maxrss in KiB.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Peak RSS of this process, MiB. VmHWM belongs to the program (a new one at exec); getrusage's ru_maxrss
+    survives fork and exec on Linux, so a run started by a bigger process (the planner's probe inside
+    ``aidaptiv-ds plan``, a notebook) would report its parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0   # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # Linux: KiB
 
 
 def proc_io() -> dict | None:

@@ -194,9 +194,13 @@ LAUNCHER_PROCESSES = 2
 
 def probe_launcher() -> Dict[str, float]:
     """Host bytes per node of the deepspeed launcher's own processes: the peak RSS of a Python that imports
-    deepspeed (as the runner and launch.py do), times :data:`LAUNCHER_PROCESSES`."""
-    code = ("import resource, deepspeed; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    deepspeed (as the runner and launch.py do), times :data:`LAUNCHER_PROCESSES`.
+
+    The peak is the child's VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across fork and exec, so
+    a child of a big process (``aidaptiv-ds plan`` with torch loaded) reported its parent's size (1.5 GiB
+    for two launcher processes where each holds about 250 MB)."""
+    code = ("import deepspeed; "
+            "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines or not lines[-1].isdigit():

@@ -235,10 +235,24 @@ def test_launcher_probe_doubles_one_runner_import(monkeypatch):
         return sp.CompletedProcess(cmd, 0, stdout="250000\n", stderr="")
     monkeypatch.setattr(R.subprocess, "run", fake_run)
     assert R.probe_launcher() == {"launcher_host": 2 * 250000 * 1024.0}
-    assert "import resource, deepspeed" in seen["cmd"][-1]
+    assert "import deepspeed" in seen["cmd"][-1] and "VmHWM" in seen["cmd"][-1]
     monkeypatch.setattr(R.subprocess, "run", lambda cmd, **kw: sp.CompletedProcess(cmd, 1, stdout="", stderr="boom"))
     with pytest.raises(RuntimeError, match="launcher memory probe"):
         R.probe_launcher()
+
+
+def test_a_probe_started_by_a_big_process_measures_its_own_peak_not_its_parents():
+    """ru_maxrss survives fork and exec on Linux: the launcher probe run inside 'aidaptiv-ds plan' (torch loaded)
+    reported 1.5 GiB for two processes of about 250 MB each. The probes and the metrics read VmHWM instead."""
+    import subprocess as sp
+    import sys
+    big = bytearray(600 * 2**20)
+    big[::4096] = b"\x01" * len(big[::4096])   # resident in this (parent) process
+    code = "from aidaptiv_ds.metrics import peak_rss_mb; print(peak_rss_mb())"
+    out = sp.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                 cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert float(out.stdout.split()[-1]) < 300, out.stdout   # the child's own peak, not the parent's 600+ MiB
+    del big
 
 
 def test_plan_counts_the_launcher_for_jobs_of_more_than_one_rank(capsys):
