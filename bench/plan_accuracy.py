@@ -36,8 +36,13 @@ OUT = os.path.join(HERE, "results", "plan_accuracy")
 MISS_CAUSES = ("Cause, where known: with 2 ranks every rank holds about 250 MiB of the tiny model more than "
                "the plan's partitioned state (not yet identified; the 1-rank cells agree within 5%); aidaptiv's "
                "steady state is 100-150 MiB above the plan on the tiny model and its transient grows faster "
-               "than the measured 4.6 B per parameter on the small one (not yet separated). The tokens/s rows "
-               "come from another machine's CPU (the rates' machine differs).")
+               "than the measured 4.6 B per parameter on the small one (not yet separated). Tokens/s: the "
+               "1-rank cells the NVMe bounds (zero_infinity, aidaptiv) are within 4% on the rates' machine; "
+               "the cells the CPU bounds run 1.3-3x slower than the bound, because ZeRO-3's own work per step "
+               "(gathering and releasing every parameter, copying gradients into partitions; about 0.6 s a step "
+               "on the tiny model, measured as the DeepSpeed step less a plain torch forward+backward at the same "
+               "shape and the Adam probe) is not in the model, and 2 ranks on 2 cores add gloo collectives it "
+               "does not count either.")
 
 
 def load_rows(results_dir: str = os.path.join(HERE, "results")) -> list:
