@@ -340,23 +340,39 @@ class LayerGroupCache:
         """Bring a run of pieces (record, start, numel, ...) into host memory to be updated in place (the
         fp32 master of an fp32 model is the parameter itself). The run's layer group is loaded into the
         cache (or found there), pinned, and the run is a view of it, so the forward that comes next reads
-        nothing more. None when not blocking and the budget has no room now."""
+        nothing more. None when not blocking and the budget has no room now.
+
+        When blocking and every slot is held by groups in use (a deferred update applied while the forward
+        holds the groups it fetched, and the chunk reaches into one more group), the run is read into a
+        staging buffer instead, as for partitions outside any group; :meth:`store_run` then also refreshes a
+        copy of the group cached meanwhile."""
         with self.lock:
             r = MasterRun.plan(run)
             g = run[0][0].group
             if g is not None:
                 g.pins += 1  # not to be evicted while the step updates it in place
-                if not self.ensure_loading(g, blocking, reason="optimizer step"):
+                try:
+                    loading = self.ensure_loading(g, blocking, reason="optimizer step")
+                except HostBudgetError:
+                    g.pins -= 1
+                    return self._stage_run(run, r, g)
+                if not loading:
                     g.pins -= 1
                     return None
                 r.group, r.pinned = g, True
                 r.buffer = g.buffer[r.lo - g.offset:r.hi - g.offset]
                 return r
+            return self._stage_run(run, r, None, blocking)
+
+    def _stage_run(self, run, r: MasterRun, home: Optional[LayerGroup], blocking: bool = True
+                   ) -> Optional[MasterRun]:
+        """Read run ``r`` into a buffer of its own (None when not blocking and the budget has no room now)."""
+        with self.lock:
             mem = self.memory
             buf = mem.take(r.hi - r.lo, "fp32 master weights") if blocking else mem.try_take(r.hi - r.lo)
             if buf is None:
                 return None
-            r.buffer = buf
+            r.buffer, r.home = buf, home
             r.ticket = self.store.read_span(run[0][0].extent.file, r.lo, buf,
                                             f"master weights {run[0][0].ds_id}..{run[-1][0].ds_id}")
             return r
@@ -372,6 +388,12 @@ class LayerGroupCache:
     def store_run(self, r: MasterRun) -> None:
         """Write a run back (behind the caller) and let go of it."""
         with self.lock:
+            g = r.home
+            if r.group is None and g is not None and g.buffer is not None:
+                # Staged while its group had no slot, and the group was read into one since (a read-ahead):
+                # that copy was read before this write, so it gets the updated bytes here.
+                self.wait_group(g)
+                g.buffer[r.lo - g.offset:r.hi - g.offset].copy_(r.buffer[:r.hi - r.lo])
             t = self.store.write_span(self.params_file, r.lo, r.buffer, f"updated partitions from {r.lo}")
             # A view of a cached group frees nothing when written; a staging buffer does.
             self._write_behind.add(t, r.buffer, r.group is None)

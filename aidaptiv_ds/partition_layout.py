@@ -87,6 +87,9 @@ class MasterRun:
     buffer: Optional[torch.Tensor] = None
     ticket: Optional[Ticket] = None
     pinned: bool = False
+    # The layer group of a run staged outside the cache (no slot could be had): a copy of it cached before the
+    # run is written back must get the updated bytes too.
+    home: Optional[LayerGroup] = None
 
     @staticmethod
     def plan(run) -> "MasterRun":

@@ -263,3 +263,28 @@ def test_dropping_the_cache_after_a_load_refreshes_groups_in_use(cache_on_disk):
     assert torch.equal(view, new) and g.buffer is not None and g.users == 1
     cache.unpublish(g)
 
+
+
+def test_an_update_of_a_group_with_no_free_slot_is_staged_and_reaches_the_disk_and_a_later_cached_copy(
+        cache_on_disk):
+    """A deferred update applied while the forward holds every slot (here the one slot, by the group in use)
+    and the chunk reaches into another group: it used to fail with 'host memory budget exhausted'. The run is
+    staged in a buffer of its own; a copy of its group read into a slot before the write-back (a read-ahead)
+    gets the updated bytes too, and so does the disk."""
+    cache = cache_on_disk
+    busy, target = cache.groups[0], cache.groups[1]
+    cache.publish(busy, "the forward holds it")
+    rec = target.records[0]
+    r = cache.load_run([(rec, 0, rec.numel)], blocking=True)
+    assert r is not None and r.group is None and r.home is target     # staged, not a view of a slot
+    cache.wait_run(r)
+    new = torch.full((rec.numel,), 3.25)
+    r.view(rec, 0, rec.numel).copy_(new)
+    cache.unpublish(busy)
+    cache.load(target, "a read-ahead before the write-back")           # old bytes from disk into the slot
+    cache.store_run(r)
+    assert torch.equal(target.view(rec), new)                          # the cached copy has the update
+    cache.drain_writes()
+    read_back(cache, busy)                                             # the slot goes to the other group
+    assert target.buffer is None
+    assert torch.equal(read_back(cache, target)[rec.ds_id], new)       # and the disk has it
