@@ -7,6 +7,16 @@ accumulation boundary; only its application is deferred, each chunk as the next 
 parameters, with the hyperparameters of the step that began it. The first run without clipping shows the
 clipping really acts here (the weights differ), so the comparison cannot pass for want of clipping.
 
+One rank: compared bit for bit. Two ranks: the losses bit for bit, the weights to 1% of one update (an update
+lost, applied twice, stale, or with another step's lr or clip factor's magnitude moves a weight by about lr).
+Why not bit for bit there: CI once saw, with the losses equal, every matrix differ and every norm weight
+equal, which is the pattern of a last-bit difference in the gradients (Adam turns it into last-bit
+differences of the update, which a norm weight near 1.0 cannot show), not of a wrong update; 13 repeats of
+the pair here, under load and with other I/O settings, never differed, and a review of the deferral's
+I/O ordering found no sequence that changes a byte. DeepSpeed 0.19.8 on CPU is not always bit-reproducible
+from process to process (test_aio_handle_deepspeed records it for ZeRO-Infinity), so two 2-rank processes are
+compared to a tolerance that such noise stays far below and a wrong update does not.
+
 Micro preset under a 40 MiB budget (as test_aidaptiv_swapper): parameters and optimizer state move through
 the swap files every step; 2 optimizer steps of 2 micro-steps each (the first step's update is applied
 in the second step's forward, the second's by the export's checkpoint), gradient_clipping 1.0.
@@ -45,10 +55,17 @@ def run(tmp_path, name, procs=None, **block):
     return read_metrics(out), weights
 
 
-def assert_same_weights(a, b):
+with open(os.path.join(CONFIGS, "aidaptiv.json")) as _f:
+    LR = json.load(_f)["optimizer"]["params"]["lr"]   # what every run here trains with
+
+
+def assert_same_weights(a, b, atol=0.0):
     assert a.keys() == b.keys()
-    different = [k for k in a if not (a[k] == b[k]).all()]
-    assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:3]}"
+    diffs = {k: (a[k].double() - b[k].double()).abs().max().item() for k in a}
+    different = {k: d for k, d in diffs.items() if d > atol}
+    worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
+    assert not different, (f"{len(different)} of {len(a)} tensors differ by more than {atol:g}; largest "
+                           f"differences {worst}")
 
 
 @pytest.mark.parametrize("procs", [None, 2], ids=["1-rank", "2-ranks"])
@@ -59,7 +76,7 @@ def test_deferred_update_is_exact_with_clipping_and_accumulation(tmp_path, procs
     now, now_w = run(tmp_path, "in-step", procs, deferred_update=False)
     deferred, deferred_w = run(tmp_path, "deferred", procs, deferred_update=True)
     assert deferred["losses"] == now["losses"]
-    assert_same_weights(deferred_w, now_w)
+    assert_same_weights(deferred_w, now_w, atol=0.0 if procs is None else 0.01 * LR)
     if procs is None:
         assert any(not (unclipped[k] == now_w[k]).all() for k in now_w)
     # The deferred run applied updates outside step(); the other applied all of them inside it.
