@@ -33,10 +33,15 @@ from aidaptiv_ds.sizes import GiB, MiB  # noqa: E402
 HOST_TOLERANCE, TOKENS_TOLERANCE = 0.15, 0.30
 OUT = os.path.join(HERE, "results", "plan_accuracy")
 # What the misses come from, as far as they were looked into (docs/DESIGN.md, planner section).
-MISS_CAUSES = ("Cause, where known: with 2 ranks every rank holds about 250 MiB of the tiny model more than "
-               "the plan's partitioned state (not yet identified; the 1-rank cells agree within 5%); aidaptiv's "
-               "steady state is 100-150 MiB above the plan on the tiny model and its transient grows faster "
-               "than the measured 4.6 B per parameter on the small one (not yet separated). Tokens/s: the "
+MISS_CAUSES = ("Cause, where known: glibc's heap. Tensors below its 32 MiB dynamic mmap threshold (every "
+               "parameter of the tiny model) come from the heap, and what they free there stays resident: the peak "
+               "RSS of a 2-rank zero3 tiny run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_ fixed, of a "
+               "1-rank aidaptiv one from 1290 to 955. With 2 ranks every gathered parameter is a new whole tensor "
+               "(the all-gather output), all of the model at once at the end of the forward under ZeRO-3, the "
+               "current and prefetched layer groups under aidaptiv; the plan counts them per rank now (before, it "
+               "counted the largest layer, and missed the 2-rank cells by 250-400 MiB). aidaptiv's step transient "
+               "is now measured from the RSS after start-up (7.5 B per parameter), not between steps, where the "
+               "heap already holds most of it (it was 4.6). Tokens/s: the "
                "1-rank cells the NVMe bounds (zero_infinity, aidaptiv) are within 4% on the rates' machine; "
                "the cells the CPU bounds run 1.3-3x slower than the bound, because ZeRO-3's own work per step "
                "(gathering and releasing every parameter, copying gradients into partitions; about 0.6 s a step "

@@ -54,12 +54,26 @@ ADDITIONAL_BUFFER_FACTOR = 1.5        # estimate_zero3_model_states_mem_needs's 
 # Its parts (autograd's gradients, the optimizer's buffers) are not separated yet; on a GPU these live in GPU
 # memory and are bounded by the reduce bucket, so the term is counted only when training on CPU.
 DS_STEP_TRANSIENT_PER_PARAM = 10.3
-# The same for aidaptiv (the gradients of one gathered layer group at a time, not the whole model's), measured
-# the same way: a 1-rank run of the tiny preset, RSS sampled every 0.2 s,
-#   aidaptiv-ds train --config ds_configs/aidaptiv.json --model tiny --seq-len 64 --micro-batch 2 --steps 4
+# The same for aidaptiv (the gradients of one gathered layer group at a time, not the whole model's, and what
+# glibc's heap keeps of them): a 1-rank run of the tiny preset under the deepspeed launcher,
+#   aidaptiv-ds train --config ds_configs/aidaptiv.json --model tiny --seq-len 64 --micro-batch 2 --steps 3
 #     --warmup 1 --host-budget 290000000 --nvme-path DIR
-# peaked at 1287 MiB against a steady 1033 MiB between steps: 254 MiB / 57.8M = 4.6 B per parameter.
-AIDAPTIV_STEP_TRANSIENT_PER_PARAM = 4.6
+# held 747 MiB after deepspeed.initialize and peaked (VmHWM) at 1290 MiB in the first backward; less the
+# activations (66 MiB) and the reduce bucket (64 MiB) counted on their own: 413 MiB / 57.8M = 7.5 B per parameter.
+# (An earlier 4.6 took the RSS between steps as the baseline, but that already holds most of it: glibc's heap
+# keeps 450-560 MiB freed there (mallinfo2: 720 MiB of heap, 156 MiB in use), as the step's buffers are below its
+# 32 MiB dynamic mmap threshold; with MALLOC_MMAP_THRESHOLD_ fixed at 128 KiB the same run peaks at 955 MiB.)
+AIDAPTIV_STEP_TRANSIENT_PER_PARAM = 7.5
+# With more than one rank on CPU, gathering a parameter allocates its whole (unpartitioned) tensor: the
+# all-gather output (on one rank the partition is the parameter and nothing is allocated). Measured on the tiny
+# preset (fp32), ds_configs/zero3.json, 2 ranks under the deepspeed launcher, live tensors listed through gc and
+# glibc's heap read with mallinfo2 at each phase: once the first step has recorded the trace, every parameter of
+# the model is gathered (AVAILABLE) at the end of the forward, 220 MiB of all-gather outputs (the heap's bytes in
+# use 435 MiB there, against 213 MiB on 1 rank). DeepSpeed bounds them by stage3_max_live_parameters. They are
+# below glibc's largest dynamic mmap threshold (32 MiB), so they come from the heap, and the heap keeps what they
+# took after their release (the peak RSS of that run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_
+# fixed at 128 KiB; 1 rank: 2517 to 2210): at the peak they are resident whether or not still in use.
+STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000   # DeepSpeed's default; the shipped configs do not set it
 # Chunk chosen for 'auto' (config.SwapSettings.from_block): budget / 512, clamped.
 AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 1 << 18, 1 << 25
 
@@ -217,6 +231,11 @@ def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
     pr = sum(partition_numels(s, hw.world))
     plan = BackendPlan(backend)
     gathered = 4 * s.largest_layer_params   # the estimator's largest_layer_memory
+    gathered_key = "gathered largest layer"
+    if hw.gpu_mem is None and hw.world > 1:
+        # every rank's all-gather outputs of the whole model at once (:data:`STAGE3_MAX_LIVE_PARAMETERS`)
+        gathered = e * min(s.num_parameters, STAGE3_MAX_LIVE_PARAMETERS)
+        gathered_key = "gathered parameters (all-gather outputs of the whole model, held by the heap)"
     offload = backend != "zero3"
     cpu, gpu, _ = deepspeed_estimate(s.num_parameters, s.largest_layer_params, hw.gpus, hw.nodes,
                                      cpu_offload=offload, cpu_offload_params=offload)
@@ -225,15 +244,16 @@ def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
     bucket = REDUCE_BUCKET_SIZE if hw.gpu_mem is not None else min(REDUCE_BUCKET_SIZE, s.num_parameters)
     buffers = {"reduce bucket": bucket * e}
     if backend == "zero3":
-        _device(plan, hw, {**_state(pr, e), "gathered largest layer": gathered, **buffers})
+        _device(plan, hw, {**_state(pr, e), gathered_key: gathered, **buffers})
         # zero.Init builds one layer at a time in host memory before partitioning it (the estimator's cpu_mem)
-        plan.host_pageable["model build: largest layer x 1.5"] = int(gathered * ADDITIONAL_BUFFER_FACTOR)
+        plan.host_pageable["model build: largest layer x 1.5"] = int(4 * s.largest_layer_params
+                                                                      * ADDITIONAL_BUFFER_FACTOR)
     elif backend == "zero3_cpu_offload":
-        _device(plan, hw, {"gathered largest layer": gathered, **buffers})
+        _device(plan, hw, {gathered_key: gathered, **buffers})
         plan.host_pinned.update(_state(pr, e))
         plan.host_pinned["sub-group gradient buffers (fp32)"] = 4 * pr
     else:
-        _device(plan, hw, {"gathered largest layer": gathered, **buffers})
+        _device(plan, hw, {gathered_key: gathered, **buffers})
         plan.nvme.update({"weights": e * pr, "optimizer: fp32 master": 4 * pr, "optimizer: Adam moments": 8 * pr,
                           "gradients (fp32, swapped with the optimizer)": 4 * pr})
         plan.host_pinned["parameter swap buffers"] = ZI_PARAM_BUFFER_COUNT * ZI_PARAM_BUFFER_SIZE * e
@@ -282,6 +302,14 @@ def _layer_group_bytes(shape: ModelShape, world: int, elsize: int, layer_group_s
     return out + [ext(groups[-1][1])]
 
 
+def gathered_groups_bytes(shape: ModelShape, elsize: int, layer_group_size: int, prefetch_depth: int) -> int:
+    """Bytes of the unpartitioned parameters of ``1 + prefetch_depth`` consecutive layer groups (the
+    embeddings, ``layer_group_size`` layers at a time, what follows the layers), the largest such run."""
+    groups = _layer_group_bytes(shape, 1, elsize, layer_group_size)
+    n = min(len(groups), 1 + prefetch_depth)
+    return max(sum(groups[i:i + n]) for i in range(len(groups) - n + 1))
+
+
 def auto_chunk(budget: int) -> int:
     return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, budget // 512))
 
@@ -310,7 +338,16 @@ def aidaptiv_reduce_bucket(budget: int) -> int:
 def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
     s, e = job.shape, job.elsize
     plan = BackendPlan("aidaptiv")
-    _device(plan, hw, {"gathered largest layer": 4 * s.largest_layer_params})
+    if hw.gpu_mem is None and hw.world > 1:
+        # With more than one rank a gathered layer group is a new, whole tensor per parameter (the all-gather
+        # output; on one rank the pool's slot is the parameter), for the group in use and those prefetched: in a
+        # 2-rank run of the tiny preset these, from the heap, took the transient above its 1-rank figure by
+        # 190 MiB (1305 MiB peak against 602 after start-up, 138 MiB pool), and the gathered parameters live
+        # at the start of the backward were whole tensors outside the pool (gc).
+        _device(plan, hw, {"gathered layer groups (all-gather outputs, current and prefetched)":
+                           gathered_groups_bytes(s, e, job.layer_group_size, job.prefetch_depth)})
+    else:
+        _device(plan, hw, {"gathered largest layer": 4 * s.largest_layer_params})
     _common(plan, job, hw)
     if hw.gpu_mem is None:
         plan.host_pageable["step transient (gradients of the gathered layer groups)"] = (
