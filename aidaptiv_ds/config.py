@@ -288,7 +288,8 @@ class AidaptivConfig(BaseModel):
     backend: Backend = Field(Backend.AUTO, description="I/O backend: io_uring, posix (thread pool) or auto (io_uring, "
                                                        "falling back to posix with a message).")
     block_size: Union[int, str] = Field(
-        "auto", description="Bytes per I/O piece (4 KiB to 64 MiB, a multiple of 4 KiB); a larger transfer is split "
+        "auto", description="Bytes per I/O piece (4 KiB to 64 MiB, a multiple of 4 KiB; a number or a size such as "
+                            "'1MiB'); a larger transfer is split "
                             "into pieces of this size. 'auto': the choice of 'aidaptiv-ds plan --nvme' for this disk "
                             "(an O_DIRECT sweep, cached per disk), or 1048576 when the disk was never swept.")
     queue_depth: Union[int, str] = Field(
@@ -365,6 +366,12 @@ class AidaptivConfig(BaseModel):
         # "auto" (the default) is told apart from a number the user wrote: only "auto" takes the tuned choice.
         # Before pydantic's own parsing, which would read true as 1.
         low, high = (4 * KiB, 64 * MiB) if info.field_name == "block_size" else (1, 4096)
+        if isinstance(value, str) and value != "auto" and info.field_name == "block_size":
+            try:   # a size, as host_memory_budget takes it: "1MiB", "256KiB", "4M"
+                value = parse_size(value, "block_size")
+            except ValueError:
+                raise ValueError(f"expected 'auto', a size such as '1MiB', or an integer from {low} to {high}, "
+                                 f"got '{value}'") from None
         if isinstance(value, str):
             if value != "auto":
                 raise ValueError(f"expected 'auto' or an integer from {low} to {high}, got '{value}'")

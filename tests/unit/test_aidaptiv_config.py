@@ -39,6 +39,15 @@ def test_unknown_key_names_the_known_ones(tmp_path):
     assert len(p) == 1 and "aidaptiv.buffer_count" in p[0] and "host_memory_budget" in p[0]
 
 
+def test_block_size_takes_a_size_as_the_budget_does(tmp_path):
+    block = {"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "256MiB"}
+    assert C.validate(ds(dict(block, block_size="256KiB"))).block_size == 256 * 1024
+    assert C.validate(ds(dict(block, block_size=1 << 20))).block_size == 1 << 20
+    assert "a size such as '1MiB'" in problems(ds(dict(block, block_size="big")))[0]
+    assert "multiple of 4096" in problems(ds(dict(block, block_size="5000")))[0]     # "5000": bytes, not aligned
+    assert "from 4096 to 67108864" in problems(ds(dict(block, block_size="128MiB")))[0]
+
+
 def test_every_problem_is_reported_together(tmp_path):
     cfg = ds({"enabled": True, "nvme_path": str(tmp_path / "missing"), "block_size": 5000, "queue_depth": 0,
               "host_memory_budget": "lots", "colour": "red"},
