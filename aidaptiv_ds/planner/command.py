@@ -121,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="achieved CPU FLOP/s of a node (all cores)")
     r.add_argument("--cpu-adam", type=_rate("--cpu-adam"), default=None, metavar="PARAMS/s",
                    help="CPU Adam parameters/s of a node (all cores)")
+    r.add_argument("--zero3-cpu", type=_rate("--zero3-cpu"), default=None, metavar="PARAMS/s",
+                   help="parameters/s of ZeRO-3's own per-step work when training on CPU (gathering, releasing, "
+                        "partitioning; measured here as a ZeRO-3 step of the tiny preset less its compute and Adam)")
     r.add_argument("--framework-mem", type=_size("--framework-mem"), default=None, metavar="SIZE",
                    help="host memory per rank of torch, DeepSpeed and transformers themselves")
     r.add_argument("--launcher-mem", type=_size("--launcher-mem"), default=None, metavar="SIZE",
@@ -213,7 +216,7 @@ def _run(args) -> int:
     from aidaptiv_ds.config import total_ram_bytes
     host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
     given = {"nvme_read": args.nvme_read_bw, "nvme_write": args.nvme_write_bw, "pcie": args.pcie_bw,
-             "gpu_flops": args.gpu_flops, "cpu_flops": args.cpu_flops, "cpu_adam": args.cpu_adam,
+             "gpu_flops": args.gpu_flops, "cpu_flops": args.cpu_flops, "cpu_adam": args.cpu_adam, "zero3_cpu": args.zero3_cpu,
              "framework_host": args.framework_mem, "launcher_host": args.launcher_mem}
     rates = Rates()
     for name, value in given.items():

@@ -12,10 +12,13 @@ A step cannot be faster than the slowest resource it must use::
   and backward, the gradient back);
 - CPU Adam: parameters per rank at the node's measured Adam rate shared by its ranks (offloading backends,
   and every backend when training on CPU).
+- ZeRO-3's own work on CPU (gathering and releasing every parameter, partitioning gradients): the model's
+  parameters at the measured ``zero3_cpu`` rate, shared by the node's ranks; every rank gathers the whole
+  model. Left out where the rate is unknown (and on GPUs, where it overlaps the GPU's compute).
 
-Training on CPU, compute and Adam run on the same cores one after the other, so their sum is one bound
-("cpu"). Collectives between ranks and DeepSpeed's own overheads are not modelled: the prediction is a lower
-bound on step time (an upper bound on tokens/s). Scale: ``gpus x nodes`` ranks, each with its partition.
+Training on CPU, compute, Adam and ZeRO-3's own work run on the same cores one after the other, so their
+sum is one bound ("cpu"). Collectives between ranks and DeepSpeed's other overheads are not modelled: the prediction is a
+lower bound on step time (an upper bound on tokens/s). Scale: ``gpus x nodes`` ranks, each with its partition.
 
 NVMe bytes per parameter of a rank's partition per step (e = bytes of the training dtype):
 
@@ -108,8 +111,14 @@ def predict(plan: BackendPlan, job: Job, hw: Hardware, rates: Rates) -> StepPred
         else:
             missing.append("pcie")
     if not on_gpu and "compute" in times and "cpu_adam" in times:
-        # Same cores, one after the other.
-        times["cpu (compute + Adam)"] = times.pop("compute") + times.pop("cpu_adam")
+        # Same cores, one after the other; with ZeRO-3's own work per step where its rate is known (every rank
+        # gathers the whole model: all parameters, on its share of the node's cores).
+        name = "cpu (compute + Adam)"
+        cpu = times.pop("compute") + times.pop("cpu_adam")
+        if rates.zero3_cpu:
+            name = "cpu (compute + Adam + ZeRO-3)"
+            cpu += job.shape.num_parameters / (rates.zero3_cpu / local)
+        times[name] = cpu
     if not times or missing:
         return StepPrediction(None, None, None, times, node_bytes, missing)
     bound = max(times, key=times.get)

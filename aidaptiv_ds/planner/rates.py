@@ -12,6 +12,9 @@
 - Host memory of the deepspeed launcher per node: its runner and launch.py are two Python processes that
   import deepspeed (and so torch) and then wait on the ranks; the peak RSS of a Python that imports
   deepspeed, twice.
+- ZeRO-3's own work per step when training on CPU (gathering and releasing every parameter, partitioning the
+  gradients), as parameters per second: a real 1-rank ZeRO-3 run of the tiny preset, its median step less
+  the compute and Adam time the two CPU rates above predict for it; cached per CPU and Python.
 - With CUDA: pinned host->GPU copy bandwidth and GPU matmul FLOP/s.
 
 The cache is ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default; ``$AIDAPTIV_DS_CACHE_DIR``
@@ -34,9 +37,9 @@ from typing import Dict, Optional
 from aidaptiv_ds.machine_cache import cache_path, disk_key, load_cache, save_cache  # noqa: F401
 from aidaptiv_ds.sizes import MiB
 
-RATE_NAMES = ("nvme_read", "nvme_write", "cpu_flops", "cpu_adam", "framework_host", "launcher_host", "pcie",
-              "gpu_flops")
-UNITS = {"nvme_read": "B/s", "nvme_write": "B/s", "cpu_flops": "FLOP/s", "cpu_adam": "params/s",
+RATE_NAMES = ("nvme_read", "nvme_write", "cpu_flops", "cpu_adam", "zero3_cpu", "framework_host", "launcher_host",
+              "pcie", "gpu_flops")
+UNITS = {"nvme_read": "B/s", "nvme_write": "B/s", "cpu_flops": "FLOP/s", "cpu_adam": "params/s", "zero3_cpu": "params/s",
          "framework_host": "B", "launcher_host": "B", "pcie": "B/s", "gpu_flops": "FLOP/s"}
 NVME_PROBE_BYTES = 256 * MiB
 NVME_PROBE_REPEATS = 3
@@ -48,6 +51,7 @@ class Rates:
     nvme_write: Optional[float] = None
     cpu_flops: Optional[float] = None      # FLOP/s of one node's CPUs (all threads) in the training dtype
     cpu_adam: Optional[float] = None       # parameters/s of one node's CPUs
+    zero3_cpu: Optional[float] = None      # parameters/s of ZeRO-3's per-step work (gather, release, partition) on CPU
     framework_host: Optional[float] = None  # host bytes per rank before any model state
     launcher_host: Optional[float] = None   # host bytes per node of the deepspeed launcher's processes
     pcie: Optional[float] = None           # host->GPU bytes/s per GPU
@@ -187,6 +191,49 @@ def probe_framework() -> Dict[str, float]:
     return {"framework_host": float(max(0.0, peak * MiB - model))}
 
 
+# The ZeRO-3 probe: a real 1-rank run of the tiny preset (ds_configs/zero3.json's settings, fp32), long enough
+# for a median of the timed steps.
+_ZERO3_PROBE = dict(model="tiny", seq_len=64, micro_batch=2, steps=6, warmup=2)
+
+
+def probe_zero3(cpu_flops: float, cpu_adam: float) -> Dict[str, float]:
+    """Parameters per second of ZeRO-3's own work in a training step on CPU: the median step of a real 1-rank
+    ``aidaptiv-ds train`` run (tiny preset, ZeRO-3 in memory, fp32) less the forward/backward FLOPs at
+    ``cpu_flops`` and the Adam update at ``cpu_adam``. What it stands for: every parameter is gathered and
+    released twice a step and its gradient copied into its partition, work that grows with the parameters and
+    not with the tokens (on the tiny preset the step takes about as long at 128 tokens as at 256)."""
+    import tempfile
+
+    from aidaptiv_ds.planner.memory import Job
+    from aidaptiv_ds.planner.predict import step_flops
+    from aidaptiv_ds.planner.shapes import resolve_shape
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+    pr = _ZERO3_PROBE
+    with tempfile.TemporaryDirectory(prefix="aidaptiv-plan-probe-") as tmp:
+        cfg, metrics = os.path.join(tmp, "zero3.json"), os.path.join(tmp, "metrics.json")
+        with open(cfg, "w") as f:
+            json.dump(dict(_PROBE_CONFIG, train_micro_batch_size_per_gpu=pr["micro_batch"]), f)
+        out = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--config", cfg, "--model", pr["model"],
+                              "--seq-len", str(pr["seq_len"]), "--micro-batch", str(pr["micro_batch"]),
+                              "--steps", str(pr["steps"]), "--warmup", str(pr["warmup"]), "--no-progress",
+                              "--metrics-out", metrics], capture_output=True, text=True, timeout=900, env=env, cwd=tmp)
+        try:
+            with open(metrics) as f:
+                step = json.load(f).get("step_s_median")
+        except (OSError, ValueError):
+            step = None
+    if out.returncode != 0 or not step:
+        raise RuntimeError(f"the ZeRO-3 step probe (aidaptiv-ds train --model {pr['model']}) failed (exit "
+                           f"{out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    shape = resolve_shape(pr["model"])
+    job = Job(shape, pr["seq_len"], pr["micro_batch"], dtype="fp32")
+    rest = step - step_flops(job) / cpu_flops - shape.num_parameters / cpu_adam
+    if rest <= 0:
+        return {}   # the step is all compute and Adam here: nothing to add (the rate stays unknown, not 0)
+    return {"zero3_cpu": shape.num_parameters / rest}
+
+
 # The deepspeed launcher runs two Python processes per node besides the ranks: bin/deepspeed (the runner)
 # and deepspeed.launcher.launch, each of which imports deepspeed.
 LAUNCHER_PROCESSES = 2
@@ -294,6 +341,14 @@ def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, repro
             rates.io = {"block_size": entry["block_size"], "queue_depth": entry["queue_depth"],
                         "when": entry.get("when", "measured")}
     fill(cpu_key(dtype), ("cpu_flops", "cpu_adam"), lambda: probe_cpu(dtype))
+
+    def zero3_probe():
+        # Against the fp32 CPU rates (the probe run trains in fp32): this plan's, or the cached ones, or new.
+        fp32 = {"cpu_flops": rates.cpu_flops, "cpu_adam": rates.cpu_adam} if dtype == "fp32" else \
+            (cache.get(cpu_key("fp32")) or probe_cpu("fp32"))
+        return probe_zero3(fp32["cpu_flops"], fp32["cpu_adam"]) if fp32.get("cpu_flops") and fp32.get("cpu_adam") \
+            else {}
+    fill(f"zero3:train-tiny:{cpu_key('fp32')}:{sys.executable}", ("zero3_cpu",), zero3_probe)
     fill(f"framework:train-micro:{sys.executable}", ("framework_host",), probe_framework)
     fill(f"launcher:deepspeed:{sys.executable}", ("launcher_host",), probe_launcher)
     if want_gpu:

@@ -18,7 +18,7 @@ def _rate(name: str, value: float) -> str:
         return f"{value / 1e9:.2f} GB/s"
     if name.endswith("flops"):
         return f"{value / 1e12:.3f} TFLOP/s"
-    if name == "cpu_adam":
+    if name in ("cpu_adam", "zero3_cpu"):
         return f"{value / 1e6:.0f} M params/s"
     return _gib(value)
 
@@ -106,5 +106,6 @@ def table(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
             lines.append(f"  note: {note}")
     lines.append("")
     lines.append("Step time is a lower bound: max(compute, NVMe, PCIe, CPU Adam) with this machine's (or the given) "
-                 "rates; collectives and framework overheads are not modelled.")
+                 "rates, on CPU with ZeRO-3's own per-step work added to compute and Adam; collectives and other "
+                 "framework overheads are not modelled.")
     return "\n".join(lines)

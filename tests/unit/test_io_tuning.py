@@ -88,7 +88,7 @@ def test_written_out_block_gives_the_same_settings_without_the_cache(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,words", [
-    ("block_size", "fast", "expected 'auto' or an integer from 4096 to 67108864"),
+    ("block_size", "fast", "expected 'auto', a size such as '1MiB', or an integer from 4096 to 67108864"),
     ("block_size", 1000 * KiB + 1, "multiple of 4096"),
     ("block_size", 128 * MiB, "from 4096 to 67108864, got 134217728"),
     ("queue_depth", 0, "expected 'auto' or an integer from 1 to 4096, got 0"),
@@ -112,6 +112,7 @@ def test_plan_reports_the_tuned_choice(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(R, "probe_cpu", lambda dtype: {"cpu_flops": 1e11, "cpu_adam": 1e8})
     monkeypatch.setattr(R, "probe_framework", lambda: {"framework_host": 1e9})
     monkeypatch.setattr(R, "probe_launcher", lambda: {"launcher_host": 5e8})
+    monkeypatch.setattr(R, "probe_zero3", lambda flops, adam: {"zero3_cpu": 1e8})
     assert cli.main(["plan", "--model", "tiny", "--seq-len", "64", "--micro-batch", "1", "--nvme", str(tmp_path),
                      "--host-mem", "8GiB", "--backend", "aidaptiv"]) == 0
     assert "I/O tuned for the swap disk: block_size 1024 KiB, queue_depth 128" in capsys.readouterr().out
@@ -149,6 +150,7 @@ def test_real_probe_sweeps_and_the_swapper_takes_its_choice(tmp_path, monkeypatc
     monkeypatch.setattr(R, "probe_cpu", lambda dtype: {"cpu_flops": 1e11, "cpu_adam": 1e8})
     monkeypatch.setattr(R, "probe_framework", lambda: {"framework_host": 1e9})
     monkeypatch.setattr(R, "probe_launcher", lambda: {"launcher_host": 5e8})
+    monkeypatch.setattr(R, "probe_zero3", lambda flops, adam: {"zero3_cpu": 1e8})
     swap = tmp_path / "swap"
     swap.mkdir()
     rates = R.machine_rates("fp32", str(swap))

@@ -104,6 +104,7 @@ def test_rates_are_cached_per_device_and_given_ones_win(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "probe_cpu", lambda dtype: {"cpu_flops": 1e11, "cpu_adam": 1e8})
     monkeypatch.setattr(R, "probe_framework", lambda: {"framework_host": 1e9})
     monkeypatch.setattr(R, "probe_launcher", lambda: {"launcher_host": 5e8})
+    monkeypatch.setattr(R, "probe_zero3", lambda flops, adam: {"zero3_cpu": 1e8})
     cache = str(tmp_path / "rates.json")
     first = R.machine_rates("bf16", str(tmp_path), cache_file=cache)
     again = R.machine_rates("bf16", str(tmp_path), cache_file=cache, given={"nvme_read": 5e9})
@@ -272,3 +273,35 @@ def test_a_sweep_cell_is_predicted_oom_when_the_launcher_leaves_too_little():
                 gpu_mem=None, host_budget=None)
     assert predicted_oom("tiny", "zero3", **cell) is None
     assert "launcher" in predicted_oom("tiny", "zero3", **cell, launcher_host=200 << 20)
+
+
+def test_zero3_probe_is_the_step_less_compute_and_adam(monkeypatch):
+    import subprocess as sp
+    from aidaptiv_ds.planner.predict import step_flops
+
+    def fake_run(cmd, **kw):
+        with open(cmd[cmd.index("--metrics-out") + 1], "w") as f:
+            json.dump({"status": "ok", "step_s_median": 1.0}, f)
+        assert "zero3" in cmd[cmd.index("--config") + 1] and cmd[cmd.index("--model") + 1] == "tiny"
+        return sp.CompletedProcess(cmd, 0, stdout="", stderr="")
+    monkeypatch.setattr(R.subprocess, "run", fake_run)
+    shape = resolve_shape("tiny")
+    compute = step_flops(M.Job(shape, 64, 2, dtype="fp32")) / 1e11
+    adam = shape.num_parameters / 1e9
+    rate = R.probe_zero3(1e11, 1e9)["zero3_cpu"]
+    assert rate == pytest.approx(shape.num_parameters / (1.0 - compute - adam))
+    assert R.probe_zero3(1e9, 1e6) == {}   # compute and Adam alone take longer than the step: nothing to add
+
+
+def test_zero3_work_adds_to_the_cpu_bound_once_per_rank_for_the_whole_model():
+    shape = resolve_shape("tiny")
+    job = M.Job(shape, 64, 2, dtype="fp32")
+    base = R.Rates(cpu_flops=1e11, cpu_adam=1e9)
+    with_zero3 = R.Rates(cpu_flops=1e11, cpu_adam=1e9, zero3_cpu=1e8)
+    for ranks in (1, 2):
+        hw = M.Hardware(gpus=ranks, host_mem=1 << 40)
+        plan = M.plan_backend("zero3", job, hw)
+        a, b = predict(plan, job, hw, base), predict(plan, job, hw, with_zero3)
+        assert a.bound == "cpu (compute + Adam)" and b.bound == "cpu (compute + Adam + ZeRO-3)"
+        # every rank gathers the whole model, on its share (1/ranks) of the node's cores
+        assert b.step_s - a.step_s == pytest.approx(shape.num_parameters / (1e8 / ranks))
