@@ -433,3 +433,11 @@ def plan_backend(backend: str, job: Job, hw: Hardware) -> BackendPlan:
         raise ValueError(f"backend {backend!r} is unknown: choose one of {', '.join(BACKENDS)} or all")
     plan = plan_aidaptiv(job, hw) if backend == "aidaptiv" else plan_deepspeed(backend, job, hw)
     return check(plan, hw)
+
+
+def step_flops(job: Job) -> float:
+    """FLOPs of one rank's step: 6 x parameters x tokens (forward and backward) plus attention."""
+    s = job.shape
+    tokens = job.tokens * job.grad_accum
+    attention = 12 * s.layers * job.seq_len * s.heads * s.head_dim
+    return float(tokens * (6 * s.num_parameters + attention))

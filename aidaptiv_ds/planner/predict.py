@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from aidaptiv_ds.planner.memory import BackendPlan, Hardware, Job, partition_numels
+from aidaptiv_ds.planner.memory import BackendPlan, Hardware, Job, partition_numels, step_flops
 from aidaptiv_ds.planner.rates import Rates
 
 
@@ -45,14 +45,6 @@ class StepPrediction:
     times: Dict[str, float] = field(default_factory=dict)       # seconds per bound
     bytes: Dict[str, int] = field(default_factory=dict)         # per node per step
     missing: List[str] = field(default_factory=list)            # rates that were needed but unknown
-
-
-def step_flops(job: Job) -> float:
-    """FLOPs of one rank's step: 6 x parameters x tokens (forward and backward) plus attention."""
-    s = job.shape
-    tokens = job.tokens * job.grad_accum
-    attention = 12 * s.layers * job.seq_len * s.heads * s.head_dim
-    return float(tokens * (6 * s.num_parameters + attention))
 
 
 def nvme_bytes(plan: BackendPlan, job: Job, hw: Hardware) -> Dict[str, float]:

@@ -204,8 +204,7 @@ def probe_zero3(cpu_flops: float, cpu_adam: float) -> Dict[str, float]:
     not with the tokens (on the tiny preset the step takes about as long at 128 tokens as at 256)."""
     import tempfile
 
-    from aidaptiv_ds.planner.memory import Job
-    from aidaptiv_ds.planner.predict import step_flops
+    from aidaptiv_ds.planner.memory import Job, step_flops
     from aidaptiv_ds.planner.shapes import resolve_shape
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
