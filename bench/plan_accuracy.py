@@ -33,7 +33,8 @@ from aidaptiv_ds.sizes import GiB, MiB  # noqa: E402
 HOST_TOLERANCE, TOKENS_TOLERANCE = 0.15, 0.30
 OUT = os.path.join(HERE, "results", "plan_accuracy")
 # What the misses come from, as far as they were looked into (docs/DESIGN.md, planner section).
-MISS_CAUSES = ("Cause, where known: glibc's heap. Tensors below its 32 MiB dynamic mmap threshold (every "
+MISS_CAUSES = ("Causes. Feasibility: the one miss was planned at 5044 MiB of its 5120 MiB cap (within 1.5%) and "
+               "the cap killed it; a cell that close falls either way. Host memory: glibc's heap. Tensors below its 32 MiB dynamic mmap threshold (every "
                "parameter of the tiny model) come from the heap, and what they free there stays resident: the peak "
                "RSS of a 2-rank zero3 tiny run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_ fixed, of a "
                "1-rank aidaptiv one from 1290 to 955. With 2 ranks every gathered parameter is a new whole tensor "
@@ -41,13 +42,15 @@ MISS_CAUSES = ("Cause, where known: glibc's heap. Tensors below its 32 MiB dynam
                "current and prefetched layer groups under aidaptiv; the plan counts them per rank now (before, it "
                "counted the largest layer, and missed the 2-rank cells by 250-400 MiB). aidaptiv's step transient "
                "is now measured from the RSS after start-up (7.5 B per parameter), not between steps, where the "
-               "heap already holds most of it (it was 4.6). Tokens/s: the "
-               "1-rank cells the NVMe bounds (zero_infinity, aidaptiv) are within 4% on the rates' machine; "
-               "the cells the CPU bounds run 1.3-3x slower than the bound, because ZeRO-3's own work per step "
-               "(gathering and releasing every parameter, copying gradients into partitions; about 0.6 s a step "
-               "on the tiny model, measured as the DeepSpeed step less a plain torch forward+backward at the same "
-               "shape and the Adam probe) is not in the model, and 2 ranks on 2 cores add gloo collectives it "
-               "does not count either.")
+               "heap already holds most of it (it was 4.6). Tokens/s: the 1-rank cells the NVMe bounds "
+               "(zero_infinity, aidaptiv) are within 5% on the rates' machine; the cells the CPU bounds needed "
+               "ZeRO-3's own work per step (gathering and releasing every parameter, partitioning gradients: the "
+               "zero3_cpu rate, from a ZeRO-3 step of the tiny preset less its compute and Adam), without which "
+               "they ran 1.3-3x slower than predicted. What is left: 2-rank aidaptiv and CPU-offload cells run "
+               "up to 37% slower than predicted (gloo collectives between 2 ranks on 2 cores, and the swapper's "
+               "per-rank work, are not modelled); CPU-offload's DeepSpeed CPU Adam is faster than the foreach "
+               "AdamW the Adam probe times, so its 1-rank cells on the Xeon ran up to 33% faster; ZeRO-3's work "
+               "is taken as independent of the tokens, which holds within about 25% from 128 to 256 tokens.")
 
 
 def load_rows(results_dir: str = os.path.join(HERE, "results")) -> list:
@@ -160,8 +163,12 @@ def markdown(summary: dict, results: list, rates: Rates, conditions: dict) -> st
              "- NVMe bytes per step, predicted / measured - 1 (read, write): "
              + (", ".join(f"{k} {v['read']:+.0%} {v['write']:+.0%}" for k, v in summary["nvme_bytes_error"].items())
                 or "no cell read from NVMe"), "",
+             "Feasibility misses: " + (", ".join(summary["feasibility_misses"]) or "none") + ". "
              "Host-memory misses (plan / measured - 1): "
              + (", ".join(f"{k} {v:+.0%}" for k, v in summary["host_misses"].items()) or "none") + ". "
+             "Tokens/s misses (plan / measured - 1; a key can stand twice, once per sweep): "
+             + (", ".join(f"{r['key']} {r['tokens_error']:+.0%}" for r in results
+                          if abs(r.get("tokens_error", 0)) > TOKENS_TOLERANCE) or "none") + ". "
              + MISS_CAUSES, "",
              "| cell | measured | plan fits | host MB plan / measured | tokens/s plan / measured | bound |",
              "|---|---|---|---|---|---|"]

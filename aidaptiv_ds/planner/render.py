@@ -105,7 +105,8 @@ def table(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
         for note in p.notes:
             lines.append(f"  note: {note}")
     lines.append("")
-    lines.append("Step time is a lower bound: max(compute, NVMe, PCIe, CPU Adam) with this machine's (or the given) "
-                 "rates, on CPU with ZeRO-3's own per-step work added to compute and Adam; collectives and other "
-                 "framework overheads are not modelled.")
+    lines.append("Step time: max(compute, NVMe, PCIe, CPU Adam) with this machine's (or the given) rates, a lower "
+                 "bound; on CPU the measured ZeRO-3 work per step is added to compute and Adam, which makes it an "
+                 "estimate (how close it comes: bench/results/plan_accuracy/summary.md). Collectives "
+                 "and other framework overheads are not modelled.")
     return "\n".join(lines)
