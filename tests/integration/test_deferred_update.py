@@ -8,10 +8,11 @@ parameters, with the hyperparameters of the step that began it. The first run wi
 clipping really acts here (the weights differ), so the comparison cannot pass for want of clipping.
 
 One rank: compared bit for bit. Two ranks: the losses bit for bit, the weights to 1% of one update (an update
-lost, applied twice, stale, or with another step's lr or clip factor's magnitude moves a weight by about lr).
+lost, applied twice, stale, or with another step's lr moves a weight by about lr; a wrong clip factor, which
+Adam all but cancels, is caught by the 1-rank comparison only).
 Why not bit for bit there: CI once saw, with the losses equal, every matrix differ and every norm weight
 equal, which is the pattern of a last-bit difference in the gradients (Adam turns it into last-bit
-differences of the update, which a norm weight near 1.0 cannot show), not of a wrong update; 13 repeats of
+differences of the update, which a norm weight near 1.0 cannot show), not of a wrong update; 19 repeats of
 the pair here, under load and with other I/O settings, never differed, and a review of the deferral's
 I/O ordering found no sequence that changes a byte. DeepSpeed 0.19.8 on CPU is not always bit-reproducible
 from process to process (test_aio_handle_deepspeed records it for ZeRO-Infinity), so two 2-rank processes are
