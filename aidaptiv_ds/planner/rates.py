@@ -161,31 +161,43 @@ _PROBE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_ste
 _PROBE_SEQ = 16
 
 
-def probe_framework() -> Dict[str, float]:
-    """Host bytes per rank that are not model state: the peak RSS of a real 1-rank ``aidaptiv-ds train`` run
-    of the micro preset under ZeRO-3 (torch, DeepSpeed, transformers, the process group, the data, DeepSpeed's
-    ops), less what the plan counts for that run's model (its state, buffers and activations)."""
+def _probe_train(what: str, model: str, seq_len: int, micro_batch: int, steps: int, warmup: int,
+                 timeout: int) -> dict:
+    """The metrics of a real 1-rank ``aidaptiv-ds train`` run under ZeRO-3 in memory (:data:`_PROBE_CONFIG`,
+    fp32) in a fresh temporary folder, with no rank variables inherited; RuntimeError naming ``what`` when it
+    fails or writes no metrics."""
     import tempfile
-
-    from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
-    from aidaptiv_ds.planner.shapes import resolve_shape
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
     with tempfile.TemporaryDirectory(prefix="aidaptiv-plan-probe-") as tmp:
         cfg, metrics = os.path.join(tmp, "zero3.json"), os.path.join(tmp, "metrics.json")
         with open(cfg, "w") as f:
-            json.dump(_PROBE_CONFIG, f)
-        out = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--config", cfg, "--model", "micro",
-                              "--seq-len", str(_PROBE_SEQ), "--steps", "2", "--warmup", "1", "--no-progress",
-                              "--metrics-out", metrics], capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+            json.dump(dict(_PROBE_CONFIG, train_micro_batch_size_per_gpu=micro_batch), f)
+        out = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--config", cfg, "--model", model,
+                              "--seq-len", str(seq_len), "--micro-batch", str(micro_batch), "--steps", str(steps),
+                              "--warmup", str(warmup), "--no-progress", "--metrics-out", metrics],
+                             capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
         try:
             with open(metrics) as f:
-                peak = json.load(f).get("peak_rss_mb")
+                result = json.load(f)
         except (OSError, ValueError):
-            peak = None
-    if out.returncode != 0 or not peak:
-        raise RuntimeError(f"the framework memory probe (aidaptiv-ds train --model micro) failed (exit "
-                           f"{out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+            result = None
+    if out.returncode != 0 or not isinstance(result, dict):
+        raise RuntimeError(f"{what} (aidaptiv-ds train --model {model}) failed (exit {out.returncode}): "
+                           f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return result
+
+
+def probe_framework() -> Dict[str, float]:
+    """Host bytes per rank that are not model state: the peak RSS of a real 1-rank ``aidaptiv-ds train`` run
+    of the micro preset under ZeRO-3 (torch, DeepSpeed, transformers, the process group, the data, DeepSpeed's
+    ops), less what the plan counts for that run's model (its state, buffers and activations)."""
+    from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
+    from aidaptiv_ds.planner.shapes import resolve_shape
+    peak = _probe_train("the framework memory probe", "micro", _PROBE_SEQ, 1, steps=2, warmup=1,
+                        timeout=600).get("peak_rss_mb")
+    if not peak:
+        raise RuntimeError("the framework memory probe (aidaptiv-ds train --model micro) wrote no peak_rss_mb")
     job = Job(resolve_shape("micro"), _PROBE_SEQ, 1, dtype="fp32")
     model = plan_backend("zero3", job, Hardware(gpus=1, host_mem=1 << 62)).host_bytes   # framework counted as 0
     return {"framework_host": float(max(0.0, peak * MiB - model))}
@@ -202,29 +214,13 @@ def probe_zero3(cpu_flops: float, cpu_adam: float) -> Dict[str, float]:
     ``cpu_flops`` and the Adam update at ``cpu_adam``. What it stands for: every parameter is gathered and
     released twice a step and its gradient copied into its partition, work that grows with the parameters and
     not with the tokens (on the tiny preset the step takes about as long at 128 tokens as at 256)."""
-    import tempfile
-
     from aidaptiv_ds.planner.memory import Job, step_flops
     from aidaptiv_ds.planner.shapes import resolve_shape
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
     pr = _ZERO3_PROBE
-    with tempfile.TemporaryDirectory(prefix="aidaptiv-plan-probe-") as tmp:
-        cfg, metrics = os.path.join(tmp, "zero3.json"), os.path.join(tmp, "metrics.json")
-        with open(cfg, "w") as f:
-            json.dump(dict(_PROBE_CONFIG, train_micro_batch_size_per_gpu=pr["micro_batch"]), f)
-        out = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--config", cfg, "--model", pr["model"],
-                              "--seq-len", str(pr["seq_len"]), "--micro-batch", str(pr["micro_batch"]),
-                              "--steps", str(pr["steps"]), "--warmup", str(pr["warmup"]), "--no-progress",
-                              "--metrics-out", metrics], capture_output=True, text=True, timeout=900, env=env, cwd=tmp)
-        try:
-            with open(metrics) as f:
-                step = json.load(f).get("step_s_median")
-        except (OSError, ValueError):
-            step = None
-    if out.returncode != 0 or not step:
-        raise RuntimeError(f"the ZeRO-3 step probe (aidaptiv-ds train --model {pr['model']}) failed (exit "
-                           f"{out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    step = _probe_train("the ZeRO-3 step probe", pr["model"], pr["seq_len"], pr["micro_batch"], steps=pr["steps"],
+                        warmup=pr["warmup"], timeout=900).get("step_s_median")
+    if not step:
+        raise RuntimeError(f"the ZeRO-3 step probe (aidaptiv-ds train --model {pr['model']}) wrote no step time")
     shape = resolve_shape(pr["model"])
     job = Job(shape, pr["seq_len"], pr["micro_batch"], dtype="fp32")
     rest = step - step_flops(job) / cpu_flops - shape.num_parameters / cpu_adam
