@@ -16,8 +16,9 @@ from typing import Optional
 # train's exit code for CUDA OOM / MemoryError, and for a job its launch guard refused as not fitting (the
 # contract with aidaptiv_ds/train.py).
 OOM_EXIT_CODE = 3
-# How an oom outcome that train's launch guard predicted (status "refused") begins: nothing ran out of memory,
-# the plan said it would; such rows are marked inferred, like the sweep's own predicted-OOM skips.
+# How the error of an oom outcome that train's launch guard predicted (status "refused") begins: nothing ran
+# out of memory, the plan said it would (Outcome.predicted); such rows are marked inferred, like the sweep's own
+# predicted-OOM skips.
 REFUSED = "refused before training by the plan: "
 
 # Messages that mean memory ran out, whatever the process then did.
@@ -49,6 +50,7 @@ class Outcome:
     status: str           # ok | oom | error | timeout
     error: Optional[str]  # one line, None when ok
     signal: Optional[str] = None
+    predicted: bool = False   # an oom the plan called (train's launch guard refused the job), not measured
 
 
 def signal_name(num: int) -> str:
@@ -118,7 +120,8 @@ def classify(*, returncode: Optional[int], timed_out: bool, timeout_s: Optional[
     if metrics is not None and metrics.get("status") == "refused":
         # train's launch guard: the plan says the job cannot fit these caps, so nothing was trained. An
         # out-of-memory that was predicted, not measured (the row says so: see REFUSED).
-        return Outcome("oom", f"{REFUSED}{metrics.get('error') or error_line(lines) or 'no reason given'}", sig)
+        return Outcome("oom", f"{REFUSED}{metrics.get('error') or error_line(lines) or 'no reason given'}", sig,
+                       predicted=True)
     if metrics is not None and metrics.get("status") in ("ok", "oom", "error"):
         st = metrics["status"]
         err = metrics.get("error") or error_line(lines)

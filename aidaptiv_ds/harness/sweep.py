@@ -52,7 +52,7 @@ from aidaptiv_ds.harness.grid import (SWEEP_BACKENDS, Cell, GridError, Run, enum
 from aidaptiv_ds.harness.hostcap import MECHANISMS, probe_cgroup
 from aidaptiv_ds.harness.launch import LaunchSpec, free_port, launch_command, train_spec
 from aidaptiv_ds.harness.machine import gpus as detect_gpus, machine_info
-from aidaptiv_ds.harness.outcome import REFUSED, Outcome, classify
+from aidaptiv_ds.harness.outcome import Outcome, classify
 from aidaptiv_ds.harness.prebuild import put_build_tools_first
 from aidaptiv_ds.harness.results import RESULTS_FILE, Row, append_row, git_state, load_rows, write_row_file
 from aidaptiv_ds.models import nominal_parameters
@@ -168,7 +168,7 @@ def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun]
     the cell this is."""
     m = (run.metrics if run else None) or {}
     # Refused by train's launch guard: the plan's verdict, nothing measured (like a predicted-OOM skip).
-    inferred = inferred or bool(outcome.error and outcome.error.startswith(REFUSED))
+    inferred = inferred or outcome.predicted
     timed = _timed_steps(m.get("step_s"), ctx["steps"], ctx["warmup"])
     step_med = _num(m.get("step_s_median")) or (statistics.median(timed) if timed else None)
     tps = _num(m.get("tokens_per_s"))

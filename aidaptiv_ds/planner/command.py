@@ -216,7 +216,8 @@ def _run(args) -> int:
     from aidaptiv_ds.config import total_ram_bytes
     host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
     given = {"nvme_read": args.nvme_read_bw, "nvme_write": args.nvme_write_bw, "pcie": args.pcie_bw,
-             "gpu_flops": args.gpu_flops, "cpu_flops": args.cpu_flops, "cpu_adam": args.cpu_adam, "zero3_cpu": args.zero3_cpu,
+             "gpu_flops": args.gpu_flops, "cpu_flops": args.cpu_flops, "cpu_adam": args.cpu_adam,
+             "zero3_cpu": args.zero3_cpu,
              "framework_host": args.framework_mem, "launcher_host": args.launcher_mem}
     rates = Rates()
     for name, value in given.items():

@@ -17,9 +17,9 @@ A step cannot be faster than the slowest resource it must use::
   model. Left out where the rate is unknown (and on GPUs, where it overlaps the GPU's compute).
 
 Training on CPU, compute, Adam and ZeRO-3's own work run on the same cores one after the other, so their
-sum is one bound ("cpu"). Collectives between ranks and DeepSpeed's other overheads are not modelled: the prediction is a
-lower bound on step time (an upper bound on tokens/s), except that the ZeRO-3 term, measured at one shape,
-makes the CPU figure an estimate. Scale: ``gpus x nodes`` ranks, each with its partition.
+sum is one bound ("cpu"). Collectives between ranks and DeepSpeed's other overheads are not modelled: the
+prediction is a lower bound on step time (an upper bound on tokens/s), except that the ZeRO-3 term, measured
+at one shape, makes the CPU figure an estimate. Scale: ``gpus x nodes`` ranks, each with its partition.
 
 NVMe bytes per parameter of a rank's partition per step (e = bytes of the training dtype):
 
