@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Iterable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -121,6 +121,9 @@ class Grid(BaseModel):
     backends: list[str] = Field(default_factory=lambda: list(BACKENDS), min_length=1)
     """Backends to run by default (ds_configs/<name>.json, or zero_infinity_eqmem: zero_infinity.json sized
     to aidaptiv's host budget, which needs aidaptiv_state_fraction); --backends replaces them."""
+    dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
+    """Training precision of every cell: the sweep writes OUT/ds_configs/<backend>.json with it set (as train's
+    --dtype would) and runs, sizes and predicts the cells from those; unset: each config's own."""
     lr: Optional[float] = Field(None, gt=0)
     """Learning rate of the published runs (recorded in rows; does not change throughput)."""
     gpu_mem_cap_gb: Optional[float] = Field(None, gt=0)

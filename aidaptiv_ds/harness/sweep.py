@@ -238,6 +238,19 @@ def _dominating_oom(cell: Cell, rows: list[dict], ctx: dict) -> Optional[str]:
     return None
 
 
+def _configs_in_dtype(src: str, dst: str, dtype: str, names) -> str:
+    """Copies of src/<name>.json in ``dst`` with the grid's precision set (what train's --dtype does), so the
+    cells, the planner's predictions and the ZeRO-Infinity eqmem sizing all read the one precision; returns
+    ``dst``. Rewritten on every run of the sweep (a resumed sweep gets the same files)."""
+    from aidaptiv_ds import ds_config
+    os.makedirs(dst, exist_ok=True)
+    for name in sorted(names):
+        cfg = ds_config.apply_overrides(ds_config.load(os.path.join(src, f"{name}.json")), dtype=dtype)
+        with open(os.path.join(dst, f"{name}.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    return dst
+
+
 def _record(ctx: dict, row: dict, cell_dir: str) -> None:
     os.makedirs(cell_dir, exist_ok=True)
     write_row_file(os.path.join(cell_dir, "row.json"), row)  # first, so a crash before the append loses nothing
@@ -447,6 +460,9 @@ def run(args: argparse.Namespace) -> int:
 
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "cells"), exist_ok=True)
+    if grid.dtype:
+        ds_configs = _configs_in_dtype(ds_configs, os.path.join(out, "ds_configs"), grid.dtype,
+                                       {eqmem.BASE if r.cell.backend == eqmem.BACKEND else r.cell.backend for r in runs})
     loaded = load_rows(out)
     for p in loaded.problems:
         print(f"warning: {p}", file=sys.stderr)

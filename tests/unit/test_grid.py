@@ -134,8 +134,8 @@ def test_unreadable_and_invalid_json(tmp_path):
 
 
 def test_presets_cover_the_contract():
-    assert set(PRESETS) == {"micro", "tiny", "small", "llama2-7b", "llama2-13b", "llama2-70b", "llama3.1-8b",
-                            "llama3.1-70b", "qwen2.5-7b", "qwen2.5-72b"}
+    assert set(PRESETS) == {"micro", "tiny", "small", "tinyllama-1.1b", "llama2-7b", "llama2-13b", "llama2-70b",
+                            "llama3.1-8b", "llama3.1-70b", "qwen2.5-7b", "qwen2.5-72b"}
 
 
 def test_the_harness_reads_presets_and_backends_without_torch():

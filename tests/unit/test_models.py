@@ -7,6 +7,7 @@ from aidaptiv_ds.models import (PRESETS, count_parameters, largest_parameter_num
 
 # Parameter counts published for the real checkpoints (safetensors totals on the Hugging Face hub).
 PUBLISHED = {
+    "tinyllama-1.1b": 1_100_048_384,
     "llama2-7b": 6_738_415_616,
     "llama2-13b": 13_015_864_320,
     "llama2-70b": 68_976_648_192,

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One session's checks on a lent GPU machine, in one command (device time is short: see docs/DESIGN.md).
+#
+#   Here:    ../shared/device/prepare.sh .device   (DeepSpeed wheel, pydantic, liburing), then
+#            cp /usr/include/libaio.h .device/liburing/include; cp /usr/lib/x86_64-linux-gnu/libaio.so.1 into
+#            .device/liburing/lib as libaio.so and libaio.so.1 (DeepSpeed's async_io needs libaio; the GPU
+#            machine has none)
+#   There:   OUT=<folder> bash bench/gpu/device_check.sh [seconds]     (carry .device)
+#
+# Phases, each logged to $OUT and each allowed to fail without stopping the next: the machine's facts;
+# the engine built with its CUDA copy path while DeepSpeed's JIT ops build beside it; tests/gpu; host<->GPU
+# copy bandwidth and GPU FLOP/s; io-bench on this machine's disk; then the cells of bench/grids/gpu_probe.json
+# (or $GRID) until the deadline, with --resume so a later session carries on from what came back.
+set -u
+T0=$(date +%s)
+DEADLINE=${1:-420}
+OUT=${OUT:-/tmp/device-out}
+GRID=${GRID:-bench/grids/gpu_probe.json}
+RES=/tmp/gpu_probe          # sweep results, op build logs, io-bench: one tarball back (at most 8 files come back)
+mkdir -p "$OUT" "$RES"
+exec > >(tee -a "$OUT/run.log") 2>&1
+elapsed() { echo $(( $(date +%s) - T0 )); }
+left() { echo $(( DEADLINE - $(elapsed) )); }
+phase() { echo; echo "=== [+$(elapsed)s] $*"; }
+
+source .device/activate.sh || { echo "activate failed"; exit 1; }
+export LD_LIBRARY_PATH="$PWD/.device/liburing/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="/tmp/site/bin:$PATH" PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
+export AIDAPTIV_DS_CACHE_DIR=/tmp/aidaptiv-cache
+
+phase "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
+python3 -c 'import torch, transformers, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"transformers", transformers.__version__, "deepspeed", deepspeed.__version__)'
+nvcc --version | tail -2; nproc; free -g | head -2; df -hT . /tmp | cat; lsblk -d -o NAME,SIZE,ROTA,MODEL | cat
+cat /proc/cpuinfo | grep -m1 "model name"
+
+phase "DeepSpeed JIT ops (background) and the engine with CUDA"
+ops=()   # their pids: a bare `wait` would also wait for the tee above, which never ends (bash >= 5.1)
+for op in CPUAdamBuilder AsyncIOBuilder FusedAdamBuilder; do
+  python3 -m aidaptiv_ds.zero3.op_builds $op > "$RES/op_$op.log" 2>&1 &
+  ops+=($!)
+done
+python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; echo "engine build rc=$?"
+tail -3 "$OUT/build.log"
+python3 -c 'import torch; from aidaptiv_ds import _C; print("engine WITH_CUDA =", _C.WITH_CUDA)'
+phase "engine built; waiting for the ops"
+for pid in "${ops[@]}"; do   # polled, so a hung build cannot eat the deadline
+  while kill -0 "$pid" 2>/dev/null && [ "$(left)" -gt 60 ]; do sleep 2; done
+done
+cat "$RES"/op_*.log | grep -E "ready|failed|compatible|Error" | tail -6
+
+phase "tests/gpu"
+timeout $(( $(left) > 240 ? 240 : $(left) )) python3 -m pytest -q -rA -x -p no:cacheprovider tests/gpu -n 4 \
+  > "$OUT/pytest.log" 2>&1; echo "pytest rc=$?"
+grep -E "passed|failed|PASSED|FAILED|ERROR|zero3 |aidaptiv " "$OUT/pytest.log" | tail -30
+
+phase "host<->GPU copy and GPU FLOP/s"
+python3 - <<'EOF'
+import time, torch
+from aidaptiv_ds.planner.rates import probe_gpu
+r = probe_gpu("bf16"); print(f"pinned H2D {r['pcie']/1e9:.1f} GB/s, bf16 matmul {r['gpu_flops']/1e12:.0f} TFLOP/s")
+n = 256 << 20
+host = torch.empty(n, dtype=torch.uint8).pin_memory(); dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+host.copy_(dev, non_blocking=True); torch.cuda.synchronize(); t = time.perf_counter()
+for _ in range(5): host.copy_(dev, non_blocking=True)
+torch.cuda.synchronize(); print(f"pinned D2H {5*n/(time.perf_counter()-t)/1e9:.1f} GB/s")
+EOF
+
+phase "io-bench on this disk"
+[ "$(left)" -gt 100 ] && timeout 90 python3 -m aidaptiv_ds io-bench --size-mb 2048 --repeat 2 --engines uring,posix,deepspeed \
+  > "$RES/io_bench.txt" 2>&1; echo "io-bench rc=$?"; cat "$RES/io_bench.txt" | tail -8
+
+phase "sweep $GRID until the deadline ($(left) s left)"
+if [ "$(left)" -gt 60 ]; then
+  timeout -s INT $(( $(left) - 15 )) python3 -m aidaptiv_ds sweep --grid "$GRID" --out "$RES" --resume \
+    --no-progress --host-mem-cap-mechanism auto > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?"
+  tail -25 "$OUT/sweep.log"
+  python3 -m aidaptiv_ds report "$RES" > "$RES/report.log" 2>&1; echo "report rc=$?"
+fi
+tar czf "$OUT/gpu_probe.tgz" --exclude=swap -C /tmp gpu_probe
+phase "done"
