@@ -11,6 +11,8 @@ Only measured numbers go in; what this process cannot measure is JSON null, neve
   such an engine also adds ``phases_s.optimizer_update`` (time applying optimizer updates per step, which
   for fp32 our swapper does inside the next forward) and ``swapper`` (its cumulative counters).
 - ``peak_gpu_mb``: torch.cuda.max_memory_allocated when CUDA is used.
+- ``traceback`` (runs with status "error" only): the last frames of the failure, whose one-line ``error``
+  says what went wrong but not where.
 - ``activations`` (aidaptiv only): the activation policy applied (``aidaptiv.activations``), how blocks are
   recomputed, the loss chunk, and for the nvme and auto policies the store's counters (tensors and bytes
   stored and read back, reads ahead, its file's size, ``io_wait_s``); for auto also ``plan``, each block's

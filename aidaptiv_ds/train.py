@@ -825,7 +825,7 @@ def run(args) -> int:
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     from aidaptiv_ds.metrics import one_line
     job = Run(args)
-    status, error, metrics = "ok", None, None
+    status, error, metrics, where = "ok", None, None, None
     try:
         job.prepare()
         job.build()
@@ -840,15 +840,21 @@ def run(args) -> int:
             oom = _is_oom(exc)
         except ImportError:
             oom = isinstance(exc, MemoryError)
-        if not known and not oom:
+        if (not known and not oom) or args.verbose:
             traceback.print_exc(file=sys.stderr)
         status = "oom" if oom else "refused" if isinstance(exc, DoesNotFit) else "error"
+        if status == "error":
+            # A known error's one line says what to do; where it came from goes to the metrics, so a failure on a
+            # machine one can no longer reach (a sweep cell, a lent GPU) can still be traced.
+            where = traceback.format_exc(limit=-12)
         error = str(exc) if isinstance(exc, TrainingFailed) else _last_line(exc)
     finally:
         job.close()
     if status != "ok":
         metrics = {"status": status, "error": error, **job.info, "steps": getattr(job, "steps", args.steps),
                    "losses": None, "tokens_per_s": None, "step_s_median": None}
+        if where:
+            metrics["traceback"] = where
     else:   # what close() did with the swap files
         metrics.update({k: job.info[k] for k in ("swap_kept", "swap_removed") if k in job.info})
     _write_metrics(job, metrics, failed=status != "ok")

@@ -78,8 +78,13 @@ def test_two_ranks_without_save_dir_export_through_a_removed_checkpoint(tmp_path
 
 def test_output_dir_is_refused_before_training_without_the_swapper(tmp_path):
     rc, log = run_train(["--config", os.path.join(CONFIGS, "zero3.json"), "--model", "micro", "--steps", "1",
-                         "--no-progress", "--output-dir", str(tmp_path / "model")], cwd=tmp_path)
+                         "--no-progress", "--output-dir", str(tmp_path / "model"),
+                         "--metrics-out", str(tmp_path / "m.json")], cwd=tmp_path)
     assert rc == 1 and '--output-dir needs a config with an "aidaptiv" block' in log, log[-2000:]
+    # The console has the one line; the metrics also say where it was raised (for runs one cannot reach again).
+    m = read_metrics(tmp_path / "m.json")
+    assert m["status"] == "error" and "Traceback" not in log
+    assert "train.py" in m["traceback"] and m["traceback"].rstrip().endswith(m["error"]), m["traceback"]
 
 
 def test_output_dir_with_weights_is_refused_before_training(tmp_path):
