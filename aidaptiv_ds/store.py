@@ -607,6 +607,11 @@ class SwapStore:
     def _submit(self, file: SwapFile, offset: int, buf: torch.Tensor, is_write: bool, what: str) -> Ticket:
         if offset % ALIGN:
             raise ValueError(f"span offset {offset} in {file.path} is not 4096-aligned")
+        if buf.device.type != "cpu":
+            # The engine refuses it too, but without saying whose buffer it was (no traceback is kept).
+            raise ValueError(f"{'write' if is_write else 'read'} of {what or 'a span'} in {file.path}: the buffer is on "
+                             f"{buf.device}, but spans move host buffers only (stage device tensors through the "
+                             "host budget)")
         end = offset + buf.numel()
         with self._lock:
             blockers = self._conflicts(file, offset, end, is_write)
@@ -650,8 +655,12 @@ class SwapStore:
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
     """A 4 KiB-aligned uint8 CPU tensor from the ordinary allocator (for one-off transfers that need
-    no pinning, such as writing each parameter once while the model is being built)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    no pinning, such as writing each parameter once while the model is being built).
+
+    The device is named: while the model is built under ``deepspeed.zero.Init``, DeepSpeed's wrapper of
+    ``torch.empty`` puts every tensor made without one on the accelerator, so on CUDA the buffers the
+    parameter swapper hands out there were GPU tensors, which the engine refuses to read or write."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device="cpu")
     shift = (-raw.data_ptr()) % ALIGN
     return raw[shift:shift + nbytes]
 

@@ -19,15 +19,19 @@ from aidaptiv_ds.chunk_layout import FP32, Chunk, SubGroup
 class SubGroupGradients:
     """The gradient buffers of this accumulation window, one per sub-group of ``sub_groups`` (shared with
     the optimizer swapper, which appends to it). Writes go into ``writes`` (a store.WriteBehind) of
-    ``file``; ``lock`` is the optimizer swapper's."""
+    ``file``; ``lock`` is the optimizer swapper's. ``current_stream`` is the accelerator's (a callable
+    returning the stream work is queued on now), or None where copies are synchronous (DeepSpeed's CPU
+    accelerator): see :meth:`note_copies`."""
 
-    def __init__(self, store, memory, file, sub_groups: List[SubGroup], writes, lock):
+    def __init__(self, store, memory, file, sub_groups: List[SubGroup], writes, lock, current_stream=None):
         self.store = store
         self.memory = memory
         self.file = file
         self.sub_groups = sub_groups
         self.writes = writes
         self.lock = lock
+        self.current_stream = current_stream
+        self._copy_streams: Dict[int, set] = {}  # sub-group index -> streams that may copy to or from its buffer
 
     def open(self, sg: SubGroup) -> torch.Tensor:
         """The fp32 gradient buffer of ``sg`` for this accumulation window (ZeRO-3 copies or adds into it)."""
@@ -132,30 +136,38 @@ class SubGroupGradients:
             self._write_out(candidates[-1])
             return True
 
+    def note_copies(self, sg: SubGroup) -> None:
+        """ZeRO-3 has just looked up ``sg``'s buffer and is about to copy into it (or, at later micro-steps,
+        out of it to add to it) on the current stream, without blocking: remember that stream."""
+        if self.current_stream is not None:
+            with self.lock:
+                self._copy_streams.setdefault(sg.index, set()).add(self.current_stream())
+
+    def _wait_for_copies(self, sg: SubGroup) -> None:
+        # The copies ZeRO-3 queued on ``sg``'s (pinned) buffer must be done before the buffer is written out
+        # and given back to the pool. Only the streams they were queued on are waited for (ZeRO-3's
+        # reduce-and-partition stream in the backward), not the whole device, so the forward's and backward's
+        # kernels on the compute stream run on.
+        for stream in self._copy_streams.pop(sg.index, ()):
+            stream.synchronize()
+
     def _write_out(self, sg: SubGroup) -> None:
         """Write the gradient buffer of ``sg`` to its extent (behind the caller) and let go of it."""
-        self._sync_device()
+        self._wait_for_copies(sg)
         buf = sg.grad.view(torch.uint8)
         t = self.store.write_span(self.file, sg.grad_extent.offset, buf, f"gradients of sub-group {sg.index}")
         self.writes.add(t, buf, True)
         sg.grad = None
         sg.grad_on_disk = True
 
-    @staticmethod
-    def reset(sg: SubGroup) -> None:
+    def reset(self, sg: SubGroup) -> None:
         """The step consumed the sub-group's gradients: the next window starts from zero."""
+        self._wait_for_copies(sg)  # long done by now (the backward's end waited for them): cheap
         sg.grad = None
         sg.grad_on_disk = False
 
     def held_bytes(self) -> int:
         return sum(sg.part for sg in self.sub_groups if sg.grad is not None)
-
-    @staticmethod
-    def _sync_device():
-        # Gradient partitions reach host buffers through non-blocking device-to-host copies; they must
-        # land before a buffer is written out.
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
 
 class GradientPartitions:
@@ -172,7 +184,10 @@ class GradientPartitions:
 
     def __getitem__(self, ds_id):
         sg, offset, numel = self.positions[ds_id]
-        return self.gradients.open(sg).narrow(0, offset, numel)
+        grad = self.gradients.open(sg)
+        # Every copy ZeRO-3 makes to or from a gradient partition follows its look-up here, on the same stream.
+        self.gradients.note_copies(sg)
+        return grad.narrow(0, offset, numel)
 
     def __contains__(self, ds_id):
         return ds_id in self.positions

@@ -68,7 +68,12 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         runtime.plan = plan
         runtime.start_training(plan.pool_bytes)
         runtime.param_swapper.plan(self.module, plan.layer_group_size, plan.group_slots, plan.retained_groups)
-        swapper = AidaptivOptimizerSwapper(runtime, self.optimizer, self, plan.chunk_numel)
+        # On an accelerator ZeRO-3 copies gradient partitions into our host buffers without blocking; the
+        # buffers wait for those copies by stream before they are written out. DeepSpeed's CPU accelerator
+        # copies synchronously: nothing to wait for.
+        accelerator = get_accelerator()
+        current_stream = None if accelerator.is_synchronized_device() else accelerator.current_stream
+        swapper = AidaptivOptimizerSwapper(runtime, self.optimizer, self, plan.chunk_numel, current_stream)
         records = runtime.param_swapper.records
         positions = {}
         for i, group in enumerate(self.fp16_groups):

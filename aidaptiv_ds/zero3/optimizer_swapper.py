@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 
 class AidaptivOptimizerSwapper:
     """The optimizer-swapper interface ZeRO-3 calls. ``streamed_step`` runs the step it does not have;
-    ``gradients`` holds the sub-groups' gradient buffers."""
+    ``gradients`` holds the sub-groups' gradient buffers. ``current_stream``: the accelerator's, or None
+    where its copies are synchronous (see SubGroupGradients.note_copies)."""
 
-    def __init__(self, runtime, optimizer, stage3, chunk_numel: int):
+    def __init__(self, runtime, optimizer, stage3, chunk_numel: int, current_stream=None):
         self.runtime = runtime
         runtime.optimizer_swapper = self
         self.optimizer = optimizer
@@ -60,7 +61,8 @@ class AidaptivOptimizerSwapper:
         self._writes = WriteBehind(runtime.store)  # optimizer images and gradients being written
         self._lock = threading.RLock()
         mem = runtime.memory
-        self.gradients = SubGroupGradients(runtime.store, mem, self.file, self.by_index, self._writes, self._lock)
+        self.gradients = SubGroupGradients(runtime.store, mem, self.file, self.by_index, self._writes, self._lock,
+                                           current_stream)
         self.streamed_step = StreamedStep(optimizer, runtime.store, mem, self.file, self.by_index, self.gradients,
                                           runtime.param_swapper.cache, self._writes, self._lock, runtime.stats,
                                           self.master_is_parameter)

@@ -43,7 +43,8 @@ class ParamStatus:
 
 
 def _empty(dtype):
-    return torch.empty(0, dtype=dtype)
+    # On the CPU by name, as partitions are: under zero.Init torch.empty defaults to the accelerator.
+    return torch.empty(0, dtype=dtype, device="cpu")
 
 
 class AidaptivParamSwapper:

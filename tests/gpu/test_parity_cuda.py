@@ -56,10 +56,10 @@ def test_swapper_on_cuda_follows_in_memory_zero3(tmp_path, dtype):
 
 
 def test_persistence_threshold_from_hf_auto_keeps_the_trajectory(tmp_path):
-    """HF's "auto" gives stage3_param_persistence_threshold = 10 x hidden: DeepSpeed keeps small parameters
-    (the norms) on the GPU and releases the others right after a non-blocking copy from our host slot. If our
-    eviction reused that slot while the copy ran, the GPU would see another parameter's bytes and the loss
-    would leave the in-memory trajectory."""
+    """HF's "auto" gives stage3_param_persistence_threshold = 10 x hidden. DeepSpeed releases a persistent
+    parameter right after queuing its non-blocking copy from our host slot, which our eviction could reuse
+    while the copy runs. The block's translation replaces any threshold with 0 (aidaptiv_ds/config.py), so
+    this must train like in-memory ZeRO-3 whatever the user set."""
     ref = _train(tmp_path, os.path.join(CONFIGS, "zero3.json"), "zero3", "fp32")
     config = _aidaptiv_config(tmp_path, stage3_param_persistence_threshold=10 * 256)
     ours = _train(tmp_path, config, "aidaptiv-persist", "fp32")
