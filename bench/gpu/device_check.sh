@@ -52,7 +52,7 @@ done
 cat "$RES"/op_*.log | grep -E "ready|failed|compatible|Error" | tail -6
 
 phase "tests/gpu"
-timeout $(( $(left) > 240 ? 240 : $(left) )) python3 -m pytest -q -rA -x -p no:cacheprovider tests/gpu -n 4 \
+timeout $(( $(left) > 240 ? 240 : $(left) )) python3 -m pytest -q -rA -p no:cacheprovider tests/gpu -n 4 \
   > "$OUT/pytest.log" 2>&1; echo "pytest rc=$?"
 grep -E "passed|failed|PASSED|FAILED|ERROR|zero3 |aidaptiv " "$OUT/pytest.log" | tail -30
 
