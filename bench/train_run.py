@@ -27,13 +27,19 @@ def run_train(cmd, cwd, env, swap, metrics, **row):
 def bench_setup(root, swap_root, out):
     """What every benchmark run starts with: its swap and output folders made, the child environment (the
     repository's JIT-op folder unless TORCH_EXTENSIONS_DIR says otherwise), the machine's facts and the
-    commit. Returns (env, machine, sha, dirty)."""
+    commit. Returns (env, machine, sha, dirty).
+
+    The environment's bin goes first on the children's PATH: the paths a benchmark alternates between start
+    differently (a plain script with this Python, `aidaptiv-ds train`, which puts its bin first), and two
+    ninjas sharing one extensions folder rebuild DeepSpeed's ops at every switch (harness/prebuild.py)."""
     from aidaptiv_ds.harness.machine import machine_info
+    from aidaptiv_ds.harness.prebuild import put_build_tools_first
     from aidaptiv_ds.harness.results import git_state
     os.makedirs(swap_root, exist_ok=True)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".torch_extensions"))
+    put_build_tools_first(env)
     sha, dirty = git_state(root)
     return env, machine_info(swap_root), sha, dirty
 
