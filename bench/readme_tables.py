@@ -5,7 +5,8 @@
     python bench/readme_tables.py --print    # prints the section instead
 
 Sources: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), bench/results/swap_step_time/rows.jsonl,
-bench/results/cpu_small/results.jsonl, bench/results/faults/rows.jsonl.
+bench/results/cpu_small/results.jsonl, bench/results/cpu_small_repeats_epyc/results.jsonl,
+bench/results/faults/rows.jsonl.
 """
 import argparse
 import json
@@ -184,9 +185,75 @@ def settings_section():
     return "\n".join([SETTINGS_BEGIN, "", *out, "", SETTINGS_END])
 
 
+REPEATS_DIR = os.path.join("bench", "results", "cpu_small_repeats_epyc")
+REPEATS_BACKENDS = ["zero_infinity", "zero_infinity_eqmem", "aidaptiv"]
+
+
+def repeats_section():
+    """bench/grids/cpu_small_repeats.json: per shape and backend the median tokens/s over the repeats with their
+    min-max, and aidaptiv / equal-memory ZeRO-Infinity per repeat (repeat k against repeat k: they ran minutes
+    apart, the grid interleaves every cell once per repeat)."""
+    from aidaptiv_ds.harness.machine import cpu_line
+    from aidaptiv_ds.harness.results import load_rows
+    out_dir = os.path.join(ROOT, REPEATS_DIR)
+    if not os.path.exists(os.path.join(out_dir, "results.jsonl")):
+        return [f"(no repeated sweep rows yet: `aidaptiv-ds sweep --grid bench/grids/cpu_small_repeats.json --out "
+                f"{REPEATS_DIR}`)"]
+    runs = {}
+    for r in load_rows(out_dir).rows:  # the newest row of each run (cell and repeat)
+        runs[(r["model"], r["gpus"], r["micro_batch"], r["seq_len"], r["backend"], r.get("repeat", 0))] = r
+    shapes = sorted({k[:4] for k in runs}, key=lambda k: (["micro", "tiny", "small"].index(k[0])
+                                                          if k[0] in ("micro", "tiny", "small") else 9, k[1:]))
+    repeats = sorted({k[5] for k in runs})
+    any_row = next(iter(runs.values()))
+    cap = (any_row.get("host_mem_cap") or {}).get("gb")
+    m = any_row.get("machine", {})
+    names = {"zero_infinity": "ZeRO-Infinity (shipped)", "zero_infinity_eqmem": "ZeRO-Infinity (aidaptiv's memory)",
+             "aidaptiv": "aidaptiv"}
+    out = [f"**CPU sweep, {len(repeats)} interleaved repeats** (`bench/grids/cpu_small_repeats.json`, report in "
+           f"`{REPEATS_DIR}/report.md`): tokens/s per cell, median over the repeats (min-max), {cpu_line(m)}, "
+           f"{m.get('cores', '?')} cores, host memory capped at {cap} GiB per cell, fp32, 1 process. aidaptiv's host "
+           "budget is 0.6 of tiny's state and 0.4 of small's; the eqmem column is ZeRO-Infinity given that same "
+           "memory (max_in_cpu, swap buffers, sub-group size; see the grid's notes). OOM*: refused by the launch "
+           "guard's plan before training.", "",
+           "| model | batch x seq | " + " | ".join(names[b] for b in REPEATS_BACKENDS) +
+           " | aidaptiv / eqmem tokens/s (per-repeat min-max) | peak RSS aidaptiv / eqmem |",
+           "|---|---|" + "---|" * (len(REPEATS_BACKENDS) + 2)]
+    all_ratios, rss_ratios = [], []
+    for shape in shapes:
+        cells = []
+        for b in REPEATS_BACKENDS:
+            got = [runs.get(shape + (b, k)) for k in repeats]
+            ok = [r["tokens_per_s"] for r in got if r and r["status"] == "ok"]
+            if ok:
+                cells.append(f"{statistics.median(ok):.0f} ({min(ok):.0f}-{max(ok):.0f})"
+                             + (f", {len(ok)}/{len([r for r in got if r])} ok" if len(ok) < len([r for r in got if r]) else ""))
+            else:
+                bad = next((r for r in got if r), None)
+                cells.append("-" if bad is None else bad["status"].upper() + ("*" if bad.get("inferred") else ""))
+        pairs = [(runs.get(shape + ("aidaptiv", k)), runs.get(shape + ("zero_infinity_eqmem", k))) for k in repeats]
+        pairs = [(a, z) for a, z in pairs if a and z and a["status"] == z["status"] == "ok"]
+        ratios = [a["tokens_per_s"] / z["tokens_per_s"] for a, z in pairs]
+        rss = [a["peak_rss_mb"] / z["peak_rss_mb"] for a, z in pairs if a.get("peak_rss_mb") and z.get("peak_rss_mb")]
+        all_ratios += ratios
+        rss_ratios += rss
+        ratio = (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
+        rss_cell = f"{statistics.median(rss):.2f}x" if rss else "-"
+        out.append(f"| {shape[0]} | {shape[2]} x {shape[3]} | " + " | ".join(cells) + f" | {ratio} | {rss_cell} |")
+    if all_ratios:
+        shared = len({s for s in shapes if any(runs.get(s + ("aidaptiv", k), {}).get("status") == "ok" and
+                                                runs.get(s + ("zero_infinity_eqmem", k), {}).get("status") == "ok"
+                                                for k in repeats)})
+        out += ["", f"aidaptiv / ZeRO-Infinity at equal memory over the {shared} shared cells ({len(all_ratios)} "
+                    f"repeat pairs): tokens/s median **{statistics.median(all_ratios):.2f}x** (min "
+                    f"{min(all_ratios):.2f}x, max {max(all_ratios):.2f}x), i.e. step time "
+                    f"{1 / statistics.median(all_ratios):.2f}x; peak RSS median {statistics.median(rss_ratios):.2f}x."]
+    return out
+
+
 def section():
-    parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *sweep_section(), "", *faults_section(),
-             "", END]
+    parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *sweep_section(), "", *repeats_section(),
+             "", *faults_section(), "", END]
     return "\n".join(parts)
 
 
