@@ -5,7 +5,8 @@
     python bench/readme_tables.py --print    # prints the section instead
 
 Sources: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), bench/results/swap_step_time/rows.jsonl,
-bench/results/cpu_small/results.jsonl, bench/results/cpu_small_repeats_epyc/results.jsonl,
+bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
+bench/results/cpu_small_repeats_epyc/results.jsonl,
 bench/results/faults/rows.jsonl.
 """
 import argparse
@@ -251,9 +252,50 @@ def repeats_section():
     return out
 
 
+def user_paths_section():
+    """bench/user_paths.py: step time per path users take and backend (median over repeats, min-max), and
+    aidaptiv / ZeRO-Infinity per path from each repeat's two runs."""
+    from aidaptiv_ds.harness.machine import cpu_line
+    rows = [r for r in _rows(os.path.join(ROOT, "bench", "results", "user_paths", "rows.jsonl")) if r["status"] == "ok"]
+    if not rows:
+        return ["(no user-path rows yet: `python bench/user_paths.py`)"]
+    paths = [p for p in ("script", "trainer", "train") if any(r["path"] == p for r in rows)]
+    backends = [b for b in ("aidaptiv", "zero_infinity", "zero3") if any(r["backend"] == b for r in rows)]
+    first = rows[0]
+    m = first["machine"]
+    out = [f"**Step time on the paths users take** (`bench/user_paths.py`, summary in "
+           "`bench/results/user_paths/summary.md`): "
+           f"{first['model']} ({first['params'] / 1e6:.1f}M params), fp32, micro-batch {first['micro_batch']} x seq "
+           f"{first['seq_len']}, 1 CPU process, {cpu_line(m)}, {m.get('cores', '?')} cores; "
+           f"{len({r['repeat'] for r in rows})} interleaved repeats, median step after {first['warmup']} warm-up steps. "
+           "script: a plain loop with the model built under `deepspeed.zero.Init` (examples/zero_init_train.py); "
+           "trainer: the HF Trainer with `--deepspeed` (examples/hf_trainer_finetune.py); train: `aidaptiv-ds "
+           "train`. aidaptiv gets a host budget of a quarter of the model state; ZeRO-Infinity runs its shipped "
+           "config (no RAM cache, `max_in_cpu: 0`), so the memory is not equal here (the repeated sweep below "
+           "compares at equal memory).", "",
+           "| path | " + " | ".join(f"{b} step s" for b in backends) + " | aidaptiv / zero_infinity step | "
+           "peak RSS aidaptiv / zero_infinity |", "|---|" + "---|" * (len(backends) + 2)]
+    for p in paths:
+        cells = []
+        for b in backends:
+            v = [r["step_s_median"] for r in rows if r["path"] == p and r["backend"] == b]
+            cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
+        by_rep = {}
+        for r in rows:
+            if r["path"] == p:
+                by_rep.setdefault(r["repeat"], {})[r["backend"]] = r
+        pairs = [(d["aidaptiv"], d["zero_infinity"]) for d in by_rep.values() if "aidaptiv" in d and "zero_infinity" in d]
+        step = [a["step_s_median"] / z["step_s_median"] for a, z in pairs]
+        rss = [a["peak_rss_mb"] / z["peak_rss_mb"] for a, z in pairs if a.get("peak_rss_mb") and z.get("peak_rss_mb")]
+        out.append(f"| {p} | " + " | ".join(cells) + " | " +
+                   (f"{statistics.median(step):.2f}x ({min(step):.2f}-{max(step):.2f})" if step else "-") + " | " +
+                   (f"{statistics.median(rss):.2f}x" if rss else "-") + " |")
+    return out
+
+
 def section():
-    parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *sweep_section(), "", *repeats_section(),
-             "", *faults_section(), "", END]
+    parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *user_paths_section(), "",
+             *sweep_section(), "", *repeats_section(), "", *faults_section(), "", END]
     return "\n".join(parts)
 
 
