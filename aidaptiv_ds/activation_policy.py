@@ -155,9 +155,17 @@ def default_budget(device: torch.device, host_budget: Optional[int]) -> Tuple[in
     rest for the backward's gradients, a recomputed block and the loss chunks), on CPU this rank's host
     budget (the activations live in ordinary memory beside the swapper's pinned pool)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)   # cached, unused
-        return free // 2, f"half of the {free / GiB:.2f} GiB GPU memory free when planned"
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        free += torch.cuda.memory_reserved(device) - allocated   # cached, unused
+        # mem_get_info is the device's; a cap set with set_per_process_memory_fraction (train's
+        # --gpu-mem-cap-gb, emulating a smaller card) is the allocator's, and only it tells what is left.
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)   # torch >= 2.8
+        fraction = get_fraction(device) if get_fraction is not None else 1.0
+        where = "GPU memory free"
+        if fraction < 1.0 and int(fraction * total) - allocated < free:
+            free, where = max(0, int(fraction * total) - allocated), "GPU memory left under this process's cap"
+        return free // 2, f"half of the {free / GiB:.2f} GiB {where} when planned"
     if host_budget is None:
         raise ValueError("aidaptiv.activations.budget \"auto\" on CPU is this rank's host budget, which this run "
                          "does not have: give activations.budget in bytes")

@@ -114,3 +114,28 @@ def test_default_budget_on_cpu_is_the_host_budget():
                                                                                   "this rank's host_memory_budget")
     with pytest.raises(ValueError, match="give activations.budget in bytes"):
         activation_policy.default_budget(torch.device("cpu"), None)
+
+
+def _fake_cuda(monkeypatch, *, free, total, reserved, allocated, fraction):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
+
+
+def test_default_budget_on_cuda_is_half_the_free_memory(monkeypatch):
+    """Uncapped: half of what the device has free plus what the allocator caches unused."""
+    _fake_cuda(monkeypatch, free=100 << 30, total=140 << 30, reserved=6 << 30, allocated=4 << 30, fraction=1.0)
+    assert activation_policy.default_budget(torch.device("cuda", 0), None) == (
+        51 << 30, "half of the 102.00 GiB GPU memory free when planned")
+
+
+def test_default_budget_on_cuda_follows_the_process_memory_cap(monkeypatch):
+    """--gpu-mem-cap-gb 6 on a 140 GiB card: the device says 100 GiB free, but the allocator may hold only 6 GiB
+    and 4 are taken, so the plan gets half of the 2 left (a budget from mem_get_info would keep every
+    activation and run out of memory at the cap)."""
+    _fake_cuda(monkeypatch, free=100 << 30, total=140 << 30, reserved=5 << 30, allocated=4 << 30,
+               fraction=6 / 140)
+    budget, how = activation_policy.default_budget(torch.device("cuda", 0), None)
+    assert abs(budget - (1 << 30)) < 2**20
+    assert "under this process's cap" in how
