@@ -100,8 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="free swap space per node, instead of the directory's")
     p.add_argument("--backend", default="all", help=f"all, or one or more of {', '.join(BACKENDS)} (comma-separated)")
     p.add_argument("--activations", choices=ACTIVATION_POLICIES, default="keep",
-                   help="keep: autograd keeps every activation (what aidaptiv-ds train does); checkpoint: only layer "
-                        "inputs, recomputed in backward (the HF Trainer's gradient_checkpointing)")
+                   help="keep: autograd keeps every activation (aidaptiv.activations.policy keep, the default); "
+                        "checkpoint: only layer inputs, recomputed in backward (the HF Trainer's "
+                        "gradient_checkpointing, policy recompute); nvme: the layer inputs stored on NVMe and read "
+                        "back ahead of the backward (policy nvme, and the least policy auto keeps)")
+    p.add_argument("--loss-chunk-tokens", type=_positive("--loss-chunk-tokens"), default=None, metavar="N",
+                   help="the LM head and loss in chunks of N tokens (aidaptiv.activations.loss_chunk_tokens): "
+                        "one chunk's logits exist at a time; default: unchunked")
     g = p.add_argument_group("aidaptiv settings (default: chosen to fit)")
     g.add_argument("--host-budget", type=_size("--host-budget"), default=None, metavar="SIZE",
                    help="aidaptiv.host_memory_budget per rank; default: the host memory left, at most what helps")
@@ -175,6 +180,10 @@ def make_plans(job: Job, hw: Hardware, rates: Rates, backends: List[str]
     return plans, {p.backend: predict(p, job, hw, rates) for p in plans}
 
 
+# The planner's activation modes as the aidaptiv block's activations.policy.
+POLICY_OF_MODE = {"keep": "keep", "checkpoint": "recompute", "nvme": "nvme"}
+
+
 def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
     """A DeepSpeed config (ds_configs/aidaptiv.json's settings) with the aidaptiv block the plan chose."""
     st = plan.settings
@@ -188,6 +197,12 @@ def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
         "aidaptiv": {"enabled": True, "nvme_path": nvme_path, "host_memory_budget": st["host_memory_budget"],
                      "layer_group_size": st["layer_group_size"], "prefetch_depth": st["prefetch_depth"]},
     }
+    # The activations the plan counted, as the block's policy (so the written job holds what was planned).
+    activations = {"policy": POLICY_OF_MODE[job.activations]} if job.activations != "keep" else {}
+    if job.loss_chunk_tokens:
+        activations["loss_chunk_tokens"] = job.loss_chunk_tokens
+    if activations:
+        cfg["aidaptiv"]["activations"] = activations
     if job.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -241,7 +256,7 @@ def _run(args) -> int:
                   launcher_host=int(rates.launcher_host or 0) if args.gpus * args.nodes > 1 else 0,
                   gpu_overhead=gpu_overhead if gpu_mem is not None else 0)
     job = Job(shape, args.seq_len, args.micro_batch, args.grad_accum, args.dtype, args.activations,
-              host_budget=args.host_budget, layer_group_size=args.layer_group_size,
+              loss_chunk_tokens=args.loss_chunk_tokens, host_budget=args.host_budget, layer_group_size=args.layer_group_size,
               prefetch_depth=args.prefetch_depth)
     plans, predictions = make_plans(job, hw, rates, backends)
     if rates.framework_host is None:

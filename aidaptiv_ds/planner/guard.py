@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from aidaptiv_ds import ds_config as dsc
 from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
@@ -88,18 +88,42 @@ def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_worl
     return problems
 
 
+# aidaptiv.activations.policy -> the planner's activation mode. "auto" keeps what its activation budget holds
+# and stores or recomputes the rest, so the least it can hold, nvme's, is what decides whether a job fits.
+PLANNER_ACTIVATIONS = {"keep": "keep", "recompute": "checkpoint", "nvme": "nvme", "auto": "nvme"}
+
+
+def config_activations(cfg: dict) -> Tuple[str, Optional[int]]:
+    """(the planner's activation mode, loss chunk tokens or None) of a DeepSpeed config: an "aidaptiv" block's
+    activations (its defaults where it sets none: keep, and the loss in chunks of 1024 tokens); "keep" and
+    unchunked for any other config. A block that does not validate is taken as its defaults (train's own
+    validation reports it)."""
+    from aidaptiv_ds.config import ActivationsConfig, block_of, is_enabled
+    if not is_enabled(cfg):
+        return "keep", None
+    block = block_of(cfg)
+    try:
+        act = ActivationsConfig.model_validate(block.get("activations") or {})
+    except ValueError:
+        act = ActivationsConfig()
+    return PLANNER_ACTIVATIONS[act.policy], act.loss_chunk_tokens or None
+
+
 def predicted_oom(model: str, backend: str, *, gpus: int, nodes: int, micro_batch: int, seq_len: int,
                   grad_accum: int, dtype: str, host_mem: int, gpu_mem: Optional[int], host_budget: Optional[int],
-                  framework_host: int = 0, launcher_host: int = 0) -> Optional[str]:
+                  framework_host: int = 0, launcher_host: int = 0, activations: str = "keep",
+                  loss_chunk_tokens: Optional[int] = None) -> Optional[str]:
     """Why the plan says a sweep cell will run out of memory (its first problem), or None when it fits or
     the model is not one the planner can size. Unlike :func:`launch_problems`, the whole plan counts:
-    framework, activations and DeepSpeed's buffers too."""
+    framework, activations and DeepSpeed's buffers too (``activations`` and ``loss_chunk_tokens`` as
+    :func:`config_activations` gives them for the cell's config)."""
     try:
         shape = resolve_shape(model)
     except ValueError:
         return None
     hw = Hardware(gpus=gpus, nodes=nodes, gpu_mem=gpu_mem, host_mem=host_mem, framework_host=framework_host,
                   launcher_host=launcher_host)
-    job = Job(shape, seq_len, micro_batch, grad_accum, dtype=dtype, host_budget=host_budget)
+    job = Job(shape, seq_len, micro_batch, grad_accum, dtype=dtype, activations=activations,
+              loss_chunk_tokens=loss_chunk_tokens, host_budget=host_budget)
     plan = plan_backend(backend, job, hw)
     return plan.problems[0] if plan.problems else None

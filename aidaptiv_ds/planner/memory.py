@@ -35,7 +35,10 @@ from aidaptiv_ds.planner.shapes import ModelShape
 from aidaptiv_ds.sizes import GiB, align_up, dtype_bytes
 
 BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
-ACTIVATION_POLICIES = ("keep", "checkpoint")
+ACTIVATION_POLICIES = ("keep", "checkpoint", "nvme")
+# aidaptiv's "nvme" policy reads stored layer inputs back this many ahead of the backward (the block's
+# activations.read_ahead default): those, and the one being used, are what memory holds of them.
+NVME_ACTIVATIONS_IN_FLIGHT = 3
 
 # DeepSpeed's defaults and our shipped ds_configs/ (zero_infinity.json), which the plan assumes.
 REDUCE_BUCKET_SIZE = 500_000_000      # reduce_bucket_size (elements), not set by the shipped configs
@@ -134,6 +137,10 @@ class Job:
     grad_accum: int = 1
     dtype: str = "bf16"
     activations: str = "keep"
+    """keep, checkpoint (layer inputs kept, one layer recomputed at a time) or nvme (checkpoint with the layer
+    inputs on NVMe: aidaptiv's activations policy "nvme", and the least "auto" can hold)."""
+    loss_chunk_tokens: Optional[int] = None
+    """Tokens per chunk of the LM head and loss (aidaptiv.activations.loss_chunk_tokens); None: unchunked."""
     # aidaptiv: None chooses the largest budget host memory allows
     host_budget: Optional[int] = None    # bytes per rank
     layer_group_size: int = 4
@@ -196,13 +203,18 @@ def activation_bytes(job: Job) -> Dict[str, int]:
     product, the activation) in the training dtype, plus 2 hidden-sized fp32 copies inside RMSNorm; the
     logits with their fp32 copy and the loss's log-softmax. Attention scores are not counted (SDPA's flash
     and memory-efficient kernels, on CPU too, do not keep them). ``checkpoint`` keeps only each layer's
-    input and recomputes one layer at a time."""
+    input and recomputes one layer at a time; ``nvme`` keeps only the inputs read back ahead of the backward.
+    With ``loss_chunk_tokens`` the logits of one chunk exist at a time."""
     s, e, t = job.shape, job.elsize, job.tokens
     per_layer = t * ((10 * s.hidden + 4 * s.intermediate) * e + 2 * s.hidden * 4)
-    logits = t * s.vocab * (e + 4 + 4)
+    rows = min(t, job.loss_chunk_tokens) if job.loss_chunk_tokens else t
+    logits = rows * s.vocab * (e + 4 + 4)
     if job.activations == "checkpoint":
         return {"layer inputs (checkpointed)": s.layers * t * s.hidden * e, "one layer recomputed": per_layer,
                 "logits and loss": logits}
+    if job.activations == "nvme":
+        return {"layer inputs (on NVMe, read ahead)": min(s.layers, NVME_ACTIVATIONS_IN_FLIGHT) * t * s.hidden * e,
+                "one layer recomputed": per_layer, "logits and loss": logits}
     return {"layers": s.layers * per_layer, "logits and loss": logits}
 
 

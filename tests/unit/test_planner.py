@@ -92,6 +92,25 @@ def test_written_config_validates_and_launches_as_planned(capsys, tmp_path):
     assert settings.nvme_path == str(swap)
     assert cfg["aidaptiv"]["host_memory_budget"] <= 2 * 2**30 - 1200 * 2**20
     assert "bf16" not in cfg
+    assert "activations" not in cfg["aidaptiv"]           # planned with every activation kept: the default
+
+
+@pytest.mark.parametrize("mode,policy", [("checkpoint", "recompute"), ("nvme", "nvme")])
+def test_written_config_holds_the_activations_that_were_planned(tmp_path, mode, policy):
+    """A plan that counted recomputed or stored activations and a chunked loss writes that policy, so the
+    job it launches holds what was planned."""
+    from aidaptiv_ds import config as aconfig
+    (tmp_path / "swap").mkdir()
+    out = tmp_path / "plan.json"
+    rc = cli.main(["plan", "--model", "tiny", "--seq-len", "4096", "--micro-batch", "1", "--dtype", "fp32",
+                   "--host-mem", "8GiB", "--nvme", str(tmp_path / "swap"), "--nvme-read-bw", "1GB/s",
+                   "--nvme-write-bw", "1GB/s", "--cpu-flops", "1e11", "--cpu-adam", "1e8", "--framework-mem",
+                   "1200MiB", "--no-probe", "--activations", mode, "--loss-chunk-tokens", "512",
+                   "--write-config", str(out)])
+    assert rc == 0
+    cfg = json.loads(out.read_text())
+    assert cfg["aidaptiv"]["activations"] == {"policy": policy, "loss_chunk_tokens": 512}
+    assert aconfig.validate(cfg).activations.policy == policy
 
 
 def test_rates_are_cached_per_device_and_given_ones_win(tmp_path, monkeypatch):
@@ -139,6 +158,42 @@ def test_bound_is_the_slowest_resource():
     assert p.bound == "compute" and p.tokens_per_s == pytest.approx(128 / p.step_s)
     unknown = predict(plan, job, hw, R.Rates())
     assert unknown.step_s is None and "gpu_flops" in unknown.missing
+
+
+def test_activation_modes_and_the_chunked_loss():
+    """tinyllama at 1 x 2048 in bf16: keeping every activation costs most, layer inputs (checkpoint) less, the
+    nvme policy (inputs in flight only) least; a chunked loss holds one chunk's logits instead of all."""
+    shape = resolve_shape("tinyllama-1.1b")
+    total = {mode: sum(M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations=mode)).values())
+             for mode in M.ACTIVATION_POLICIES}
+    assert total["keep"] > total["checkpoint"] > total["nvme"]
+    unchunked = M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations="nvme"))["logits and loss"]
+    chunked = M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations="nvme",
+                                       loss_chunk_tokens=512))["logits and loss"]
+    assert chunked * 4 == unchunked
+
+
+def test_config_activations_follow_the_aidaptiv_block():
+    from aidaptiv_ds.planner.guard import config_activations
+    assert config_activations({"zero_optimization": {"stage": 3}}) == ("keep", None)
+    block = {"enabled": True, "nvme_path": "/x"}
+    assert config_activations({"aidaptiv": block}) == ("keep", 1024)           # the block's defaults
+    for policy, mode in (("recompute", "checkpoint"), ("nvme", "nvme"), ("auto", "nvme")):
+        cfg = {"aidaptiv": {**block, "activations": {"policy": policy, "loss_chunk_tokens": 0}}}
+        assert config_activations(cfg) == (mode, None), policy
+    assert config_activations({"aidaptiv": {**block, "enabled": False,
+                                            "activations": {"policy": "nvme"}}}) == ("keep", None)
+
+
+def test_predicted_oom_follows_the_activation_policy():
+    """On a 6 GiB GPU cap tinyllama at 2 x 2048 bf16 does not fit aidaptiv with every activation kept (about 10
+    GiB of them), and does with the nvme policy and a chunked loss (the cells gpu_scaled's activation policy is
+    for)."""
+    from aidaptiv_ds.planner.guard import predicted_oom
+    common = dict(gpus=1, nodes=1, micro_batch=2, seq_len=2048, grad_accum=1, dtype="bf16", host_mem=100 << 30,
+                  gpu_mem=6 << 30, host_budget=4 << 30)
+    assert predicted_oom("tinyllama-1.1b", "aidaptiv", **common) is not None
+    assert predicted_oom("tinyllama-1.1b", "aidaptiv", activations="nvme", loss_chunk_tokens=1024, **common) is None
 
 
 # ------------------------------------------------------------------ the launch guard
