@@ -18,6 +18,7 @@ from typing import Iterable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from aidaptiv_ds.config import ActivationsConfig
 from aidaptiv_ds.ds_config import BACKENDS
 from aidaptiv_ds.harness.eqmem import BACKEND as EQMEM_BACKEND
 from aidaptiv_ds.models import PRESETS, nominal_parameters
@@ -134,6 +135,10 @@ class Grid(BaseModel):
     """aidaptiv cells get a host budget (--host-budget) of this fraction of the model's ZeRO-3 state (20
     bytes per parameter in fp32, split over the ranks), so that the RAM cache tier stays below the state and
     most of it really moves through NVMe; unset: the config's budget."""
+    aidaptiv_activations: Optional[ActivationsConfig] = None
+    """The aidaptiv cells' activations (the block's "activations" object: policy keep, recompute, nvme or auto,
+    loss_chunk_tokens, ...): the sweep writes OUT/ds_configs/aidaptiv.json with it, and the planner's OOM
+    predictions of those cells follow it; unset: the config's own. The other backends are unchanged."""
     per_model: dict[str, ModelOverride] = Field(default_factory=dict)
     """Per-model replacements of micro_batches / seq_lens / gpus / grad_accum."""
 

@@ -238,14 +238,17 @@ def _dominating_oom(cell: Cell, rows: list[dict], ctx: dict) -> Optional[str]:
     return None
 
 
-def _configs_in_dtype(src: str, dst: str, dtype: str, names) -> str:
-    """Copies of src/<name>.json in ``dst`` with the grid's precision set (what train's --dtype does), so the
-    cells, the planner's predictions and the ZeRO-Infinity eqmem sizing all read the one precision; returns
-    ``dst``. Rewritten on every run of the sweep (a resumed sweep gets the same files)."""
+def _grid_configs(src: str, dst: str, names, *, dtype: Optional[str], aidaptiv_activations: Optional[dict]) -> str:
+    """Copies of src/<name>.json in ``dst`` with what the grid sets: its precision (as train's --dtype does) on
+    every config, its activations block on aidaptiv's, so that the cells, the planner's predictions and the
+    ZeRO-Infinity eqmem sizing all read the same files; returns ``dst``. Rewritten on every run of the sweep
+    (a resumed sweep gets the same files)."""
     from aidaptiv_ds import ds_config
     os.makedirs(dst, exist_ok=True)
     for name in sorted(names):
         cfg = ds_config.apply_overrides(ds_config.load(os.path.join(src, f"{name}.json")), dtype=dtype)
+        if aidaptiv_activations is not None and isinstance(cfg.get("aidaptiv"), dict):
+            cfg["aidaptiv"]["activations"] = dict(aidaptiv_activations)
         with open(os.path.join(dst, f"{name}.json"), "w") as f:
             json.dump(cfg, f, indent=2)
     return dst
@@ -304,7 +307,7 @@ def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
     backend config's dtype and the framework and launcher memory measured by an earlier 'aidaptiv-ds plan' (cached;
     nothing is probed here, and an unknown figure counts as 0, so a cell is never predicted OOM for it)."""
     from aidaptiv_ds import ds_config
-    from aidaptiv_ds.planner.guard import predicted_oom
+    from aidaptiv_ds.planner.guard import config_activations, predicted_oom
     from aidaptiv_ds.planner.rates import machine_rates
     if cell.backend == eqmem.BACKEND:
         return None   # the planner sizes the shipped configs; this one is sized per cell
@@ -322,10 +325,11 @@ def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
     if ctx["spec"].accelerator == "cuda":
         gpu = int(ctx["gpu_mem_cap_gb"] * 2**30) if ctx["gpu_mem_cap_gb"] else ctx.get("gpu_mem_bytes")
     nodes = ctx["spec"].nodes_for(cell)
+    activations, chunk = config_activations(cfg)
     return predicted_oom(cell.model, cell.backend, gpus=cell.gpus // nodes, nodes=nodes, micro_batch=cell.micro_batch,
                          seq_len=cell.seq_len, grad_accum=cell.grad_accum, dtype=dtype, host_mem=host, gpu_mem=gpu,
                          host_budget=_aidaptiv_budget(cell, ctx), framework_host=ctx["framework"],
-                         launcher_host=ctx["launcher"])
+                         launcher_host=ctx["launcher"], activations=activations, loss_chunk_tokens=chunk)
 
 
 def _run_one(run_: Run, ctx: dict, tick) -> dict:
@@ -460,9 +464,12 @@ def run(args: argparse.Namespace) -> int:
 
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "cells"), exist_ok=True)
-    if grid.dtype:
-        ds_configs = _configs_in_dtype(ds_configs, os.path.join(out, "ds_configs"), grid.dtype,
-                                       {eqmem.BASE if r.cell.backend == eqmem.BACKEND else r.cell.backend for r in runs})
+    if grid.dtype or grid.aidaptiv_activations is not None:
+        ds_configs = _grid_configs(
+            ds_configs, os.path.join(out, "ds_configs"),
+            {eqmem.BASE if r.cell.backend == eqmem.BACKEND else r.cell.backend for r in runs}, dtype=grid.dtype,
+            aidaptiv_activations=(grid.aidaptiv_activations.model_dump(exclude_unset=True)
+                                  if grid.aidaptiv_activations is not None else None))
     loaded = load_rows(out)
     for p in loaded.problems:
         print(f"warning: {p}", file=sys.stderr)
