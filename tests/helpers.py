@@ -67,6 +67,21 @@ def assert_same_losses(ours, reference, rel=1e-5):
         assert abs(a - b) <= rel * abs(b), (ours, reference)
 
 
+def aidaptiv_config(folder, name="aidaptiv", zero=None, **block):
+    """ds_configs/aidaptiv.json written to folder/<name>.json with its swap space in folder/swap (swap_<name>
+    for another name, so that several configs can share a folder), ``block`` set in its "aidaptiv" block and
+    ``zero`` in its zero_optimization."""
+    with open(os.path.join(CONFIGS, "aidaptiv.json")) as f:
+        cfg = json.load(f)
+    swap = folder / ("swap" if name == "aidaptiv" else f"swap_{name}")
+    swap.mkdir(exist_ok=True)
+    cfg["aidaptiv"].update(nvme_path=str(swap), **block)
+    cfg["zero_optimization"].update(zero or {})
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
 def adapter_config(folder, name, budget="64MiB"):
     """ds_configs/<name> for an adapter run in ``folder``: lr 1e-2 (LoRA's B starts at zero; adapters must move
     visibly in a few steps) and, with an aidaptiv block, a swap folder of its own and ``budget``."""

@@ -4,13 +4,12 @@ parameters and optimizer state really streamed through the swap files. Skipped w
 The host budget (40 MiB) is below the micro preset's model state (94 MiB in fp32), so every step reads and
 writes the state through NVMe, and the GPU receives each parameter from a host slot the swapper may reuse.
 """
-import json
 import os
 
 import pytest
 import torch
 
-from helpers import CONFIGS, failure_excerpt, read_metrics, run_train
+from helpers import CONFIGS, aidaptiv_config, failure_excerpt, read_metrics, run_train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -21,16 +20,8 @@ COMMON = ["--model", "micro", "--seq-len", "128", "--micro-batch", "2", "--warmu
 REL = {"fp32": 1e-5, "bf16": 2e-2}
 
 
-def _aidaptiv_config(tmp_path, **extra):
-    with open(os.path.join(CONFIGS, "aidaptiv.json")) as f:
-        cfg = json.load(f)
-    swap = tmp_path / "swap"
-    swap.mkdir(exist_ok=True)
-    cfg["aidaptiv"].update(nvme_path=str(swap), host_memory_budget="40MiB", layer_group_size=1)
-    cfg["zero_optimization"].update(extra)
-    path = tmp_path / "aidaptiv.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+def _aidaptiv_config(tmp_path, **zero):
+    return aidaptiv_config(tmp_path, zero=zero, host_memory_budget="40MiB", layer_group_size=1)
 
 
 def _train(tmp_path, config, name, dtype):
@@ -64,3 +55,34 @@ def test_persistence_threshold_from_hf_auto_keeps_the_trajectory(tmp_path):
     config = _aidaptiv_config(tmp_path, stage3_param_persistence_threshold=10 * 256)
     ours = _train(tmp_path, config, "aidaptiv-persist", "fp32")
     assert ours["losses"] == pytest.approx(ref["losses"], rel=REL["fp32"])
+
+
+@pytest.mark.parametrize("policy", ["nvme", "auto"])
+def test_activation_policies_on_cuda_follow_in_memory_zero3(tmp_path, policy):
+    """The activation policies on CUDA, fp32: block inputs stored through the swap space (nvme), or a plan per
+    block (auto), and the loss in chunks, on the trajectory of in-memory ZeRO-3 with activations kept."""
+    ref = _train(tmp_path, os.path.join(CONFIGS, "zero3.json"), "zero3", "fp32")
+    config = aidaptiv_config(tmp_path, host_memory_budget="40MiB", layer_group_size=1,
+                             activations={"policy": policy, "loss_chunk_tokens": 64})
+    ours = _train(tmp_path, config, f"aidaptiv-{policy}", "fp32")
+    print(f"{policy} zero3    {ref['losses']}\n{policy} aidaptiv {ours['losses']}")
+    assert ours["losses"] == pytest.approx(ref["losses"], rel=REL["fp32"])
+    a = ours["activations"]
+    if policy == "nvme":
+        assert a["bytes_stored"] > 0 and a["bytes_read"] >= a["bytes_stored"]
+    else:
+        assert a["plan"]["budget_source"].startswith("half of the"), a["plan"]
+
+
+def test_auto_activation_budget_follows_the_gpu_memory_cap(tmp_path):
+    """--gpu-mem-cap-gb emulates a smaller card with the allocator's fraction; the auto policy's budget must be
+    half of what is left under that cap, not of the whole device's free memory."""
+    config = aidaptiv_config(tmp_path, host_memory_budget="40MiB", layer_group_size=1,
+                             activations={"policy": "auto", "loss_chunk_tokens": 64})
+    out = tmp_path / "capped.json"
+    rc, log = run_train(["--config", config, *COMMON, "--dtype", "fp32", "--gpu-mem-cap-gb", "2",
+                         "--metrics-out", str(out)], cwd=tmp_path)
+    assert rc == 0, failure_excerpt(log)
+    plan = read_metrics(out)["activations"]["plan"]
+    assert "under this process's cap" in plan["budget_source"], plan["budget_source"]
+    assert plan["budget_bytes"] <= 1 << 30

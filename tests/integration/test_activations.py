@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import helpers
 from helpers import CONFIGS, assert_same_losses, _free_port, child_env, failure_excerpt, read_metrics, run_train
 
 BUDGET = "40MiB"
@@ -22,15 +23,7 @@ CHUNK = 16
 
 
 def aidaptiv_config(tmp_path, **activations):
-    with open(os.path.join(CONFIGS, "aidaptiv.json")) as f:
-        cfg = json.load(f)
-    swap = tmp_path / "swap"
-    swap.mkdir(exist_ok=True)
-    cfg["aidaptiv"].update(nvme_path=str(swap), host_memory_budget=BUDGET, layer_group_size=1,
-                           activations=activations)
-    path = tmp_path / "aidaptiv.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+    return helpers.aidaptiv_config(tmp_path, host_memory_budget=BUDGET, layer_group_size=1, activations=activations)
 
 
 def train(tmp_path, config, name, *extra, procs=None):

@@ -17,6 +17,7 @@ import pytest
 
 from aidaptiv_ds.zero3 import dist_shm
 from aidaptiv_ds.zero3.compat import SHM_ALLREDUCE_PREFIX
+import helpers
 from helpers import (CONFIGS, REPO, _free_port, assert_same_losses, child_env, failure_excerpt, read_metrics,
                      run_train)
 
@@ -27,14 +28,7 @@ COMMON = ["--model", "micro", "--seq-len", "64", "--micro-batch", "2", "--warmup
 
 def aidaptiv_config(tmp_path, **block):
     """ds_configs/aidaptiv.json with its swap space in tmp_path and the small budget."""
-    with open(os.path.join(CONFIGS, "aidaptiv.json")) as f:
-        cfg = json.load(f)
-    swap = tmp_path / "swap"
-    swap.mkdir(exist_ok=True)
-    cfg["aidaptiv"].update(nvme_path=str(swap), host_memory_budget=BUDGET, layer_group_size=1, **block)
-    path = tmp_path / "aidaptiv.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+    return helpers.aidaptiv_config(tmp_path, **{"host_memory_budget": BUDGET, "layer_group_size": 1, **block})
 
 
 def train(tmp_path, config, name, *extra, procs=None, steps=STEPS):

@@ -7,9 +7,9 @@ The micro preset at 1 x 4096 tokens on in-memory ZeRO-3: without checkpointing t
 MLP intermediates (4096 x 2048 fp32, 32 MiB each) and attention tensors, about 250 MiB more at the peak than
 with it (measured: 1255 vs 1021 MiB peak RSS on a 2-core CPU machine).
 """
-import json
 import os
 
+import helpers
 from helpers import CONFIGS, assert_same_losses, failure_excerpt, read_metrics, run_train
 
 LONG = ["--model", "micro", "--seq-len", "4096", "--micro-batch", "1", "--steps", "2", "--warmup", "1"]
@@ -36,15 +36,8 @@ def test_checkpointing_lowers_peak_memory_and_keeps_the_loss(tmp_path):
 
 
 def aidaptiv_config(tmp_path, activations=None):
-    with open(os.path.join(CONFIGS, "aidaptiv.json")) as f:
-        cfg = json.load(f)
-    (tmp_path / "swap").mkdir(exist_ok=True)
-    cfg["aidaptiv"].update(nvme_path=str(tmp_path / "swap"), host_memory_budget="40MiB")
-    if activations is not None:
-        cfg["aidaptiv"]["activations"] = activations
-    path = tmp_path / "aidaptiv.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+    return helpers.aidaptiv_config(tmp_path, host_memory_budget="40MiB",
+                                   **({"activations": activations} if activations is not None else {}))
 
 
 def test_with_the_aidaptiv_block_the_flag_is_the_recompute_policy(tmp_path):

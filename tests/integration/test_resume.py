@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import helpers
 from helpers import CONFIGS, _free_port, child_env, read_metrics, run_train
 
 STEPS, SAVE_AT = 5, 2
@@ -62,15 +63,8 @@ def test_zero_infinity_resume_diverges_in_deepspeed_0_19_8(tmp_path):
 
 
 def aidaptiv_config(tmp_path, name, **block):
-    """ds_configs/aidaptiv.json with its swap space in tmp_path and ``block`` in its "aidaptiv" block."""
-    with open(os.path.join(CONFIGS, "aidaptiv.json")) as f:
-        cfg = json.load(f)
-    swap = tmp_path / f"swap_{name}"
-    swap.mkdir(exist_ok=True)
-    cfg["aidaptiv"].update(nvme_path=str(swap), **block)
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+    """ds_configs/aidaptiv.json as tmp_path/<name>.json with its own swap space and ``block`` in its block."""
+    return helpers.aidaptiv_config(tmp_path, name, **block)
 
 
 def test_aidaptiv_resume_under_another_budget_chunk_size_and_grouping_continues_exactly(tmp_path):
