@@ -54,4 +54,4 @@ def add_run_arguments(parser, repeats: int, repeats_help: str) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (2)")
     parser.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help}, interleaved ({repeats})")
     parser.add_argument("--budget-fraction", type=float, default=0.25,
-                        help="aidaptiv host budget as a fraction of the model state (default 0.25)")
+                        help="aidaptiv host budget as a fraction of the model state (default %(default)s)")
