@@ -185,3 +185,29 @@ def test_cpu_rows_count_processes(tmp_path):
     t = table_after(md, "### Throughput")
     assert t[("64", "2")]["ZeRO-3 2 proc"] == "500" and t[("64", "2")]["aidaptiv 2 proc"] == "500"
     assert "GPU)" not in md.split("## micro")[1].split("## Sources")[0].replace("peak GPU MB", "")
+
+
+def test_table_vi_in_model_flops(tmp_path):
+    """GPU cells of a scaled model against C-DAC Table VI at the same sequence: best over batch, as model
+    FLOP/s (6 x parameters x tokens/s) and share of each GPU's bf16 peak."""
+    h200 = dict(MACHINE, gpus=[{"name": "NVIDIA H200", "memory_mb": 143771.0}])
+    rows = [row(model="tinyllama-1.1b", backend="aidaptiv", mb=mb, seq=2048, machine=h200, peak_gpu_mb=5000.0,
+                key=f"tinyllama-1.1b__aidaptiv__g1__mb{mb}__s2048__ga1", tokens_per_s=tps_, params=1_100_048_384)
+            for mb, tps_ in ((4, 9000.0), (8, 15000.0))]
+    rows.append(row(model="tinyllama-1.1b", backend="zero_infinity", mb=8, seq=2048, machine=h200, status="oom",
+                    key="tinyllama-1.1b__zero_infinity__g1__mb8__s2048__ga1", error="CUDA out of memory"))
+    for r in rows:
+        append_row(str(tmp_path / "results.jsonl"), r)
+    md, _ = build_report(str(tmp_path), plots=False)
+    sec = md[md.index("### Against C-DAC Table VI"):]
+    # 6 x 1.1e9 x 15000 = 99.0 TFLOP/s, 10.0% of 989; Llama 2-7B 1,093 tokens/s at batch 32: 6 x 6.738e9 x
+    # 1093 = 44.2 TFLOP/s, 14.2% of 312; Llama 3.1-8B 488 at batch 8: 23.5 TFLOP/s, 7.5%.
+    assert ("| 2048 | 1 | 15,000 (batch 8): 99.0 TFLOP/s, 10.0% of peak | 1,093 (batch 32): 44.2 TFLOP/s, 14.2% of "
+            "peak | 488 (batch 8): 23.5 TFLOP/s, 7.5% of peak |") in sec
+    assert "zero_infinity" not in sec.split("\n\n")[2] and "ZeRO-Infinity" not in sec.split("\n\n")[2]
+    assert "Ours on NVIDIA H200 (dense bf16 peak 989 TFLOP/s)" in sec
+
+
+def test_no_table_vi_flops_section_for_cpu_rows(results_dir):
+    md, _ = build_report(str(results_dir), plots=False)
+    assert "### Against C-DAC Table VI" not in md
