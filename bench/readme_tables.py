@@ -6,8 +6,8 @@
 
 Sources: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), bench/results/swap_step_time/rows.jsonl,
 bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
-bench/results/cpu_small_repeats_epyc/results.jsonl,
-bench/results/faults/rows.jsonl.
+bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/gpu_*/results.jsonl (through the sweep report's
+tables), bench/results/faults/rows.jsonl.
 """
 import argparse
 import json
@@ -123,6 +123,53 @@ def sweep_section():
     if only:
         out.append("Cells only aidaptiv ran: " + ", ".join(f"{s[0]} {s[2]}x{s[3]} on {s[1]}" for s in only) + ".")
     return out
+
+
+def gpu_section():
+    """Every bench/results/gpu_*/ sweep: its device, what its cells did, and where cells ran, the report's
+    Table VI-shaped throughput tables, aidaptiv's ratios and the Table VI comparison in model FLOP/s."""
+    import glob
+    from collections import Counter
+    from aidaptiv_ds.harness import report
+    from aidaptiv_ds.harness.results import load_rows
+    out = []
+    for out_dir in sorted(glob.glob(os.path.join(ROOT, "bench", "results", "gpu_*"))):
+        loaded = load_rows(out_dir)
+        if not loaded.rows:
+            continue
+        rows = report.cell_summaries(loaded.rows)
+        name = os.path.relpath(out_dir, ROOT)
+        gpus = (rows[0].get("machine") or {}).get("gpus") or [{}]
+        dev = f"{gpus[0].get('name', 'unknown GPU')} ({(gpus[0].get('memory_mb') or 0) / 1024:.0f} GiB)"
+        caps = sorted({r.get("gpu_mem_cap_gb") for r in rows if r.get("gpu_mem_cap_gb")})
+        counts = Counter(r["status"] for r in rows)
+        out += [f"**GPU sweep `{name}`** ({rows[0].get('grid')}, on {dev}"
+                + (f", GPU memory capped at {', '.join(f'{c:g}' for c in caps)} GB" if caps else "")
+                + f"; git {(rows[0].get('git_sha') or '?')[:10]}; report in `{name}/report.md`): {len(rows)} cell(s), "
+                + ", ".join(f"{n} {st}" for st, n in sorted(counts.items())) + ".", ""]
+        ok = [r for r in rows if r["status"] == "ok"]
+        if not ok:
+            errors = sorted({(r["backend"], (r.get("error") or "")[:120]) for r in rows if r["status"] != "ok"})
+            out += [f"- {b}: {e}" for b, e in errors] + [""]
+            continue
+        for model in sorted({r["model"] for r in rows}):
+            mrows = [r for r in rows if r["model"] == model]
+            table, _ = report.throughput_table(model, mrows)
+            out += [f"{model}, tokens/s:", "", table, ""]
+            if any(r["backend"] == "aidaptiv" for r in mrows):
+                for den in report._others(mrows):
+                    rt = report.ratios(mrows, "aidaptiv", den)
+                    vals = list(rt["both"].values())
+                    if vals:
+                        out.append(f"aidaptiv / {report.SHORT.get(den, den)}: median {statistics.median(vals):.2f}x "
+                                   f"over {len(vals)} shared cell(s) ({min(vals):.2f}x-{max(vals):.2f}x); aidaptiv "
+                                   f"alone ran {len(rt['only_num'])}, {report.SHORT.get(den, den)} alone "
+                                   f"{len(rt['only_den'])}.")
+                out.append("")
+        flops = report.table_vi_flops_section(rows)
+        if flops:
+            out += [flops, ""]
+    return out or ["(no GPU sweep rows yet: `bash bench/gpu/device_check.sh` on a GPU machine)"]
 
 
 def faults_section():
@@ -293,7 +340,7 @@ def user_paths_section():
 
 def section():
     parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *user_paths_section(), "",
-             *sweep_section(), "", *repeats_section(), "", *faults_section(), "", END]
+             *sweep_section(), "", *repeats_section(), "", *gpu_section(), *faults_section(), "", END]
     return "\n".join(parts)
 
 

@@ -449,7 +449,7 @@ def peak_tflops(gpu_name: str) -> Optional[float]:
 
 def _model_flops_text(tps: float, params: float, peak: Optional[float]) -> str:
     """Model FLOP/s of a throughput (6 x parameters x tokens/s: forward and backward of the weights, attention
-    not counted) and its share of the GPU's peak."""
+    not counted) and its share of ``peak`` (the peak of all the GPUs that ran it)."""
     tf = 6 * params * tps / 1e12
     return f"{tf:.1f} TFLOP/s" + (f", {100 * tf / peak:.1f}% of peak" if peak else "")
 
@@ -479,12 +479,13 @@ def table_vi_flops_section(rows: list[dict]) -> str:
                            key=lambda r: r["tokens_per_s"], default=None)
                 params = best and (best.get("params") or nominal_parameters(m))
                 line.append(f"{fmt_tps(best['tokens_per_s'])} (batch {best['micro_batch']}): "
-                            f"{_model_flops_text(best['tokens_per_s'], params, peak)}" if best and params else "")
+                            f"{_model_flops_text(best['tokens_per_s'], params, peak and peak * g)}"
+                            if best and params else "")
             for m in pub_models:
                 best = max((p for p in pts if (p.model, p.seq_len, p.gpus) == (m, seq, g)),
                            key=lambda p: p.tokens_per_s, default=None)
                 line.append(f"{best.tokens_per_s:,.0f} (batch {best.micro_batch}): "
-                            f"{_model_flops_text(best.tokens_per_s, nominal_parameters(m), a100)}" if best else "")
+                            f"{_model_flops_text(best.tokens_per_s, nominal_parameters(m), a100 * g)}" if best else "")
             body.append(line)
     header = (["seq", "GPUs"] + [f"{m} {SHORT.get(b, b)}" for m, b in columns]
               + [f"C-DAC T.VI aiDAPTIV+ {m} ({TABLE_VI_GPU}, published)" for m in pub_models])
@@ -495,7 +496,7 @@ def table_vi_flops_section(rows: list[dict]) -> str:
             "the GPU what Llama 2-7B's is to an A100 40GB), so the comparable figure is the model FLOP/s, 6 x "
             "parameters x tokens/s (attention not counted: at sequence 2,048 it would add about 8% to Llama 2-7B's "
             "figure and more to a narrower model's, so leaving it out understates the smaller model's side), "
-            "and its share of each GPU's peak.\n\n"
+            "and its share of the peak of the GPUs that ran it.\n\n"
             + md_table(header, body, right_from=2))
 
 

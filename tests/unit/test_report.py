@@ -194,6 +194,8 @@ def test_table_vi_in_model_flops(tmp_path):
     rows = [row(model="tinyllama-1.1b", backend="aidaptiv", mb=mb, seq=2048, machine=h200, peak_gpu_mb=5000.0,
                 key=f"tinyllama-1.1b__aidaptiv__g1__mb{mb}__s2048__ga1", tokens_per_s=tps_, params=1_100_048_384)
             for mb, tps_ in ((4, 9000.0), (8, 15000.0))]
+    rows.append(row(model="tinyllama-1.1b", backend="aidaptiv", gpus=2, mb=8, seq=2048, machine=h200, peak_gpu_mb=5e3,
+                    key="tinyllama-1.1b__aidaptiv__g2__mb8__s2048__ga1", tokens_per_s=30000.0, params=1_100_048_384))
     rows.append(row(model="tinyllama-1.1b", backend="zero_infinity", mb=8, seq=2048, machine=h200, status="oom",
                     key="tinyllama-1.1b__zero_infinity__g1__mb8__s2048__ga1", error="CUDA out of memory"))
     for r in rows:
@@ -204,6 +206,8 @@ def test_table_vi_in_model_flops(tmp_path):
     # 1093 = 44.2 TFLOP/s, 14.2% of 312; Llama 3.1-8B 488 at batch 8: 23.5 TFLOP/s, 7.5%.
     assert ("| 2048 | 1 | 15,000 (batch 8): 99.0 TFLOP/s, 10.0% of peak | 1,093 (batch 32): 44.2 TFLOP/s, 14.2% of "
             "peak | 488 (batch 8): 23.5 TFLOP/s, 7.5% of peak |") in sec
+    # Two GPUs: the share is of both GPUs' peak (198 of 1978; theirs 1,732 at batch 24: 70.0 of 624).
+    assert "| 2048 | 2 | 30,000 (batch 8): 198.0 TFLOP/s, 10.0% of peak | 1,732 (batch 24): 70.0 TFLOP/s, 11.2% of" in sec
     assert "zero_infinity" not in sec.split("\n\n")[2] and "ZeRO-Infinity" not in sec.split("\n\n")[2]
     assert "Ours on NVIDIA H200 (dense bf16 peak 989 TFLOP/s)" in sec
 
