@@ -17,7 +17,8 @@ inside the block) plus the few tensors saved outside the blocks. Inside a block 
 Memory: a write's staging buffer is given back when the write completes (seen at the next pack or unpack, or
 waited for when the host budget needs it: the store registers reclaimers); writes in flight hold at most
 ``max_staging_bytes``; a read's staging buffer is given back as soon as its
-contents are copied into the tensor autograd gets. Nothing else stays in RAM. Disk: the file grows in
+contents are copied into the tensor autograd gets, and a read ahead is given back unused when the host budget
+needs the room (it is read again when the backward gets there). Nothing else stays in RAM. Disk: the file grows in
 regions as a step needs them and the regions are reused from the start once every handle of a step is gone
 (activations are freed by the end of each backward), so the file holds about one step's activations.
 
@@ -39,6 +40,24 @@ from aidaptiv_ds.store import HostMemory, SwapFile, SwapStore, Ticket
 
 # The swap file grows by regions of at least this size; a step's activations fill regions in order.
 REGION_BYTES = 64 * MiB
+# A stored tensor moves through staging in pieces of at most this size: a long sequence's block input (48 MiB
+# for tiny at 16,384 tokens) would otherwise need one free block of its whole size in a pool that the layer
+# groups, gradients and optimizer state cut up, and fail with most of the budget free.
+PIECE_BYTES = 8 * MiB
+
+
+def _pieces(nbytes: int):
+    """(start, end) byte ranges of a tensor's pieces."""
+    return [(a, min(nbytes, a + PIECE_BYTES)) for a in range(0, nbytes, PIECE_BYTES)]
+
+
+def _wait_quietly(tickets) -> None:
+    """Wait for I/O whose result no longer matters (the kernel may still be using its buffers)."""
+    for t in tickets:
+        try:
+            t.wait()
+        except OSError:
+            pass
 
 
 @dataclass
@@ -50,9 +69,8 @@ class _Slot:
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
-    write: Optional[Ticket] = None
-    read: Optional[Ticket] = None    # a read (ahead or on demand) into ``buffer``
-    buffer: Optional[torch.Tensor] = None
+    read: Optional[List[Ticket]] = None            # a read (ahead or on demand), one ticket per piece
+    buffer: Optional[List[torch.Tensor]] = None    # the pieces' staging
     handle: Optional[weakref.ref] = None
 
 
@@ -73,6 +91,7 @@ class ActivationStats:
     read_wait_s: float = 0.0         # time the backward waited for reads (activation I/O wait)
     write_wait_s: float = 0.0        # time spent waiting for writes to give their staging back
     reads_ahead: int = 0             # reads started before the backward asked for them
+    reads_dropped: int = 0           # reads ahead given back to the host budget before use (read again later)
     cycles: int = 0                  # forward/backward cycles completed (every handle released)
     read_wait_s_cycles: List[float] = field(default_factory=list)
 
@@ -102,8 +121,10 @@ class ActivationStore:
         self._slots: List[_Slot] = []     # this cycle's live slots, in pack order
         self._live = 0
         self._cycle_wait0 = 0.0
+        self._unpacking: set = set()      # slots whose staging an unpack is reading from now (ids)
         memory.add_reclaimer("activation write-behind (finished)", self._forget_finished, cheap=True)
         memory.add_reclaimer("activation write-behind", self._finish_one_write)
+        memory.add_reclaimer("activation read-ahead", self._drop_one_read_ahead)
         memory.add_holder("activation staging", self.staging_bytes)
 
     # ------------------------------------------------------------------------------------------ hooks
@@ -127,18 +148,20 @@ class ActivationStore:
                 self.stats.tensors_kept += 1
             return t
         nbytes = t.numel() * t.element_size()
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)    # the tensor's bytes
         with self._lock:
-            self._make_room(nbytes)
-            staging = self.memory.take(nbytes, "activation staging")
-            staging.view(t.dtype).view(t.shape).copy_(t)
             offset = self._allocate(nbytes)
             slot = _Slot(index=len(self._slots), offset=offset, nbytes=nbytes, shape=t.shape, dtype=t.dtype,
                          device=t.device)
-            try:
-                slot.write = self.store.write_span(self.file, offset, staging, "activation")
-            except OSError as e:
-                raise self._error("writing", slot, e) from e
-            self._writes.append((slot.write, staging))
+            for a, b in _pieces(nbytes):
+                self._make_room(b - a)
+                staging = self.memory.take(b - a, "activation staging")
+                staging.copy_(src[a:b])
+                try:
+                    ticket = self.store.write_span(self.file, offset + a, staging, "activation")
+                except OSError as e:
+                    raise self._error("writing", slot, e) from e
+                self._writes.append((ticket, staging))
             handle = StoredActivation(slot)
             slot.handle = weakref.ref(handle)
             weakref.finalize(handle, self._release, slot)
@@ -156,21 +179,27 @@ class ActivationStore:
             self._forget_finished()     # the forward's writes are done by now: their staging goes back
             if slot.read is None:
                 self._start_read(slot, blocking=True)
+            self._unpacking.add(id(slot))     # its staging must not be reclaimed while read from below
             self._read_ahead_of(slot)
-            read, buffer = slot.read, slot.buffer
+            reads, buffers = slot.read, slot.buffer
         t0 = time.perf_counter()
         try:
-            read.wait()
+            for r in reads:
+                r.wait()
+            waited = time.perf_counter() - t0
+            out = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
+            flat = out.view(-1).view(torch.uint8)
+            for (a, b), buf in zip(_pieces(slot.nbytes), buffers):
+                flat[a:b].copy_(buf)
         except OSError as e:
             raise self._error("reading", slot, e) from e
         finally:
-            waited = time.perf_counter() - t0
-        out = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
-        out.copy_(buffer.view(slot.dtype).view(slot.shape))
+            with self._lock:
+                self._unpacking.discard(id(slot))
         with self._lock:
             self.stats.read_wait_s += waited
             self.stats.bytes_read += slot.nbytes
-            if slot.read is read:     # the staging goes back now; a second unpack reads again
+            if slot.read is reads:    # the staging goes back now; a second unpack reads again
                 slot.read, slot.buffer = None, None
         return out
 
@@ -188,17 +217,21 @@ class ActivationStore:
                 self._read_ahead_of(last)
 
     def _start_read(self, slot: _Slot, blocking: bool) -> bool:
-        if blocking:
-            buf = self.memory.take(slot.nbytes, "activation read-back")
-        else:
-            buf = self.memory.try_take(slot.nbytes)
+        pieces = _pieces(slot.nbytes)
+        bufs = []
+        for a, b in pieces:
+            buf = (self.memory.take(b - a, "activation read-back") if blocking else self.memory.try_take(b - a))
             if buf is None:
-                return False
+                return False          # the pieces taken so far go back with ``bufs``
+            bufs.append(buf)
+        tickets = []
         try:
-            slot.read = self.store.read_span(self.file, slot.offset, buf, "activation")
+            for (a, _), buf in zip(pieces, bufs):
+                tickets.append(self.store.read_span(self.file, slot.offset + a, buf, "activation"))
         except OSError as e:
+            _wait_quietly(tickets)
             raise self._error("reading", slot, e) from e
-        slot.buffer = buf
+        slot.read, slot.buffer = tickets, bufs
         return True
 
     def _read_ahead_of(self, slot: _Slot) -> None:
@@ -260,6 +293,22 @@ class ActivationStore:
             self._wait_write(ticket)
             return True
 
+    def _drop_one_read_ahead(self) -> bool:
+        """Give back the staging of the read ahead that the backward needs last (the earliest packed); it is
+        read again when the backward gets there. False when no read ahead holds staging. A long sequence's
+        read-ahead must not starve what the backward cannot do without (its gradients' write-out)."""
+        with self._lock:
+            for slot in self._slots:
+                if slot.buffer is None or id(slot) in self._unpacking:
+                    continue
+                # The kernel may still be filling the buffers; an error does not matter here: the read is
+                # made again on demand, which reports it if it persists.
+                _wait_quietly(slot.read)
+                slot.read, slot.buffer = None, None
+                self.stats.reads_dropped += 1
+                return True
+            return False
+
     def _wait_write(self, ticket: Ticket) -> None:
         try:
             ticket.wait()
@@ -270,12 +319,9 @@ class ActivationStore:
         """Autograd let go of a handle (its backward ran, or the graph was dropped)."""
         with self._lock:
             if slot.read is not None:
-                # The kernel may still be writing into the staging buffer: let it finish first. An error
+                # The kernel may still be writing into the staging buffers: let it finish first. An error
                 # no longer matters, nobody needs these bytes.
-                try:
-                    slot.read.wait()
-                except OSError:
-                    pass
+                _wait_quietly(slot.read)
                 slot.read, slot.buffer = None, None
             self._live -= 1
             if self._live == 0:
@@ -310,5 +356,6 @@ class ActivationStore:
             return {"tensors_stored": s.tensors_stored, "bytes_stored": s.bytes_stored,
                     "bytes_read": s.bytes_read, "tensors_kept_in_memory": s.tensors_kept,
                     "io_wait_s": s.read_wait_s, "write_wait_s": s.write_wait_s, "reads_ahead": s.reads_ahead,
+                    "reads_dropped": s.reads_dropped,
                     "cycles": s.cycles, "io_wait_s_cycles": list(s.read_wait_s_cycles),
                     "file_bytes": sum(r.reserved for r in self._regions)}

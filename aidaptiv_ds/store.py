@@ -473,12 +473,15 @@ class HostMemory:
                 # (gradient views in a DeepSpeed reduce bucket): freed when those references drop.
                 amounts.append(("still referenced elsewhere", max(0, s["in_use"] - sum(a for _, a in amounts))))
                 held = ", ".join(f"{name} {amount / 2**20:.1f} MiB" for name, amount in amounts)
+                # Staging of activations in flight grows with the sequence: say which setting bounds it.
+                activations = (", or aidaptiv.activations.read_ahead (or a shorter sequence)"
+                               if any(name.startswith("activation") and amount for name, amount in amounts) else "")
                 raise HostBudgetError(
                     f"host memory budget exhausted: {what} needs {nbytes / 2**20:.1f} MiB but "
                     f"{s['in_use'] / 2**20:.1f} of {s['capacity'] / 2**20:.1f} MiB are in use ({held}; largest "
                     f"free block {s['largest_free'] / 2**20:.1f} MiB) and nothing can be reclaimed: raise "
                     "aidaptiv.host_memory_budget, or lower aidaptiv.layer_group_size, prefetch_depth or "
-                    "optimizer_chunk_numel")
+                    f"optimizer_chunk_numel{activations}")
         return buf
 
     def stats(self) -> dict:
