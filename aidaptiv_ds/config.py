@@ -71,6 +71,15 @@ def parse_budget(value: Union[int, float, str]) -> Tuple[Optional[int], Optional
 PER_RANK, PER_NODE = "rank", "node"
 
 
+def parse_mmap_threshold(value: Union[int, str]) -> int:
+    """A ``malloc_mmap_threshold`` in bytes: 0, or a size up to glibc's 32 MiB limit."""
+    from aidaptiv_ds.malloc_threshold import MAX_THRESHOLD
+    nbytes = parse_retention(value)
+    if nbytes > MAX_THRESHOLD:
+        raise ValueError(f"{nbytes} bytes is above glibc's limit of 32MiB ({MAX_THRESHOLD} bytes)")
+    return nbytes
+
+
 def parse_retention(value: Union[int, str]) -> int:
     """A ``retention_budget`` in bytes (an int, or a size as :func:`aidaptiv_ds.sizes.parse_size` reads it).
     ("auto" is not offered: our train job refuses "auto" anywhere, as values only a trainer fills in.)"""
@@ -330,6 +339,13 @@ class AidaptivConfig(BaseModel):
                        "again: bytes or a size ('256MiB'), in whole layer-group slots; a run whose budget holds "
                        "less beyond the swapper's minimum is refused, saying how much fits. 0: none beyond what "
                        "the cache keeps by itself.")
+    malloc_mmap_threshold: Union[int, str] = Field(
+        "1MiB", description="Fix glibc's mmap threshold at this size (bytes or a size, at most '32MiB'; 0 leaves "
+                            "glibc's dynamic threshold): host allocations above it are mapped on their own and "
+                            "returned to the system when freed. With glibc's default the threshold climbs to the "
+                            "size of the first large tensor freed, and later ones below it stay in the heap after "
+                            "they are freed, growing the process's RSS by hundreds of MiB over what is live "
+                            "(aidaptiv_ds/malloc_threshold.py). Set once per process, when the swapper starts.")
     activations: ActivationsConfig = Field(
         default_factory=ActivationsConfig,
         description="How activations are held between forward and backward (keep, recompute, or stored on NVMe) "
@@ -358,6 +374,12 @@ class AidaptivConfig(BaseModel):
     @classmethod
     def _check_retention(cls, value):
         parse_retention(value)
+        return value
+
+    @field_validator("malloc_mmap_threshold")
+    @classmethod
+    def _check_mmap_threshold(cls, value):
+        parse_mmap_threshold(value)
         return value
 
     @field_validator("block_size", "queue_depth", mode="before")
@@ -416,6 +438,7 @@ class SwapSettings:
     keep_swap_files: bool
     activations: ActivationSettings = ActivationSettings()
     retention_budget: int = 0     # bytes
+    malloc_mmap_threshold: int = MiB   # bytes; 0: glibc's dynamic threshold
     # Where block_size and queue_depth came from: "config" (a number in the block), "tuned" (the cached sweep
     # of the swap disk, for "auto"), "default" ("auto" on a disk never swept). Not compared: the same values
     # are the same settings, and the written-out block() says "config" for both.
@@ -449,10 +472,11 @@ class SwapSettings:
         auto = lambda v: None if v == "auto" else v
         block, depth, block_source, depth_source = resolve_io(path, auto(cfg.block_size), auto(cfg.queue_depth))
         same = cfg.model_dump(exclude={"enabled", "nvme_path", "host_memory_budget", "optimizer_chunk_numel",
-                                       "retention_budget", "block_size", "queue_depth"})
+                                       "retention_budget", "block_size", "queue_depth", "malloc_mmap_threshold"})
         return cls(nvme_path=path, host_budget_bytes=nbytes, optimizer_chunk_numel=chunk, block_size=block,
                    queue_depth=depth, block_size_source=block_source, queue_depth_source=depth_source,
-                   retention_budget=parse_retention(cfg.retention_budget), **same)
+                   retention_budget=parse_retention(cfg.retention_budget),
+                   malloc_mmap_threshold=parse_mmap_threshold(cfg.malloc_mmap_threshold), **same)
 
     def block(self) -> Dict[str, Any]:
         """These settings as an ``"aidaptiv"`` block with every value explicit (bytes, elements, an absolute

@@ -18,6 +18,7 @@ import torch
 from aidaptiv_ds.config import SwapSettings
 from aidaptiv_ds.file_size_limit import efbig_not_sigxfsz
 from aidaptiv_ds.io import IOEngine, PinnedPool
+from aidaptiv_ds.malloc_threshold import set_mmap_threshold
 from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ class SwapRuntime:
         self.rank = rank
         self.model_dtype = model_dtype
         self.stats = SwapStats()
+        # Before the model's tensors come and go: freed layer-sized buffers must leave the heap (the module says why).
+        problem = set_mmap_threshold(cfg.malloc_mmap_threshold)
+        if problem and rank == 0:
+            log.warning("aidaptiv: %s", problem)
         # The swap folder first: a second job on the same nvme_path fails here, before anything starts.
         self.space = SwapSpace(cfg.nvme_path, rank, keep_files=cfg.keep_swap_files)
         try:
