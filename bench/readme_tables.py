@@ -6,7 +6,8 @@
 
 Sources: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), bench/results/swap_step_time/rows.jsonl,
 bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
-bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/gpu_*/results.jsonl (through the sweep report's
+bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
+its rows), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl.
 """
 import argparse
@@ -70,14 +71,20 @@ def io_bench_section():
     return out
 
 
-def step_time_section():
-    path = os.path.join(ROOT, "bench", "results", "swap_step_time", "summary.md")
+def summary_md(folder, command):
+    """A benchmark's own OUT/summary.md (written from its rows), its title in bold with the command."""
+    path = os.path.join(ROOT, "bench", "results", folder, "summary.md")
     if not os.path.exists(path):
-        return ["(no step-time rows yet: `python bench/swap_step_time.py`)"]
+        return [f"(no {folder} rows yet: `{command}`)"]
     with open(path) as f:
         lines = f.read().strip().splitlines()
-    lines[0] = "**" + lines[0].lstrip("# ") + "** (`bench/swap_step_time.py`)"
+    lines[0] = "**" + lines[0].lstrip("# ") + f"** (`{command}`, rows in `bench/results/{folder}/rows.jsonl`)"
     return lines
+
+
+def step_time_section():
+    return [*summary_md("swap_step_time", "python bench/swap_step_time.py"), "",
+            *summary_md("malloc_threshold", "python bench/malloc_threshold.py")]
 
 
 def sweep_section():
@@ -123,6 +130,10 @@ def sweep_section():
     if only:
         out.append("Cells only aidaptiv ran: " + ", ".join(f"{s[0]} {s[2]}x{s[3]} on {s[1]}" for s in only) + ".")
     return out
+
+
+def capacity_section():
+    return summary_md("capacity_cpu", "python bench/capacity.py")
 
 
 def gpu_section():
@@ -340,7 +351,7 @@ def user_paths_section():
 
 def section():
     parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *user_paths_section(), "",
-             *sweep_section(), "", *repeats_section(), "", *gpu_section(), *faults_section(), "", END]
+             *sweep_section(), "", *repeats_section(), "", *capacity_section(), "", *gpu_section(), *faults_section(), "", END]
     return "\n".join(parts)
 
 

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""What aidaptiv.malloc_mmap_threshold costs and saves: the same `aidaptiv-ds train` run with the shipped
+setting (glibc's mmap threshold fixed at 1 MiB when the swapper starts) and with 0 (glibc's dynamic
+threshold), interleaved, order alternating per repeat; step time and peak RSS from each run's metrics.
+
+Conditions as bench/swap_step_time.py (tiny, fp32, 2 x 64, one CPU process) with the host budget at 0.6 of
+the model state, as that bench's equal-memory comparison.
+
+    python bench/malloc_threshold.py [--repeats 3] [--out bench/results/malloc_threshold]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from aidaptiv_ds.harness.machine import summary  # noqa: E402
+from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
+from train_run import add_run_arguments, bench_setup, run_train  # noqa: E402  (bench/train_run.py)
+
+VARIANTS = {"fixed 1 MiB (shipped)": "1MiB", "glibc dynamic (0)": 0}
+
+
+def run_one(name, args, env):
+    swap = tempfile.mkdtemp(prefix="malloc-", dir=args.swap_root)
+    with open(os.path.join(ROOT, "ds_configs", "aidaptiv.json")) as f:
+        cfg = json.load(f)
+    cfg["aidaptiv"]["malloc_mmap_threshold"] = VARIANTS[name]
+    config = os.path.join(swap, "aidaptiv.json")
+    with open(config, "w") as f:
+        json.dump(cfg, f)
+    metrics = os.path.join(swap, "metrics.json")
+    cmd = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", config, "--model", args.model,
+           "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--nvme-path", swap, "--metrics-out", metrics, "--no-progress",
+           "--host-budget", str(args.budget_bytes)]
+    return run_train(cmd, ROOT, env, swap, metrics, variant=name)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(p, 3, "runs per setting")
+    p.set_defaults(budget_fraction=0.6)
+    p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "malloc_threshold"),
+                   help="folder for rows.jsonl and summary.md (bench/results/malloc_threshold)")
+    args = p.parse_args()
+    from aidaptiv_ds.models import count_parameters, preset_config
+    params = count_parameters(preset_config(args.model))
+    args.budget_bytes = int(params * state_bytes_per_param(4) * args.budget_fraction)
+    env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
+    names = list(VARIANTS)
+    rows = []
+    with open(os.path.join(args.out, "rows.jsonl"), "a") as out:
+        for rep in range(args.repeats):
+            for name in (names if rep % 2 == 0 else names[::-1]):
+                row = run_one(name, args, env)
+                row.update(repeat=rep, git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                           machine=machine, model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                           steps=args.steps, warmup=args.warmup, budget_bytes=args.budget_bytes)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                rows.append(row)
+                m = row.get("metrics") or {}
+                print(f"repeat {rep} {name:22s} step {m.get('step_s_median', float('nan')):.3f} s "
+                      f"rss {m.get('peak_rss_mb', float('nan')):.0f} MiB {row.get('error', '')}", file=sys.stderr)
+    lines = [f"# glibc's mmap threshold: fixed (aidaptiv.malloc_mmap_threshold) against dynamic", "",
+             f"Machine: {summary(machine)}  ", f"git {sha}{' (dirty)' if dirty else ''}; {args.model}, fp32, "
+             f"{args.micro_batch} x {args.seq_len}, {args.steps} steps (first {args.warmup} untimed), host budget "
+             f"{args.budget_bytes / 2**20:.0f} MiB; {args.repeats} interleaved repeats.", "",
+             "| setting | step s (median, min-max) | peak RSS MiB (median, min-max) |", "|---|---|---|"]
+    for name in names:
+        ok = [r["metrics"] for r in rows if r["variant"] == name and (r.get("metrics") or {}).get("status") == "ok"]
+        if not ok:
+            lines.append(f"| {name} | - | - |")
+            continue
+        st, rss = [m["step_s_median"] for m in ok], [m["peak_rss_mb"] for m in ok]
+        lines.append(f"| {name} | {statistics.median(st):.3f} ({min(st):.3f}-{max(st):.3f}) | "
+                     f"{statistics.median(rss):.0f} ({min(rss):.0f}-{max(rss):.0f}) |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
