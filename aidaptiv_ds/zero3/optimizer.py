@@ -11,6 +11,7 @@ every override defers to DeepSpeed unchanged. When it has one:
   partition (4 bytes per parameter outside any budget): gradients go to per-sub-group buffers instead;
 - ``partition_grads`` opens a reduce bucket's gradient buffers as one block first (see
   :meth:`~aidaptiv_ds.zero3.gradients.SubGroupGradients.open_bucket`);
+- ``_constant_buffered_norm2`` (a gradient partition's norm for clipping) skips DeepSpeed's fp64 copy;
 - ``step`` and the backward hooks record where the time goes.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from aidaptiv_ds.config import block_of
 from aidaptiv_ds.zero3 import compat
-from aidaptiv_ds.zero3.gradients import GradientPartitions
+from aidaptiv_ds.zero3.gradients import GradientPartitions, partition_norm
 from aidaptiv_ds.zero3.optimizer_swapper import AidaptivOptimizerSwapper
 from aidaptiv_ds.zero3.param_swapper import AidaptivParamSwapper
 from aidaptiv_ds.zero3.plan import plan_run
@@ -183,6 +184,12 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if self._aidaptiv is not None:
             self._aidaptiv.phase = "forward"
         return out
+
+    def _constant_buffered_norm2(self, input, buffer_size=250000000):
+        if self._aidaptiv is None:
+            return super()._constant_buffered_norm2(input, buffer_size)
+        # Without DeepSpeed's fp64 copy of every partition (gradients.partition_norm says why).
+        return partition_norm(input)
 
     def partition_grads(self, params_to_release, grad_partitions):
         runtime = self._aidaptiv
