@@ -14,7 +14,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -22,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
-from train_run import add_run_arguments, bench_setup, run_train  # noqa: E402  (bench/train_run.py)
+from train_run import add_run_arguments, bench_setup, run_interleaved, run_train  # noqa: E402  (bench/train_run.py)
 
 VARIANTS = {"fixed 1 MiB (shipped)": "1MiB", "glibc dynamic (0)": 0}
 
@@ -56,20 +55,11 @@ def main():
     args.budget_bytes = int(params * state_bytes_per_param(4) * args.budget_fraction)
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     names = list(VARIANTS)
-    rows = []
-    with open(os.path.join(args.out, "rows.jsonl"), "a") as out:
-        for rep in range(args.repeats):
-            for name in (names if rep % 2 == 0 else names[::-1]):
-                row = run_one(name, args, env)
-                row.update(repeat=rep, git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                           machine=machine, model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                           steps=args.steps, warmup=args.warmup, budget_bytes=args.budget_bytes)
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                rows.append(row)
-                m = row.get("metrics") or {}
-                print(f"repeat {rep} {name:22s} step {m.get('step_s_median', float('nan')):.3f} s "
-                      f"rss {m.get('peak_rss_mb', float('nan')):.0f} MiB {row.get('error', '')}", file=sys.stderr)
+    rows = run_interleaved(names, args.repeats, lambda name: run_one(name, args, env),
+                           os.path.join(args.out, "rows.jsonl"),
+                           dict(git_sha=sha, git_dirty=dirty, machine=machine, model=args.model, seq_len=args.seq_len,
+                                micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
+                                budget_bytes=args.budget_bytes))
     lines = [f"# glibc's mmap threshold: fixed (aidaptiv.malloc_mmap_threshold) against dynamic", "",
              f"Machine: {summary(machine)}  ", f"git {sha}{' (dirty)' if dirty else ''}; {args.model}, fp32, "
              f"{args.micro_batch} x {args.seq_len}, {args.steps} steps (first {args.warmup} untimed), host budget "

@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -34,7 +33,7 @@ sys.path.insert(0, ROOT)
 from aidaptiv_ds import ds_config  # noqa: E402
 from aidaptiv_ds.harness import eqmem  # noqa: E402
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
-from train_run import add_run_arguments, bench_setup, run_train  # noqa: E402  (bench/train_run.py)
+from train_run import add_run_arguments, bench_setup, run_interleaved, run_train  # noqa: E402  (bench/train_run.py)
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
 
 # fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter, its gradient, an fp32 master
@@ -104,22 +103,12 @@ def main():
     print(f"disk (O_DIRECT, 1 MiB blocks, queue depth 32): read {disk.get('read_gbps')} GB/s, write "
           f"{disk.get('write_gbps')} GB/s", file=sys.stderr)
     backends = args.backends.split(",")
-    rows = []
-    with open(os.path.join(args.out, "rows.jsonl"), "a") as out:
-        for rep in range(args.repeats):
-            for b in (backends if rep % 2 == 0 else backends[::-1]):  # alternate the order too
-                row = run_one(b, args, args.swap_root, env)
-                row.update(repeat=rep, git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"), disk=disk,
-                           machine=machine, model=args.model, params=params, seq_len=args.seq_len,
-                           micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
-                           budget_bytes=args.budget_bytes if b in ("aidaptiv", eqmem.BACKEND) else None,
-                           eqmem=sizing.as_row() if b == eqmem.BACKEND else None)
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                rows.append(row)
-                m = row.get("metrics") or {}
-                print(f"repeat {rep} {b:14s} step {m.get('step_s_median', float('nan')):.3f} s "
-                      f"rss {m.get('peak_rss_mb', float('nan')):.0f} MiB {row.get('error', '')}", file=sys.stderr)
+    common = dict(git_sha=sha, git_dirty=dirty, disk=disk, machine=machine, model=args.model, params=params,
+                  seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup)
+    rows = run_interleaved(
+        backends, args.repeats, lambda b: run_one(b, args, args.swap_root, env), os.path.join(args.out, "rows.jsonl"),
+        common, lambda b: dict(budget_bytes=args.budget_bytes if b in ("aidaptiv", eqmem.BACKEND) else None,
+                               eqmem=sizing.as_row() if b == eqmem.BACKEND else None))
     text = summarize(rows, args, params, machine, sha, disk, sizing)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)

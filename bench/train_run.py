@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 
@@ -22,6 +23,25 @@ def run_train(cmd, cwd, env, swap, metrics, **row):
         row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     shutil.rmtree(swap, ignore_errors=True)
     return row
+
+
+def run_interleaved(names, repeats, run, rows_path, common, per_name=lambda name: {}):
+    """Run each of ``names`` ``repeats`` times, interleaved, the order alternating per repeat (a slow spell of
+    the machine falls on all alike). Each row, ``run(name)`` updated with ``common``, ``per_name(name)``, its
+    repeat and time, is appended to ``rows_path`` as soon as it ends and echoed; returns the rows."""
+    rows = []
+    with open(rows_path, "a") as out:
+        for rep in range(repeats):
+            for name in (names if rep % 2 == 0 else names[::-1]):
+                row = run(name)
+                row.update(common, **per_name(name), repeat=rep, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                rows.append(row)
+                m = row.get("metrics") or {}
+                print(f"repeat {rep} {name:22s} step {m.get('step_s_median', float('nan')):.3f} s "
+                      f"rss {m.get('peak_rss_mb', float('nan')):.0f} MiB {row.get('error', '')}", file=sys.stderr)
+    return rows
 
 
 def bench_setup(root, swap_root, out):
