@@ -16,6 +16,7 @@ T0=$(date +%s)
 DEADLINE=${1:-420}
 OUT=${OUT:-/tmp/device-out}
 GRID=${GRID:-bench/grids/gpu_probe.json}
+BACKENDS=${BACKENDS:-}      # e.g. aidaptiv,zero_infinity_eqmem: the grid's backends when empty
 RES=/tmp/gpu_probe          # sweep results, op build logs, io-bench: one tarball back (at most 8 files come back)
 mkdir -p "$OUT" "$RES"
 exec > >(tee -a "$OUT/run.log") 2>&1
@@ -52,7 +53,7 @@ done
 cat "$RES"/op_*.log | grep -E "ready|failed|compatible|Error" | tail -6
 
 phase "tests/gpu"
-timeout $(( $(left) > 240 ? 240 : $(left) )) python3 -m pytest -q -rA -p no:cacheprovider tests/gpu -n 4 \
+timeout $(( $(left) > ${TEST_S:-200} ? ${TEST_S:-200} : $(left) )) python3 -m pytest -q -rA -p no:cacheprovider tests/gpu -n 4 \
   > "$OUT/pytest.log" 2>&1; echo "pytest rc=$?"
 grep -E "passed|failed|PASSED|FAILED|ERROR|zero3 |aidaptiv " "$OUT/pytest.log" | tail -30
 
@@ -69,13 +70,13 @@ torch.cuda.synchronize(); print(f"pinned D2H {5*n/(time.perf_counter()-t)/1e9:.1
 EOF
 
 phase "io-bench on this disk"
-[ "$(left)" -gt 100 ] && timeout 90 python3 -m aidaptiv_ds io-bench --size-mb 2048 --repeat 2 --engines uring,posix,deepspeed \
+[ "$(left)" -gt 100 ] && timeout 60 python3 -m aidaptiv_ds io-bench --size-mb ${IO_MB:-1024} --repeat 1 --engines uring,deepspeed \
   > "$RES/io_bench.txt" 2>&1; echo "io-bench rc=$?"; cat "$RES/io_bench.txt" | tail -8
 
 phase "sweep $GRID until the deadline ($(left) s left)"
 if [ "$(left)" -gt 60 ]; then
   timeout -s INT $(( $(left) - 15 )) python3 -m aidaptiv_ds sweep --grid "$GRID" --out "$RES" --resume \
-    --no-progress --host-mem-cap-mechanism auto > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?"
+    --no-progress --host-mem-cap-mechanism auto ${BACKENDS:+--backends $BACKENDS} > "$OUT/sweep.log" 2>&1; echo "sweep rc=$?"
   tail -25 "$OUT/sweep.log"
   python3 -m aidaptiv_ds report "$RES" > "$RES/report.log" 2>&1; echo "report rc=$?"
 fi
