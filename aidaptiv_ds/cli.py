@@ -6,6 +6,7 @@ train ...``, which must not depend on the other subcommands), and heavy imports 
 happen inside ``run``.
 """
 import argparse
+import faulthandler
 import importlib
 import os
 import sys
@@ -66,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    # A native crash (a segfault in an extension, a CUDA driver abort) then prints every thread's Python
+    # stack to stderr instead of dying silently; the sweep reads the crashing frame from it (fault_line).
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
     # Every subcommand may make DeepSpeed compile an op; this process and everything it starts (launcher
     # ranks, sweep cells) then use the same build tools as every other run sharing the op cache.
     put_build_tools_first(os.environ)

@@ -87,6 +87,29 @@ def error_line(lines: list[str]) -> Optional[str]:
     return None
 
 
+_FATAL = re.compile(r"Fatal Python error: (.+)$")
+_FRAME = re.compile(r'^File "(.+)", line (\d+) in (.+)$')
+
+
+def fault_line(lines: list[str]) -> Optional[str]:
+    """Where a native crash happened, from Python's fault handler (aidaptiv-ds enables it): "Segmentation
+    fault in path:line (function)" for the innermost frame of the crashing thread, or None without a dump.
+    A signal death otherwise leaves only whatever the process printed last, which names nothing."""
+    cleaned = [_RANK_PREFIX.sub("", ln.rstrip("\n")).strip() for ln in lines]
+    for i in range(len(cleaned) - 1, -1, -1):
+        fatal = _FATAL.search(cleaned[i])  # may follow a progress bar on the same line
+        if not fatal:
+            continue
+        for j in range(i + 1, len(cleaned)):
+            if cleaned[j].startswith("Current thread"):
+                frame = _FRAME.match(cleaned[j + 1]) if j + 1 < len(cleaned) else None
+                if frame:
+                    return f"{fatal.group(1)} in {frame.group(1)}:{frame.group(2)} ({frame.group(3)})"[:500]
+                break
+        return fatal.group(1)[:500]
+    return None
+
+
 def oom_line(lines: list[str]) -> Optional[str]:
     """The last line that says memory ran out, if any."""
     for ln in reversed(lines):
@@ -143,7 +166,7 @@ def classify(*, returncode: Optional[int], timed_out: bool, timeout_s: Optional[
         return Outcome("error", f"exited 0 but {metrics_problem or 'wrote no metrics file'}", sig)
     if sig:
         hint = " (the kernel OOM killer?)" if sig == "SIGKILL" else ""
-        last = error_line(lines)
+        last = fault_line(lines) or error_line(lines)
         return Outcome("error", f"killed by {sig}{hint}" + (f": {last}" if last else ""), sig)
     last = error_line(lines) or (metrics_problem and f"exit code {code}, {metrics_problem}")
     return Outcome("error", last or f"exit code {code}, no output", sig)

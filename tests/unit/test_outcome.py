@@ -1,7 +1,10 @@
 """Classifying a cell's outcome from exit code, signal, output and metrics, without running anything."""
 import pytest
 
-from aidaptiv_ds.harness.outcome import classify, decode_exit, error_line
+import subprocess
+import sys
+
+from aidaptiv_ds.harness.outcome import classify, decode_exit, error_line, fault_line
 
 TRACEBACK = [
     "[2026-11-21 07:44:04,767] [INFO] [launch.py:158:main] nnodes=1, num_local_procs=1, node_rank=0",
@@ -14,6 +17,21 @@ TRACEBACK = [
 CUDA_OOM = ["Traceback (most recent call last):",
             "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"]
 OK = {"status": "ok", "tokens_per_s": 100.0}
+# The H100 run's crash (bench/results/gpu_probe_h100/crash_probe_fp32.log), shortened: a progress bar, then the
+# fault handler's dump with the crashing thread after another thread's frames.
+FAULT = [
+    "  return func(*args, **kwargs)",
+    "train micro:  25%|##5       | 1/4 [00:00<00:01, loss=7.8627, tok_s=471]Fatal Python error: Segmentation fault",
+    "",
+    "Thread 0x00007efd67ff76c0 (most recent call first):",
+    '  File "/usr/lib/python3.12/threading.py", line 359 in wait',
+    "",
+    "Current thread 0x00007f0133b32300 (most recent call first):",
+    '  File "/work/main/aidaptiv_ds/io.py", line 108 in allocate',
+    '  File "/work/main/aidaptiv_ds/store.py", line 440 in _allocate',
+    "",
+    "Extension modules: regex._regex, numpy._core._multiarray_umath (total: 2)",
+]
 
 
 @pytest.mark.parametrize("kw, status, error_has", [
@@ -41,6 +59,9 @@ OK = {"status": "ok", "tokens_per_s": 100.0}
     (dict(returncode=247), "error", "killed by SIGKILL"),      # a rank SIGKILLed, through the deepspeed launcher
     (dict(returncode=-9), "error", "killed by SIGKILL"),
     (dict(returncode=245, output_tail=["Segmentation fault"]), "error", "SIGSEGV"),
+    # a native crash names its frame, not the warning printed last
+    (dict(returncode=245, output_tail=FAULT), "error",
+     "killed by SIGSEGV: Segmentation fault in /work/main/aidaptiv_ds/io.py:108 (allocate)"),
     (dict(returncode=2), "error", "exit code 2"),
     # harness verdicts override everything
     (dict(returncode=-15, timed_out=True, timeout_s=30.0), "timeout", "30 s"),
@@ -79,3 +100,21 @@ def test_error_line_prefers_the_exception_over_launcher_chatter():
     assert error_line(TRACEBACK) == "RuntimeError: Expected all tensors to be on the same device"
     assert error_line(["plain last words", ""]) == "plain last words"
     assert error_line([]) is None
+
+
+def test_fault_line_without_a_dump_or_a_frame():
+    assert fault_line(["  return func(*args, **kwargs)"]) is None
+    assert fault_line(["Fatal Python error: Aborted", ""]) == "Aborted"
+
+
+def test_the_cli_turns_on_the_fault_handler():
+    """Any aidaptiv-ds command: a native crash afterwards prints the crashing Python stack (pytest's own fault
+    handler is not in the child)."""
+    code = ("import ctypes\nfrom aidaptiv_ds.cli import main\n"
+            "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+            "ctypes.string_at(0)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -11, p.stderr[-2000:]
+    lines = p.stderr.splitlines()
+    where = fault_line(lines)
+    assert where.startswith("Segmentation fault in ") and where.endswith("(string_at)"), p.stderr[-2000:]
