@@ -312,6 +312,8 @@ def user_paths_section():
     """bench/user_paths.py: step time per path users take and backend (median over repeats, min-max), and
     aidaptiv / ZeRO-Infinity per path from each repeat's two runs."""
     from aidaptiv_ds.harness.machine import cpu_line
+    from train_run import paired_ratios      # bench/, on sys.path as this script's folder
+    from user_paths import path_figures
     rows = [r for r in _rows(os.path.join(ROOT, "bench", "results", "user_paths", "rows.jsonl")) if r["status"] == "ok"]
     if not rows:
         return ["(no user-path rows yet: `python bench/user_paths.py`)"]
@@ -336,13 +338,8 @@ def user_paths_section():
         for b in backends:
             v = [r["step_s_median"] for r in rows if r["path"] == p and r["backend"] == b]
             cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
-        by_rep = {}
-        for r in rows:
-            if r["path"] == p:
-                by_rep.setdefault(r["repeat"], {})[r["backend"]] = r
-        pairs = [(d["aidaptiv"], d["zero_infinity"]) for d in by_rep.values() if "aidaptiv" in d and "zero_infinity" in d]
-        step = [a["step_s_median"] / z["step_s_median"] for a, z in pairs]
-        rss = [a["peak_rss_mb"] / z["peak_rss_mb"] for a, z in pairs if a.get("peak_rss_mb") and z.get("peak_rss_mb")]
+        step = paired_ratios(path_figures(rows, p, "step_s_median"), "aidaptiv", "zero_infinity")
+        rss = paired_ratios(path_figures(rows, p, "peak_rss_mb"), "aidaptiv", "zero_infinity")
         out.append(f"| {p} | " + " | ".join(cells) + " | " +
                    (f"{statistics.median(step):.2f}x ({min(step):.2f}-{max(step):.2f})" if step else "-") + " | " +
                    (f"{statistics.median(rss):.2f}x" if rss else "-") + " |")

@@ -30,10 +30,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from aidaptiv_ds import ds_config  # noqa: E402
 from aidaptiv_ds.harness import eqmem  # noqa: E402
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
-from train_run import add_run_arguments, bench_setup, run_interleaved, run_train  # noqa: E402  (bench/train_run.py)
+from train_run import (add_run_arguments, bench_setup, eqmem_sizing, paired_ratios,  # noqa: E402  (bench/train_run.py)
+                       run_interleaved, run_train)
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
 
 # fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter, its gradient, an fp32 master
@@ -44,16 +44,10 @@ STATE_BYTES_PER_PARAM = state_bytes_per_param(4)
 BACKENDS = ("zero_infinity", eqmem.BACKEND, "aidaptiv", "zero3")
 
 
-def eqmem_sizing(args):
-    """ZeRO-Infinity's host memory sized to aidaptiv's budget (one rank)."""
-    base = ds_config.load(os.path.join(ROOT, "ds_configs", f"{eqmem.BASE}.json"))
-    return base, eqmem.size_eqmem(base, args.model, 1, args.budget_bytes)
-
-
 def config_path(backend, args, swap):
     if backend != eqmem.BACKEND:
         return os.path.join(ROOT, "ds_configs", f"{backend}.json")
-    base, sizing = eqmem_sizing(args)
+    base, sizing = eqmem_sizing(ROOT, args.model, args.budget_bytes)
     path = os.path.join(swap, "ds_config.json")
     with open(path, "w") as f:
         json.dump(eqmem.eqmem_config(base, sizing), f, indent=1)
@@ -93,7 +87,7 @@ def main():
     print(summary(machine), file=sys.stderr)
     print(f"model {args.model}: {params / 1e6:.2f}M parameters, state {params * STATE_BYTES_PER_PARAM / 2**20:.0f} MiB,"
           f" aidaptiv host budget {args.budget_bytes / 2**20:.0f} MiB", file=sys.stderr)
-    sizing = eqmem_sizing(args)[1] if eqmem.BACKEND in args.backends.split(",") else None
+    sizing = eqmem_sizing(ROOT, args.model, args.budget_bytes)[1] if eqmem.BACKEND in args.backends.split(",") else None
     if sizing is not None:
         print(f"{eqmem.BACKEND}: max_in_cpu {sizing.max_in_cpu:,} of {sizing.partition_numel:,} elements, "
               f"sub_group_size {sizing.sub_group_size:,}, {sizing.sized_bytes / 2**20:.0f} MiB sized"
@@ -127,16 +121,14 @@ def measure_disk(args, env):
         return {"error": (p.stderr or p.stdout).strip()[-300:]}
 
 
-def paired_ratios(rows, num, den, key="step_s_median"):
-    """``num``'s figure over ``den``'s in each repeat where both ran ok (the runs of a repeat are neighbours in
-    time, so the machine's drift cancels in the ratio)."""
-    by = {}
+def figures(rows, key):
+    """{(backend, repeat): the run's metric} of the runs that went ok."""
+    out = {}
     for r in rows:
         m = r.get("metrics") or {}
         if m.get("status") == "ok" and m.get(key) is not None:
-            by[(r["backend"], r["repeat"])] = m[key]
-    reps = sorted({rep for (_, rep) in by})
-    return [by[(num, rep)] / by[(den, rep)] for rep in reps if (num, rep) in by and (den, rep) in by]
+            out[(r["backend"], r["repeat"])] = m[key]
+    return out
 
 
 def summarize(rows, args, params, machine, sha, disk, sizing=None):
@@ -155,7 +147,7 @@ def summarize(rows, args, params, machine, sha, disk, sizing=None):
         return "-" if v is None else f"{v * scale:.{digits}f}"
 
     def ratio(num, den, key, what, target):
-        rs = paired_ratios(rows, num, den, key)
+        rs = paired_ratios(figures(rows, key), num, den)
         if not rs:
             return []
         return [f"- {what}: **{statistics.median(rs):.2f}x** median over {len(rs)} repeat pairs "

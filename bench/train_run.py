@@ -25,6 +25,24 @@ def run_train(cmd, cwd, env, swap, metrics, **row):
     return row
 
 
+def paired_ratios(figures, num, den):
+    """``num``'s figure over ``den``'s in each repeat where both have one. ``figures``: {(backend, repeat):
+    value} of the runs that went ok. The runs of a repeat are neighbours in time, so the machine's drift
+    cancels in the ratio."""
+    reps = sorted({rep for (_, rep) in figures})
+    return [figures[(num, rep)] / figures[(den, rep)] for rep in reps
+            if (num, rep) in figures and (den, rep) in figures and figures[(den, rep)]]
+
+
+def eqmem_sizing(root, model, budget_bytes):
+    """ZeRO-Infinity's shipped config and its host memory sized to aidaptiv's budget (one rank), as the sweep
+    sizes its zero_infinity_eqmem cells (aidaptiv_ds/harness/eqmem.py)."""
+    from aidaptiv_ds import ds_config
+    from aidaptiv_ds.harness import eqmem
+    base = ds_config.load(os.path.join(root, "ds_configs", f"{eqmem.BASE}.json"))
+    return base, eqmem.size_eqmem(base, model, 1, budget_bytes)
+
+
 def run_interleaved(names, repeats, run, rows_path, common, per_name=lambda name: {}):
     """Run each of ``names`` ``repeats`` times, interleaved, the order alternating per repeat (a slow spell of
     the machine falls on all alike). Each row, ``run(name)`` updated with ``common``, ``per_name(name)``, its

@@ -14,7 +14,9 @@ micro-batch 2 x sequence 64, one process):
 
 Backends: ``aidaptiv`` (ds_configs/aidaptiv.json with ``host_memory_budget`` set to --budget-fraction of the
 model state, default a quarter, as a user edits it), ``zero_infinity`` (ds_configs/zero_infinity.json, its
-documented settings) and ``zero3`` (in-memory ZeRO-3, the compute-only reference). Each run gets a copy of
+documented settings), ``zero_infinity_eqmem`` (the same file with its RAM cache, swap buffers and sub-groups
+sized to aidaptiv's host budget, aidaptiv_ds/harness/eqmem.py, as the sweep and bench/swap_step_time.py size
+it) and ``zero3`` (in-memory ZeRO-3, the compute-only reference). Each run gets a copy of
 the config with its swap folder filled in and nothing else changed.
 
     python bench/user_paths.py [--repeats 5] [--steps 12] [--paths script,trainer,train] [--out DIR]
@@ -40,12 +42,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from aidaptiv_ds.harness import eqmem  # noqa: E402
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
-from train_run import add_run_arguments, bench_setup  # noqa: E402  (bench/train_run.py)
+from train_run import add_run_arguments, bench_setup, eqmem_sizing, paired_ratios  # noqa: E402  (bench/train_run.py)
 
 PATHS = ("script", "trainer", "train")
-BACKENDS = ("aidaptiv", "zero_infinity", "zero3")
+EQMEM = eqmem.BACKEND   # ZeRO-Infinity with aidaptiv's host memory
+BACKENDS = ("aidaptiv", "zero_infinity", EQMEM, "zero3")
 # fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter, its gradient, an fp32 master
 # and two Adam moments (20 bytes).
 STATE_BYTES_PER_PARAM = state_bytes_per_param(4)
@@ -53,9 +57,13 @@ RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "L
 
 
 def run_config(backend, swap, args):
-    """The shipped config of ``backend`` as a user adapts it: swap folder, and for aidaptiv the host budget."""
-    with open(os.path.join(ROOT, "ds_configs", f"{backend}.json")) as f:
-        cfg = json.load(f)
+    """The shipped config of ``backend`` as a user adapts it: swap folder, and for aidaptiv the host budget;
+    zero_infinity_eqmem is ZeRO-Infinity's with its RAM cache and buffers sized to that budget."""
+    if backend == EQMEM:
+        cfg = eqmem.eqmem_config(*eqmem_sizing(ROOT, args.model, args.budget_bytes))
+    else:
+        with open(os.path.join(ROOT, "ds_configs", f"{backend}.json")) as f:
+            cfg = json.load(f)
     cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
     if backend == "aidaptiv":
         cfg["aidaptiv"].update(nvme_path=swap, host_memory_budget=args.budget_bytes)
@@ -208,7 +216,7 @@ def main():
                     row.update(repeat=rep, git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
                                machine=machine, model=args.model, params=params, seq_len=args.seq_len,
                                micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
-                               budget_bytes=args.budget_bytes if backend == "aidaptiv" else None)
+                               budget_bytes=args.budget_bytes if backend in ("aidaptiv", EQMEM) else None)
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     rows.append(row)
@@ -223,6 +231,12 @@ def main():
 
 def _fmt(v, digits=3):
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def path_figures(rows, path, key):
+    """{(backend, repeat): value} of one path's runs that went ok (train_run.paired_ratios takes it)."""
+    return {(r["backend"], r["repeat"]): r[key] for r in rows
+            if r["status"] == "ok" and r["path"] == path and r.get(key) is not None}
 
 
 def summarize(rows, args, params, machine, sha, paths, backends):
@@ -258,20 +272,17 @@ def summarize(rows, args, params, machine, sha, paths, backends):
                          f"{_fmt(med(path, b, 'update_s'))} | {_fmt(med(path, b, 'io_wait_s'))} | "
                          f"{_fmt(med(path, b, 'read_mb_step'), 0)} | {_fmt(med(path, b, 'write_mb_step'), 0)} | "
                          f"{_fmt(med(path, b, 'peak_rss_mb'), 0)} |")
+    others = [b for b in ("zero_infinity", EQMEM, "zero3") if b in backends]
     lines += ["", "aidaptiv / other backend, per path: the ratio of each repeat's two runs (adjacent in time), "
-                  "median and range over repeats.", "", "| path | vs zero_infinity | vs zero3 |", "|---|---|---|"]
+                  "median and range over repeats.", "", "| path | " + " | ".join(f"vs {b}" for b in others) + " |",
+              "|---|" + "---|" * len(others)]
     for path in paths:
         cells = []
-        for other in ("zero_infinity", "zero3"):
-            ratios = []
-            for rep in range(args.repeats):
-                a = [r["step_s_median"] for r in ok if r["path"] == path and r["backend"] == "aidaptiv" and r["repeat"] == rep]
-                o = [r["step_s_median"] for r in ok if r["path"] == path and r["backend"] == other and r["repeat"] == rep]
-                if a and o and a[0] and o[0]:
-                    ratios.append(a[0] / o[0])
+        for other in others:
+            ratios = paired_ratios(path_figures(rows, path, "step_s_median"), "aidaptiv", other)
             cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs)"
                          if ratios else "-")
-        lines.append(f"| {path} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {path} | " + " | ".join(cells) + " |")
     facts = [(r["path"], r["swapper"]) for r in ok if r["backend"] == "aidaptiv" and r.get("swapper")]
     if facts:
         lines += ["", "What the swapper did on each path (first run): its plan, layer-group reads, prefetches, "
