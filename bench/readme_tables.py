@@ -159,9 +159,14 @@ def gpu_section():
                 + f"; git {(rows[0].get('git_sha') or '?')[:10]}; report in `{name}/report.md`): {len(rows)} cell(s), "
                 + ", ".join(f"{n} {st}" for st, n in sorted(counts.items())) + ".", ""]
         ok = [r for r in rows if r["status"] == "ok"]
-        if not ok:
-            errors = sorted({(r["backend"], (r.get("error") or "")[:120]) for r in rows if r["status"] != "ok"})
+        if os.path.exists(os.path.join(out_dir, "README.md")):
+            out += [f"What the session showed, and what the rows cannot say: `{name}/README.md`.", ""]
+        # Out-of-memory cells read off the tables; errors need their line. Without an ok cell, every reason.
+        errors = sorted({(r["backend"], (r.get("error") or "")[:120]) for r in rows
+                         if r["status"] != "ok" and (not ok or r["status"] != "oom")})
+        if errors:
             out += [f"- {b}: {e}" for b, e in errors] + [""]
+        if not ok:
             continue
         for model in sorted({r["model"] for r in rows}):
             mrows = [r for r in rows if r["model"] == model]
