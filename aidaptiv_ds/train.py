@@ -107,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoints carry their own copy)")
     p.add_argument("--gpu-mem-cap-gb", type=float, default=None,
                    help="cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction)")
+    p.add_argument("--no-fit-check", action="store_true",
+                   help="start even when the plan says the swap space, host budget or host memory cannot hold the "
+                        "job (the problems are printed as a warning): to measure where it really runs out, as "
+                        "bench/capacity.py does")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
     from aidaptiv_ds import train_plan
@@ -397,8 +401,14 @@ class Run:
         problems = launch_problems(shape_of_config(self.spec.name, self.spec.config), cfg,
                                    world_size=self.world_size, local_world_size=min(local, self.world_size),
                                    seq_len=seq_len, micro_batch=micro, cuda=self.cuda, ram_bytes=total_ram_bytes())
-        if problems:   # every problem, in full (a ConfigError would be cut to its last line by run())
-            raise DoesNotFit(str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}")))
+        if not problems:
+            return
+        text = str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}"))
+        if getattr(self.args, "no_fit_check", False):
+            self.info["fit_check"] = {"skipped": True, "problems": problems}
+            print(f"aidaptiv-ds train: warning: --no-fit-check: starting although {text}", file=sys.stderr, flush=True)
+            return
+        raise DoesNotFit(text)   # every problem, in full (a ConfigError would be cut to its last line by run())
 
     def build(self):
         import deepspeed

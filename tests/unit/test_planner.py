@@ -242,6 +242,22 @@ def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, 
     assert "host memory: zero3 needs at least 7.3 GiB" in capsys.readouterr().out
 
 
+def test_no_fit_check_starts_what_the_plan_refuses_and_says_so(clean_env, tmp_path, monkeypatch, capsys, repo):
+    """bench/capacity.py measures where a backend really runs out; the guard would answer with its prediction."""
+    monkeypatch.setattr("aidaptiv_ds.config.total_ram_bytes", lambda: 1 << 30)
+    built = []
+
+    def stop(self):
+        built.append(self.info.get("fit_check"))
+        raise train.TrainingFailed("stopped after the guard")
+    monkeypatch.setattr(train.Run, "build", stop)
+    rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "small",
+                   "--steps", "1", "--no-progress", "--no-fit-check"])
+    assert rc == 1 and built and built[0]["skipped"]
+    assert any("zero3 needs at least 7.3 GiB" in p for p in built[0]["problems"])
+    assert "warning: --no-fit-check: starting although" in capsys.readouterr().err
+
+
 def test_train_lets_a_job_that_fits_go_on(clean_env, tmp_path, monkeypatch, repo):
     built = []
 
