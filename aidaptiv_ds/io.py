@@ -107,6 +107,12 @@ class PinnedPool:
         and the rest at the high end so that the rest cannot cut up the space large buffers need."""
         return self._pool.allocate(int(numel), dtype, bool(from_top))
 
+    def try_allocate(self, numel: int, dtype: torch.dtype = torch.uint8,
+                     from_top: bool = False) -> Optional[torch.Tensor]:
+        """allocate(), or None when no free block fits: for callers to whom a full pool is routine (they
+        reclaim and ask again). Nothing is raised on that path, in C++ either."""
+        return self._pool.try_allocate(int(numel), dtype, bool(from_top))
+
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether the tensor's bytes lie inside this pool (so they may be registered buffers)."""
         if tensor.device.type != "cpu":

@@ -435,11 +435,10 @@ class HostMemory:
         self._holders.append((name, fn))
 
     def _allocate(self, nbytes: int, large: bool) -> Optional[torch.Tensor]:
-        try:
-            # Large buffers (layer groups) from the low end, the rest from the high end: see PinnedPool.
-            return self.pool.allocate(align_up(nbytes), torch.uint8, from_top=not large)[:nbytes]
-        except MemoryError:
-            return None
+        # Large buffers (layer groups) from the low end, the rest from the high end: see PinnedPool. A full
+        # pool is routine here, so no exception is raised for it (PinnedPool.try_allocate).
+        buf = self.pool.try_allocate(align_up(nbytes), torch.uint8, from_top=not large)
+        return None if buf is None else buf[:nbytes]
 
     def try_take(self, nbytes: int, large: bool = False) -> Optional[torch.Tensor]:
         """A buffer if one is free or can be freed without waiting for I/O; None otherwise. ``large``:

@@ -17,7 +17,10 @@ PYBIND11_MODULE(_C, m) {
 
   // SystemError -> OSError(errno, message, filename): Python picks FileNotFoundError, PermissionError,
   // ... from the errno. InvalidArgument -> ValueError, OutOfPinnedMemory -> MemoryError.
-  py::register_exception_translator([](std::exception_ptr p) {
+  // Module-local: pybind11 >= 3 shares its global translator list with every extension built against the
+  // same internals (torch's, DeepSpeed's JIT ops), so a global one would be tried for their exceptions and
+  // theirs for ours; a local one is tried first for exceptions thrown by this module's functions only.
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const SystemError& e) {
@@ -52,6 +55,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init(&PinnedPool::create), py::arg("capacity_bytes"), release_gil())
       .def("allocate", &PinnedPool::allocate, py::arg("numel"), py::arg("dtype"), py::arg("from_top") = false,
            release_gil())
+      .def("try_allocate", &PinnedPool::try_allocate, py::arg("numel"), py::arg("dtype"),
+           py::arg("from_top") = false, release_gil())
       .def("contains", &PinnedPool::contains, py::arg("address"), py::arg("nbytes"))
       .def("stats", &PinnedPool::stats)
       .def_property_readonly("address", [](const PinnedPool& p) { return reinterpret_cast<uintptr_t>(p.base()); })

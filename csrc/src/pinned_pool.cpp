@@ -70,33 +70,38 @@ PinnedPool::~PinnedPool() {
   if (base_) munmap(base_, capacity_);
 }
 
-void* PinnedPool::allocate_bytes(uint64_t nbytes, bool from_top) {
+void* PinnedPool::try_allocate_bytes(uint64_t nbytes, bool from_top, uint64_t* largest) noexcept {
   const uint64_t want = round_up(nbytes == 0 ? 1 : nbytes, kAlignment);
   std::lock_guard<std::mutex> lock(mu_);
   // Two ends, so that buffers of different kinds do not interleave: the low end takes the lowest block
   // that fits (first fit over the free list, kept coalesced and ordered by offset), the high end the
   // highest block that fits, cut from its end.
-  uint64_t largest = 0;
+  *largest = 0;
   auto pick = free_.end();
   for (auto it = free_.begin(); it != free_.end(); ++it) {
-    if (it->second > largest) largest = it->second;
+    if (it->second > *largest) *largest = it->second;
     if (it->second < want) continue;
     if (from_top || pick == free_.end()) pick = it;
   }
-  if (pick != free_.end()) {
-    const uint64_t block = pick->first;
-    const uint64_t rest = pick->second - want;
-    const uint64_t offset = from_top ? block + rest : block;
-    free_.erase(pick);
-    if (rest) free_[from_top ? block : block + want] = rest;
-    used_[offset] = want;
-    in_use_ += want;
-    if (in_use_ > high_water_) high_water_ = in_use_;
-    return base_ + offset;
-  }
+  if (pick == free_.end()) return nullptr;
+  const uint64_t block = pick->first;
+  const uint64_t rest = pick->second - want;
+  const uint64_t offset = from_top ? block + rest : block;
+  free_.erase(pick);
+  if (rest) free_[from_top ? block : block + want] = rest;
+  used_[offset] = want;
+  in_use_ += want;
+  if (in_use_ > high_water_) high_water_ = in_use_;
+  return base_ + offset;
+}
+
+void* PinnedPool::allocate_bytes(uint64_t nbytes, bool from_top) {
+  uint64_t largest = 0;
+  if (void* p = try_allocate_bytes(nbytes, from_top, &largest)) return p;
+  const PoolStats s = stats();
   std::ostringstream msg;
-  msg << "pinned pool cannot hand out " << want << " bytes: " << in_use_ << " of its " << capacity_
-      << " bytes are in use and the largest free block is " << largest
+  msg << "pinned pool cannot hand out " << round_up(nbytes == 0 ? 1 : nbytes, kAlignment) << " bytes: "
+      << s.in_use << " of its " << capacity_ << " bytes are in use and the largest free block is " << largest
       << " bytes; free tensors taken from this pool or create a larger PinnedPool";
   throw OutOfPinnedMemory(msg.str());
 }
@@ -126,14 +131,24 @@ void PinnedPool::release(void* ptr) noexcept {
   free_[start] = length;
 }
 
-at::Tensor PinnedPool::allocate(int64_t numel, at::ScalarType dtype, bool from_top) {
-  AIDAPTIV_EXPECT(numel >= 0, "PinnedPool.allocate numel is " << numel << ": expected a count >= 0");
-  const uint64_t nbytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
-  void* ptr = allocate_bytes(nbytes, from_top);
+at::Tensor PinnedPool::wrap(void* ptr, int64_t numel, at::ScalarType dtype) {
   // The deleter keeps the pool alive until the last tensor from it is gone, and returns the block.
   auto self = shared_from_this();
   return at::from_blob(
       ptr, {numel}, [self](void* p) { self->release(p); }, at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+at::Tensor PinnedPool::allocate(int64_t numel, at::ScalarType dtype, bool from_top) {
+  AIDAPTIV_EXPECT(numel >= 0, "PinnedPool.allocate numel is " << numel << ": expected a count >= 0");
+  return wrap(allocate_bytes(static_cast<uint64_t>(numel) * c10::elementSize(dtype), from_top), numel, dtype);
+}
+
+std::optional<at::Tensor> PinnedPool::try_allocate(int64_t numel, at::ScalarType dtype, bool from_top) {
+  AIDAPTIV_EXPECT(numel >= 0, "PinnedPool.try_allocate numel is " << numel << ": expected a count >= 0");
+  uint64_t largest = 0;
+  void* ptr = try_allocate_bytes(static_cast<uint64_t>(numel) * c10::elementSize(dtype), from_top, &largest);
+  if (ptr == nullptr) return std::nullopt;
+  return wrap(ptr, numel, dtype);
 }
 
 bool PinnedPool::contains(uintptr_t address, uint64_t nbytes) const {

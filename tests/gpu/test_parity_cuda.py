@@ -5,11 +5,13 @@ The host budget (40 MiB) is below the micro preset's model state (94 MiB in fp32
 writes the state through NVMe, and the GPU receives each parameter from a host slot the swapper may reuse.
 """
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from helpers import CONFIGS, aidaptiv_config, failure_excerpt, read_metrics, run_train
+from helpers import CONFIGS, aidaptiv_config, child_env, failure_excerpt, read_metrics, run_train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -86,3 +88,19 @@ def test_auto_activation_budget_follows_the_gpu_memory_cap(tmp_path):
     plan = read_metrics(out)["activations"]["plan"]
     assert "under this process's cap" in plan["budget_source"], plan["budget_source"]
     assert plan["budget_bytes"] <= 1 << 30
+
+
+def test_engine_errors_are_exceptions_in_a_cuda_training_process(tmp_path):
+    """The H100 runs died of SIGSEGV at the swapper's first C++ exception. The swapper no longer throws for a
+    full budget (PinnedPool.try_allocate), but the engine's real errors (I/O, bad arguments) still travel as
+    C++ exceptions: they must arrive as Python exceptions in a process with CUDA, DeepSpeed and its ops
+    loaded, and training must go on after them."""
+    out = tmp_path / "m.json"
+    cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "engine_errors_run.py"), "train",
+           "--config", _aidaptiv_config(tmp_path), *COMMON, "--dtype", "fp32", "--metrics-out", str(out)]
+    p = subprocess.run(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=600)
+    probes = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE")]
+    assert p.returncode == 0, "\n".join(probes) + "\n" + failure_excerpt(p.stdout)
+    assert sum("caught" in ln for ln in probes) == 4, probes
+    assert read_metrics(out)["status"] == "ok"

@@ -316,6 +316,37 @@ def test_budget_is_enforced_reclaimers_run_and_the_error_says_what_holds_memory(
     assert mem.try_take(3 << 20) is None  # non-blocking: no costly reclaimers, no error
 
 
+def test_a_full_budget_raises_nothing_inside_the_engine(monkeypatch):
+    """A full pool is routine for the swapper: take asks, reclaims, asks again. On an H100 a training process
+    died of SIGSEGV at its first C++ OutOfPinnedMemory (bench/results/gpu_probe_h100), so that path must not
+    throw at all, in C++ either: HostMemory asks with try_allocate, which answers None."""
+    pool = PinnedPool(64 << 10)
+    mem = HostMemory(pool)
+    raised = []
+    real = PinnedPool.allocate
+
+    def allocate(self, *args, **kwargs):
+        try:
+            return real(self, *args, **kwargs)
+        except MemoryError as e:
+            raised.append(e)
+            raise
+    monkeypatch.setattr(PinnedPool, "allocate", allocate)
+    held = mem.take(64 << 10, "all of it")
+    assert mem.try_take(4096) is None and mem.try_take(4096, large=True) is None
+    with pytest.raises(HostBudgetError):
+        mem.take(4096, "one more")
+    assert raised == []
+    del held
+    assert mem.try_take(4096) is not None   # the block came back
+    # try_allocate itself: None past the budget, a tensor of the pool otherwise, and allocate still raises.
+    assert pool.try_allocate(1 << 20) is None
+    t = pool.try_allocate(1000, torch.float32, from_top=True)
+    assert t.dtype == torch.float32 and t.numel() == 1000 and pool.contains(t)
+    with pytest.raises(MemoryError, match="pinned pool cannot hand out 1048576 bytes"):
+        real(pool, 1 << 20)
+
+
 def test_a_swap_file_truncated_under_the_job_is_an_error_not_zeros(tmp_path, engine):
     # A write after the truncation extends the file again with a hole before it: a read there would give
     # zeros without an error from the kernel. The store checks the size against what it preallocated.

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -44,6 +45,10 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   // the low end and everything else at the high end, so short-lived buffers do not cut up the space the
   // large ones need (the pool cannot move live buffers to defragment).
   at::Tensor allocate(int64_t numel, at::ScalarType dtype, bool from_top = false);
+  // The same, or nothing when no free block fits. A full pool is routine for the swapper (it reclaims and
+  // asks again), so that path throws no C++ exception: an H100 training process died of SIGSEGV at its
+  // first OutOfPinnedMemory (bench/results/gpu_probe_h100), and exceptions are slow besides.
+  std::optional<at::Tensor> try_allocate(int64_t numel, at::ScalarType dtype, bool from_top = false);
   // Whether [address, address + nbytes) lies inside this pool's allocation.
   bool contains(uintptr_t address, uint64_t nbytes) const;
   PoolStats stats() const;
@@ -54,6 +59,9 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
  private:
   explicit PinnedPool(uint64_t capacity_bytes);
   void* allocate_bytes(uint64_t nbytes, bool from_top);
+  // nullptr when no free block fits; *largest gets the largest free block then (for the message).
+  void* try_allocate_bytes(uint64_t nbytes, bool from_top, uint64_t* largest) noexcept;
+  at::Tensor wrap(void* ptr, int64_t numel, at::ScalarType dtype);
   void release(void* ptr) noexcept;
 
   char* base_ = nullptr;
