@@ -282,9 +282,8 @@ class AioHandle:
             if self._bounce_pool is None:
                 self._bounce_pool = PinnedPool(BOUNCE_POOL_BYTES)
             pool = self._bounce_pool
-        try:
-            flat = pool.allocate(buffer.numel(), buffer.dtype)
-        except MemoryError:  # larger than what is free: an allocation of its own, freed with the tensor
+        flat = pool.try_allocate(buffer.numel(), buffer.dtype)
+        if flat is None:  # larger than what is free: an allocation of its own, freed with the tensor
             flat = PinnedPool(max(1, nbytes)).allocate(buffer.numel(), buffer.dtype)
         return flat.view(buffer.shape)
 
