@@ -23,7 +23,7 @@ have other keys). The cells' logs stay in OUT/cells/<variant>__<cell>/. OUT/summ
 (longest sequence, tokens/s at it, how it failed above it) and aidaptiv / zero_infinity per model and
 micro-batch.
 
-    python bench/capacity.py                                    # the issue's sweep: hours on a 2-core CPU
+    python bench/capacity.py --max-seq 16384,small=8192         # the issue's sweep: hours on a 2-core CPU
     python bench/capacity.py --models tiny --micro-batches 1 --variants zero_infinity,aidaptiv-nvme \\
         --max-seq 1024 --host-mem-cap-gb 3 --out /tmp/capacity_check         # a short check
 """
@@ -70,6 +70,29 @@ def _list(kind, convert=str, allowed=None):
     return parse
 
 
+def _max_seq(text):
+    """'16384' or '16384,small=8192': the longest length tried, and per-model exceptions."""
+    default, per_model = None, {}
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        name, eq, value = part.rpartition("=")
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected a length or MODEL=LENGTH")
+        if eq:
+            per_model[name] = n
+        elif default is None:
+            default = n
+        else:
+            raise argparse.ArgumentTypeError(f"{text!r}: one length without a model, then MODEL=LENGTH pairs")
+    return (16384 if default is None else default), per_model
+
+
+def max_seq_of(args, model):
+    default, per_model = args.max_seq
+    return per_model.get(model, default)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", type=_list("variant(s)", allowed=VARIANTS),
@@ -77,7 +100,9 @@ def parse_args(argv=None):
                    help=f"comma list of {', '.join(VARIANTS)} (default zero3,zero_infinity,aidaptiv-nvme)")
     p.add_argument("--models", type=_list("model presets"), default=["tiny", "small"], help="default tiny,small")
     p.add_argument("--micro-batches", type=_list("positive integers", int), default=[1, 2], help="default 1,2")
-    p.add_argument("--max-seq", type=int, default=16384, help="longest length tried (default 16384)")
+    p.add_argument("--max-seq", type=_max_seq, default=(16384, {}),
+                   help="longest length tried (default 16384); MODEL=N pairs after it set another per model, e.g. "
+                        "16384,small=8192 (small at 16k tokens takes over half an hour per attempt on 2 cores)")
     p.add_argument("--confirm-seqs", type=_list("positive integers", int), default=[12000],
                    help="lengths off the 256 grid (default 12000, the issue's target on tiny) also run where the "
                         "search found a longer length that fits, so that they are measured, not inferred")
@@ -101,16 +126,19 @@ def parse_args(argv=None):
     problems = []
     if args.steps < 2:
         problems.append(f"--steps {args.steps}: need at least 2 (one untimed, one timed)")
-    try:
-        C.seq_grid(args.max_seq)
-    except ValueError as e:
-        problems.append(str(e))
+    for n in {args.max_seq[0], *args.max_seq[1].values()}:
+        try:
+            C.seq_grid(n)
+        except ValueError as e:
+            problems.append(str(e))
     if not 0 < args.aidaptiv_state_fraction < 1:
         problems.append(f"--aidaptiv-state-fraction {args.aidaptiv_state_fraction}: must be between 0 and 1")
     problems += [f"--{name.replace('_', '-')}: {v} is not a positive length or batch"
                  for name in ("micro_batches", "confirm_seqs") for v in getattr(args, name) if v < 1]
     from aidaptiv_ds.models import PRESETS
     problems += [f"--models: {m} is not a preset ({', '.join(PRESETS)})" for m in args.models if m not in PRESETS]
+    problems += [f"--max-seq: {m}={n} names no model of --models" for m, n in args.max_seq[1].items()
+                 if m not in args.models]
     if problems:
         p.error("; ".join(problems))
     return args
@@ -218,6 +246,12 @@ class Runner:
         return row
 
 
+def max_seq_text(args):
+    default, per_model = args.max_seq
+    rest = [f"{m}: {n:,}" for m, n in per_model.items() if n != default]
+    return f"{default:,}" + (f" ({'; '.join(rest)})" if rest else "")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = os.path.abspath(args.out)
@@ -244,7 +278,6 @@ def main(argv=None) -> int:
     log = C.AttemptLog(os.path.join(args.out, ROWS_FILE), append_row)
     for p in log.problems:
         print(f"warning: {p}", file=sys.stderr)
-    grid = C.seq_grid(args.max_seq)
     cap = args.host_mem_cap_gb
     found = []
     t_start = time.monotonic()
@@ -258,6 +291,7 @@ def main(argv=None) -> int:
               f"{what} [{when}]", file=sys.stderr, flush=True)
 
     for model in args.models:
+        grid = C.seq_grid(max_seq_of(args, model))
         for mb in args.micro_batches:
             for variant in args.variants:
                 def key_of(seq, variant=variant, model=model, mb=mb):
@@ -266,7 +300,7 @@ def main(argv=None) -> int:
                 def run(seq, phase, variant=variant, model=model, mb=mb):
                     return runner(variant, model, mb, seq, phase, key_of(seq))
                 try_seq = C.resumable(log, key_of, run, show)
-                print(f"{variant} {model} micro-batch {mb}: searching 256..{args.max_seq:,}", file=sys.stderr)
+                print(f"{variant} {model} micro-batch {mb}: searching 256..{grid[-1]:,}", file=sys.stderr)
                 result = C.search_longest(grid, try_seq)
                 f = C.Found(variant, model, mb, result)
                 for s in args.confirm_seqs:
@@ -275,7 +309,7 @@ def main(argv=None) -> int:
                 found.append(f)
     lines = [f"# Capacity under a {cap:g} GiB host cap" if cap else "# Capacity (no host cap)", "",
              f"Longest sequence that trains {args.steps} steps with finite losses, one CPU process, lengths in "
-             f"multiples of 256 up to {args.max_seq:,}; rows in {ROWS_FILE}. Machine: "
+             f"multiples of 256 up to {max_seq_text(args)}; rows in {ROWS_FILE}. Machine: "
              f"{runner.ctx['machine'].get('cpu')}, {runner.ctx['machine'].get('cores')} cores; host cap via "
              f"{runner.cap['mechanism']}; git {runner.ctx['git_sha']}{' (dirty)' if runner.ctx['git_dirty'] else ''}.",
              "", *C.summary_table(found), "", "aidaptiv / zero_infinity (longest sequence):", "", *C.ratio_lines(found)]
