@@ -315,17 +315,23 @@ def repeats_section():
 
 def user_paths_section():
     """bench/user_paths.py: step time per path users take and backend (median over repeats, min-max), and
-    aidaptiv / ZeRO-Infinity per path from each repeat's two runs."""
+    aidaptiv / ZeRO-Infinity per path from each repeat's two runs (shipped, and at aidaptiv's memory)."""
     from aidaptiv_ds.harness.machine import cpu_line
     from train_run import paired_ratios      # bench/, on sys.path as this script's folder
-    from user_paths import path_figures
+    from user_paths import EQMEM, path_figures
     rows = [r for r in _rows(os.path.join(ROOT, "bench", "results", "user_paths", "rows.jsonl")) if r["status"] == "ok"]
     if not rows:
         return ["(no user-path rows yet: `python bench/user_paths.py`)"]
     paths = [p for p in ("script", "trainer", "train") if any(r["path"] == p for r in rows)]
-    backends = [b for b in ("aidaptiv", "zero_infinity", "zero3") if any(r["backend"] == b for r in rows)]
+    backends = [b for b in ("aidaptiv", "zero_infinity", EQMEM, "zero3") if any(r["backend"] == b for r in rows)]
+    dens = [b for b in ("zero_infinity", EQMEM) if b in backends]
     first = rows[0]
     m = first["machine"]
+    budget = next((r["budget_bytes"] for r in rows if r["backend"] == "aidaptiv" and r.get("budget_bytes")), None)
+    memory = ("ZeRO-Infinity runs its shipped config (no RAM cache, `max_in_cpu: 0`, and its own pinned buffers); "
+              + (f"{EQMEM} is that config with its RAM cache, swap buffers and sub-groups sized to aidaptiv's "
+                 "budget (bench/train_run.eqmem_sizing, as the sweep sizes it)." if EQMEM in backends else
+                 "the memory is not equal here (the repeated sweep below compares at equal memory)."))
     out = [f"**Step time on the paths users take** (`bench/user_paths.py`, summary in "
            "`bench/results/user_paths/summary.md`): "
            f"{first['model']} ({first['params'] / 1e6:.1f}M params), fp32, micro-batch {first['micro_batch']} x seq "
@@ -333,21 +339,23 @@ def user_paths_section():
            f"{len({r['repeat'] for r in rows})} interleaved repeats, median step after {first['warmup']} warm-up steps. "
            "script: a plain loop with the model built under `deepspeed.zero.Init` (examples/zero_init_train.py); "
            "trainer: the HF Trainer with `--deepspeed` (examples/hf_trainer_finetune.py); train: `aidaptiv-ds "
-           "train`. aidaptiv gets a host budget of a quarter of the model state; ZeRO-Infinity runs its shipped "
-           "config (no RAM cache, `max_in_cpu: 0`), so the memory is not equal here (the repeated sweep below "
-           "compares at equal memory).", "",
-           "| path | " + " | ".join(f"{b} step s" for b in backends) + " | aidaptiv / zero_infinity step | "
-           "peak RSS aidaptiv / zero_infinity |", "|---|" + "---|" * (len(backends) + 2)]
+           "train`. aidaptiv gets a host budget of "
+           + (f"{budget / 2**20:.0f} MiB ({budget / (first['params'] * 20):.2g} of the model state); " if budget
+              else "a quarter of the model state; ") + memory, "",
+           "| path | " + " | ".join(f"{b} step s" for b in backends) + " | "
+           + " | ".join(f"aidaptiv / {d} step | peak RSS aidaptiv / {d}" for d in dens) + " |",
+           "|---|" + "---|" * (len(backends) + 2 * len(dens))]
     for p in paths:
         cells = []
         for b in backends:
             v = [r["step_s_median"] for r in rows if r["path"] == p and r["backend"] == b]
             cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
-        step = paired_ratios(path_figures(rows, p, "step_s_median"), "aidaptiv", "zero_infinity")
-        rss = paired_ratios(path_figures(rows, p, "peak_rss_mb"), "aidaptiv", "zero_infinity")
-        out.append(f"| {p} | " + " | ".join(cells) + " | " +
-                   (f"{statistics.median(step):.2f}x ({min(step):.2f}-{max(step):.2f})" if step else "-") + " | " +
-                   (f"{statistics.median(rss):.2f}x" if rss else "-") + " |")
+        for d in dens:
+            step = paired_ratios(path_figures(rows, p, "step_s_median"), "aidaptiv", d)
+            rss = paired_ratios(path_figures(rows, p, "peak_rss_mb"), "aidaptiv", d)
+            cells.append(f"{statistics.median(step):.2f}x ({min(step):.2f}-{max(step):.2f})" if step else "-")
+            cells.append(f"{statistics.median(rss):.2f}x" if rss else "-")
+        out.append(f"| {p} | " + " | ".join(cells) + " |")
     return out
 
 
