@@ -70,7 +70,10 @@ def main(argv=None) -> int:
     # A native crash (a segfault in an extension, a CUDA driver abort) then prints every thread's Python
     # stack to stderr instead of dying silently; the sweep reads the crashing frame from it (fault_line).
     if not faulthandler.is_enabled():
-        faulthandler.enable(all_threads=True)
+        try:
+            faulthandler.enable(all_threads=True)
+        except (AttributeError, ValueError, OSError):  # stderr replaced by an object without a file descriptor
+            pass
     # Every subcommand may make DeepSpeed compile an op; this process and everything it starts (launcher
     # ranks, sweep cells) then use the same build tools as every other run sharing the op cache.
     put_build_tools_first(os.environ)
