@@ -318,7 +318,7 @@ def user_paths_section():
     aidaptiv / ZeRO-Infinity per path from each repeat's two runs (shipped, and at aidaptiv's memory)."""
     from aidaptiv_ds.harness.machine import cpu_line
     from train_run import paired_ratios      # bench/, on sys.path as this script's folder
-    from user_paths import EQMEM, path_figures
+    from user_paths import EQMEM, STATE_BYTES_PER_PARAM, path_figures
     rows = [r for r in _rows(os.path.join(ROOT, "bench", "results", "user_paths", "rows.jsonl")) if r["status"] == "ok"]
     if not rows:
         return ["(no user-path rows yet: `python bench/user_paths.py`)"]
@@ -340,7 +340,7 @@ def user_paths_section():
            "script: a plain loop with the model built under `deepspeed.zero.Init` (examples/zero_init_train.py); "
            "trainer: the HF Trainer with `--deepspeed` (examples/hf_trainer_finetune.py); train: `aidaptiv-ds "
            "train`. aidaptiv gets a host budget of "
-           + (f"{budget / 2**20:.0f} MiB ({budget / (first['params'] * 20):.2g} of the model state); " if budget
+           + (f"{budget / 2**20:.0f} MiB ({budget / (first['params'] * STATE_BYTES_PER_PARAM):.2g} of the model state); " if budget
               else "a quarter of the model state; ") + memory, "",
            "| path | " + " | ".join(f"{b} step s" for b in backends) + " | "
            + " | ".join(f"aidaptiv / {d} step | peak RSS aidaptiv / {d}" for d in dens) + " |",
