@@ -340,11 +340,11 @@ def aidaptiv_split(job: Job, hw: Hardware, budget: int):
     return split, size, group_bytes, subs, chunk
 
 
-def aidaptiv_reduce_bucket(budget: int) -> int:
-    """Elements of DeepSpeed's reduce bucket under aidaptiv: config.to_deepspeed_config's cap by the budget
-    (a test compares the two)."""
-    from aidaptiv_ds.config import LIMIT_FLOOR
-    return min(REDUCE_BUCKET_SIZE, max(1, budget // 8 // 4, min(LIMIT_FLOOR, budget // 4 // 4)))
+def aidaptiv_reduce_bucket(budget: int, on_host: bool) -> int:
+    """Elements of DeepSpeed's reduce bucket under aidaptiv: what config.to_deepspeed_config makes of the shipped
+    configs' default (a test compares the two)."""
+    from aidaptiv_ds.config import reduce_bucket_cap
+    return min(REDUCE_BUCKET_SIZE, reduce_bucket_cap(budget, on_host))
 
 
 def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
@@ -365,8 +365,8 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
         plan.host_pageable["step transient (gradients of the gathered layer groups)"] = (
             step_transient_bytes(s.num_parameters, "aidaptiv"))
     # DeepSpeed's reduce bucket, capped by the budget (on CPU only what the gradients touch, in host memory).
-    bucket_bytes = lambda b: (aidaptiv_reduce_bucket(b) if hw.gpu_mem is not None
-                              else min(aidaptiv_reduce_bucket(b), s.num_parameters)) * e
+    bucket_bytes = lambda b: (aidaptiv_reduce_bucket(b, False) if hw.gpu_mem is not None
+                              else min(aidaptiv_reduce_bucket(b, True), s.num_parameters)) * e
     local = hw.gpus
     pageable = sum(plan.host_pageable.values())
     available = (hw.host_mem - hw.launcher_host) // local - pageable

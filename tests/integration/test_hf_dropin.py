@@ -24,9 +24,9 @@ HF_CONFIG = os.path.join(CONFIGS, "hf_trainer_zero3_aidaptiv.json")
 SCRIPT = os.path.join(REPO, "tests", "integration", "hf_dropin_run.py")
 BUDGET = "40MiB"
 HIDDEN = 256  # the micro preset's: HF fills reduce_bucket_size with HIDDEN**2, the persistence threshold 10x
-# What our translation gives an "auto" reduce_bucket_size under BUDGET (see aidaptiv_ds.config): a quarter of
-# the budget in fp32 elements.
-OUR_BUCKET = 40 * 2**20 // 4 // 4
+# What our translation gives an "auto" reduce_bucket_size under BUDGET on the CPU (aidaptiv_ds.config.
+# reduce_bucket_cap): HOST_BUCKET_FLOOR elements, which is below a quarter of the budget.
+OUR_BUCKET = 1 << 21
 
 
 def write_configs(tmp_path, edit=None):

@@ -104,7 +104,7 @@ def test_bad_budgets(value):
 def test_translation_routes_zero3_through_nvme_and_bounds_deepspeed_by_the_budget(tmp_path):
     cfg = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"}))
     out = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"},
-                                   zero_optimization={"stage": 3, "reduce_bucket_size": 5e8}), cfg)
+                                   zero_optimization={"stage": 3, "reduce_bucket_size": 5e8}), cfg, on_host=False)
     z = out["zero_optimization"]
     assert z["offload_param"]["device"] == "nvme" and z["offload_optimizer"]["device"] == "nvme"
     assert z["offload_param"]["nvme_path"] == str(tmp_path) and z["offload_param"]["max_in_cpu"] == 0
@@ -113,8 +113,16 @@ def test_translation_routes_zero3_through_nvme_and_bounds_deepspeed_by_the_budge
     assert z["reduce_bucket_size"] == 64 * 2**20 // 4 // 4
     assert z["stage3_max_live_parameters"] == 64 * 2**20 // 4 // 4 and z["stage3_max_reuse_distance"] == 0
     big = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "8GiB"}), check_paths=False)
-    zb = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big)["zero_optimization"]
+    zb = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big, on_host=False)["zero_optimization"]
     assert zb["reduce_bucket_size"] == 8 * 2**30 // 8 // 4 and zb["stage3_max_live_parameters"] == 8 * 2**30 // 16
+    # On the CPU the bucket's buffer is host memory too: a 32nd of the budget, 2M elements for small budgets.
+    zh = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big, on_host=True)["zero_optimization"]
+    assert zh["reduce_bucket_size"] == 8 * 2**30 // 32 // 4
+    zs = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), cfg, on_host=True)["zero_optimization"]
+    assert zs["reduce_bucket_size"] == 1 << 21
+    # Without on_host the translation asks DeepSpeed's accelerator (the CPU here).
+    assert C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big)["zero_optimization"][
+        "reduce_bucket_size"] == (zb if C.training_on_host() is False else zh)["reduce_bucket_size"]
     assert z["sub_group_size"] == cfg.optimizer_chunk_numel
     assert out["aidaptiv"]["enabled"] is True
 
@@ -297,7 +305,7 @@ def test_hf_documented_config_resolves_at_zero_init_with_its_autos(tmp_path):
     z = translated["zero_optimization"]
     ours = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"}),
                                  settings)["zero_optimization"]
-    assert z["reduce_bucket_size"] == ours["reduce_bucket_size"] == 64 * 2**20 // 4 // 4
+    assert z["reduce_bucket_size"] == ours["reduce_bucket_size"] == C.reduce_bucket_cap(64 * 2**20, C.training_on_host())
     assert z["stage3_param_persistence_threshold"] == 0
     # HF's 1e9 are numbers: capped by the budget as any user's number.
     assert z["stage3_max_live_parameters"] == z["stage3_max_reuse_distance"] == 64 * 2**20 // 4 // 4
@@ -324,7 +332,8 @@ def test_the_trainers_filled_autos_keep_our_values_and_settings(tmp_path):
     assert z["stage3_param_persistence_threshold"] == 0
     big = as_trainer_fills_it(raw, hidden=8192)
     big["optimizer"]["type"] = "Adam"
-    assert C.resolve(big)[0]["zero_optimization"]["reduce_bucket_size"] == 64 * 2**20 // 4 // 4
+    assert C.resolve(big)[0]["zero_optimization"]["reduce_bucket_size"] == C.reduce_bucket_cap(64 * 2**20,
+                                                                                               C.training_on_host())
 
 
 def test_accelerate_zero_init_copy_and_filled_config_agree(tmp_path):

@@ -139,13 +139,14 @@ def test_measured_pinned_pool_of_a_committed_run():
     assert abs(sum(plan.host_pinned.values()) / 2**20 - row["peak_pinned_mb"]) / row["peak_pinned_mb"] < 0.01
 
 
+@pytest.mark.parametrize("on_host", [True, False])
 @pytest.mark.parametrize("budget", [20 << 20, 290_000_000, 8 << 30, 200 << 30])
-def test_aidaptiv_reduce_bucket_is_the_translated_configs(budget, tmp_path):
+def test_aidaptiv_reduce_bucket_is_the_translated_configs(budget, on_host, tmp_path):
     from aidaptiv_ds import config as aconfig
     settings = aconfig.SwapSettings.from_block({"enabled": True, "nvme_path": str(tmp_path),
                                                 "host_memory_budget": budget})
-    cfg = aconfig.to_deepspeed_config({"zero_optimization": {"stage": 3}}, settings)
-    assert cfg["zero_optimization"]["reduce_bucket_size"] == M.aidaptiv_reduce_bucket(budget)
+    cfg = aconfig.to_deepspeed_config({"zero_optimization": {"stage": 3}}, settings, on_host=on_host)
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == M.aidaptiv_reduce_bucket(budget, on_host)
 
 
 def test_a_budget_just_short_of_the_minimum_does_not_read_as_enough():
