@@ -4,8 +4,9 @@
     python bench/readme_tables.py            # rewrites README.md between the results markers
     python bench/readme_tables.py --print    # prints the section instead
 
-Sources: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), bench/results/swap_step_time/rows.jsonl,
-bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
+Sources: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), the summary.md of
+bench/results/swap_step_time, swap_step_time_small, malloc_threshold and malloc_threshold_small (each written from its
+rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
 bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
 its rows), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl.
@@ -84,7 +85,11 @@ def summary_md(folder, command):
 
 def step_time_section():
     return [*summary_md("swap_step_time", "python bench/swap_step_time.py"), "",
-            *summary_md("malloc_threshold", "python bench/malloc_threshold.py")]
+            *summary_md("swap_step_time_small", "python bench/swap_step_time.py --model small --budget-fraction 0.4 "
+                        "--repeats 3 --steps 10 --out bench/results/swap_step_time_small"), "",
+            *summary_md("malloc_threshold", "python bench/malloc_threshold.py"), "",
+            *summary_md("malloc_threshold_small", "python bench/malloc_threshold.py --model small --budget-fraction 0.4 "
+                        "--variants 1MiB,128KiB --steps 10 --out bench/results/malloc_threshold_small")]
 
 
 def sweep_section():
