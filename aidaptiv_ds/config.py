@@ -29,7 +29,7 @@ import os
 import shutil
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from aidaptiv_ds.ds_config import ConfigError, dtype_name, precision_enabled
 from aidaptiv_ds.io_backend import Backend
@@ -349,6 +349,12 @@ class AidaptivConfig(BaseModel):
                             "zero-filled mapping per large allocation: on the tiny preset on 2 CPU cores 8% less "
                             "peak RSS for a 12% longer step (bench/results/malloc_threshold); 0 when speed matters "
                             "more than RAM.")
+    trim_heap: Union[StrictBool, Literal["auto"]] = Field(
+        "auto", description="Give the heap's free pages back to the system (glibc's malloc_trim) at the end of each "
+                            "forward, backward and optimizer step. Tensors below the mmap threshold that are freed "
+                            "in an order leaving holes keep their pages resident otherwise: on the CPU, where "
+                            "activations and gradients are host memory, hundreds of MiB at the peak. A call takes "
+                            "5-30 ms on 2 CPU cores. auto: when training on the CPU (bench/results/malloc_threshold_small).")
     activations: ActivationsConfig = Field(
         default_factory=ActivationsConfig,
         description="How activations are held between forward and backward (keep, recompute, or stored on NVMe) "
@@ -442,6 +448,7 @@ class SwapSettings:
     activations: ActivationSettings = ActivationSettings()
     retention_budget: int = 0     # bytes
     malloc_mmap_threshold: int = MiB   # bytes; 0: glibc's dynamic threshold
+    trim_heap: Union[bool, str] = "auto"   # "auto": when training on the CPU (SwapRuntime decides)
     # Where block_size and queue_depth came from: "config" (a number in the block), "tuned" (the cached sweep
     # of the swap disk, for "auto"), "default" ("auto" on a disk never swept). Not compared: the same values
     # are the same settings, and the written-out block() says "config" for both.

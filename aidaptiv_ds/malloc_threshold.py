@@ -1,4 +1,4 @@
-"""Fix glibc's mmap threshold, so that freed large host buffers go back to the system.
+"""Fix glibc's mmap threshold, so that freed large host buffers go back to the system, and trim the heap.
 
 glibc serves an allocation above M_MMAP_THRESHOLD (128 KiB at start) with its own mmap and unmaps it on free.
 But the threshold is dynamic: each time such a chunk is freed, the threshold rises to its size (up to 32 MiB
@@ -55,3 +55,21 @@ def set_mmap_threshold(nbytes: int) -> Optional[str]:
 def applied() -> Optional[int]:
     """The threshold this process fixed, or None."""
     return _applied
+
+
+_malloc_trim = None
+
+
+def trim_heap() -> bool:
+    """Give the pages of the heap's free chunks back to the system (glibc's ``malloc_trim(0)``, which since
+    glibc 2.8 releases whole free pages anywhere in the heap, not only at its top). Below the threshold,
+    tensors freed in an order that leaves holes keep their pages resident: on the ``small`` preset on the CPU
+    the heap held 339 MiB free at the peak. Returns whether anything was released; False without glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _malloc_trim = getattr(ctypes.CDLL(name), "malloc_trim", False) if name else False
+        except OSError:
+            _malloc_trim = False
+    return bool(_malloc_trim and _malloc_trim(ctypes.c_size_t(0)))

@@ -178,12 +178,14 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # gradient buffers are about to be filled again.
             self._aidaptiv.optimizer_swapper.streamed_step.flush()
             self._aidaptiv.phase = "backward"
+            self._aidaptiv.release_heap()   # what the forward freed, before the backward's peak
         return super().backward_prologue()
 
     def backward_epilogue(self):
         out = super().backward_epilogue()
         if self._aidaptiv is not None:
             self._aidaptiv.phase = "forward"
+            self._aidaptiv.release_heap()
         return out
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
@@ -251,6 +253,7 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         runtime.stats.deferred_apply_steps.append(deferred - getattr(self, "_aidaptiv_deferred_mark", 0.0))
         self._aidaptiv_deferred_mark = deferred
         runtime.stats.optimizer_s += time.perf_counter() - t0
+        runtime.release_heap()
         runtime.pinned_bytes()
         # The next forward starts with the first groups: read them while the last writes finish.
         runtime.prefetcher.start_of_pass()

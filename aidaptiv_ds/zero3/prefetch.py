@@ -16,6 +16,7 @@ class LayerGroupPrefetcher:
         self.runtime = runtime
         self.cache = runtime.param_swapper.cache
         self.depth = runtime.cfg.prefetch_depth
+        self.current = None   # the layer group of the last module fetched
         records = runtime.param_swapper.records
         self.module_group = {}
         for m in module.modules():
@@ -44,6 +45,11 @@ class LayerGroupPrefetcher:
         g = self.module_group.get(id(module))
         if g is None or not self.cache.planned:
             return
+        if g != self.current and self.runtime.phase == "backward":
+            # The backward's peak builds up group by group (its activations freed, gradients made): give
+            # the heap's holes back as each group starts (SwapRuntime.release_heap).
+            self.runtime.release_heap()
+        self.current = g
         self.cache.prefetch(self.window(g))
 
     def start_of_pass(self) -> None:

@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from aidaptiv_ds.config import SwapSettings
+from aidaptiv_ds.config import SwapSettings, training_on_host
 from aidaptiv_ds.file_size_limit import efbig_not_sigxfsz
 from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.malloc_threshold import set_mmap_threshold
+from aidaptiv_ds.malloc_threshold import set_mmap_threshold, trim_heap
 from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ class SwapStats:
         self.retained_bytes = 0        # their bytes
         self.retention_hits = 0        # backward uses of a retained group found in memory
         self.retention_avoided_read_bytes = 0  # the bytes of those groups: reads the retention saved
+        self.heap_trims = 0            # malloc_trim calls (trim_heap) and the time they took
+        self.heap_trim_s = 0.0
 
 
 class SwapRuntime:
@@ -58,6 +60,8 @@ class SwapRuntime:
         problem = set_mmap_threshold(cfg.malloc_mmap_threshold)
         if problem and rank == 0:
             log.warning("aidaptiv: %s", problem)
+        # Where activations and gradients are host memory, the heap's holes are part of the peak RSS.
+        self.trim_heap = cfg.trim_heap is True or (cfg.trim_heap == "auto" and training_on_host())
         # The swap folder first: a second job on the same nvme_path fails here, before anything starts.
         self.space = SwapSpace(cfg.nvme_path, rank, keep_files=cfg.keep_swap_files)
         try:
@@ -141,6 +145,14 @@ class SwapRuntime:
         self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, s["high_water"])
         return s["in_use"]
 
+    def release_heap(self) -> None:
+        """Trim the heap (``trim_heap``) at the end of a forward, a backward or a step."""
+        if self.trim_heap:
+            t0 = time.perf_counter()
+            trim_heap()
+            self.stats.heap_trims += 1
+            self.stats.heap_trim_s += time.perf_counter() - t0
+
     def stats_dict(self) -> dict:
         """Cumulative counters of this rank since the swapper was created."""
         e = self.engine.stats()
@@ -170,6 +182,8 @@ class SwapRuntime:
             "retained_bytes": s.retained_bytes,
             "retention_hits": s.retention_hits,
             "retention_avoided_read_bytes": s.retention_avoided_read_bytes,
+            "heap_trims": s.heap_trims,
+            "heap_trim_s": s.heap_trim_s,
             "plan": self.plan.describe() if self.plan is not None else None,
         }
 

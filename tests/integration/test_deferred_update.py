@@ -83,3 +83,5 @@ def test_deferred_update_is_exact_with_clipping_and_accumulation(tmp_path, procs
     # The deferred run applied updates outside step(); the other applied all of them inside it.
     assert deferred["swapper"]["optimizer_apply_deferred_s"] > 0
     assert now["swapper"]["optimizer_apply_deferred_s"] == 0
+    # On the CPU the heap is trimmed (trim_heap "auto"), at least after each forward, backward and step.
+    assert deferred["swapper"]["heap_trims"] >= 3 * len(deferred["losses"])
