@@ -46,7 +46,8 @@ def eqmem_sizing(root, model, budget_bytes):
 def run_interleaved(names, repeats, run, rows_path, common, per_name=lambda name: {}):
     """Run each of ``names`` ``repeats`` times, interleaved, the order alternating per repeat (a slow spell of
     the machine falls on all alike). Each row, ``run(name)`` updated with ``common``, ``per_name(name)``, its
-    repeat and time, is appended to ``rows_path`` as soon as it ends and echoed; returns the rows."""
+    repeat and time, is appended to ``rows_path`` as soon as it ends and echoed (its figures from its
+    ``metrics``, or from the row itself when it has none); returns the rows."""
     rows = []
     with open(rows_path, "a") as out:
         for rep in range(repeats):
@@ -56,9 +57,10 @@ def run_interleaved(names, repeats, run, rows_path, common, per_name=lambda name
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 rows.append(row)
-                m = row.get("metrics") or {}
-                print(f"repeat {rep} {name:22s} step {m.get('step_s_median', float('nan')):.3f} s "
-                      f"rss {m.get('peak_rss_mb', float('nan')):.0f} MiB {row.get('error', '')}", file=sys.stderr)
+                m = row.get("metrics") or row
+                step, rss = (m.get(k) for k in ("step_s_median", "peak_rss_mb"))
+                print(f"repeat {rep} {name:22s} step {float('nan') if step is None else step:.3f} s "
+                      f"rss {float('nan') if rss is None else rss:.0f} MiB {row.get('error', '')}", file=sys.stderr)
     return rows
 
 

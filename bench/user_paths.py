@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 from aidaptiv_ds.harness import eqmem  # noqa: E402
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
 from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
-from train_run import add_run_arguments, bench_setup, eqmem_sizing, paired_ratios  # noqa: E402  (bench/train_run.py)
+from train_run import add_run_arguments, bench_setup, eqmem_sizing, paired_ratios, run_interleaved  # noqa: E402  (bench/train_run.py)
 
 PATHS = ("script", "trainer", "train")
 EQMEM = eqmem.BACKEND   # ZeRO-Infinity with aidaptiv's host memory
@@ -206,23 +206,15 @@ def main():
     print(summary(machine), file=sys.stderr)
     print(f"model {args.model}: {params / 1e6:.2f}M parameters, state {params * STATE_BYTES_PER_PARAM / 2**20:.0f} MiB,"
           f" aidaptiv host budget {args.budget_bytes / 2**20:.0f} MiB", file=sys.stderr)
-    rows = []
-    with open(os.path.join(args.out, "rows.jsonl"), "a") as out:
-        for rep in range(args.repeats):
-            flip = rep % 2 == 1   # alternate the order too
-            for path in (paths[::-1] if flip else paths):
-                for backend in (backends[::-1] if flip else backends):
-                    row = run_one(path, backend, args, env)
-                    row.update(repeat=rep, git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                               machine=machine, model=args.model, params=params, seq_len=args.seq_len,
-                               micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
-                               budget_bytes=args.budget_bytes if backend in ("aidaptiv", EQMEM) else None)
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
-                    rows.append(row)
-                    print(f"repeat {rep} {path:8s} {backend:14s} step {_fmt(row.get('step_s_median'))} s, load "
-                          f"{row['loadavg_before'][0]:.1f} -> {row['loadavg_after'][0]:.1f} {row.get('error', '')}",
-                          file=sys.stderr)
+    # Every (path, backend) pair in turn, the whole order reversed every other repeat (paths and backends both).
+    names = [f"{path}/{backend}" for path in paths for backend in backends]
+    common = dict(git_sha=sha, git_dirty=dirty, machine=machine, model=args.model, params=params,
+                  seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup)
+    rows = run_interleaved(
+        names, args.repeats, lambda name: run_one(*name.split("/"), args, env),
+        os.path.join(args.out, "rows.jsonl"), common,
+        per_name=lambda name: {"budget_bytes": args.budget_bytes if name.endswith(("/aidaptiv", "/" + EQMEM))
+                               else None})
     text = summarize(rows, args, params, machine, sha, paths, backends)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
