@@ -129,7 +129,8 @@ class Row(BaseModel):
 
 
 def git_state(start: Optional[str] = None) -> tuple[Optional[str], Optional[bool]]:
-    """(sha, dirty) of the checkout holding this package, or AIDAPTIV_DS_GIT_SHA, or (None, None)."""
+    """(sha, dirty) of the checkout holding this package, or AIDAPTIV_DS_GIT_SHA, or (None, None). Changes under
+    bench/results do not count: a benchmark rewriting its own committed rows is not a change to what it runs."""
     env_sha = os.environ.get("AIDAPTIV_DS_GIT_SHA")
     if env_sha:
         return env_sha, None
@@ -137,7 +138,8 @@ def git_state(start: Optional[str] = None) -> tuple[Optional[str], Optional[bool
     try:
         sha = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)bench/results"],
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip() != ""
         return sha, dirty
     except (OSError, subprocess.SubprocessError):
