@@ -346,15 +346,19 @@ class AidaptivConfig(BaseModel):
                             "size of the first large tensor freed, and later ones below it stay in the heap after "
                             "they are freed, growing the process's RSS by hundreds of MiB over what is live "
                             "(aidaptiv_ds/malloc_threshold.py). Set once per process, when the swapper starts. The cost is a fresh "
-                            "zero-filled mapping per large allocation: on the tiny preset on 2 CPU cores 8% less "
-                            "peak RSS for a 12% longer step (bench/results/malloc_threshold); 0 when speed matters "
-                            "more than RAM.")
+                            "zero-filled mapping per large allocation: on the tiny preset on 2 CPU cores, untrimmed, "
+                            "1303 against 1437 MiB peak RSS for a 0.836 against 0.851 s step (bench/results/"
+                            "malloc_threshold); '128KiB' saves another 6-11% for steps 8-12% longer; 0 when speed "
+                            "matters more than RAM.")
     trim_heap: Union[StrictBool, Literal["auto"]] = Field(
         "auto", description="Give the heap's free pages back to the system (glibc's malloc_trim) at the end of each "
                             "forward, backward and optimizer step. Tensors below the mmap threshold that are freed "
                             "in an order leaving holes keep their pages resident otherwise: on the CPU, where "
-                            "activations and gradients are host memory, hundreds of MiB at the peak. A call takes "
-                            "5-30 ms on 2 CPU cores. auto: when training on the CPU (bench/results/malloc_threshold_small).")
+                            "activations and gradients are host memory, hundreds of MiB at the peak. On 2 CPU cores, "
+                            "small at 0.4 of its state: 2518 against 2742 MiB for a 3.610 against 3.553 s step; tiny "
+                            "at 0.6: 1227 against 1303 MiB for 0.949 against 0.836 s (medians of 3 interleaved runs, "
+                            "bench/results/malloc_threshold*). auto: when training on the CPU; false when speed "
+                            "matters more than RAM.")
     activations: ActivationsConfig = Field(
         default_factory=ActivationsConfig,
         description="How activations are held between forward and backward (keep, recompute, or stored on NVMe) "
