@@ -348,8 +348,8 @@ class AidaptivConfig(BaseModel):
                             "(aidaptiv_ds/malloc_threshold.py). Set once per process, when the swapper starts. The cost is a fresh "
                             "zero-filled mapping per large allocation: on the tiny preset on 2 CPU cores, untrimmed, "
                             "1303 against 1437 MiB peak RSS for a 0.836 against 0.851 s step (bench/results/"
-                            "malloc_threshold); '128KiB' saves another 6-11% for steps 8-12% longer; 0 when speed "
-                            "matters more than RAM.")
+                            "malloc_threshold); '128KiB' beside the heap trimming saves another 1-3% for steps 7-12% "
+                            "longer; 0 when speed matters more than RAM.")
     trim_heap: Union[StrictBool, Literal["auto"]] = Field(
         "auto", description="Give the heap's free pages back to the system (glibc's malloc_trim) at the end of each "
                             "forward, backward and optimizer step. Tensors below the mmap threshold that are freed "
