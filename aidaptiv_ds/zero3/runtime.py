@@ -146,7 +146,8 @@ class SwapRuntime:
         return s["in_use"]
 
     def release_heap(self) -> None:
-        """Trim the heap (``trim_heap``) at the end of a forward, a backward or a step."""
+        """Trim the heap (``trim_heap``): called at the end of a forward, a backward or a step, and by the
+        prefetcher as the backward enters a layer group."""
         if self.trim_heap:
             t0 = time.perf_counter()
             trim_heap()
