@@ -27,7 +27,7 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
@@ -704,10 +704,19 @@ LIMIT_FLOOR = 1 << 24
 HOST_BUCKET_FLOOR = 1 << 21
 
 
+# Whether training runs on the CPU: DeepSpeed's accelerator, which only the ZeRO-3 binding may ask
+# (aidaptiv_ds.zero3.initialize registers compat.training_on_host here when it is imported). Until then: no.
+_host_probe: Callable[[], bool] = lambda: False
+
+
+def set_host_probe(probe: Callable[[], bool]) -> None:
+    global _host_probe
+    _host_probe = probe
+
+
 def training_on_host() -> bool:
-    """Whether DeepSpeed's accelerator is the CPU, so that its device buffers are host memory."""
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator().device_name() == "cpu"
+    """Whether DeepSpeed trains on the CPU, so that its device buffers are host memory (see _host_probe)."""
+    return bool(_host_probe())
 
 
 def reduce_bucket_cap(budget: int, on_host: bool) -> int:
@@ -759,7 +768,7 @@ def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings, auto:
     placeholders it validates but we do not use. A :data:`BOUNDED` setting that says "auto", or is named in
     ``auto`` (it said "auto" when this config was first seen, and a trainer has filled it since: see
     :func:`resolve`), gets our value; a number is capped by the budget. ``on_host``: whether training runs
-    on the CPU (None: ask DeepSpeed's accelerator), which bounds the reduce bucket further.
+    on the CPU (None: :func:`training_on_host`), which bounds the reduce bucket further.
     """
     out = copy.deepcopy(ds_config)
     auto = frozenset(auto) | auto_keys(out)

@@ -81,6 +81,12 @@ def check_deepspeed_version() -> str:
     return str(found)
 
 
+def training_on_host() -> bool:
+    """Whether DeepSpeed's accelerator is the CPU, so that its device buffers are host memory."""
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name() == "cpu"
+
+
 def disable_deepspeed_nvme_prefetch(coordinator) -> None:
     if not hasattr(coordinator, COORDINATOR_PREFETCH_NVME):
         raise UnsupportedDeepSpeedError("DeepSpeed's parameter coordinator has no NVMe prefetch flag where 0.19 "

@@ -15,11 +15,12 @@ from typing import Optional
 
 import torch
 
-from aidaptiv_ds.config import SwapSettings, training_on_host
+from aidaptiv_ds.config import SwapSettings
 from aidaptiv_ds.file_size_limit import efbig_not_sigxfsz
 from aidaptiv_ds.io import IOEngine, PinnedPool
 from aidaptiv_ds.malloc_threshold import set_mmap_threshold, trim_heap
 from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
+from aidaptiv_ds.zero3 import compat
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,9 @@ class SwapRuntime:
         problem = set_mmap_threshold(cfg.malloc_mmap_threshold)
         if problem and rank == 0:
             log.warning("aidaptiv: %s", problem)
-        # Where activations and gradients are host memory, the heap's holes are part of the peak RSS.
-        self.trim_heap = cfg.trim_heap is True or (cfg.trim_heap == "auto" and training_on_host())
+        # Where activations and gradients are host memory, the heap's holes are part of the peak RSS. "auto" is
+        # decided at the first trim, in training, when DeepSpeed has chosen its accelerator.
+        self.trim_heap = cfg.trim_heap if isinstance(cfg.trim_heap, bool) else None
         # The swap folder first: a second job on the same nvme_path fails here, before anything starts.
         self.space = SwapSpace(cfg.nvme_path, rank, keep_files=cfg.keep_swap_files)
         try:
@@ -148,6 +150,8 @@ class SwapRuntime:
     def release_heap(self) -> None:
         """Trim the heap (``trim_heap``): called at the end of a forward, a backward or a step, and by the
         prefetcher as the backward enters a layer group."""
+        if self.trim_heap is None:
+            self.trim_heap = compat.training_on_host()
         if self.trim_heap:
             t0 = time.perf_counter()
             trim_heap()
