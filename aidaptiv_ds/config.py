@@ -705,7 +705,7 @@ HOST_BUCKET_FLOOR = 1 << 21
 
 
 # Whether training runs on the CPU: DeepSpeed's accelerator, which only the ZeRO-3 binding may ask
-# (aidaptiv_ds.zero3.initialize registers compat.training_on_host here when it is imported). Until then: no.
+# (the aidaptiv_ds.zero3 package registers compat.training_on_host here when it is imported). Until then: no.
 _host_probe: Callable[[], bool] = lambda: False
 
 

@@ -17,10 +17,6 @@ from typing import Any, Dict, Optional, Tuple
 from aidaptiv_ds import config as aconfig
 from aidaptiv_ds.ds_config import dtype_name, load as load_config
 from aidaptiv_ds.sizes import dtype_bytes, state_bytes_per_param
-from aidaptiv_ds.zero3 import compat
-
-# The translation bounds the reduce bucket further when training runs on the CPU: tell it how to know.
-aconfig.set_host_probe(compat.training_on_host)
 
 log = logging.getLogger(__name__)
 
