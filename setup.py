@@ -1,4 +1,4 @@
-"""Build of aidaptiv-ds and its C++ engine, aidaptiv_ds._C.
+"""Build of aidaptiv-ds and its C++ engine, aidaptiv_ds.engine._C.
 
 Build with the torch already installed (``pip install --no-build-isolation .``): the engine is a torch
 extension and must match that torch's ABI. liburing is linked statically from the distribution's
@@ -58,7 +58,7 @@ def engine_extension():
         sources += sorted(glob.glob("csrc/src/cuda/*.cpp"))
     kind = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
     return kind(
-        name="aidaptiv_ds._C",
+        name="aidaptiv_ds.engine._C",
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc", "include"), uring_include],
         define_macros=define_macros,
@@ -72,7 +72,7 @@ setup(
     version="0.1.0",
     description="Fine-tune language models larger than GPU memory: a DeepSpeed ZeRO-3 NVMe swapper on io_uring",
     packages=find_packages(include=["aidaptiv_ds", "aidaptiv_ds.*"]),
-    package_data={"aidaptiv_ds": ["data/*.jsonl"]},
+    package_data={"aidaptiv_ds.job": ["instructions.jsonl"]},
     python_requires=">=3.10",
     ext_modules=[engine_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension, "build_py": BuildPyWithAutoload},

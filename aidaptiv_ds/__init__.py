@@ -2,8 +2,8 @@
 
 Add an ``"aidaptiv"`` block to a DeepSpeed ZeRO-3 config and use :func:`initialize` (same signature and
 returns as ``deepspeed.initialize``) and, to build large models directly into the swap space,
-:func:`zero_init` (a ``deepspeed.zero.Init`` for that config). The C++ engine (``aidaptiv_ds._C``) moves
-bytes between pinned host memory and files with io_uring; ``aidaptiv_ds.io`` is its Python face.
+:func:`zero_init` (a ``deepspeed.zero.Init`` for that config). The C++ engine (``aidaptiv_ds.engine._C``) moves
+bytes between pinned host memory and files with io_uring; ``aidaptiv_ds.engine.io`` is its Python face.
 Everything that touches DeepSpeed internals lives in ``aidaptiv_ds.zero3``. :func:`remove_leaked_shared_memory`
 is for tools that run many DeepSpeed jobs on CPU one after another (the sweep, the tests).
 """

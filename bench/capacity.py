@@ -46,11 +46,14 @@ sys.path.insert(0, ROOT)
 from aidaptiv_ds.harness import capacity as C  # noqa: E402
 from aidaptiv_ds.harness.cellrun import run_cell  # noqa: E402
 from aidaptiv_ds.harness.grid import Cell  # noqa: E402
-from aidaptiv_ds.harness.hostcap import MECHANISMS  # noqa: E402
+from aidaptiv_ds.harness.hostcap import (
+    MECHANISMS,  # noqa: E402
+    host_cap,  # noqa: E402
+)
 from aidaptiv_ds.harness.launch import LaunchSpec, free_port, launch_command, train_spec  # noqa: E402
 from aidaptiv_ds.harness.outcome import classify  # noqa: E402
 from aidaptiv_ds.harness.results import append_row, git_state  # noqa: E402
-from aidaptiv_ds.harness.sweep import build_row, host_cap  # noqa: E402
+from aidaptiv_ds.harness.sweep_cell import build_row
 
 ROWS_FILE = "rows.jsonl"
 STOCK = ("zero3", "zero3_cpu_offload", "zero_infinity")
@@ -135,7 +138,7 @@ def parse_args(argv=None):
         problems.append(f"--aidaptiv-state-fraction {args.aidaptiv_state_fraction}: must be between 0 and 1")
     problems += [f"--{name.replace('_', '-')}: {v} is not a positive length or batch"
                  for name in ("micro_batches", "confirm_seqs") for v in getattr(args, name) if v < 1]
-    from aidaptiv_ds.models import PRESETS
+    from aidaptiv_ds.models.presets import PRESETS
     problems += [f"--models: {m} is not a preset ({', '.join(PRESETS)})" for m in args.models if m not in PRESETS]
     problems += [f"--max-seq: {m}={n} names no model of --models" for m, n in args.max_seq[1].items()
                  if m not in args.models]
@@ -173,8 +176,8 @@ class Runner:
     """Runs one attempt as a capped cell of the sweep harness and returns its row."""
 
     def __init__(self, args, env):
+        from aidaptiv_ds.common.sizes import state_bytes_per_param
         from aidaptiv_ds.harness.machine import machine_info
-        from aidaptiv_ds.sizes import state_bytes_per_param
         self.args, self.env = args, env
         self.folders, self.flags = write_configs(args)
         self.cap = host_cap(args.host_mem_cap_gb, args.host_mem_cap_mechanism)
@@ -191,7 +194,7 @@ class Runner:
 
     def aidaptiv_budget_bytes(self, model: str, gpus: int) -> int:
         """aidaptiv's host budget per rank (what a sweep grid's aidaptiv_state_fraction gives; build_row asks)."""
-        from aidaptiv_ds.models import nominal_parameters
+        from aidaptiv_ds.models.presets import nominal_parameters
         return int(self.budget_per_param * nominal_parameters(model) / gpus)
 
     def budget(self, variant: str, model: str):

@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "faults"))
 
 import cases  # noqa: E402
+
 from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
 from aidaptiv_ds.harness.results import git_state  # noqa: E402
 

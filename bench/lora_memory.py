@@ -29,8 +29,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from aidaptiv_ds.harness.machine import summary  # noqa: E402
 from train_run import bench_setup, run_train  # noqa: E402  (bench/train_run.py)
+
+from aidaptiv_ds.harness.machine import summary  # noqa: E402
 
 # name -> (shipped config, LoRA or full fine-tuning, what the side is)
 SIDES = {

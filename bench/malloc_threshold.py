@@ -23,9 +23,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from aidaptiv_ds.harness.machine import summary  # noqa: E402
-from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
 from train_run import add_run_arguments, bench_setup, run_interleaved, run_train  # noqa: E402  (bench/train_run.py)
+
+from aidaptiv_ds.common.sizes import state_bytes_per_param  # noqa: E402
+from aidaptiv_ds.harness.machine import summary  # noqa: E402
 
 # --variants name: (the row's label, the block's settings)
 VARIANTS = {
@@ -66,7 +67,7 @@ def main():
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"unknown --variants {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
-    from aidaptiv_ds.models import count_parameters, preset_config
+    from aidaptiv_ds.models.presets import count_parameters, preset_config
     params = count_parameters(preset_config(args.model))
     args.budget_bytes = int(params * state_bytes_per_param(4) * args.budget_fraction)
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)

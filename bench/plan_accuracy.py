@@ -23,11 +23,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from aidaptiv_ds.common.sizes import GiB, MiB  # noqa: E402
 from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend  # noqa: E402
 from aidaptiv_ds.planner.predict import predict  # noqa: E402
 from aidaptiv_ds.planner.rates import RATE_NAMES, Rates  # noqa: E402
 from aidaptiv_ds.planner.shapes import resolve_shape  # noqa: E402
-from aidaptiv_ds.sizes import GiB, MiB  # noqa: E402
 
 HOST_TOLERANCE, TOKENS_TOLERANCE = 0.15, 0.30
 OUT = os.path.join(HERE, "results", "plan_accuracy")

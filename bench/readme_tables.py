@@ -146,14 +146,15 @@ def gpu_section():
     Table VI-shaped throughput tables, aidaptiv's ratios and the Table VI comparison in model FLOP/s."""
     import glob
     from collections import Counter
-    from aidaptiv_ds.harness import report
+
+    from aidaptiv_ds.harness import report_studies, report_tables
     from aidaptiv_ds.harness.results import load_rows
     out = []
     for out_dir in sorted(glob.glob(os.path.join(ROOT, "bench", "results", "gpu_*"))):
         loaded = load_rows(out_dir)
         if not loaded.rows:
             continue
-        rows = report.cell_summaries(loaded.rows)
+        rows = report_tables.cell_summaries(loaded.rows)
         name = os.path.relpath(out_dir, ROOT)
         gpus = (rows[0].get("machine") or {}).get("gpus") or [{}]
         dev = f"{gpus[0].get('name', 'unknown GPU')} ({(gpus[0].get('memory_mb') or 0) / 1024:.0f} GiB)"
@@ -175,19 +176,19 @@ def gpu_section():
             continue
         for model in sorted({r["model"] for r in rows}):
             mrows = [r for r in rows if r["model"] == model]
-            table, _ = report.throughput_table(model, mrows)
+            table, _ = report_tables.throughput_table(model, mrows)
             out += [f"{model}, tokens/s:", "", table, ""]
             if any(r["backend"] == "aidaptiv" for r in mrows):
-                for den in report._others(mrows):
-                    rt = report.ratios(mrows, "aidaptiv", den)
+                for den in report_tables._others(mrows):
+                    rt = report_tables.ratios(mrows, "aidaptiv", den)
                     vals = list(rt["both"].values())
                     if vals:
-                        out.append(f"aidaptiv / {report.SHORT.get(den, den)}: median {statistics.median(vals):.2f}x "
+                        out.append(f"aidaptiv / {report_tables.SHORT.get(den, den)}: median {statistics.median(vals):.2f}x "
                                    f"over {len(vals)} shared cell(s) ({min(vals):.2f}x-{max(vals):.2f}x); aidaptiv "
-                                   f"alone ran {len(rt['only_num'])}, {report.SHORT.get(den, den)} alone "
+                                   f"alone ran {len(rt['only_num'])}, {report_tables.SHORT.get(den, den)} alone "
                                    f"{len(rt['only_den'])}.")
                 out.append("")
-        flops = report.table_vi_flops_section(rows)
+        flops = report_studies.table_vi_flops_section(rows)
         if flops:
             out += [flops, ""]
     return out or ["(no GPU sweep rows yet: `bash bench/gpu/device_check.sh` on a GPU machine)"]
@@ -241,7 +242,7 @@ def faults_section():
 
 def settings_section():
     """The block's settings, from the pydantic model (so the README cannot drift from the code)."""
-    from aidaptiv_ds.config import AidaptivConfig
+    from aidaptiv_ds.config.schema import AidaptivConfig
     out = ["| setting | default | meaning |", "|---|---|---|"]
     for name, field in AidaptivConfig.model_fields.items():
         nested = getattr(field.annotation, "model_fields", None)
@@ -321,9 +322,10 @@ def repeats_section():
 def user_paths_section():
     """bench/user_paths.py: step time per path users take and backend (median over repeats, min-max), and
     aidaptiv / ZeRO-Infinity per path from each repeat's two runs (shipped, and at aidaptiv's memory)."""
-    from aidaptiv_ds.harness.machine import cpu_line
-    from train_run import paired_ratios      # bench/, on sys.path as this script's folder
+    from train_run import paired_ratios  # bench/, on sys.path as this script's folder
     from user_paths import EQMEM, STATE_BYTES_PER_PARAM, path_figures
+
+    from aidaptiv_ds.harness.machine import cpu_line
     rows = [r for r in _rows(os.path.join(ROOT, "bench", "results", "user_paths", "rows.jsonl")) if r["status"] == "ok"]
     if not rows:
         return ["(no user-path rows yet: `python bench/user_paths.py`)"]

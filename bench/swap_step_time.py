@@ -30,11 +30,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from train_run import (  # noqa: E402  (bench/train_run.py)
+    add_run_arguments,
+    bench_setup,
+    eqmem_sizing,
+    paired_ratios,
+    run_interleaved,
+    run_train,
+)
+
+from aidaptiv_ds.common.sizes import state_bytes_per_param  # noqa: E402
 from aidaptiv_ds.harness import eqmem  # noqa: E402
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
-from train_run import (add_run_arguments, bench_setup, eqmem_sizing, paired_ratios,  # noqa: E402  (bench/train_run.py)
-                       run_interleaved, run_train)
-from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
 
 # fp32 ZeRO-3 with the optimizer offloaded keeps, per parameter: the parameter, its gradient, an fp32 master
 # and two Adam moments (20 bytes).
@@ -80,7 +87,7 @@ def main():
     if bad:
         p.error(f"--backends {','.join(bad)}: choose from {', '.join(BACKENDS)}")
 
-    from aidaptiv_ds.models import count_parameters, preset_config
+    from aidaptiv_ds.models.presets import count_parameters, preset_config
     params = count_parameters(preset_config(args.model))
     args.budget_bytes = int(params * STATE_BYTES_PER_PARAM * args.budget_fraction)
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)

@@ -37,7 +37,7 @@ def paired_ratios(figures, num, den):
 def eqmem_sizing(root, model, budget_bytes):
     """ZeRO-Infinity's shipped config and its host memory sized to aidaptiv's budget (one rank), as the sweep
     sizes its zero_infinity_eqmem cells (aidaptiv_ds/harness/eqmem.py)."""
-    from aidaptiv_ds import ds_config
+    from aidaptiv_ds.config import ds_config
     from aidaptiv_ds.harness import eqmem
     base = ds_config.load(os.path.join(root, "ds_configs", f"{eqmem.BASE}.json"))
     return base, eqmem.size_eqmem(base, model, 1, budget_bytes)

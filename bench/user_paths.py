@@ -42,10 +42,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from train_run import (  # noqa: E402  (bench/train_run.py)
+    add_run_arguments,
+    bench_setup,
+    eqmem_sizing,
+    paired_ratios,
+    run_interleaved,
+)
+
+from aidaptiv_ds.common.sizes import state_bytes_per_param  # noqa: E402
 from aidaptiv_ds.harness import eqmem  # noqa: E402
 from aidaptiv_ds.harness.machine import summary  # noqa: E402
-from aidaptiv_ds.sizes import state_bytes_per_param  # noqa: E402
-from train_run import add_run_arguments, bench_setup, eqmem_sizing, paired_ratios, run_interleaved  # noqa: E402  (bench/train_run.py)
 
 PATHS = ("script", "trainer", "train")
 EQMEM = eqmem.BACKEND   # ZeRO-Infinity with aidaptiv's host memory
@@ -158,7 +165,7 @@ def run_one(path, backend, args, env):
     cmd = command(path, backend, cfg, swap, out, args)
     child = {k: v for k, v in env.items() if k not in RANK_ENV}
     if path == "trainer":   # the rendezvous a launcher would give a 1-process job
-        from aidaptiv_ds.train import _free_port
+        from aidaptiv_ds.job.rank_env import _free_port
         child.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     load0 = os.getloadavg()
     t0 = time.time()
@@ -196,7 +203,7 @@ def main():
     if problems:
         p.error("; ".join(problems))
 
-    from aidaptiv_ds.models import count_parameters, preset_config
+    from aidaptiv_ds.models.presets import count_parameters, preset_config
     args.shape = preset_config(args.model)
     params = count_parameters(args.shape)
     args.budget_bytes = int(params * STATE_BYTES_PER_PARAM * args.budget_fraction)

@@ -1,5 +1,5 @@
-// aidaptiv_ds._C: the Python API of the engine, declared. The logic lives in csrc/src; the Python face
-// (lifetimes, settings, documentation) in aidaptiv_ds/io.py. Everything that can block releases the GIL.
+// aidaptiv_ds.engine._C: the Python API of the engine, declared. The logic lives in csrc/src; the Python face
+// (lifetimes, settings, documentation) in aidaptiv_ds/engine/io.py. Everything that can block releases the GIL.
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 

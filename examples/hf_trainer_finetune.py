@@ -8,12 +8,11 @@ ds_configs/hf_trainer_zero3_aidaptiv.json (the Hugging Face docs' ZeRO-3 config,
 the block) works the same way. With an "aidaptiv" block in the config (and aidaptiv-ds installed, which
 hooks deepspeed at start-up), the
 parameters and optimizer state live on NVMe through our swapper; with any other ZeRO-3 config this is a
-plain DeepSpeed run. --model takes a preset of aidaptiv_ds.models (random weights) or a local HF directory.
+plain DeepSpeed run. --model takes a preset of aidaptiv_ds.models.presets (random weights) or a local HF directory.
 --step_times_out FILE writes each optimizer step's wall time (a TrainerCallback, from on_step_begin to
 on_step_end: data, forward, backward and step), peak RSS and, when the engine has it, its aidaptiv_stats().
 """
 import json
-import os
 import resource
 import sys
 import time
@@ -74,9 +73,10 @@ class PackedDataset(torch.utils.data.Dataset):
 def main():
     margs, targs = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
     from transformers import AutoModelForCausalLM
-    from aidaptiv_ds.data import DEFAULT_DATA, build_batches
-    from aidaptiv_ds.models import resolve
-    from aidaptiv_ds.tokenizer import tokenizer_for
+
+    from aidaptiv_ds.job.data import DEFAULT_DATA, build_batches
+    from aidaptiv_ds.models.presets import resolve
+    from aidaptiv_ds.models.tokenizer import tokenizer_for
 
     spec = resolve(margs.model)
     torch.manual_seed(targs.seed)

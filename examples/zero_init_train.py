@@ -4,7 +4,7 @@
     python examples/zero_init_train.py --config ds_configs/aidaptiv.json --steps 10
     deepspeed --num_accelerators 1 examples/zero_init_train.py --config ds_configs/zero_infinity.json
 
-The model (by default the `tiny` shape of aidaptiv_ds.models: hidden 768, 6 layers, 10,000-token vocabulary,
+The model (by default the `tiny` shape of aidaptiv_ds.models.presets: hidden 768, 6 layers, 10,000-token vocabulary,
 58M parameters, random weights) is built under ``deepspeed.zero.Init(config_dict_or_path=config)``, as
 Hugging Face does with a ZeRO-3 config, then ``deepspeed.initialize`` and a loop of forward, backward and
 step on random tokens. With an "aidaptiv" block in the config (and aidaptiv-ds installed, whose start-up

@@ -44,10 +44,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
-from aidaptiv_ds import ds_config
+from aidaptiv_ds.common.sizes import dtype_bytes
+from aidaptiv_ds.config import ds_config
 from aidaptiv_ds.planner.memory import partition_numels
 from aidaptiv_ds.planner.shapes import resolve_shape
-from aidaptiv_ds.sizes import dtype_bytes
 
 BACKEND = "zero_infinity_eqmem"
 BASE = "zero_infinity"

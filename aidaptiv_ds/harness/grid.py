@@ -18,11 +18,11 @@ from typing import Iterable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from aidaptiv_ds.config import ActivationsConfig
-from aidaptiv_ds.ds_config import BACKENDS
+from aidaptiv_ds.common.sizes import state_bytes_per_param
+from aidaptiv_ds.config.ds_config import BACKENDS
+from aidaptiv_ds.config.schema import ActivationsConfig
 from aidaptiv_ds.harness.eqmem import BACKEND as EQMEM_BACKEND
-from aidaptiv_ds.models import PRESETS, nominal_parameters
-from aidaptiv_ds.sizes import state_bytes_per_param
+from aidaptiv_ds.models.presets import PRESETS, nominal_parameters
 
 
 def _known_names(names, known, kind: str, field: str):

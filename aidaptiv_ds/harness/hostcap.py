@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
@@ -212,3 +213,23 @@ def probe_cgroup(mechanism: str = "auto") -> tuple[Optional[CgroupFactory], str]
         except OSError as e:
             reasons.append(f"{kind} at {where} not usable ({e.strerror or e})")
     return None, "; ".join(reasons) or "no cgroup"
+
+
+def host_cap(gb: Optional[float], mechanism: str):
+    """The sweep's host-cap settings {gb, mechanism, detail, factory}, or a sentence saying why the forced
+    mechanism cannot be used."""
+    cap = {"gb": gb, "mechanism": None, "detail": None, "factory": None}
+    if not gb:
+        return cap
+    if mechanism == "rss-watchdog":
+        cap.update(mechanism="rss-watchdog", detail="chosen with --host-mem-cap-mechanism")
+    else:
+        factory, where = probe_cgroup(mechanism)
+        if factory is not None:
+            cap.update(mechanism=factory.kind, detail=where, factory=factory)
+        elif mechanism == "auto":
+            cap.update(mechanism="rss-watchdog", detail=f"no usable cgroup: {where}")
+        else:
+            return f"--host-mem-cap-mechanism {mechanism} is not usable here: {where}"
+    print(f"host memory cap {gb:g} GiB per cell via {cap['mechanism']} ({cap['detail']})", file=sys.stderr)
+    return cap

@@ -5,7 +5,7 @@ For each repeat and each engine in turn (round robin: uring, posix, deepspeed, f
 checks that the bytes read are the bytes written, and removes the file. Reports per engine the median
 GB/s (1 GB = 1e9 bytes) and CPU seconds per GB (process user + system time over the transfer, all threads).
 
-Engines: uring and posix are ours (aidaptiv_ds.io, io_uring with the pinned pool registered, and the POSIX
+Engines: uring and posix are ours (aidaptiv_ds.engine.io, io_uring with the pinned pool registered, and the POSIX
 thread pool); deepspeed is DeepSpeed's libaio aio_handle at its best settings (overlap_events, no
 single_submit, intra_op_parallelism 1, its own page-locked buffer); fio is fio's io_uring engine (when fio
 is on PATH) with the same block size, queue depth and O_DIRECT, registered buffers like ours, and its
@@ -30,13 +30,12 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from aidaptiv_ds.engine.disk import BenchError, block_device, check_dir
+
 ENGINES = ("uring", "posix", "deepspeed", "fio")
+
+
 ALIASES = {"io_uring": "uring", "iouring": "uring", "ds": "deepspeed", "libaio": "deepspeed"}
-MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
-
-
-class BenchError(Exception):
-    """A problem with the request (directory, sizes, disk space), reported as one sentence."""
 
 
 # -- arguments --------------------------------------------------------------------------------------
@@ -92,66 +91,6 @@ def check_config(size_mb: int, block_kb: int) -> None:
         raise BenchError(f"--block-kb {block_kb} is larger than --size-mb {size_mb}: use a smaller block")
 
 
-# -- the machine and the disk -----------------------------------------------------------------------
-def _unescape_mount(field: str) -> str:
-    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def mount_of(path: str, mounts_text: str) -> Dict[str, str]:
-    """The mount holding path: {'mountpoint', 'fstype', 'source'}, by longest mountpoint prefix."""
-    path = os.path.realpath(path)
-    best = {"mountpoint": "/", "fstype": "unknown", "source": "unknown"}
-    best_len = -1
-    for line in mounts_text.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        source, mountpoint, fstype = _unescape_mount(fields[0]), _unescape_mount(fields[1]), fields[2]
-        inside = path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
-        if inside and len(mountpoint) >= best_len:  # later mounts over the same point win
-            best, best_len = {"mountpoint": mountpoint, "fstype": fstype, "source": source}, len(mountpoint)
-    return best
-
-
-def block_device(path: str) -> Dict[str, Optional[str]]:
-    """The block device under path's filesystem (the whole disk for a partition), and whether it rotates."""
-    st = os.stat(path)
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    sys_dev = f"/sys/dev/block/{major}:{minor}"
-    if major == 0 or not os.path.exists(sys_dev):
-        return {"device": None, "rotational": None}
-    node = os.path.realpath(sys_dev)
-    name = os.path.basename(node)
-    disk = os.path.basename(os.path.dirname(node)) if os.path.exists(os.path.join(node, "partition")) else name
-    rotational = None
-    try:
-        with open(f"/sys/block/{disk}/queue/rotational") as f:
-            rotational = f.read().strip() == "1"
-    except OSError:
-        pass
-    return {"device": f"/dev/{name}", "rotational": rotational}
-
-
-def check_dir(path: str, mounts_text: str) -> Dict[str, str]:
-    """Refuse memory filesystems and filesystems that refuse O_DIRECT; return the mount."""
-    mount = mount_of(path, mounts_text)
-    if mount["fstype"] in MEMORY_FILESYSTEMS:
-        raise BenchError(f"--dir {path} is on {mount['fstype']} (memory, not a disk): choose a directory on the "
-                         "disk to measure")
-    probe = os.path.join(path, f".io-bench-probe-{os.getpid()}")
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_DIRECT, 0o600)
-        os.close(fd)
-    except OSError as e:
-        why = "refuses O_DIRECT" if e.errno == 22 else f"cannot take a file ({e.strerror})"
-        raise BenchError(f"--dir {path} is on {mount['fstype']}, which {why}: page-cache-free measurements need "
-                         "O_DIRECT; choose a directory on a disk filesystem such as ext4 or xfs") from None
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)
-    return mount
-
-
 def machine_info(path: str, mount: Dict[str, str]) -> dict:
     import psutil
 
@@ -199,10 +138,10 @@ def _timed(nbytes: int, fn) -> Sample:
 
 
 class OurEngine:
-    """aidaptiv_ds.io with its best settings: pool-registered buffers (io_uring fixed buffers)."""
+    """aidaptiv_ds.engine.io with its best settings: pool-registered buffers (io_uring fixed buffers)."""
 
     def __init__(self, backend: str, shared: dict, block: int, queue_depth: int):
-        from aidaptiv_ds.io import IOEngine, PinnedPool
+        from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 
         if "pool" not in shared:  # one pool for both of our engines
             shared["pool"] = PinnedPool(shared["reference"].numel())

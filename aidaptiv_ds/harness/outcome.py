@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 # train's exit code for CUDA OOM / MemoryError, and for a job its launch guard refused as not fitting (the
-# contract with aidaptiv_ds/train.py).
+# contract with aidaptiv_ds/job/train.py).
 OOM_EXIT_CODE = 3
 # How the error of an oom outcome that train's launch guard predicted (status "refused") begins: nothing ran
 # out of memory, the plan said it would (Outcome.predicted); such rows are marked inferred, like the sweep's own

@@ -20,7 +20,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from aidaptiv_ds.durable import fsync_path
+from aidaptiv_ds.common.durable import fsync_path
 
 ROW_SCHEMA = 1
 RESULTS_FILE = "results.jsonl"

@@ -2,7 +2,7 @@
 
 A run directory is one where ``aidaptiv-ds train`` left its per-step series: the files DeepSpeed's CSV monitor
 writes for them (``aidaptiv_loss.csv``, ``aidaptiv_tokens_per_s.csv``, ... anywhere below RUN_DIR, from the
-config's ``"csv_monitor"`` section; see aidaptiv_ds.metrics.MONITOR_SERIES), or else a ``--metrics-out``
+config's ``"csv_monitor"`` section; see aidaptiv_ds.common.metrics.MONITOR_SERIES), or else a ``--metrics-out``
 JSON file, which holds the loss and step time of every step but no per-step I/O. The held-out loss (train
 --eval-fraction/--eval-data) is drawn on the loss panel at the steps it was computed: from the CSV monitor's
 ``aidaptiv_eval_loss.csv``, else from the metrics JSON's ``eval_losses``. The figure goes to
@@ -15,7 +15,7 @@ import json
 import os
 from typing import Dict, List, Optional, Tuple
 
-from aidaptiv_ds.metrics import EVAL_SERIES, MONITOR_PREFIX, MONITOR_SERIES
+from aidaptiv_ds.common.metrics import EVAL_SERIES, MONITOR_PREFIX, MONITOR_SERIES
 
 Series = List[Tuple[float, float]]     # (step, value)
 

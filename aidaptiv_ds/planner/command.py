@@ -20,11 +20,18 @@ import shutil
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from aidaptiv_ds.planner.memory import ACTIVATION_POLICIES, BACKENDS, BackendPlan, Hardware, Job, plan_backend
+from aidaptiv_ds.common.sizes import GiB, parse_size
+from aidaptiv_ds.planner.memory import (
+    ACTIVATION_POLICIES,
+    BACKENDS,
+    BackendPlan,
+    Hardware,
+    Job,
+    plan_backend,
+)
 from aidaptiv_ds.planner.predict import StepPrediction, predict
 from aidaptiv_ds.planner.rates import Rates, machine_rates
 from aidaptiv_ds.planner.shapes import resolve_shape
-from aidaptiv_ds.sizes import GiB, parse_size
 
 EXIT_FITS, EXIT_ERROR, EXIT_NONE_FITS = 0, 1, 3
 # Assumed, not measured, when no GPU is here to measure: the CUDA context, cuBLAS/NCCL workspaces and the
@@ -79,7 +86,7 @@ def _bandwidth(what: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from aidaptiv_ds.models import preset_names
+    from aidaptiv_ds.models.presets import preset_names
     p.add_argument("--model", required=True, metavar="PRESET|HF_DIR",
                    help=f"a preset ({', '.join(preset_names())}) or a local Hugging Face directory (its config.json)")
     p.add_argument("--seq-len", type=_positive("--seq-len"), required=True, help="tokens per sequence")
@@ -101,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="all", help=f"all, or one or more of {', '.join(BACKENDS)} (comma-separated)")
     p.add_argument("--activations", choices=ACTIVATION_POLICIES, default="keep",
                    help="keep: autograd keeps every activation (aidaptiv.activations.policy keep, the default); "
-                        "checkpoint: only layer inputs, recomputed in backward (the HF Trainer's "
+                        "recompute: only layer inputs, recomputed in backward (the HF Trainer's "
                         "gradient_checkpointing, policy recompute); nvme: the layer inputs stored on NVMe and read "
                         "back ahead of the backward (policy nvme, and the least policy auto keeps)")
     p.add_argument("--loss-chunk-tokens", type=_positive("--loss-chunk-tokens"), default=None, metavar="N",
@@ -180,10 +187,6 @@ def make_plans(job: Job, hw: Hardware, rates: Rates, backends: List[str]
     return plans, {p.backend: predict(p, job, hw, rates) for p in plans}
 
 
-# The planner's activation modes as the aidaptiv block's activations.policy.
-POLICY_OF_MODE = {"keep": "keep", "checkpoint": "recompute", "nvme": "nvme"}
-
-
 def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
     """A DeepSpeed config (ds_configs/aidaptiv.json's settings) with the aidaptiv block the plan chose."""
     st = plan.settings
@@ -198,7 +201,7 @@ def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
                      "layer_group_size": st["layer_group_size"], "prefetch_depth": st["prefetch_depth"]},
     }
     # The activations the plan counted, as the block's policy (so the written job holds what was planned).
-    activations = {"policy": POLICY_OF_MODE[job.activations]} if job.activations != "keep" else {}
+    activations = {"policy": job.activations} if job.activations != "keep" else {}
     if job.loss_chunk_tokens:
         activations["loss_chunk_tokens"] = job.loss_chunk_tokens
     if activations:
@@ -228,7 +231,7 @@ def _run(args) -> int:
         if not os.path.isdir(d):
             raise ValueError(f"--nvme {d} is not a directory: give an existing directory on the swap disk")
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else _cuda_total()
-    from aidaptiv_ds.config import total_ram_bytes
+    from aidaptiv_ds.config.host import total_ram_bytes
     host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
     given = {"nvme_read": args.nvme_read_bw, "nvme_write": args.nvme_write_bw, "pcie": args.pcie_bw,
              "gpu_flops": args.gpu_flops, "cpu_flops": args.cpu_flops, "cpu_adam": args.cpu_adam,
@@ -283,8 +286,8 @@ def _write_config(args, job: Job, plans: List[BackendPlan], nvme_dirs: List[str]
     if not plan.fits:
         raise ValueError(f"--write-config: aidaptiv does not fit ({plan.problems[0]}): nothing written")
     cfg = aidaptiv_config(job, plan, nvme_dirs[0] if nvme_dirs else ".")
-    from aidaptiv_ds import config as aconfig
-    from aidaptiv_ds.ds_config import ConfigError
+    from aidaptiv_ds.config import resolve as aconfig
+    from aidaptiv_ds.config.ds_config import ConfigError
     try:
         aconfig.validate(cfg, check_paths=bool(nvme_dirs))
     except ConfigError as e:

@@ -1,7 +1,7 @@
 """The launch guard: what the planner says a job needs, checked before the job writes a byte.
 
 ``zero.Init`` writes each layer's partitions to the swap space as soon as the layer is built, and the model
-is unknown when the swap space is opened, so the free-space check of :func:`aidaptiv_ds.config.validate`
+is unknown when the swap space is opened, so the free-space check of :func:`aidaptiv_ds.config.resolve.validate`
 (``needed_bytes``) can only run once the model exists: too late for a model that does not fit (a 70B preset
 wrote 51 GB of parameters before ENOSPC). ``aidaptiv-ds train`` knows the model's shape from the start and
 calls :func:`launch_problems` before building anything.
@@ -16,10 +16,10 @@ import os
 import shutil
 from typing import Callable, Dict, List, Optional, Tuple
 
-from aidaptiv_ds import ds_config as dsc
+from aidaptiv_ds.common.sizes import GiB
+from aidaptiv_ds.config import ds_config as dsc
 from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
 from aidaptiv_ds.planner.shapes import ModelShape, resolve_shape
-from aidaptiv_ds.sizes import GiB
 
 # The device side is not checked at launch (activations are approximate): a GPU "large enough for anything".
 _UNCHECKED = 1 << 62
@@ -47,7 +47,8 @@ def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_worl
     job = Job(shape, seq_len, micro_batch, dtype=dsc.dtype_name(cfg))
     problems: List[str] = []
     if backend == "aidaptiv":
-        from aidaptiv_ds.config import SwapSettings, block_of
+        from aidaptiv_ds.config.schema import block_of
+        from aidaptiv_ds.config.settings import SwapSettings
         block = block_of(cfg) or {}
         if not block.get("enabled") or not block.get("nvme_path"):
             return []                              # the block's own validation reports these
@@ -90,7 +91,7 @@ def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_worl
 
 # aidaptiv.activations.policy -> the planner's activation mode. "auto" keeps what its activation budget holds
 # and stores or recomputes the rest, so the least it can hold, nvme's, is what decides whether a job fits.
-PLANNER_ACTIVATIONS = {"keep": "keep", "recompute": "checkpoint", "nvme": "nvme", "auto": "nvme"}
+PLANNER_ACTIVATIONS = {"keep": "keep", "recompute": "recompute", "nvme": "nvme", "auto": "nvme"}
 
 
 def config_activations(cfg: dict) -> Tuple[str, Optional[int]]:
@@ -98,7 +99,7 @@ def config_activations(cfg: dict) -> Tuple[str, Optional[int]]:
     activations (its defaults where it sets none: keep, and the loss in chunks of 1024 tokens); "keep" and
     unchunked for any other config. A block that does not validate is taken as its defaults (train's own
     validation reports it)."""
-    from aidaptiv_ds.config import ActivationsConfig, block_of, is_enabled
+    from aidaptiv_ds.config.schema import ActivationsConfig, block_of, is_enabled
     if not is_enabled(cfg):
         return "keep", None
     block = block_of(cfg)

@@ -11,7 +11,7 @@ an fp32 master copy and two fp32 moments: 18 bytes in bf16 (DeepSpeed's estimato
   (``buffer_count x buffer_size`` for parameters, ``buffer_count x`` the largest sub-group for the
   optimizer) and the fp32 gradient partitions;
 - ``aidaptiv``: weights, optimizer images and gradients on NVMe; host holds the pinned pool, sized by the
-  same arithmetic the swapper runs (:mod:`aidaptiv_ds.budget_split`).
+  same arithmetic the swapper runs (:mod:`aidaptiv_ds.swap.budget_split`).
 
 DeepSpeed's own buffers are counted as DeepSpeed 0.19 allocates them (runtime/zero/stage3.py): the reduce
 bucket (``reduce_bucket_size`` elements of the training dtype; on CPU only the part gradients pass through is
@@ -30,12 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from aidaptiv_ds.budget_split import BudgetSplit, shrink_layer_groups, split_budget
+from aidaptiv_ds.common.sizes import GiB, align_up, dtype_bytes
+from aidaptiv_ds.config.settings import auto_chunk
 from aidaptiv_ds.planner.shapes import ModelShape
-from aidaptiv_ds.sizes import GiB, align_up, dtype_bytes
+from aidaptiv_ds.swap.budget_split import BudgetSplit, shrink_layer_groups, split_budget
 
 BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
-ACTIVATION_POLICIES = ("keep", "checkpoint", "nvme")
+# The block's words (aidaptiv.activations.policy): one vocabulary for the planner and the block.
+ACTIVATION_POLICIES = ("keep", "recompute", "nvme")
 # aidaptiv's "nvme" policy reads stored layer inputs back this many ahead of the backward (the block's
 # activations.read_ahead default): those, and the one being used, are what memory holds of them.
 NVME_ACTIVATIONS_IN_FLIGHT = 3
@@ -77,8 +79,6 @@ AIDAPTIV_STEP_TRANSIENT_PER_PARAM = 7.5
 # took after their release (the peak RSS of that run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_
 # fixed at 128 KiB; 1 rank: 2517 to 2210): at the peak they are resident whether or not still in use.
 STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000   # DeepSpeed's default; the shipped configs do not set it
-# Chunk chosen for 'auto' (config.SwapSettings.from_block): budget / 512, clamped.
-AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 1 << 18, 1 << 25
 
 
 def deepspeed_estimate(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
@@ -137,7 +137,7 @@ class Job:
     grad_accum: int = 1
     dtype: str = "bf16"
     activations: str = "keep"
-    """keep, checkpoint (layer inputs kept, one layer recomputed at a time) or nvme (checkpoint with the layer
+    """keep, recompute (layer inputs kept, one layer recomputed at a time) or nvme (recompute with the layer
     inputs on NVMe: aidaptiv's activations policy "nvme", and the least "auto" can hold)."""
     loss_chunk_tokens: Optional[int] = None
     """Tokens per chunk of the LM head and loss (aidaptiv.activations.loss_chunk_tokens); None: unchunked."""
@@ -202,14 +202,14 @@ def activation_bytes(job: Job) -> Dict[str, int]:
     (norm inputs and outputs, q/k/v/attention output, residuals) and 4 MLP-sized ones (gate, up, their
     product, the activation) in the training dtype, plus 2 hidden-sized fp32 copies inside RMSNorm; the
     logits with their fp32 copy and the loss's log-softmax. Attention scores are not counted (SDPA's flash
-    and memory-efficient kernels, on CPU too, do not keep them). ``checkpoint`` keeps only each layer's
+    and memory-efficient kernels, on CPU too, do not keep them). ``recompute`` keeps only each layer's
     input and recomputes one layer at a time; ``nvme`` keeps only the inputs read back ahead of the backward.
     With ``loss_chunk_tokens`` the logits of one chunk exist at a time."""
     s, e, t = job.shape, job.elsize, job.tokens
     per_layer = t * ((10 * s.hidden + 4 * s.intermediate) * e + 2 * s.hidden * 4)
     rows = min(t, job.loss_chunk_tokens) if job.loss_chunk_tokens else t
     logits = rows * s.vocab * (e + 4 + 4)
-    if job.activations == "checkpoint":
+    if job.activations == "recompute":
         return {"layer inputs (checkpointed)": s.layers * t * s.hidden * e, "one layer recomputed": per_layer,
                 "logits and loss": logits}
     if job.activations == "nvme":
@@ -322,10 +322,6 @@ def gathered_groups_bytes(shape: ModelShape, elsize: int, layer_group_size: int,
     return max(sum(groups[i:i + n]) for i in range(len(groups) - n + 1))
 
 
-def auto_chunk(budget: int) -> int:
-    return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, budget // 512))
-
-
 def aidaptiv_split(job: Job, hw: Hardware, budget: int):
     """(split, layer_group_size, group bytes, sub-group numels, chunk) for a budget of this rank, as
     zero3/plan.py's plan_run computes them for the built model."""
@@ -343,7 +339,7 @@ def aidaptiv_split(job: Job, hw: Hardware, budget: int):
 def aidaptiv_reduce_bucket(budget: int, on_host: bool) -> int:
     """Elements of DeepSpeed's reduce bucket under aidaptiv: what config.to_deepspeed_config makes of the shipped
     configs' default (a test compares the two)."""
-    from aidaptiv_ds.config import reduce_bucket_cap
+    from aidaptiv_ds.config.translate import reduce_bucket_cap
     return min(REDUCE_BUCKET_SIZE, reduce_bucket_cap(budget, on_host))
 
 

@@ -34,7 +34,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from aidaptiv_ds.planner.memory import BackendPlan, Hardware, Job, partition_numels, step_flops
+from aidaptiv_ds.planner.memory import (
+    BackendPlan,
+    Hardware,
+    Job,
+    partition_numels,
+    step_flops,
+)
 from aidaptiv_ds.planner.rates import Rates
 
 

@@ -1,8 +1,8 @@
 """This machine's rates, measured by short probes and cached; each one can be given by hand instead.
 
 - NVMe read/write bandwidth of the swap directory: a short O_DIRECT write and read-back of a fresh file
-  through our engine (``aidaptiv_ds.io.IOEngine``, pinned pool), median of the repeats, with the block size
-  and queue depth that a short sweep (:mod:`aidaptiv_ds.io_tuning`) chose for the disk; cached per device
+  through our engine (``aidaptiv_ds.engine.io.IOEngine``, pinned pool), median of the repeats, with the block size
+  and queue depth that a short sweep (:mod:`aidaptiv_ds.engine.tuning`) chose for the disk; cached per device
   (``st_dev`` and the disk's model) with the sweep, where the swapper finds its "auto" I/O settings.
 - CPU matmul FLOP/s in the training dtype (all threads), and CPU Adam throughput (parameters per second
   of torch's foreach AdamW on fp32 CPU tensors: DeepSpeed's CPU Adam is faster, so this bounds it from
@@ -34,8 +34,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from aidaptiv_ds.machine_cache import cache_path, disk_key, load_cache, save_cache  # noqa: F401
-from aidaptiv_ds.sizes import MiB
+from aidaptiv_ds.common.sizes import MiB
+from aidaptiv_ds.engine.machine_cache import (  # noqa: F401
+    cache_path,
+    disk_key,
+    load_cache,
+    save_cache,
+)
 
 RATE_NAMES = ("nvme_read", "nvme_write", "cpu_flops", "cpu_adam", "zero3_cpu", "framework_host", "launcher_host",
               "pcie", "gpu_flops")
@@ -57,7 +62,7 @@ class Rates:
     pcie: Optional[float] = None           # host->GPU bytes/s per GPU
     gpu_flops: Optional[float] = None      # FLOP/s per GPU
     source: Dict[str, str] = field(default_factory=dict)
-    # The I/O settings the NVMe probe chose for the swap disk (aidaptiv_ds.io_tuning): block_size,
+    # The I/O settings the NVMe probe chose for the swap disk (aidaptiv_ds.engine.tuning): block_size,
     # queue_depth, when; empty when the disk was not probed (or was, before tuning existed).
     io: Dict[str, object] = field(default_factory=dict)
 
@@ -72,7 +77,7 @@ class Rates:
 
 
 # ------------------------------------------------------------------------------------------------ cache
-# (aidaptiv_ds.machine_cache: one file, shared with the swapper, which reads the I/O settings tuned per disk)
+# (aidaptiv_ds.engine.machine_cache: one file, shared with the swapper, which reads the I/O settings tuned per disk)
 
 
 def cpu_key(dtype: str) -> str:
@@ -98,15 +103,15 @@ def _stamp() -> str:
 def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NVME_PROBE_REPEATS,
                tune: bool = True) -> Dict[str, object]:
     """Median O_DIRECT write and read bandwidth (bytes/s) of a fresh file in ``directory`` through our engine.
-    With ``tune``, first the block size x queue depth sweep of :mod:`aidaptiv_ds.io_tuning` (files of at most
+    With ``tune``, first the block size x queue depth sweep of :mod:`aidaptiv_ds.engine.tuning` (files of at most
     ``nbytes``): the bandwidths are then measured with its choice, which is returned with the whole table
     (``block_size``, ``queue_depth``, ``io_sweep``); without, with the engine's defaults.
     Raises ValueError for a memory filesystem or one that refuses O_DIRECT."""
     import torch
 
-    from aidaptiv_ds import io_tuning
-    from aidaptiv_ds.harness.io_bench import BenchError, check_dir
-    from aidaptiv_ds.io import IOEngine, PinnedPool
+    from aidaptiv_ds.engine import tuning as io_tuning
+    from aidaptiv_ds.engine.disk import BenchError, check_dir
+    from aidaptiv_ds.engine.io import IOEngine, PinnedPool
     with open("/proc/self/mounts") as f:
         mounts = f.read()
     try:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from aidaptiv_ds.common.sizes import GiB
 from aidaptiv_ds.planner.memory import BackendPlan, Hardware, Job
 from aidaptiv_ds.planner.predict import StepPrediction
 from aidaptiv_ds.planner.rates import Rates
-from aidaptiv_ds.sizes import GiB
 
 
 def _gib(n: Optional[float]) -> str:

@@ -1,6 +1,6 @@
 """A decoder-only model's shape and its parameters, counted from its hyperparameters alone.
 
-The shape comes from a preset (:data:`aidaptiv_ds.models.PRESETS`) or from a local Hugging Face directory's
+The shape comes from a preset (:data:`aidaptiv_ds.models.presets.PRESETS`) or from a local Hugging Face directory's
 config.json, read as JSON (no transformers, no tensors), so a 72B model is sized in microseconds. The
 parameter list is the one the transformers Llama/Qwen2/Mistral classes register, in their order
 (``model.parameters()``): embeddings; per layer q/k/v/o projections (biases where the config has them),
@@ -104,7 +104,7 @@ def _from_dict(name: str, c: dict) -> ModelShape:
 
 def resolve_shape(model: str) -> ModelShape:
     """A preset name or a local Hugging Face directory (its config.json); errors say what is accepted."""
-    from aidaptiv_ds.models import PRESETS
+    from aidaptiv_ds.models.presets import PRESETS
     if model in PRESETS:
         return _from_dict(model, PRESETS[model])
     if os.path.isdir(model):
@@ -123,5 +123,5 @@ def resolve_shape(model: str) -> ModelShape:
 
 
 def shape_of_config(name: str, config) -> ModelShape:
-    """The shape of a transformers config object (what ``aidaptiv_ds.models.resolve`` made)."""
+    """The shape of a transformers config object (what ``aidaptiv_ds.models.presets.resolve`` made)."""
     return _from_dict(name, config.to_dict())

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from aidaptiv_ds import activation_policy
-from aidaptiv_ds.activation_store import ActivationStore
-from aidaptiv_ds.sizes import ALIGN, MiB
+from aidaptiv_ds.activations import policy as activation_policy
+from aidaptiv_ds.activations.store import ActivationStore
+from aidaptiv_ds.common.sizes import ALIGN, MiB
 
 ACTIVATION_FILE = "activations.swp"
 # The bandwidth probe of the auto plan when the rates cache has none for the disk: small enough to be quick
@@ -27,7 +27,7 @@ def nvme_bandwidth(runtime, store: ActivationStore):
     """(read, write) bytes/s of the swap disk and where they come from: the rates ``aidaptiv-ds plan --nvme``
     cached for this disk, or else a write and read-back of up to :data:`PROBE_BYTES` through this rank's
     engine into the activation file (O_DIRECT, so the disk's, not the page cache's)."""
-    from aidaptiv_ds.machine_cache import disk_key, load_cache
+    from aidaptiv_ds.engine.machine_cache import disk_key, load_cache
     try:
         entry = load_cache().get(disk_key(runtime.cfg.nvme_path)) or {}
     except OSError:

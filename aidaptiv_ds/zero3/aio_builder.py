@@ -11,8 +11,12 @@ from __future__ import annotations
 import importlib
 import threading
 
-from aidaptiv_ds.aio_handle import AioHandle
-from aidaptiv_ds.zero3.compat import ASYNC_IO_BUILDER, SWAP_MODULES_BINDING_ASYNC_IO, check_deepspeed_version
+from aidaptiv_ds.engine.aio_handle import AioHandle
+from aidaptiv_ds.zero3.compat import (
+    ASYNC_IO_BUILDER,
+    SWAP_MODULES_BINDING_ASYNC_IO,
+    check_deepspeed_version,
+)
 
 _saved: dict = {}
 _lock = threading.Lock()
@@ -31,7 +35,7 @@ class AidaptivAsyncIOBuilder:
     BUILD_VAR = "DS_BUILD_AIO"
 
     def absolute_name(self) -> str:
-        return "aidaptiv_ds.aio_handle"
+        return "aidaptiv_ds.engine.aio_handle"
 
     def is_compatible(self, verbose: bool = False) -> bool:
         return True

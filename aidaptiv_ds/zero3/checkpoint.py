@@ -22,7 +22,7 @@ when they match, the files are copied back whole. Either way data moves through 
 time, never the whole state at once. The world size (each rank's partition of each parameter) and the model
 dtype must be the ones saved; other world sizes are refused with a clear message.
 
-Durability is the caller's (:mod:`aidaptiv_ds.zero3.engine_hooks` with :mod:`aidaptiv_ds.durable`): the
+Durability is the caller's (:mod:`aidaptiv_ds.zero3.engine_hooks` with :mod:`aidaptiv_ds.common.durable`): the
 folder is written inside a staging tag, fsync'd here, and published with the rest of the checkpoint by one
 rename. Data moves through the pinned pool with the engine (O_DIRECT where the checkpoint filesystem allows
 it); re-chunking reads pieces that are not 4 KiB aligned through the page cache.
@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from aidaptiv_ds import durable
+from aidaptiv_ds.common import durable
 
 log = logging.getLogger(__name__)
 

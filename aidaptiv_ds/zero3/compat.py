@@ -133,7 +133,7 @@ def checkpoint_engine_is_decoupled(engine) -> bool:
 class checkpoint_file_hooks:
     """For a ``with``: ``hook(label)`` runs before and after each file DeepSpeed's checkpoint engine saves
     (``checkpoint_engine.save(state_dict, path)``), when ``active`` (aidaptiv's test hooks are set, see
-    aidaptiv_ds.durable); otherwise it changes nothing."""
+    aidaptiv_ds.common.durable); otherwise it changes nothing."""
 
     def __init__(self, engine, hook, active: bool):
         self.engine, self.hook, self.active, self.saved = engine, hook, active, None

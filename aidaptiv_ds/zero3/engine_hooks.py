@@ -7,7 +7,7 @@ and a clean close of the swap space.
   hyperparameters, keyed by parameter name), so that a resumed run continues the uninterrupted run's
   trajectory exactly. A save is durable and atomic: everything (ours and DeepSpeed's files) is written into
   a staging tag, fsync'd, and published by one rename or folder exchange, then ``latest`` is replaced
-  atomically by us rather than rewritten in place by DeepSpeed (:mod:`aidaptiv_ds.durable`).
+  atomically by us rather than rewritten in place by DeepSpeed (:mod:`aidaptiv_ds.common.durable`).
 - ``engine.destroy()``: DeepSpeed's, then the swap files are closed and removed (unless kept).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from deepspeed import comm as dist
 
 
 def attach(engine, runtime) -> None:
-    from aidaptiv_ds import durable
+    from aidaptiv_ds.common import durable
     from aidaptiv_ds.zero3 import checkpoint, compat
 
     engine.aidaptiv_runtime = runtime

@@ -24,7 +24,7 @@ from aidaptiv_ds.zero3.originals import WRAPPED, is_wrapped, original_zero_init
 
 
 def _config_of(args, kwargs):
-    from aidaptiv_ds.ds_config import load as load_config
+    from aidaptiv_ds.config.ds_config import load as load_config
     source = kwargs.get("config") if kwargs.get("config") is not None else kwargs.get("config_params")
     if source is None and args is not None and getattr(args, "deepspeed_config", None):
         source = args.deepspeed_config
@@ -66,7 +66,7 @@ def honour_explicit_dtype(deepspeed) -> None:
 
 def patch_deepspeed(deepspeed) -> None:
     """Wrap ``deepspeed.initialize`` and ``deepspeed.zero.Init``, and mend Init's dtype choice (idempotent)."""
-    from aidaptiv_ds.config import is_enabled
+    from aidaptiv_ds.config.schema import is_enabled
 
     honour_explicit_dtype(deepspeed)
 
@@ -93,7 +93,7 @@ def patch_deepspeed(deepspeed) -> None:
         def __init__(self, *args, config_dict_or_path=None, config=None, **kwargs):
             source = config_dict_or_path if config_dict_or_path is not None else config
             if source is not None:
-                from aidaptiv_ds.ds_config import load as load_config
+                from aidaptiv_ds.config.ds_config import load as load_config
                 from aidaptiv_ds.zero3.initialize import _world_size, prepare
                 try:
                     cfg = load_config(source)

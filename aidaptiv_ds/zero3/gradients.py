@@ -13,8 +13,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from aidaptiv_ds.chunk_layout import FP32, Chunk, SubGroup
-
+from aidaptiv_ds.swap.chunk_layout import FP32, Chunk, SubGroup
 
 # Elements per row of partition_norm: long enough that a row's reduction in the gradient's dtype is cheap, short
 # enough that its rounding stays far below what clipping could notice.

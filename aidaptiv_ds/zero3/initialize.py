@@ -1,7 +1,7 @@
 """``initialize`` and ``zero_init``: DeepSpeed's entry points with the ``"aidaptiv"`` block honoured.
 
 Both take what DeepSpeed's take (a config as a dict or a JSON/hjson path, read by
-:func:`aidaptiv_ds.ds_config.load`). Without an enabled block they are DeepSpeed's, untouched. With one,
+:func:`aidaptiv_ds.config.ds_config.load`). Without an enabled block they are DeepSpeed's, untouched. With one,
 the config is validated (every problem reported at once, before any file is opened) and resolved, once
 per config even when both are called with it, rewritten so ZeRO-3 takes its NVMe paths, our swappers are
 installed, and the engine returned by ``initialize`` gains
@@ -14,9 +14,12 @@ import logging
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from aidaptiv_ds import config as aconfig
-from aidaptiv_ds.ds_config import dtype_name, load as load_config
-from aidaptiv_ds.sizes import dtype_bytes, state_bytes_per_param
+from aidaptiv_ds.common.sizes import dtype_bytes, state_bytes_per_param
+from aidaptiv_ds.config import host, schema
+from aidaptiv_ds.config import resolve as config_resolve
+from aidaptiv_ds.config import settings as config_settings
+from aidaptiv_ds.config.ds_config import dtype_name
+from aidaptiv_ds.config.ds_config import load as load_config
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ def _swap_bytes_written(ds_config: Dict[str, Any]) -> int:
     """Disk bytes the swap folders under the block's ``nvme_path`` already take (``<nvme_path>/aidaptiv-swap``:
     every rank of this node that shares the disk). ``zero.Init`` writes the parameters there before
     ``initialize`` knows the model; those bytes are part of the need, already taken from the free space."""
-    block = aconfig.block_of(ds_config) or {}
+    block = schema.block_of(ds_config) or {}
     path = block.get("nvme_path") if isinstance(block, dict) else None
     if not path:
         return 0
@@ -53,16 +56,16 @@ def needed_swap_bytes(model, ds_config: Dict[str, Any], world_size: int, local_r
     numel = _model_numel(model)
     if not numel:
         return None
-    local = max(1, min(local_ranks or aconfig.local_rank_count(), max(1, world_size)))
+    local = max(1, min(local_ranks or host.local_rank_count(), max(1, world_size)))
     per_rank = state_bytes_per_param(dtype_bytes(dtype_name(ds_config))) * -(-numel // max(1, world_size))
     return max(0, per_rank * local - _swap_bytes_written(ds_config))
 
 
 def prepare(ds_config: Dict[str, Any], model=None, world_size: int = 1
-            ) -> Tuple[Dict[str, Any], Optional[aconfig.SwapSettings]]:
-    """Validate, resolve and translate (once per config: see :func:`aidaptiv_ds.config.resolve`) and install
+            ) -> Tuple[Dict[str, Any], Optional[config_settings.SwapSettings]]:
+    """Validate, resolve and translate (once per config: see :func:`aidaptiv_ds.config.resolve.resolve`) and install
     our swappers; returns (config for DeepSpeed, resolved settings or None)."""
-    translated, settings = aconfig.resolve(ds_config, needed_bytes=needed_swap_bytes(model, ds_config, world_size))
+    translated, settings = config_resolve.resolve(ds_config, needed_bytes=needed_swap_bytes(model, ds_config, world_size))
     if settings is None:
         return ds_config, None
     from aidaptiv_ds.zero3.install import install
@@ -95,6 +98,7 @@ def zero_init(config, **kwargs):
     """``deepspeed.zero.Init`` for a config that may carry an ``"aidaptiv"`` block: build the model inside
     it so that its partitions go straight to our swap space instead of being materialised in RAM."""
     import deepspeed
+
     from aidaptiv_ds.zero3.originals import original_zero_init
     ds_config = load_config(config)
     translated, _ = prepare(ds_config, None, _world_size())
@@ -105,6 +109,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, config=None, config_params=None, **kwargs):
     """Same signature and returns as ``deepspeed.initialize``."""
     import deepspeed
+
     from aidaptiv_ds.zero3.originals import original_initialize
     source = config if config is not None else config_params
     if source is None and args is not None and getattr(args, "deepspeed_config", None):
@@ -116,7 +121,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine, opt, loader, sched = original_initialize(deepspeed)(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, config=translated, **kwargs)
-    from aidaptiv_ds.zero3 import dist_shm   # DeepSpeed's CPU communicator would leak its /dev/shm segments
+    from aidaptiv_ds.zero3 import (
+        dist_shm,  # DeepSpeed's CPU communicator would leak its /dev/shm segments
+    )
     dist_shm.release_after_barrier()
     if settings is not None:
         runtime = getattr(engine.optimizer, "_aidaptiv", None)

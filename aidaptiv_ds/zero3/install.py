@@ -12,7 +12,7 @@ import atexit
 import logging
 import weakref
 
-from aidaptiv_ds.config import settings_for
+from aidaptiv_ds.config.resolve import settings_for
 from aidaptiv_ds.zero3 import compat
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,9 @@ def install() -> None:
     import deepspeed.runtime.zero.partition_parameters as partition_parameters
     import deepspeed.runtime.zero.stage3 as stage3
     from deepspeed import comm as dist
-    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (
+        PartitionedParamStatus,
+    )
 
     from aidaptiv_ds.zero3.param_swapper import AidaptivParamSwapper, ParamStatus
     from aidaptiv_ds.zero3.runtime import SwapRuntime

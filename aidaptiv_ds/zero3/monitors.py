@@ -1,4 +1,4 @@
-"""Our per-step series (aidaptiv_ds.metrics.monitor_events) into DeepSpeed's monitors (its MonitorMaster).
+"""Our per-step series (aidaptiv_ds.common.metrics.monitor_events) into DeepSpeed's monitors (its MonitorMaster).
 
 TensorBoard, CSV and Comet keep a step per event, so they get our events as they are: step = optimizer step.
 W&B keeps one step counter per run that may only grow, and DeepSpeed 0.19.8's engine already logs its own
@@ -9,8 +9,12 @@ optimizer step as their own x-axis (``aidaptiv/step``, declared with ``wandb.def
 """
 from __future__ import annotations
 
-from aidaptiv_ds.metrics import MONITOR_PREFIX
-from aidaptiv_ds.zero3.compat import ENGINE_SAMPLES, MONITOR_WANDB, MONITORS_WITH_OWN_STEPS
+from aidaptiv_ds.common.metrics import MONITOR_PREFIX
+from aidaptiv_ds.zero3.compat import (
+    ENGINE_SAMPLES,
+    MONITOR_WANDB,
+    MONITORS_WITH_OWN_STEPS,
+)
 
 STEP_METRIC = MONITOR_PREFIX + "step"
 _axis_declared: set = set()   # ids of the W&B runs whose x-axis is declared

@@ -25,7 +25,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from aidaptiv_ds.config import block_of
+from aidaptiv_ds.config.schema import block_of
 from aidaptiv_ds.zero3 import compat
 from aidaptiv_ds.zero3.gradients import GradientPartitions, partition_norm
 from aidaptiv_ds.zero3.optimizer_swapper import AidaptivOptimizerSwapper

@@ -4,7 +4,7 @@ ZeRO-3 (DeepSpeed 0.19) updates its optimizer one *sub-group* at a time: a flat 
 parameters, never smaller than the largest parameter in it. DeepSpeed's swapper brings a whole sub-group
 (master, moments, gradient: 16 bytes per element) into host buffers, so the host memory it needs grows with
 the largest parameter (a 128k-token embedding of a 70B model is 17 GB of state). We stream instead: each
-sub-group is cut into chunks (:mod:`aidaptiv_ds.chunk_layout`, which also lays out ``optim.swp``) and the
+sub-group is cut into chunks (:mod:`aidaptiv_ds.swap.chunk_layout`, which also lays out ``optim.swp``) and the
 optimizer steps chunk by chunk, as one pipeline over all sub-groups
 (:mod:`aidaptiv_ds.zero3.streamed_step`). Gradients live in per-sub-group buffers
 (:mod:`aidaptiv_ds.zero3.gradients`).
@@ -27,10 +27,18 @@ from typing import Dict, List
 
 import torch
 
-from aidaptiv_ds.chunk_layout import FP32, PARTS, STATE_SLOTS, SubGroup, image_parts, lay_out_sub_group
-from aidaptiv_ds.store import WriteBehind
+from aidaptiv_ds.swap.chunk_layout import (
+    FP32,
+    PARTS,
+    STATE_SLOTS,
+    SubGroup,
+    image_parts,
+    lay_out_sub_group,
+)
+from aidaptiv_ds.swap.budget_split import READ_AHEAD
+from aidaptiv_ds.swap.host_memory import WriteBehind
 from aidaptiv_ds.zero3.gradients import SubGroupGradients
-from aidaptiv_ds.zero3.streamed_step import ADAM_KEYS, READ_AHEAD, StreamedStep
+from aidaptiv_ds.zero3.streamed_step import ADAM_KEYS, StreamedStep
 
 # PARTS and READ_AHEAD stay importable from here: aidaptiv_ds.zero3.plan sizes the budget with them.
 __all__ = ["AidaptivOptimizerSwapper", "PARTS", "READ_AHEAD"]

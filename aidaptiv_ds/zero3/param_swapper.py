@@ -4,7 +4,7 @@
 ``AsyncPartitionedParameterSwapper`` (``param.nvme_swapper``), so ZeRO-3's own status machine drives it:
 DeepSpeed asks ``swap_in(params)`` for the partitions it is about to gather and calls
 ``remove_partition_and_release_buffers(params)`` when it is done with them. This module maps those calls
-(DeepSpeed's parameters, ``ds_id``\\ s and partition statuses) onto :class:`~aidaptiv_ds.layer_group_cache.
+(DeepSpeed's parameters, ``ds_id``\\ s and partition statuses) onto :class:`~aidaptiv_ds.swap.layer_group_cache.
 LayerGroupCache`, which does the reading, caching and writing.
 
 Differences from DeepSpeed's swapper, and why:
@@ -27,10 +27,10 @@ from typing import Dict
 
 import torch
 
-from aidaptiv_ds.layer_group_cache import LayerGroupCache
-from aidaptiv_ds.partition_layout import ParamRecord
-from aidaptiv_ds.sizes import dtype_bytes
-from aidaptiv_ds.store import aligned_empty, as_bytes
+from aidaptiv_ds.common.sizes import dtype_bytes
+from aidaptiv_ds.swap.host_memory import aligned_empty, as_bytes
+from aidaptiv_ds.swap.layer_group_cache import LayerGroupCache
+from aidaptiv_ds.swap.partition_layout import ParamRecord
 
 
 class ParamStatus:

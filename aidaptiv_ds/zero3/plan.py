@@ -18,11 +18,11 @@ from typing import List, Set
 
 import torch
 
-from aidaptiv_ds.budget_split import shrink_layer_groups, split_budget
-from aidaptiv_ds.chunk_layout import PARTS
-from aidaptiv_ds.ds_config import ConfigError
-from aidaptiv_ds.planner.retention import plan_retention
-from aidaptiv_ds.sizes import MiB, dtype_bytes
+from aidaptiv_ds.common.sizes import MiB, dtype_bytes
+from aidaptiv_ds.config.ds_config import ConfigError
+from aidaptiv_ds.swap.budget_split import shrink_layer_groups, split_budget
+from aidaptiv_ds.swap.chunk_layout import PARTS
+from aidaptiv_ds.swap.retention import plan_retention
 from aidaptiv_ds.zero3.layer_groups import partition_into_groups
 
 log = logging.getLogger(__name__)

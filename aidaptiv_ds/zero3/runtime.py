@@ -15,11 +15,13 @@ from typing import Optional
 
 import torch
 
-from aidaptiv_ds.config import SwapSettings
-from aidaptiv_ds.file_size_limit import efbig_not_sigxfsz
-from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.malloc_threshold import set_mmap_threshold, trim_heap
-from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
+from aidaptiv_ds.common.malloc_threshold import set_mmap_threshold, trim_heap
+from aidaptiv_ds.config.settings import SwapSettings
+from aidaptiv_ds.engine.file_size_limit import efbig_not_sigxfsz
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.swap.host_memory import HostMemory
+from aidaptiv_ds.swap.space import SwapSpace
+from aidaptiv_ds.swap.store import SwapStore
 from aidaptiv_ds.zero3 import compat
 
 log = logging.getLogger(__name__)

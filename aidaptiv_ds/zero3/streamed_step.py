@@ -8,7 +8,7 @@ the optimizer's state is restored before each call and its scalars (Adam's step 
 sub-group.
 
 For an fp32 model the master *is* the parameter: a chunk's masters are runs of the parameter swap file,
-taken from the layer-group cache (:meth:`~aidaptiv_ds.layer_group_cache.LayerGroupCache.load_run`),
+taken from the layer-group cache (:meth:`~aidaptiv_ds.swap.layer_group_cache.LayerGroupCache.load_run`),
 updated in place and written back once through it. Such a step may be *deferred*: each chunk is updated
 only when the parameters it holds are next needed (:meth:`StreamedStep.apply_pending`, called as the next
 forward fetches them) and everything else by :meth:`StreamedStep.flush`, so the forward's read of a layer
@@ -21,9 +21,8 @@ from typing import Callable, List
 
 import torch
 
-from aidaptiv_ds.budget_split import READ_AHEAD  # what the plan reserves room for (one value, shared with it)
-from aidaptiv_ds.chunk_layout import FP32, STATE_SLOTS, Chunk, Piece, SubGroup
-from aidaptiv_ds.store import Ticket
+from aidaptiv_ds.swap.chunk_layout import FP32, STATE_SLOTS, Chunk, Piece, SubGroup
+from aidaptiv_ds.swap.store import Ticket
 
 # Chunks read ahead of the one being updated, as far as the budget allows without waiting for I/O.
 MAX_AHEAD = 6

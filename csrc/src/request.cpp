@@ -112,7 +112,7 @@ bool PieceQueue::complete(Piece& p, int64_t res) {
   if (res == -EINVAL && !p.buffered && !p.einval_retried) {
     // Our O_DIRECT pieces are 4 KiB aligned; the kernel still answers EINVAL when it cut the transfer
     // at an unaligned byte (a file-size limit, say). The buffered descriptor reports the real cause.
-    // Counted (stats().direct_fallbacks, logged once by aidaptiv_ds.io) because a filesystem that
+    // Counted (stats().direct_fallbacks, logged once by aidaptiv_ds.engine.io) because a filesystem that
     // refuses O_DIRECT this way would otherwise run every such piece through the page cache unseen.
     p.einval_retried = true;
     p.buffered = true;

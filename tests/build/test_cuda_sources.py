@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,8 +58,8 @@ def test_the_cuda_sources_are_found():
 
 @pytest.mark.skipif(cuda_home() is None, reason="no CUDA toolkit (cuda_runtime_api.h) on this machine")
 def test_cuda_sources_compile_with_aidaptiv_with_cuda(tmp_path):
-    from torch.utils import cpp_extension
     import torch
+    from torch.utils import cpp_extension
 
     stand_in = tmp_path / "include" / "c10" / "cuda" / "impl"
     stand_in.mkdir(parents=True)

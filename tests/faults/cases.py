@@ -238,8 +238,10 @@ def concurrent_swaps(folder: str, seed: int = 0, threads: int = 8, per_thread: i
 
     import torch
 
-    from aidaptiv_ds.io import IOEngine, PinnedPool
-    from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
+    from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+    from aidaptiv_ds.swap.host_memory import HostMemory
+    from aidaptiv_ds.swap.space import SwapSpace
+    from aidaptiv_ds.swap.store import SwapStore
 
     t0 = time.time()
     space = SwapSpace(folder, rank=0)

@@ -99,7 +99,8 @@ def main():
     if "no-uring" in faults:
         seccomp_refuse([("io_uring_setup", errno.EPERM, None)])
 
-    from aidaptiv_ds import cli, train
+    from aidaptiv_ds import cli
+    from aidaptiv_ds.job import train
 
     def at_forward(i):
         if i != step:

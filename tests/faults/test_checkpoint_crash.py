@@ -5,7 +5,7 @@ One training run (a small Llama, our swapper, a host budget well under its state
 optimizer state move through the swap files and the checkpoint files take more than one transfer each) saves
 three times: tag "a" at step 2 (nothing before it), tag "b" at step 3 (a new tag beside "a"), and tag "b"
 again at step 4 (a second save to the tag `latest` names). The test hook AIDAPTIV_DS_TEST_SNAPSHOT_FROM/_TO
-(aidaptiv_ds.durable) copies the checkpoint folder at every crash point of the three saves, which is what a
+(aidaptiv_ds.common.durable) copies the checkpoint folder at every crash point of the three saves, which is what a
 kill -9 at that point leaves (every write before the point has completed, nothing else writes there); two
 points are also killed for real with AIDAPTIV_DS_TEST_CRASH_AT. A second process, whose engine is the second
 model it builds (so DeepSpeed's process-wide parameter ids differ from the saving run's, as in HF Trainer's
@@ -18,9 +18,7 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
-from helpers import CONFIGS, child_env, _free_port
+from helpers import CONFIGS, _free_port, child_env
 
 REL = 1e-5  # fp32: the resumed trajectory is the uninterrupted one within this relative error
 SAVES = [("a", 2), ("b", 3), ("b", 4)]  # (tag, step) of the three saves
@@ -30,7 +28,7 @@ import json, os, sys
 import torch
 import deepspeed
 import aidaptiv_ds
-from aidaptiv_ds import durable
+from aidaptiv_ds.common import durable
 from transformers import LlamaConfig, LlamaForCausalLM
 
 mode, config, out = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -8,9 +8,8 @@ mid-save, deleted swap files, each refusal alone), as bench/faults.py does N tim
 import os
 import platform
 
-import pytest
-
 import cases
+import pytest
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"),
                                 reason="the seccomp filters are written for x86_64 and aarch64")

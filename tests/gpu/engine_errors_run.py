@@ -3,7 +3,7 @@ first H100 runs died (bench/results/gpu_probe_h100: SIGSEGV at the swapper's fir
 
 When the host budget is first full (the point where the pool used to throw), before anything else, four
 C++ exceptions are raised and caught, each announced first so that the last line printed names the layer
-that breaks: torch's own (c10::Error), and three of the engine's (aidaptiv_ds._C: InvalidArgument ->
+that breaks: torch's own (c10::Error), and three of the engine's (aidaptiv_ds.engine._C: InvalidArgument ->
 ValueError, OutOfPinnedMemory -> MemoryError, SystemError -> FileNotFoundError). Training then goes on.
 
     python tests/gpu/engine_errors_run.py train --config ... (train's arguments)
@@ -14,11 +14,11 @@ import tempfile
 
 import torch
 
-import aidaptiv_ds.store as store
-from aidaptiv_ds.io import IOEngine, PinnedPool
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.swap import host_memory
 
 probed = []
-take = store.HostMemory._allocate
+take = host_memory.HostMemory._allocate
 
 
 def probe():
@@ -46,7 +46,7 @@ def _allocate(self, nbytes, large):
     return buf
 
 
-store.HostMemory._allocate = _allocate
+host_memory.HostMemory._allocate = _allocate
 
 if __name__ == "__main__":
     from aidaptiv_ds.cli import main

@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from aidaptiv_ds import _C
-from aidaptiv_ds.io import IOEngine, PinnedPool
+from aidaptiv_ds.engine import _C
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and _C.WITH_CUDA),
                                 reason="needs a CUDA device and aidaptiv_ds built with CUDA")

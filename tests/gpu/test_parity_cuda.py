@@ -10,8 +10,14 @@ import sys
 
 import pytest
 import torch
-
-from helpers import CONFIGS, aidaptiv_config, child_env, failure_excerpt, read_metrics, run_train
+from helpers import (
+    CONFIGS,
+    aidaptiv_config,
+    child_env,
+    failure_excerpt,
+    read_metrics,
+    run_train,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -51,7 +57,7 @@ def test_swapper_on_cuda_follows_in_memory_zero3(tmp_path, dtype):
 def test_persistence_threshold_from_hf_auto_keeps_the_trajectory(tmp_path):
     """HF's "auto" gives stage3_param_persistence_threshold = 10 x hidden. DeepSpeed releases a persistent
     parameter right after queuing its non-blocking copy from our host slot, which our eviction could reuse
-    while the copy runs. The block's translation replaces any threshold with 0 (aidaptiv_ds/config.py), so
+    while the copy runs. The block's translation replaces any threshold with 0 (aidaptiv_ds/config/), so
     this must train like in-memory ZeRO-3 whatever the user set."""
     ref = _train(tmp_path, os.path.join(CONFIGS, "zero3.json"), "zero3", "fp32")
     config = _aidaptiv_config(tmp_path, stage3_param_persistence_threshold=10 * 256)

@@ -3,7 +3,6 @@ import os
 
 import pytest
 import torch
-
 from helpers import CONFIGS, read_metrics, run_train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -2,7 +2,6 @@
 import os
 
 import pytest
-
 from sweep_fakes import DEEPSPEED, FAKES, ROOT
 
 

@@ -38,7 +38,7 @@ def lora_config():
 
 
 def model_config():
-    from aidaptiv_ds.models import preset_config
+    from aidaptiv_ds.models.presets import preset_config
     return preset_config("micro")
 
 

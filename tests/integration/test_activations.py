@@ -11,10 +11,17 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import helpers
-from helpers import CONFIGS, assert_same_losses, _free_port, child_env, failure_excerpt, read_metrics, run_train
+import pytest
+from helpers import (
+    CONFIGS,
+    _free_port,
+    assert_same_losses,
+    child_env,
+    failure_excerpt,
+    read_metrics,
+    run_train,
+)
 
 BUDGET = "40MiB"
 STEPS = 4

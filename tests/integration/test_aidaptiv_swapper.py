@@ -13,13 +13,21 @@ import subprocess
 import sys
 import time
 
+import helpers
 import pytest
+from helpers import (
+    CONFIGS,
+    REPO,
+    _free_port,
+    assert_same_losses,
+    child_env,
+    failure_excerpt,
+    read_metrics,
+    run_train,
+)
 
 from aidaptiv_ds.zero3 import dist_shm
 from aidaptiv_ds.zero3.compat import SHM_ALLREDUCE_PREFIX
-import helpers
-from helpers import (CONFIGS, REPO, _free_port, assert_same_losses, child_env, failure_excerpt, read_metrics,
-                     run_train)
 
 BUDGET = "40MiB"
 STEPS = 4

@@ -5,9 +5,9 @@ import os
 import statistics
 
 import pytest
-
-from aidaptiv_ds.models import count_parameters, preset_config
 from helpers import CONFIGS, read_metrics, run_train
+
+from aidaptiv_ds.models.presets import count_parameters, preset_config
 
 SHIPPED = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
 STEPS, WARMUP, SEQ, MB = 3, 1, 64, 2

@@ -6,11 +6,10 @@ import json
 import os
 
 import pytest
-
-from aidaptiv_ds.sizes import state_bytes_per_param
-from aidaptiv_ds.cli import main as aidaptiv_ds_main
-
 from helpers import REPO
+
+from aidaptiv_ds.cli import main as aidaptiv_ds_main
+from aidaptiv_ds.common.sizes import state_bytes_per_param
 
 
 def sweep(argv):

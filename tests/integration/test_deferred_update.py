@@ -26,9 +26,8 @@ import json
 import os
 
 import pytest
-from safetensors.torch import load_file
-
 from helpers import CONFIGS, failure_excerpt, read_metrics, run_train
+from safetensors.torch import load_file
 
 STEPS, ACCUM = 2, 2
 

@@ -6,9 +6,7 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
-
 from helpers import CONFIGS, child_env, read_metrics, run_train
 
 
@@ -56,7 +54,7 @@ def test_output_dir_loads_with_transformers_and_gives_the_trained_logits(tmp_pat
 
 
 def _initial_model():
-    from aidaptiv_ds import models
+    from aidaptiv_ds.models import presets as models
     torch.manual_seed(1234)
     return models.build_model(models.resolve("micro"), torch.float32)
 

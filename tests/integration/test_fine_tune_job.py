@@ -7,7 +7,6 @@ import math
 import os
 
 import pytest
-
 from helpers import CONFIGS, read_metrics, run_train
 
 COMMON = ["--model", "micro", "--seq-len", "64", "--warmup", "0", "--no-progress"]

@@ -11,7 +11,13 @@ gap (82 to 234 MiB over four runs) was within the run-to-run spread of the peak,
 import os
 
 import helpers
-from helpers import CONFIGS, assert_same_losses, failure_excerpt, read_metrics, run_train
+from helpers import (
+    CONFIGS,
+    assert_same_losses,
+    failure_excerpt,
+    read_metrics,
+    run_train,
+)
 
 LONG = ["--model", "micro", "--seq-len", "4096", "--micro-batch", "2", "--steps", "2", "--warmup", "1"]
 

@@ -3,7 +3,6 @@ import os
 
 import pytest
 import torch
-
 from helpers import CONFIGS, read_metrics, run_train
 
 
@@ -13,8 +12,8 @@ def hf_dir(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from aidaptiv_ds.data import DEFAULT_DATA, load_texts
-    from aidaptiv_ds.models import preset_config
+    from aidaptiv_ds.job.data import DEFAULT_DATA, load_texts
+    from aidaptiv_ds.models.presets import preset_config
 
     path = tmp_path_factory.mktemp("hf_model")
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -39,8 +38,8 @@ def hf_dir(tmp_path_factory):
 def reference_first_loss(path, seq_len, micro_batch, seed):
     from transformers import LlamaForCausalLM
 
-    from aidaptiv_ds.data import DEFAULT_DATA, build_batches
-    from aidaptiv_ds.tokenizer import HFTokenizer
+    from aidaptiv_ds.job.data import DEFAULT_DATA, build_batches
+    from aidaptiv_ds.models.tokenizer import HFTokenizer
     model = LlamaForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     batch = build_batches(DEFAULT_DATA, HFTokenizer(str(path)), seq_len, micro_batch, seed, 0, 1).batch(0)
     with torch.no_grad():
@@ -56,7 +55,7 @@ def test_train_from_local_hf_directory(tmp_path, hf_dir):
     m = read_metrics(metrics)
     assert m["status"] == "ok" and m["model"] == os.path.basename(str(hf_dir))
     assert m["tokenizer"] != "byte"
-    from aidaptiv_ds.models import count_parameters, resolve
+    from aidaptiv_ds.models.presets import count_parameters, resolve
     assert m["params"] == count_parameters(resolve(str(hf_dir)).config)
     # The first loss is the saved weights' loss on the first batch, computed here without DeepSpeed.
     assert m["losses"][0] == pytest.approx(reference_first_loss(hf_dir, 64, 2, 1234), rel=1e-4)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import CONFIGS, REPO, _free_port, child_env, failure_excerpt
 
 HF_CONFIG = os.path.join(CONFIGS, "hf_trainer_zero3_aidaptiv.json")

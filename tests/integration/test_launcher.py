@@ -4,10 +4,10 @@ import math
 import os
 
 import pytest
+from helpers import CONFIGS, failure_excerpt, read_metrics, run_train
 
 from aidaptiv_ds.zero3 import dist_shm
 from aidaptiv_ds.zero3.compat import SHM_ALLREDUCE_PREFIX
-from helpers import CONFIGS, failure_excerpt, read_metrics, run_train
 
 COMMON = ["--model", "micro", "--steps", "3", "--warmup", "1", "--seq-len", "64", "--no-progress"]
 

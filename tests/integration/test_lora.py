@@ -9,8 +9,13 @@ import sys
 
 import pytest
 import torch
-
-from helpers import adapter_config, assert_same_losses, child_env, read_metrics, run_train
+from helpers import (
+    adapter_config,
+    assert_same_losses,
+    child_env,
+    read_metrics,
+    run_train,
+)
 
 pytest.importorskip("peft")
 

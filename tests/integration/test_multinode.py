@@ -8,8 +8,14 @@ import subprocess
 import sys
 
 import pytest
-
-from helpers import CONFIGS, _free_port, child_env, failure_excerpt, read_metrics, run_train
+from helpers import (
+    CONFIGS,
+    _free_port,
+    child_env,
+    failure_excerpt,
+    read_metrics,
+    run_train,
+)
 
 COMMON = ["--model", "micro", "--steps", "3", "--warmup", "1", "--seq-len", "64", "--no-progress"]
 # Two ranks' gradients are summed in the same order whichever way they are connected (shared memory on one

@@ -10,8 +10,13 @@ import sys
 
 import pytest
 import torch
-
-from helpers import adapter_config, assert_same_losses, child_env, read_metrics, run_train
+from helpers import (
+    adapter_config,
+    assert_same_losses,
+    child_env,
+    read_metrics,
+    run_train,
+)
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -23,7 +28,9 @@ ARGS = ["--model", "micro", "--seq-len", "64", "--steps", "3", "--warmup", "1", 
 
 def test_qlora_on_swapped_base_matches_zero3_and_exports_the_adapter(tmp_path):
     from peft import PeftModel
-    from aidaptiv_ds import lora, models
+
+    from aidaptiv_ds.job import lora
+    from aidaptiv_ds.models import presets as models
     ours, ref = tmp_path / "ours", tmp_path / "ref"
     ours.mkdir(), ref.mkdir()
     rc, log = run_train(["--config", adapter_config(ours, "aidaptiv.json"), *ARGS, "--metrics-out", str(ours / "m.json"),

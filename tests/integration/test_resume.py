@@ -6,9 +6,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import helpers
+import pytest
 from helpers import CONFIGS, _free_port, child_env, read_metrics, run_train
 
 STEPS, SAVE_AT = 5, 2

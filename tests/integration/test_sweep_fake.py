@@ -8,11 +8,10 @@ import sys
 import time
 
 import pytest
-
-from aidaptiv_ds.harness.hostcap import probe_cgroup
-from aidaptiv_ds.cli import main as aidaptiv_ds_main
-
 from sweep_fakes import ROOT, leftovers, rows_of, write_grid
+
+from aidaptiv_ds.cli import main as aidaptiv_ds_main
+from aidaptiv_ds.harness.hostcap import probe_cgroup
 
 
 def sweep(argv):

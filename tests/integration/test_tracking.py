@@ -1,4 +1,4 @@
-"""A real run with DeepSpeed's monitor sections on: every step's series (aidaptiv_ds.metrics.MONITOR_SERIES)
+"""A real run with DeepSpeed's monitor sections on: every step's series (aidaptiv_ds.common.metrics.MONITOR_SERIES)
 reaches the CSV monitor's files and, where the tensorboard and wandb packages are installed, TensorBoard's
 event files and W&B's offline run file; `aidaptiv-ds report RUN_DIR` plots them."""
 import csv
@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import CONFIGS, child_env, read_metrics, run_train
 
 STEPS = 3
@@ -93,7 +92,9 @@ def test_monitors_receive_every_series_every_step_and_report_plots_them(tmp_path
     assert all(v >= 0 for v in writes) and (any(v > 0 for v in writes) or not m["nvme_write_bytes"]), writes
 
     if tensorboard:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from tensorboard.backend.event_processing.event_accumulator import (
+            EventAccumulator,
+        )
         logs = [os.path.join(d, f) for d, _, fs in os.walk(run_dir / "tb") for f in fs if "tfevents" in f]
         assert logs, os.listdir(run_dir / "tb")
         acc = EventAccumulator(os.path.dirname(logs[0]))

@@ -16,7 +16,7 @@ import sys
 from helpers import CONFIGS, REPO, child_env, failure_excerpt
 
 SCRIPT = os.path.join(REPO, "examples", "zero_init_train.py")
-# The micro preset's shape (aidaptiv_ds.models): 2 blocks.
+# The micro preset's shape (aidaptiv_ds.models.presets): 2 blocks.
 MICRO = ["--hidden", "256", "--layers", "2", "--heads", "4", "--intermediate", "2048", "--vocab", "2048"]
 STEPS = 3
 

@@ -33,9 +33,9 @@ def main() -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + random.Random(os.getpid()).randrange(2000)))
 
+    import deepspeed
     import numpy as np
     import torch
-    import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if args.aidaptiv:

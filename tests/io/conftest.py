@@ -5,9 +5,9 @@ import subprocess
 import tempfile
 
 import pytest
-
-from aidaptiv_ds.io import IOEngine, PinnedPool
 from engine_helpers import BACKENDS
+
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import textwrap
 import torch
 
 import aidaptiv_ds
-from aidaptiv_ds.sizes import ALIGN
+from aidaptiv_ds.common.sizes import ALIGN
 
 BACKENDS = ["io_uring", "posix"]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(aidaptiv_ds.__file__)))

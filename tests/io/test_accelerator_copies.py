@@ -15,9 +15,11 @@ import pytest
 import torch
 from deepspeed.runtime.zero import partition_parameters
 
-from aidaptiv_ds.chunk_layout import SubGroup
-from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore, WriteBehind, aligned_empty
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.swap.chunk_layout import SubGroup
+from aidaptiv_ds.swap.host_memory import HostMemory, WriteBehind, aligned_empty
+from aidaptiv_ds.swap.space import SwapSpace
+from aidaptiv_ds.swap.store import SwapStore
 from aidaptiv_ds.zero3.gradients import GradientPartitions, SubGroupGradients
 from aidaptiv_ds.zero3.param_swapper import _empty
 

@@ -1,13 +1,13 @@
-"""The auto activation policy (aidaptiv_ds.activation_policy.AutoPolicy) on a Hugging Face Llama with the real
+"""The auto activation policy (aidaptiv_ds.activations.policy.AutoPolicy) on a Hugging Face Llama with the real
 engine: the first training forward measures every block, the plan applies from the next forward, each
 block runs in its own mode (keep, stored on NVMe without recompute, recomputed), and the losses and
 gradients equal keeping every activation."""
 import pytest
 import torch
-
-from aidaptiv_ds import activation_policy
-from aidaptiv_ds.config import ActivationSettings
 from test_activation_store import LAYERS, Rig, loss_and_grads, tiny_llama
+
+from aidaptiv_ds.activations import policy as activation_policy
+from aidaptiv_ds.config.settings import ActivationSettings
 
 SLOW_DISK = 1.0e3      # bytes/s given as the disk's bandwidth: storing is never faster than recomputing
 
@@ -93,7 +93,7 @@ def test_bandwidth_from_the_rates_cache_or_measured_through_the_engine(rig, tmp_
     import json
     import types
 
-    from aidaptiv_ds.machine_cache import disk_key
+    from aidaptiv_ds.engine.machine_cache import disk_key
     from aidaptiv_ds.zero3.activations import nvme_bandwidth
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win

@@ -1,4 +1,4 @@
-"""Activations stored on NVMe (aidaptiv_ds.activation_store, applied by aidaptiv_ds.activation_policy) with the
+"""Activations stored on NVMe (aidaptiv_ds.activations.store, applied by aidaptiv_ds.activations.policy) with the
 real engine: the same loss and gradients as keeping them, the backward reads them back in reverse with
 read-ahead, no staging is left over, the file is reused step after step, and I/O errors end the step with a
 clear error."""
@@ -7,13 +7,15 @@ import json
 
 import pytest
 import torch
-
-from aidaptiv_ds import activation_policy
-from aidaptiv_ds.activation_store import ActivationStore
-from aidaptiv_ds.config import ActivationSettings
-from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.store import HostMemory, SwapSpace, SwapStore
 from engine_helpers import run_child
+
+from aidaptiv_ds.activations import policy as activation_policy
+from aidaptiv_ds.activations.store import ActivationStore
+from aidaptiv_ds.config.settings import ActivationSettings
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.swap.host_memory import HostMemory
+from aidaptiv_ds.swap.space import SwapSpace
+from aidaptiv_ds.swap.store import SwapStore
 
 LAYERS, SEQ = 4, 96
 
@@ -91,7 +93,7 @@ def test_same_losses_and_gradients_as_keeping_activations(rig, policy):
 def test_tensors_larger_than_a_piece_move_in_pieces(rig, monkeypatch):
     """A stored tensor goes through staging in pieces (PIECE_BYTES, 8 MiB; 16 KiB here, so each 48 KiB block
     input takes three and the last is short): same losses and gradients, every byte back, no staging left."""
-    from aidaptiv_ds import activation_store
+    from aidaptiv_ds.activations import store as activation_store
     monkeypatch.setattr(activation_store, "PIECE_BYTES", 16 << 10)
     reference = loss_and_grads(tiny_llama(), steps=2)
     model = tiny_llama()
@@ -177,8 +179,9 @@ IO_ERROR_CHILD = """
     import errno, json, pathlib, sys
     import torch  # loads libc10 before the engine extension needs it
     sys.path.insert(0, {tests!r})
-    from aidaptiv_ds import _C, activation_policy
-    from aidaptiv_ds.config import ActivationSettings
+    from aidaptiv_ds.engine import _C
+    from aidaptiv_ds.activations import policy as activation_policy
+    from aidaptiv_ds.config.settings import ActivationSettings
     from test_activation_store import Rig, tiny_llama, batch
     rig = Rig(pathlib.Path({tmp!r}), "io_uring")
     model = tiny_llama()

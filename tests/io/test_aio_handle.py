@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from aidaptiv_ds.aio_handle import AioHandle
+from aidaptiv_ds.engine.aio_handle import AioHandle
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +145,11 @@ def test_failed_op_is_raised_by_wait_after_the_rest(tmp_path, monkeypatch):
 
 
 def test_install_replaces_and_restores_asyncio_builder():
-    from deepspeed.runtime.swap_tensor import (partitioned_optimizer_swapper, partitioned_param_swapper,
-                                               pipelined_optimizer_swapper)
+    from deepspeed.runtime.swap_tensor import (
+        partitioned_optimizer_swapper,
+        partitioned_param_swapper,
+        pipelined_optimizer_swapper,
+    )
 
     from aidaptiv_ds.zero3 import aio_builder
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from aidaptiv_ds.aio_handle import AioHandle
+from aidaptiv_ds.engine.aio_handle import AioHandle
 
 KIB4 = 4096
 

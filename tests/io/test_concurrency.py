@@ -3,11 +3,10 @@ before it goes away."""
 import threading
 
 import torch
-
-from aidaptiv_ds import _C
-from aidaptiv_ds.io import IOEngine
-
 from engine_helpers import random_bytes
+
+from aidaptiv_ds.engine import _C
+from aidaptiv_ds.engine.io import IOEngine
 
 
 def test_concurrent_swaps_from_threads(engine, pool, tmp_path):

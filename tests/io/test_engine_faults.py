@@ -3,13 +3,12 @@ O_DIRECT piece the kernel refuses with EINVAL. Each case asserts that the waiter
 hang: every child runs under a timeout), that nothing is written into a buffer after its request failed,
 and that the process does not crash.
 
-The faults come from test hooks compiled into the engine (aidaptiv_ds._C._testing_*, see
+The faults come from test hooks compiled into the engine (aidaptiv_ds.engine._C._testing_*, see
 csrc/include/aidaptiv/detail/test_hooks.hpp). They are process-wide, so every case runs in a child."""
 import errno
 import json
 
 import pytest
-
 from engine_helpers import BACKENDS, run_child
 
 
@@ -25,8 +24,8 @@ def test_uring_submit_failure_never_hands_the_kernel_a_failed_piece(tmp_path):
     path.write_bytes(b"\x5a" * (1 << 20))
     code = f"""
         import errno, json, time, torch
-        from aidaptiv_ds import _C
-        from aidaptiv_ds.io import IOEngine, PinnedPool
+        from aidaptiv_ds.engine import _C
+        from aidaptiv_ds.engine.io import IOEngine, PinnedPool
         pool = PinnedPool(4 << 20)
         plain = torch.empty((1 << 20) + 4096, dtype=torch.uint8)
         skip = (-plain.data_ptr()) % 4096
@@ -71,8 +70,8 @@ def test_completion_thread_exception_fails_the_request_instead_of_hanging(backen
     path = tmp_path / "data.bin"
     code = f"""
         import json, torch
-        from aidaptiv_ds import _C
-        from aidaptiv_ds.io import IOEngine, PinnedPool
+        from aidaptiv_ds.engine import _C
+        from aidaptiv_ds.engine.io import IOEngine, PinnedPool
         pool = PinnedPool(8 << 20)
         out = {{}}
         with IOEngine(backend={backend!r}, pool=pool, threads=1) as engine:
@@ -113,12 +112,12 @@ def test_direct_einval_fallback_is_counted_and_logged_once(backend, tmp_path):
     code = f"""
         import json, logging, resource, signal
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        from aidaptiv_ds.io import IOEngine, PinnedPool
+        from aidaptiv_ds.engine.io import IOEngine, PinnedPool
         records = []
         class Keep(logging.Handler):
             def emit(self, record):
                 records.append(record.getMessage())
-        logging.getLogger("aidaptiv_ds.io").addHandler(Keep())
+        logging.getLogger("aidaptiv_ds.engine.io").addHandler(Keep())
         pool = PinnedPool(8 << 20)
         limit = 1048576 + 1000
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

@@ -7,10 +7,9 @@ import platform
 import re
 
 import pytest
-
-from aidaptiv_ds.io import Backend, IOEngine, PinnedPool
-
 from engine_helpers import BACKENDS, run_child
+
+from aidaptiv_ds.engine.io import Backend, IOEngine, PinnedPool
 
 
 def in_use(pool):
@@ -126,7 +125,7 @@ def test_read_only_directory_as_an_unprivileged_user(shared_dir):
     # Root ignores directory permissions, so the child drops to nobody first.
     code = f"""
         import os, json
-        from aidaptiv_ds.io import IOEngine, PinnedPool
+        from aidaptiv_ds.engine.io import IOEngine, PinnedPool
         # Everything is imported first: the interpreter's own files may not be readable by nobody.
         os.setgid(65534); os.setuid(65534)
         pool = PinnedPool(1 << 20)
@@ -159,7 +158,7 @@ def test_file_size_limit_in_the_middle_of_a_write(backend, tmp_path):
     code = f"""
         import json, resource, signal, torch
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        from aidaptiv_ds.io import IOEngine, PinnedPool
+        from aidaptiv_ds.engine.io import IOEngine, PinnedPool
         pool = PinnedPool(8 << 20)
         limit = 3 * 1048576 + 1000
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
@@ -216,7 +215,7 @@ SECCOMP_BLOCK_IO_URING = """
 def test_auto_falls_back_to_posix_when_io_uring_is_blocked(tmp_path):
     code = SECCOMP_BLOCK_IO_URING + f"""
     import json, torch
-    from aidaptiv_ds.io import IOEngine, PinnedPool
+    from aidaptiv_ds.engine.io import IOEngine, PinnedPool
     out = {{}}
     with IOEngine(backend="auto") as engine:
         out["backend"] = engine.backend.value
@@ -255,7 +254,7 @@ def test_small_memlock_limit_falls_back_to_plain_buffers(shared_dir):
         import json, os, resource, torch
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
         os.chmod({shared_dir!r}, 0o777)
-        from aidaptiv_ds.io import IOEngine, PinnedPool
+        from aidaptiv_ds.engine.io import IOEngine, PinnedPool
         os.setgid(65534); os.setuid(65534)
         pool = PinnedPool(64 << 20)
         out = {{"pool": pool.stats()}}

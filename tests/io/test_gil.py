@@ -2,9 +2,9 @@
 import threading
 import time
 
-from aidaptiv_ds.io import IOEngine
-
 from engine_helpers import random_bytes
+
+from aidaptiv_ds.engine.io import IOEngine
 
 
 def test_blocking_read_releases_the_gil(backend, pool, tmp_path):

@@ -14,9 +14,11 @@ import threading
 import pytest
 import torch
 
-from aidaptiv_ds.chunk_layout import SubGroup
-from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.store import HostBudgetError, HostMemory, SwapSpace, SwapStore, WriteBehind
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.swap.chunk_layout import SubGroup
+from aidaptiv_ds.swap.host_memory import HostBudgetError, HostMemory, WriteBehind
+from aidaptiv_ds.swap.space import SwapSpace
+from aidaptiv_ds.swap.store import SwapStore
 from aidaptiv_ds.zero3.gradients import SubGroupGradients
 
 UNIT = 1 << 20             # bytes of a 1-unit sub-group's gradient buffer

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from engine_helpers import REPO_ROOT
 
 SCRIPT = os.path.join(REPO_ROOT, "bench", "io_bench.py")

@@ -5,18 +5,20 @@ import types
 
 import pytest
 import torch
-
-from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.layer_group_cache import LayerGroupCache
-from aidaptiv_ds.partition_layout import ParamRecord
-from aidaptiv_ds.store import Extent, HostBudgetError, HostMemory, SwapSpace, SwapStore, aligned_empty
 from engine_helpers import run_child
+
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.swap.host_memory import HostBudgetError, HostMemory, aligned_empty
+from aidaptiv_ds.swap.layer_group_cache import LayerGroupCache
+from aidaptiv_ds.swap.partition_layout import ParamRecord
+from aidaptiv_ds.swap.space import Extent, SwapSpace
+from aidaptiv_ds.swap.store import SwapStore
 
 
 def test_the_cache_imports_no_deepspeed_and_nothing_of_zero3():
     # In a fresh process: this one may have imported DeepSpeed through other test modules.
     p = run_child("""
-        import sys, aidaptiv_ds.layer_group_cache, aidaptiv_ds.partition_layout
+        import sys, aidaptiv_ds.swap.layer_group_cache, aidaptiv_ds.swap.partition_layout
         bad = [m for m in sys.modules if m == 'deepspeed' or m.startswith(('deepspeed.', 'aidaptiv_ds.zero3'))]
         assert not bad, bad
     """)

@@ -4,10 +4,9 @@ import os
 
 import pytest
 import torch
-
-from aidaptiv_ds.io import IOEngine
-
 from engine_helpers import plain_aligned, random_bytes
+
+from aidaptiv_ds.engine.io import IOEngine
 
 SIZES = [1, 4095, 4096, 4097, (1 << 20) + 124, 64 << 20]
 

@@ -3,10 +3,9 @@ import gc
 
 import pytest
 import torch
-
-from aidaptiv_ds.io import Backend, IOEngine, PinnedPool, resolve_settings
-
 from engine_helpers import random_bytes
+
+from aidaptiv_ds.engine.io import Backend, IOEngine, PinnedPool, resolve_settings
 
 
 def test_engine_counters(engine, pool, tmp_path):
@@ -73,7 +72,7 @@ def test_settings_precedence(monkeypatch):
 
 
 def test_block_size_variable_reads_sizes_like_the_config(monkeypatch):
-    """One parser (aidaptiv_ds.sizes): 1M and 1MiB are 2^20, 1MB is 10^6, as the README documents."""
+    """One parser (aidaptiv_ds.common.sizes): 1M and 1MiB are 2^20, 1MB is 10^6, as the README documents."""
     for text, expected in (("1M", 1 << 20), ("1MiB", 1 << 20), ("1MB", 10**6), ("64k", 64 << 10)):
         monkeypatch.setenv("AIDAPTIV_BLOCK_SIZE", text)
         assert resolve_settings()["block_size"] == expected, text
@@ -89,7 +88,7 @@ def test_bad_settings_raise_value_error():
 
 
 def test_device_copy_needs_a_cuda_build(tmp_path):
-    from aidaptiv_ds import _C
+    from aidaptiv_ds.engine import _C
 
     if _C.WITH_CUDA:
         pytest.skip("this build has CUDA: tests/gpu covers the device copies")

@@ -11,11 +11,17 @@ import threading
 
 import pytest
 import torch
-
-from aidaptiv_ds.io import IOEngine, PinnedPool
-from aidaptiv_ds.store import (ALIGN, HostBudgetError, HostMemory, SwapSpace, SwapSpaceInUseError, SwapStore,
-                             WriteBehind, aligned_empty)
 from engine_helpers import REPO_ROOT, run_child
+
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.swap.host_memory import (
+    HostBudgetError,
+    HostMemory,
+    WriteBehind,
+    aligned_empty,
+)
+from aidaptiv_ds.swap.space import SwapSpace, SwapSpaceInUseError
+from aidaptiv_ds.swap.store import ALIGN, SwapStore
 
 
 @pytest.fixture
@@ -78,8 +84,8 @@ def test_another_users_file_is_never_reused(tmp_path, engine):
 
 HOLD_A_SPACE = """
     import os, sys, time
-    from aidaptiv_ds.io import IOEngine
-    from aidaptiv_ds.store import SwapSpace
+    from aidaptiv_ds.engine.io import IOEngine
+    from aidaptiv_ds.swap.space import SwapSpace
     engine = IOEngine(backend="posix")
     space = SwapSpace({root!r}, rank=0)
     f = space.create_file("params.swp", engine)
@@ -145,7 +151,7 @@ def test_two_spaces_of_one_process_share_the_lock_and_never_each_others_files(tm
     assert bool((out == 1).all())
     # Still locked against other processes while one space of ours is open.
     child = run_child(f"""
-        from aidaptiv_ds.store import SwapSpace, SwapSpaceInUseError
+        from aidaptiv_ds.swap.space import SwapSpace, SwapSpaceInUseError
         try:
             SwapSpace({str(tmp_path)!r}, rank=0)
             print("opened")
@@ -185,7 +191,7 @@ def test_swap_files_never_grow_past_the_file_size_limit_and_sigxfsz_is_left_alon
     out = run_child(f"""
         import errno, json, resource, signal
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)   # a program that wants the default (CPython ignores it)
-        from aidaptiv_ds.config import SwapSettings
+        from aidaptiv_ds.config.settings import SwapSettings
         from aidaptiv_ds.zero3.runtime import SwapRuntime
         import torch
         cfg = SwapSettings.from_block({{"enabled": True, "nvme_path": {str(tmp_path)!r}, "backend": "posix",
@@ -218,7 +224,7 @@ def test_engine_writes_past_the_limit_fail_with_efbig_inside_the_block_only(tmp_
     out = run_child(f"""
         import json, os, resource, signal, sys
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)   # a program that wants the default (CPython ignores it)
-        from aidaptiv_ds.config import SwapSettings
+        from aidaptiv_ds.config.settings import SwapSettings
         from aidaptiv_ds.zero3.runtime import SwapRuntime
         import torch
         cfg = SwapSettings.from_block({{"enabled": True, "nvme_path": {str(tmp_path)!r},

@@ -1,9 +1,9 @@
-"""The auto policy's plan (aidaptiv_ds.activation_plan) from given costs: keep what the budget holds, store
+"""The auto policy's plan (aidaptiv_ds.activations.plan) from given costs: keep what the budget holds, store
 or recompute the rest by time, store recomputed blocks whose inputs do not fit, and say why for each."""
 import pytest
 
-from aidaptiv_ds import activation_plan as P
-from aidaptiv_ds.activation_plan import BlockCost
+from aidaptiv_ds.activations import plan as P
+from aidaptiv_ds.activations.plan import BlockCost
 
 MB = 1 << 20
 

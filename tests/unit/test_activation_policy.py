@@ -1,11 +1,11 @@
-"""Applying an activation policy to a model (aidaptiv_ds.activation_policy) without the engine: recompute on a
+"""Applying an activation policy to a model (aidaptiv_ds.activations.policy) without the engine: recompute on a
 model that is not a Hugging Face one, the refusals, and the plan it reports."""
 import pytest
 import torch
 import torch.nn as nn
 
-from aidaptiv_ds import activation_policy
-from aidaptiv_ds.config import ActivationSettings
+from aidaptiv_ds.activations import policy as activation_policy
+from aidaptiv_ds.config.settings import ActivationSettings
 
 
 class Block(nn.Module):

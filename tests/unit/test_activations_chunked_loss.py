@@ -1,11 +1,11 @@
-"""The chunked LM loss (aidaptiv_ds.chunked_loss): the same loss and gradients as the unchunked Hugging Face
+"""The chunked LM loss (aidaptiv_ds.activations.chunked_loss): the same loss and gradients as the unchunked Hugging Face
 loss, and no tensor of ``tokens x vocabulary`` elements made in the forward or the backward."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aidaptiv_ds import chunked_loss
+from aidaptiv_ds.activations import chunked_loss
 
 REL = 1e-5
 
@@ -150,8 +150,9 @@ def test_a_forward_another_library_replaced_is_left_alone():
     way on top of it dropped them ('CausalLMOutputWithPast' object has no attribute 'log_probs')."""
     import types as _types
 
-    from aidaptiv_ds import chunked_loss as _cl
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aidaptiv_ds.activations import chunked_loss as _cl
 
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=64))

@@ -1,8 +1,8 @@
 """The "activations" object of the aidaptiv block: defaults, every problem reported, resolution."""
 import pytest
 
-from aidaptiv_ds import config as C
-from aidaptiv_ds.ds_config import ConfigError
+from aidaptiv_ds.config import settings as C
+from aidaptiv_ds.config.ds_config import ConfigError
 
 
 def settings(**activations):

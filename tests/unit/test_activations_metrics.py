@@ -1,6 +1,6 @@
 """The activation figures of a run's metrics: the policy's counters at top level, and the backward's wait for
 stored activations per optimizer step (summed over its micro-steps, median after warm-up)."""
-from aidaptiv_ds import metrics as M
+from aidaptiv_ds.common import metrics as M
 
 
 def test_activation_counters_and_wait_per_step():

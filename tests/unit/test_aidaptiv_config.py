@@ -6,7 +6,12 @@ import types
 
 import pytest
 
-from aidaptiv_ds import config as C
+from aidaptiv_ds.config import ds_config as config_ds_config
+from aidaptiv_ds.config import host as config_host
+from aidaptiv_ds.config import resolve as config_resolve
+from aidaptiv_ds.config import schema, translate
+from aidaptiv_ds.config import settings as config_settings
+from aidaptiv_ds.engine import backend as config_backend
 
 
 def ds(block=None, **top):
@@ -18,20 +23,20 @@ def ds(block=None, **top):
 
 
 def problems(cfg, **kw):
-    with pytest.raises(C.ConfigError) as e:
-        C.validate(cfg, **kw)
+    with pytest.raises(config_ds_config.ConfigError) as e:
+        config_resolve.validate(cfg, **kw)
     return e.value.problems
 
 
 def test_no_block_or_disabled_block_leaves_deepspeed_alone(tmp_path):
-    assert C.validate(ds()) is None
-    assert C.validate(ds({"enabled": False})) is None
-    assert not C.is_enabled(ds({"enabled": False}))
+    assert config_resolve.validate(ds()) is None
+    assert config_resolve.validate(ds({"enabled": False})) is None
+    assert not schema.is_enabled(ds({"enabled": False}))
 
 
 def test_a_good_block_parses(tmp_path):
-    cfg = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "256MiB"}))
-    assert cfg.host_budget_bytes == 256 * 2**20 and cfg.layer_group_size == 4 and cfg.backend == C.Backend.AUTO
+    cfg = config_resolve.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "256MiB"}))
+    assert cfg.host_budget_bytes == 256 * 2**20 and cfg.layer_group_size == 4 and cfg.backend == config_backend.Backend.AUTO
 
 
 def test_unknown_key_names_the_known_ones(tmp_path):
@@ -41,8 +46,8 @@ def test_unknown_key_names_the_known_ones(tmp_path):
 
 def test_block_size_takes_a_size_as_the_budget_does(tmp_path):
     block = {"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "256MiB"}
-    assert C.validate(ds(dict(block, block_size="256KiB"))).block_size == 256 * 1024
-    assert C.validate(ds(dict(block, block_size=1 << 20))).block_size == 1 << 20
+    assert config_resolve.validate(ds(dict(block, block_size="256KiB"))).block_size == 256 * 1024
+    assert config_resolve.validate(ds(dict(block, block_size=1 << 20))).block_size == 1 << 20
     assert "a size such as '1MiB'" in problems(ds(dict(block, block_size="big")))[0]
     assert "multiple of 4096" in problems(ds(dict(block, block_size="5000")))[0]     # "5000": bytes, not aligned
     assert "from 4096 to 67108864" in problems(ds(dict(block, block_size="128MiB")))[0]
@@ -67,7 +72,7 @@ def test_nvme_path_missing_not_a_directory_unwritable_or_too_small(tmp_path, mon
     f.write_text("x")
     assert "does not exist" in problems(ds({"enabled": True, "nvme_path": str(f)}))[0]
     # Root passes every access check, so the permission answer is stubbed: what is checked is the message.
-    monkeypatch.setattr(C.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(config_resolve.os, "access", lambda path, mode: False)
     msg = problems(ds({"enabled": True, "nvme_path": str(tmp_path)}))[0]
     assert "not writable (EACCES)" in msg and str(tmp_path) in msg
     monkeypatch.undo()
@@ -92,18 +97,18 @@ def test_budget_larger_than_ram_is_refused(tmp_path):
     ("4GB", (4 * 10**9, None)), ("1.5GiB", (int(1.5 * 2**30), None)),
 ])
 def test_budget_forms(value, expected):
-    assert C.parse_budget(value) == expected
+    assert schema.parse_budget(value) == expected
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "0%", "100%", "a lot", True])
 def test_bad_budgets(value):
     with pytest.raises(ValueError):
-        C.parse_budget(value)
+        schema.parse_budget(value)
 
 
 def test_translation_routes_zero3_through_nvme_and_bounds_deepspeed_by_the_budget(tmp_path):
-    cfg = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"}))
-    out = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"},
+    cfg = config_resolve.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"}))
+    out = translate.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"},
                                    zero_optimization={"stage": 3, "reduce_bucket_size": 5e8}), cfg, on_host=False)
     z = out["zero_optimization"]
     assert z["offload_param"]["device"] == "nvme" and z["offload_optimizer"]["device"] == "nvme"
@@ -112,32 +117,32 @@ def test_translation_routes_zero3_through_nvme_and_bounds_deepspeed_by_the_budge
     # A small budget: buckets grow to a quarter of it (an eighth would make many small collectives).
     assert z["reduce_bucket_size"] == 64 * 2**20 // 4 // 4
     assert z["stage3_max_live_parameters"] == 64 * 2**20 // 4 // 4 and z["stage3_max_reuse_distance"] == 0
-    big = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "8GiB"}), check_paths=False)
-    zb = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big, on_host=False)["zero_optimization"]
+    big = config_resolve.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "8GiB"}), check_paths=False)
+    zb = translate.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big, on_host=False)["zero_optimization"]
     assert zb["reduce_bucket_size"] == 8 * 2**30 // 8 // 4 and zb["stage3_max_live_parameters"] == 8 * 2**30 // 16
     # On the CPU the bucket's buffer is host memory too: a 32nd of the budget, 2M elements for small budgets.
-    zh = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big, on_host=True)["zero_optimization"]
+    zh = translate.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big, on_host=True)["zero_optimization"]
     assert zh["reduce_bucket_size"] == 8 * 2**30 // 32 // 4
-    zs = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), cfg, on_host=True)["zero_optimization"]
+    zs = translate.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), cfg, on_host=True)["zero_optimization"]
     assert zs["reduce_bucket_size"] == 1 << 21
     # Without on_host the translation asks DeepSpeed's accelerator (the CPU here).
-    assert C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big)["zero_optimization"][
-        "reduce_bucket_size"] == (zb if C.training_on_host() is False else zh)["reduce_bucket_size"]
+    assert translate.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path)}), big)["zero_optimization"][
+        "reduce_bucket_size"] == (zb if translate.training_on_host() is False else zh)["reduce_bucket_size"]
     assert z["sub_group_size"] == cfg.optimizer_chunk_numel
     assert out["aidaptiv"]["enabled"] is True
 
 
 def test_deepspeed_accepts_the_translated_config(tmp_path):
-    from deepspeed.runtime.config import DeepSpeedConfig
     import torch.distributed as dist
+    from deepspeed.runtime.config import DeepSpeedConfig
     if not dist.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         from helpers import _free_port
         os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group("gloo")
     block = {"enabled": True, "nvme_path": str(tmp_path)}
-    cfg = C.validate(ds(block))
-    parsed = DeepSpeedConfig(C.to_deepspeed_config(ds(block), cfg))
+    cfg = config_resolve.validate(ds(block))
+    parsed = DeepSpeedConfig(translate.to_deepspeed_config(ds(block), cfg))
     assert parsed.zero_config.offload_param.device == "nvme"
     assert parsed._param_dict["aidaptiv"]["nvme_path"] == str(tmp_path)
 
@@ -150,13 +155,13 @@ def test_a_share_of_ram_means_the_cgroup_limit_when_lower(tmp_path):
     (tmp_path / "memory" / "a" / "b" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     (tmp_path / "memory" / "a" / "memory.limit_in_bytes").write_text(str(3 << 30))
     (tmp_path / "memory.max").write_text("max\n")
-    assert C._cgroup_memory_limit(str(proc), str(tmp_path)) == 3 << 30
+    assert config_host._cgroup_memory_limit(str(proc), str(tmp_path)) == 3 << 30
     proc.write_text("0::/job\n")
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "memory.max").write_text(str(5 << 30))
-    assert C._cgroup_memory_limit(str(proc), str(tmp_path)) == 5 << 30
+    assert config_host._cgroup_memory_limit(str(proc), str(tmp_path)) == 5 << 30
     proc.write_text("0::/\n")
-    assert C._cgroup_memory_limit(str(proc), str(tmp_path)) is None
+    assert config_host._cgroup_memory_limit(str(proc), str(tmp_path)) is None
 
 
 def counting(monkeypatch, module, name, returns=None):
@@ -173,36 +178,36 @@ def counting(monkeypatch, module, name, returns=None):
 
 
 def test_a_share_of_ram_reads_the_cgroup_once_per_resolution(tmp_path, monkeypatch):
-    reads = counting(monkeypatch, C, "_cgroup_memory_limit", returns=None)
-    settings = C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "10%"}))
+    reads = counting(monkeypatch, config_host, "_cgroup_memory_limit", returns=None)
+    settings = config_resolve.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "10%"}))
     assert len(reads) == 1
-    assert settings.host_budget_bytes == int(0.1 * C.total_ram_bytes())
-    assert settings.optimizer_chunk_numel == max(C.AUTO_CHUNK_MIN, min(C.AUTO_CHUNK_MAX, settings.host_budget_bytes // 512))
+    assert settings.host_budget_bytes == int(0.1 * config_host.total_ram_bytes())
+    assert settings.optimizer_chunk_numel == max(config_settings.AUTO_CHUNK_MIN, min(config_settings.AUTO_CHUNK_MAX, settings.host_budget_bytes // 512))
 
 
 def test_a_config_is_validated_and_resolved_once(tmp_path, monkeypatch):
     """zero_init and initialize (train, the HF Trainer) resolve the same dict; a translated dict may come back;
     DeepSpeed's config object reaches the swapper factory: one validation, one reading of the machine."""
-    reads = counting(monkeypatch, C, "_cgroup_memory_limit", returns=None)
-    validations = counting(monkeypatch, C, "validate", returns=...)
+    reads = counting(monkeypatch, config_host, "_cgroup_memory_limit", returns=None)
+    validations = counting(monkeypatch, config_resolve, "validate", returns=...)
     cfg = ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "25%"})
-    translated, settings = C.resolve(cfg)
-    again, same = C.resolve(cfg, needed_bytes=1 << 20)
+    translated, settings = config_resolve.resolve(cfg)
+    again, same = config_resolve.resolve(cfg, needed_bytes=1 << 20)
     assert same is settings and again == translated and again is not translated
-    assert C.resolve(translated)[1] is settings
-    assert C.settings_for(types.SimpleNamespace(_param_dict=translated)) is settings
+    assert config_resolve.resolve(translated)[1] is settings
+    assert config_resolve.settings_for(types.SimpleNamespace(_param_dict=translated)) is settings
     assert len(validations) == 1 and len(reads) == 1
     # The model, known only on the second call, is still checked against the free space.
-    with pytest.raises(C.ConfigError, match="GiB free but the model state needs"):
-        C.resolve(cfg, needed_bytes=1 << 60)
+    with pytest.raises(config_ds_config.ConfigError, match="GiB free but the model state needs"):
+        config_resolve.resolve(cfg, needed_bytes=1 << 60)
     assert len(validations) == 1
 
 
 def test_prepare_twice_validates_once(tmp_path, monkeypatch):
     from aidaptiv_ds.zero3 import initialize, install
     installs = counting(monkeypatch, install, "install")
-    validations = counting(monkeypatch, C, "validate", returns=...)
-    reads = counting(monkeypatch, C, "_cgroup_memory_limit", returns=None)
+    validations = counting(monkeypatch, config_resolve, "validate", returns=...)
+    reads = counting(monkeypatch, config_host, "_cgroup_memory_limit", returns=None)
     cfg = ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "20%"}, bf16={"enabled": True})
     first, settings = initialize.prepare(cfg, None, 1)
     second, same = initialize.prepare(cfg, None, 1)
@@ -214,44 +219,44 @@ def test_prepare_twice_validates_once(tmp_path, monkeypatch):
 
 def test_the_translated_block_is_the_resolution_written_out(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    settings = C.validate(ds({"enabled": True, "nvme_path": ".", "host_memory_budget": "1GB", "backend": "posix"}))
-    assert settings.nvme_path == str(tmp_path) and settings.backend is C.Backend.POSIX
-    block = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": "."}), settings)["aidaptiv"]
+    settings = config_resolve.validate(ds({"enabled": True, "nvme_path": ".", "host_memory_budget": "1GB", "backend": "posix"}))
+    assert settings.nvme_path == str(tmp_path) and settings.backend is config_backend.Backend.POSIX
+    block = translate.to_deepspeed_config(ds({"enabled": True, "nvme_path": "."}), settings)["aidaptiv"]
     assert block["host_memory_budget"] == 10**9 and block["nvme_path"] == str(tmp_path)
     assert block["optimizer_chunk_numel"] == settings.optimizer_chunk_numel and block["backend"] == "posix"
     # Resolving the written-out block gives the same settings without reading the machine.
-    reads = counting(monkeypatch, C, "total_ram_bytes", returns=1)
-    assert C.SwapSettings.from_block(block) == settings and not reads
+    reads = counting(monkeypatch, config_host, "total_ram_bytes", returns=1)
+    assert config_settings.SwapSettings.from_block(block) == settings and not reads
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.host_budget_bytes = 1
 
 
 def test_settings_carry_every_setting_of_the_block():
-    names = {f.name for f in dataclasses.fields(C.SwapSettings)}
-    assert names == set(C.AidaptivConfig.model_fields) - {"enabled", "host_memory_budget"} | {
+    names = {f.name for f in dataclasses.fields(config_settings.SwapSettings)}
+    assert names == set(schema.AidaptivConfig.model_fields) - {"enabled", "host_memory_budget"} | {
         "host_budget_bytes", "block_size_source", "queue_depth_source"}
 
 
 def test_a_block_deepspeed_got_without_resolve_is_resolved_once(tmp_path, monkeypatch):
-    parses = counting(monkeypatch, C.AidaptivConfig, "model_validate", returns=...)
+    parses = counting(monkeypatch, schema.AidaptivConfig, "model_validate", returns=...)
     obj = types.SimpleNamespace(_param_dict=ds({"enabled": True, "nvme_path": str(tmp_path), "sqpoll": True,
                                                 "host_memory_budget": 3 << 20}))
-    first = C.settings_for(obj)
-    assert C.settings_for(obj) is first and first.sqpoll and first.host_budget_bytes == 3 << 20
+    first = config_resolve.settings_for(obj)
+    assert config_resolve.settings_for(obj) is first and first.sqpoll and first.host_budget_bytes == 3 << 20
     assert len(parses) == 1
-    assert C.settings_for(ds({"enabled": False})) is None and C.settings_for(ds()) is None
+    assert config_resolve.settings_for(ds({"enabled": False})) is None and config_resolve.settings_for(ds()) is None
 
 
 def test_one_error_type_for_every_config_problem(tmp_path):
-    from aidaptiv_ds import ds_config
-    assert C.ConfigError is ds_config.ConfigError and issubclass(C.ConfigError, ValueError)
+    from aidaptiv_ds.config import ds_config
+    assert config_ds_config.ConfigError is ds_config.ConfigError and issubclass(config_ds_config.ConfigError, ValueError)
     with pytest.raises(ds_config.ConfigError) as block_error:
-        C.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "queue_depth": 0}))
-    with pytest.raises(C.ConfigError) as file_error:
+        config_resolve.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "queue_depth": 0}))
+    with pytest.raises(config_ds_config.ConfigError) as file_error:
         ds_config.load(str(tmp_path / "missing.json"))
     assert type(block_error.value) is type(file_error.value)
     assert file_error.value.problems == [str(file_error.value)]
-    two = C.ConfigError(["a is wrong", "b is wrong"])
+    two = config_ds_config.ConfigError(["a is wrong", "b is wrong"])
     assert two.problems == ["a is wrong", "b is wrong"] and str(two).splitlines()[1:] == ["  - a is wrong",
                                                                                           "  - b is wrong"]
 
@@ -301,39 +306,39 @@ def test_hf_documented_config_resolves_at_zero_init_with_its_autos(tmp_path):
     threshold still "auto" (this raised TypeError comparing "auto" with an int). The settings we bound get
     our values; the rest DeepSpeed reads as its defaults."""
     cfg = as_trainer_leaves_it_for_zero_init(hf_config(tmp_path))
-    translated, settings = C.resolve(cfg)
+    translated, settings = config_resolve.resolve(cfg)
     z = translated["zero_optimization"]
-    ours = C.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"}),
+    ours = translate.to_deepspeed_config(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "64MiB"}),
                                  settings)["zero_optimization"]
-    assert z["reduce_bucket_size"] == ours["reduce_bucket_size"] == C.reduce_bucket_cap(64 * 2**20, C.training_on_host())
+    assert z["reduce_bucket_size"] == ours["reduce_bucket_size"] == translate.reduce_bucket_cap(64 * 2**20, translate.training_on_host())
     assert z["stage3_param_persistence_threshold"] == 0
     # HF's 1e9 are numbers: capped by the budget as any user's number.
     assert z["stage3_max_live_parameters"] == z["stage3_max_reuse_distance"] == 64 * 2**20 // 4 // 4
     assert z["sub_group_size"] == settings.optimizer_chunk_numel
     assert z["stage3_prefetch_bucket_size"] == "auto"  # not ours to bound; DeepSpeed reads its default
-    assert "auto" not in [z[k] for k in C.BOUNDED]
+    assert "auto" not in [z[k] for k in translate.BOUNDED]
 
 
 def test_the_trainers_filled_autos_keep_our_values_and_settings(tmp_path):
     """deepspeed.initialize then gets the same config with HF's numbers for the autos (hidden x hidden,
     10 x hidden): they are not the user's, so they get the values zero.Init had, and the same settings."""
     raw = as_trainer_leaves_it_for_zero_init(hf_config(tmp_path))
-    at_init, settings = C.resolve(raw)
-    at_initialize, same = C.resolve(as_trainer_fills_it(raw))
+    at_init, settings = config_resolve.resolve(raw)
+    at_initialize, same = config_resolve.resolve(as_trainer_fills_it(raw))
     assert same is settings
-    for key in C.BOUNDED:
+    for key in translate.BOUNDED:
         assert at_initialize["zero_optimization"][key] == at_init["zero_optimization"][key], key
     # A config that was never "auto" keeps the user's numbers, capped by the budget as before.
     user = as_trainer_fills_it(raw)
     user["optimizer"]["type"] = "Adam"
-    z = C.resolve(user)[0]["zero_optimization"]
+    z = config_resolve.resolve(user)[0]["zero_optimization"]
     assert z["reduce_bucket_size"] == 256 * 256
     # The persistence threshold is never the user's: persistent parameters would hold their group's slot.
     assert z["stage3_param_persistence_threshold"] == 0
     big = as_trainer_fills_it(raw, hidden=8192)
     big["optimizer"]["type"] = "Adam"
-    assert C.resolve(big)[0]["zero_optimization"]["reduce_bucket_size"] == C.reduce_bucket_cap(64 * 2**20,
-                                                                                               C.training_on_host())
+    assert config_resolve.resolve(big)[0]["zero_optimization"]["reduce_bucket_size"] == translate.reduce_bucket_cap(64 * 2**20,
+                                                                                               translate.training_on_host())
 
 
 def test_accelerate_zero_init_copy_and_filled_config_agree(tmp_path):
@@ -344,9 +349,9 @@ def test_accelerate_zero_init_copy_and_filled_config_agree(tmp_path):
     cfg["steps_per_print"] = float("inf")
     init_copy = dict(cfg, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     del init_copy["train_batch_size"]
-    at_init, settings = C.resolve(init_copy)
+    at_init, settings = config_resolve.resolve(init_copy)
     filled = as_trainer_fills_it(as_trainer_leaves_it_for_zero_init(cfg), hidden=128)
-    at_initialize, same = C.resolve(filled)
+    at_initialize, same = config_resolve.resolve(filled)
     assert same is settings
     assert at_initialize["zero_optimization"]["reduce_bucket_size"] == at_init["zero_optimization"]["reduce_bucket_size"]
     assert at_initialize["zero_optimization"]["stage3_param_persistence_threshold"] == 0
@@ -354,36 +359,36 @@ def test_accelerate_zero_init_copy_and_filled_config_agree(tmp_path):
 
 def test_without_drops_paths_and_the_sections_they_empty():
     cfg = {"fp16": {"enabled": False}, "optimizer": {"type": "AdamW", "params": {"lr": 1}}, "a": 1}
-    assert C._without(cfg, ["fp16.enabled", "optimizer.params.lr", "missing.x", "a.b"]) == \
+    assert config_resolve._without(cfg, ["fp16.enabled", "optimizer.params.lr", "missing.x", "a.b"]) == \
         {"optimizer": {"type": "AdamW"}, "a": 1}
     assert cfg["fp16"] == {"enabled": False}  # a copy
 
 
 def test_auto_precision_is_off_as_deepspeed_reads_it(tmp_path):
-    from aidaptiv_ds import ds_config
+    from aidaptiv_ds.config import ds_config
     cfg = hf_config(tmp_path)
     assert ds_config.dtype_name(cfg) == "fp32"
     assert not ds_config.precision_enabled(cfg, "fp16")
-    assert C.validate(cfg) is not None  # fp16 "auto" is not fp16 on
+    assert config_resolve.validate(cfg) is not None  # fp16 "auto" is not fp16 on
     cfg["bf16"]["enabled"] = True
     assert ds_config.dtype_name(cfg) == "bf16"
 
 
 def test_deepspeed_accepts_the_hf_config_translated_before_the_trainer_fills_it(tmp_path):
-    from deepspeed.runtime.config import DeepSpeedConfig
     import torch.distributed as dist
+    from deepspeed.runtime.config import DeepSpeedConfig
     if not dist.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         from helpers import _free_port
         os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group("gloo")
-    translated, _ = C.resolve(as_trainer_leaves_it_for_zero_init(hf_config(tmp_path)))
+    translated, _ = config_resolve.resolve(as_trainer_leaves_it_for_zero_init(hf_config(tmp_path)))
     parsed = DeepSpeedConfig(translated)
     assert parsed.zero_config.reduce_bucket_size == translated["zero_optimization"]["reduce_bucket_size"]
     assert parsed.zero_config.param_persistence_threshold == 0
 
 
 def test_our_train_job_still_refuses_auto(tmp_path):
-    from aidaptiv_ds import ds_config
-    with pytest.raises(C.ConfigError, match="'auto' at .*reduce_bucket_size.*write numbers"):
+    from aidaptiv_ds.config import ds_config
+    with pytest.raises(config_ds_config.ConfigError, match="'auto' at .*reduce_bucket_size.*write numbers"):
         ds_config.check(hf_config(tmp_path), world_size=1)

@@ -1,6 +1,6 @@
 """budget_split's arithmetic on small trainable state (LoRA adapters): it stays resident when it fits."""
-from aidaptiv_ds.budget_split import split_budget
-from aidaptiv_ds.sizes import MiB
+from aidaptiv_ds.common.sizes import MiB
+from aidaptiv_ds.swap.budget_split import split_budget
 
 # The micro preset under --lora r=8 on q_proj,v_proj with a 64 MiB budget, as its run plans it: four layer
 # groups of up to 7 MiB, one optimizer sub-group of 16,384 adapter elements, fp32 (2 chunk-image parts).

@@ -1,7 +1,14 @@
 """Cell enumeration, ids and run order."""
 import itertools
 
-from aidaptiv_ds.harness.grid import BACKENDS, Cell, cell_id, enumerate_cells, order_cells, validate_grid
+from aidaptiv_ds.harness.grid import (
+    BACKENDS,
+    Cell,
+    cell_id,
+    enumerate_cells,
+    order_cells,
+    validate_grid,
+)
 
 
 def _grid(**kw):

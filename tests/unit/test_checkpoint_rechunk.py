@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from aidaptiv_ds.chunk_layout import lay_out_sub_group
-from aidaptiv_ds.sizes import align_up
+from aidaptiv_ds.common.sizes import align_up
+from aidaptiv_ds.swap.chunk_layout import lay_out_sub_group
 from aidaptiv_ds.zero3 import checkpoint
 
 SIZES = {"embed": 9000, "a.weight": 70000, "a.bias": 300, "b.weight": 50000, "head": 9000}

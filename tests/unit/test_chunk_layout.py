@@ -5,15 +5,22 @@ import sys
 
 import torch
 
-from aidaptiv_ds.chunk_layout import (PARTS, STATE_SLOTS, Chunk, Piece, cut_into_chunks, image_parts,
-                                      lay_out_sub_group)
+from aidaptiv_ds.swap.chunk_layout import (
+    PARTS,
+    STATE_SLOTS,
+    Chunk,
+    Piece,
+    cut_into_chunks,
+    image_parts,
+    lay_out_sub_group,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_the_layout_imports_no_deepspeed_and_nothing_of_zero3():
     # In a fresh process: this one may have imported DeepSpeed through other test modules.
-    code = ("import sys, aidaptiv_ds.chunk_layout; "
+    code = ("import sys, aidaptiv_ds.swap.chunk_layout; "
             "bad = [m for m in sys.modules if m == 'deepspeed' or m.startswith(('deepspeed.', 'aidaptiv_ds.zero3'))]; "
             "assert not bad, bad")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

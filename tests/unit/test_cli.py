@@ -12,9 +12,9 @@ def parse(argv):
 
 def test_train_defaults_and_options():
     a = parse(["train", "--config", "c.json"])
-    assert a._module.__name__ == "aidaptiv_ds.train"
+    assert a._module.__name__ == "aidaptiv_ds.job.train"
     # --steps is None unless given, so that --epochs can tell; without --epochs the run makes 10 steps.
-    from aidaptiv_ds.train_plan import total_steps
+    from aidaptiv_ds.job.train_plan import total_steps
     assert (a.model, a.steps, a.seq_len, a.seed, a.warmup, a.save_every) == ("tiny", None, 512, 1234, 2, 0)
     assert total_steps(a.steps, a.epochs, epoch_tokens=1000, tokens_per_step=10) == 10
     assert a.micro_batch is None and a.grad_accum is None and a.lr is None and a.dtype is None

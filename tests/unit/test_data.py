@@ -3,9 +3,16 @@ import json
 import pytest
 import torch
 
-from aidaptiv_ds.data import (DEFAULT_DATA, DataError, PackedStream, ShardedBatches, build_batches, format_record,
-                              load_texts)
-from aidaptiv_ds.tokenizer import ByteTokenizer
+from aidaptiv_ds.job.data import (
+    DEFAULT_DATA,
+    DataError,
+    PackedStream,
+    ShardedBatches,
+    build_batches,
+    format_record,
+    load_texts,
+)
+from aidaptiv_ds.models.tokenizer import ByteTokenizer
 
 
 def write_jsonl(path, records):

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from aidaptiv_ds import ds_config
-from aidaptiv_ds.ds_config import ConfigError
+from aidaptiv_ds.config import ds_config
+from aidaptiv_ds.config.ds_config import ConfigError
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ds_configs")
 SHIPPED = {"zero3.json": "zero3", "zero3_cpu_offload.json": "zero3_cpu_offload", "zero_infinity.json": "zero_infinity"}
@@ -40,7 +40,7 @@ def test_zero_infinity_has_the_settings_that_make_it_swap_and_run():
     assert z["offload_param"]["max_in_cpu"] == 0
     assert z["stage3_max_reuse_distance"] == 0
     # buffer_size must hold the largest partition of the presets the file claims: micro and tiny on 1 rank.
-    from aidaptiv_ds.models import largest_parameter_numel, preset_config
+    from aidaptiv_ds.models.presets import largest_parameter_numel, preset_config
     for preset in ("micro", "tiny"):
         assert z["offload_param"]["buffer_size"] >= largest_parameter_numel(preset_config(preset))
     opt = z["offload_optimizer"]
@@ -99,7 +99,7 @@ def test_check_reports_every_problem_at_once():
 
 
 def test_buffer_check_fails_for_a_big_preset_on_the_shipped_file():
-    from aidaptiv_ds.models import largest_parameter_numel, preset_config
+    from aidaptiv_ds.models.presets import largest_parameter_numel, preset_config
     with pytest.raises(ConfigError, match="raise buffer_size to at least 525336576"):
         ds_config.check(shipped("zero_infinity.json"), world_size=1,
                         largest_param_numel=largest_parameter_numel(preset_config("llama3.1-8b")))

@@ -1,4 +1,4 @@
-"""aidaptiv_ds.durable: a checkpoint folder and its `latest` are published so that a kill -9 at any point
+"""aidaptiv_ds.common.durable: a checkpoint folder and its `latest` are published so that a kill -9 at any point
 leaves the previous checkpoint or the new one, never a missing, mixed or half-written one."""
 import errno
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from aidaptiv_ds import durable
+from aidaptiv_ds.common import durable
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # files written (the second one in two halves), published, `latest` replaced.
 SAVE = """
 import os, sys
-from aidaptiv_ds import durable
+from aidaptiv_ds.common import durable
 save_dir, tag, content, exchange = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 if exchange == "no":
     def refuse(a, b):

@@ -4,12 +4,12 @@ import json
 import os
 
 import pytest
+from helpers import REPO
 
 from aidaptiv_ds.harness.eqmem import eqmem_config, size_eqmem
 from aidaptiv_ds.harness.grid import GridError, validate_grid
 from aidaptiv_ds.planner.memory import _sub_groups, partition_numels
 from aidaptiv_ds.planner.shapes import resolve_shape
-from helpers import REPO
 
 BASE = json.load(open(os.path.join(REPO, "ds_configs", "zero_infinity.json")))
 STATE = 20   # fp32 ZeRO-3 state bytes per parameter, as the grid's aidaptiv_state_fraction counts it

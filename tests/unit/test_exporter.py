@@ -1,4 +1,4 @@
-"""aidaptiv_ds.export on checkpoints laid out as aidaptiv saves them (format 2: every rank's ZeRO-3 slice of
+"""aidaptiv_ds.job.export on checkpoints laid out as aidaptiv saves them (format 2: every rank's ZeRO-3 slice of
 each parameter in params.bin, named in manifest.json), made here from a plain model so that no DeepSpeed run
 is needed: the exported folder loads with transformers and holds the model's exact weights, in several
 shards when asked, through one bounded buffer."""
@@ -9,8 +9,9 @@ import tracemalloc
 import pytest
 import torch
 
-from aidaptiv_ds import export, models
-from aidaptiv_ds.tokenizer import ByteTokenizer
+from aidaptiv_ds.job import export
+from aidaptiv_ds.models import presets as models
+from aidaptiv_ds.models.tokenizer import ByteTokenizer
 from aidaptiv_ds.zero3 import checkpoint
 
 

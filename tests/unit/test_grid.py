@@ -7,7 +7,14 @@ import sys
 
 import pytest
 
-from aidaptiv_ds.harness.grid import BACKENDS, PRESETS, GridError, enumerate_cells, load_grid, validate_grid
+from aidaptiv_ds.harness.grid import (
+    BACKENDS,
+    PRESETS,
+    GridError,
+    enumerate_cells,
+    load_grid,
+    validate_grid,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GRIDS = sorted(glob.glob(os.path.join(ROOT, "bench", "grids", "*.json")))

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from aidaptiv_ds.engine import disk
 from aidaptiv_ds.harness import io_bench
 
 MOUNTS = """\
@@ -45,25 +46,25 @@ def test_engine_list_parsing():
 
 def test_block_size_checks():
     io_bench.check_config(1024, 1024)
-    with pytest.raises(io_bench.BenchError, match="multiple of 4"):
+    with pytest.raises(disk.BenchError, match="multiple of 4"):
         io_bench.check_config(1024, 6)
-    with pytest.raises(io_bench.BenchError, match="larger than --size-mb"):
+    with pytest.raises(disk.BenchError, match="larger than --size-mb"):
         io_bench.check_config(1, 2048)
 
 
 def test_mount_lookup():
-    assert io_bench.mount_of("/work/x", MOUNTS)["fstype"] == "ext4"
-    assert io_bench.mount_of("/tmp/a/b", MOUNTS)["fstype"] == "tmpfs"
-    assert io_bench.mount_of("/tmpfoo", MOUNTS)["fstype"] == "ext4"  # a prefix of the name is not a parent
-    assert io_bench.mount_of("/mnt/nvme/data", MOUNTS)["source"] == "/dev/nvme0n1p1"
-    assert io_bench.mount_of("/mnt/nvme/overlay/x", MOUNTS)["fstype"] == "overlay"
-    assert io_bench.mount_of("/mnt/with space/f", MOUNTS)["source"] == "/dev/sdb1"
+    assert disk.mount_of("/work/x", MOUNTS)["fstype"] == "ext4"
+    assert disk.mount_of("/tmp/a/b", MOUNTS)["fstype"] == "tmpfs"
+    assert disk.mount_of("/tmpfoo", MOUNTS)["fstype"] == "ext4"  # a prefix of the name is not a parent
+    assert disk.mount_of("/mnt/nvme/data", MOUNTS)["source"] == "/dev/nvme0n1p1"
+    assert disk.mount_of("/mnt/nvme/overlay/x", MOUNTS)["fstype"] == "overlay"
+    assert disk.mount_of("/mnt/with space/f", MOUNTS)["source"] == "/dev/sdb1"
 
 
 def test_memory_filesystems_are_refused(tmp_path):
     mounts = f"tmpfs {tmp_path} tmpfs rw 0 0\n"
-    with pytest.raises(io_bench.BenchError, match="tmpfs .memory, not a disk."):
-        io_bench.check_dir(str(tmp_path), mounts)
+    with pytest.raises(disk.BenchError, match="tmpfs .memory, not a disk."):
+        disk.check_dir(str(tmp_path), mounts)
 
 
 def test_fio_json_parsing():

@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from aidaptiv_ds import config as C
-from aidaptiv_ds import io_tuning as T
-from aidaptiv_ds.machine_cache import disk_key, save_cache
-from aidaptiv_ds.sizes import KiB, MiB
+from aidaptiv_ds.common.sizes import KiB, MiB
+from aidaptiv_ds.config import ds_config, resolve, settings
+from aidaptiv_ds.engine import tuning as T
+from aidaptiv_ds.engine.machine_cache import disk_key, save_cache
 
 
 def row(block, depth, write, read):
@@ -51,39 +51,39 @@ def test_choice_is_the_fastest_or_the_fewest_bytes_in_flight_among_ties():
 
 def test_auto_takes_the_tuned_choice_of_the_disk_and_says_so(tmp_path):
     swept(tmp_path)
-    s = C.SwapSettings.from_block(block(tmp_path))
+    s = settings.SwapSettings.from_block(block(tmp_path))
     assert (s.block_size, s.queue_depth) == (1 * MiB, 128)
     assert (s.block_size_source, s.queue_depth_source) == ("tuned", "tuned")
     # One given, the other the best the sweep measured with it.
-    s = C.SwapSettings.from_block(block(tmp_path, block_size=4 * MiB))
+    s = settings.SwapSettings.from_block(block(tmp_path, block_size=4 * MiB))
     assert (s.block_size, s.queue_depth, s.block_size_source, s.queue_depth_source) == (4 * MiB, 32, "config", "tuned")
     # A given value the sweep never tried: the other one is the sweep's overall choice.
-    s = C.SwapSettings.from_block(block(tmp_path, queue_depth=3))
+    s = settings.SwapSettings.from_block(block(tmp_path, queue_depth=3))
     assert (s.block_size, s.queue_depth, s.block_size_source, s.queue_depth_source) == (1 * MiB, 3, "tuned", "config")
-    s = C.SwapSettings.from_block(block(tmp_path, block_size=64 * KiB, queue_depth=16))
+    s = settings.SwapSettings.from_block(block(tmp_path, block_size=64 * KiB, queue_depth=16))
     assert (s.block_size, s.queue_depth, s.block_size_source, s.queue_depth_source) == (64 * KiB, 16, "config",
                                                                                         "config")
-    s = C.SwapSettings.from_block(block(tmp_path, block_size="auto", queue_depth="auto"))
+    s = settings.SwapSettings.from_block(block(tmp_path, block_size="auto", queue_depth="auto"))
     assert (s.block_size, s.queue_depth, s.block_size_source) == (1 * MiB, 128, "tuned")
 
 
 def test_auto_on_a_disk_never_swept_is_the_engine_default(tmp_path):
-    from aidaptiv_ds import io
+    from aidaptiv_ds.engine import io
     assert (T.DEFAULT_BLOCK_SIZE, T.DEFAULT_QUEUE_DEPTH) == (io.DEFAULT_BLOCK_SIZE, io.DEFAULT_QUEUE_DEPTH)
-    s = C.SwapSettings.from_block(block(tmp_path))
+    s = settings.SwapSettings.from_block(block(tmp_path))
     assert (s.block_size, s.queue_depth, s.block_size_source, s.queue_depth_source) == (1 * MiB, 32, "default",
                                                                                         "default")
     swept(tmp_path, table=[{"garbage": 1}])       # a cache entry without a usable sweep counts as none
-    assert C.SwapSettings.from_block(block(tmp_path)).block_size_source == "default"
+    assert settings.SwapSettings.from_block(block(tmp_path)).block_size_source == "default"
 
 
 def test_written_out_block_gives_the_same_settings_without_the_cache(tmp_path):
     swept(tmp_path)
-    s = C.SwapSettings.from_block(block(tmp_path))
+    s = settings.SwapSettings.from_block(block(tmp_path))
     out = s.block()
     assert out["block_size"] == 1 * MiB and out["queue_depth"] == 128 and "block_size_source" not in out
     os.remove(os.path.join(os.environ["XDG_CACHE_HOME"], "aidaptiv-ds", "rates.json"))
-    again = C.SwapSettings.from_block(out)
+    again = settings.SwapSettings.from_block(out)
     assert again == s and again.block_size_source == "config"
 
 
@@ -95,8 +95,8 @@ def test_written_out_block_gives_the_same_settings_without_the_cache(tmp_path):
     ("queue_depth", True, "got True"),
 ])
 def test_bad_io_settings_are_refused_with_what_is_accepted(tmp_path, key, value, words):
-    with pytest.raises(C.ConfigError) as err:
-        C.validate({"zero_optimization": {"stage": 3}, "aidaptiv": block(tmp_path, **{key: value})})
+    with pytest.raises(ds_config.ConfigError) as err:
+        resolve.validate({"zero_optimization": {"stage": 3}, "aidaptiv": block(tmp_path, **{key: value})})
     assert f"aidaptiv.{key}" in str(err.value) and words in str(err.value)
 
 
@@ -121,12 +121,12 @@ def test_plan_reports_the_tuned_choice(tmp_path, monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out)["io_tuning"]["queue_depth"] == 128
     assert probed == [str(tmp_path)]             # once: the second plan read the cache
     # ... and the swapper on that disk takes it.
-    s = C.SwapSettings.from_block(block(tmp_path))
+    s = settings.SwapSettings.from_block(block(tmp_path))
     assert (s.block_size, s.queue_depth, s.block_size_source) == (1 * MiB, 128, "tuned")
 
 
 def test_train_logs_which_settings_it_used(tmp_path, capsys):
-    from aidaptiv_ds import train
+    from aidaptiv_ds.job import train
     swept(tmp_path)
     run = train.Run.__new__(train.Run)
     run.rank, run.info, run.backend = 0, {}, "aidaptiv"
@@ -139,8 +139,8 @@ def test_train_logs_which_settings_it_used(tmp_path, capsys):
 
 def test_real_probe_sweeps_and_the_swapper_takes_its_choice(tmp_path, monkeypatch):
     """A real, short sweep (files of 4 MiB) on the disk under tmp_path, through the rates cache."""
-    pytest.importorskip("aidaptiv_ds._C")
-    from aidaptiv_ds.harness.io_bench import MEMORY_FILESYSTEMS, mount_of
+    pytest.importorskip("aidaptiv_ds.engine._C")
+    from aidaptiv_ds.engine.disk import MEMORY_FILESYSTEMS, mount_of
     from aidaptiv_ds.planner import rates as R
     with open("/proc/self/mounts") as f:
         if mount_of(str(tmp_path), f.read())["fstype"] in MEMORY_FILESYSTEMS:
@@ -160,6 +160,6 @@ def test_real_probe_sweeps_and_the_swapper_takes_its_choice(tmp_path, monkeypatc
     assert (rates.io["block_size"], rates.io["queue_depth"]) == T.choose(table)
     assert rates.nvme_read > 0 and rates.nvme_write > 0
     assert os.listdir(swap) == []                     # every sweep and probe file is gone
-    s = C.SwapSettings.from_block(block(swap))
+    s = settings.SwapSettings.from_block(block(swap))
     assert (s.block_size, s.queue_depth) == T.choose(table) and s.queue_depth_source == "tuned"
 

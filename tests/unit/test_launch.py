@@ -1,4 +1,4 @@
-"""The launch command of a cell, as the contract with aidaptiv_ds/train.py spells it."""
+"""The launch command of a cell, as the contract with aidaptiv_ds/job/train.py spells it."""
 import pytest
 
 from aidaptiv_ds.harness.grid import Cell

@@ -1,9 +1,12 @@
 """How parameters are cut into layer groups (the prefetch unit). Chunks: test_chunk_layout.py."""
-import torch
 import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aidaptiv_ds.zero3.layer_groups import FALLBACK_GROUPS, find_block_list, partition_into_groups
+from aidaptiv_ds.zero3.layer_groups import (
+    FALLBACK_GROUPS,
+    find_block_list,
+    partition_into_groups,
+)
 
 
 def llama(layers=6):

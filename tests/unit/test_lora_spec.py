@@ -1,7 +1,7 @@
-"""--lora spec parsing (aidaptiv_ds.lora.parse_spec): defaults, comma lists of targets, every problem at once."""
+"""--lora spec parsing (aidaptiv_ds.job.lora.parse_spec): defaults, comma lists of targets, every problem at once."""
 import pytest
 
-from aidaptiv_ds.lora import parse_spec
+from aidaptiv_ds.job.lora import parse_spec
 
 
 def test_targets_run_to_the_next_key_and_alpha_defaults_to_twice_r():

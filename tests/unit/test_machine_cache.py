@@ -1,7 +1,7 @@
 """Where the cache of measured rates and tuned I/O settings lives, and that the suite runs apart from it."""
 import os
 
-from aidaptiv_ds import machine_cache
+from aidaptiv_ds.engine import machine_cache
 
 
 def test_the_cache_folder_can_be_moved_and_the_suite_runs_apart_from_the_machines(monkeypatch, tmp_path):

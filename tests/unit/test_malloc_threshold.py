@@ -4,14 +4,14 @@ import sys
 
 import pytest
 
-from aidaptiv_ds.config import parse_mmap_threshold
+from aidaptiv_ds.config.schema import parse_mmap_threshold
 
 # Free a 24 MiB tensor (glibc's dynamic threshold then rises to 24 MiB), then make twenty 8 MiB tensors and
 # free every other one while the last stays: in the heap they cannot be trimmed away; mapped on their own
 # they are unmapped at once. Prints the anonymous RSS still held over the start, in MiB.
 PROBE = r"""
 import sys, torch
-from aidaptiv_ds.malloc_threshold import applied, set_mmap_threshold
+from aidaptiv_ds.common.malloc_threshold import applied, set_mmap_threshold
 if sys.argv[1] == "fixed":
     assert set_mmap_threshold(1 << 20) is None and applied() == 1 << 20
 def anon():
@@ -54,7 +54,7 @@ def test_threshold_setting_is_a_size_up_to_glibcs_limit():
 # before and after trim_heap.
 TRIM_PROBE = r"""
 import torch
-from aidaptiv_ds.malloc_threshold import set_mmap_threshold, trim_heap
+from aidaptiv_ds.common.malloc_threshold import set_mmap_threshold, trim_heap
 set_mmap_threshold(1 << 20)
 def anon():
     for line in open("/proc/self/status"):
@@ -82,7 +82,7 @@ def test_trim_heap_gives_the_heaps_holes_back():
 
 @pytest.mark.parametrize("value,ok", [(True, True), (False, True), ("auto", True), ("yes", False), (1, False)])
 def test_trim_heap_setting(tmp_path, value, ok):
-    from aidaptiv_ds.config import ConfigError, validate
+    from aidaptiv_ds.config.resolve import ConfigError, validate
     cfg = {"zero_optimization": {"stage": 3},
            "aidaptiv": {"enabled": True, "nvme_path": str(tmp_path), "trim_heap": value}}
     if ok:

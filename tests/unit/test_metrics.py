@@ -1,7 +1,7 @@
 import json
 import math
 
-from aidaptiv_ds import metrics as M
+from aidaptiv_ds.common import metrics as M
 
 
 def records(times):

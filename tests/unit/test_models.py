@@ -1,9 +1,15 @@
 import pytest
 import torch
 
-from aidaptiv_ds import models
-from aidaptiv_ds.models import (PRESETS, count_parameters, largest_parameter_numel, nominal_parameters, preset_config,
-                                 resolve)
+from aidaptiv_ds.models import presets as models
+from aidaptiv_ds.models.presets import (
+    PRESETS,
+    count_parameters,
+    largest_parameter_numel,
+    nominal_parameters,
+    preset_config,
+    resolve,
+)
 
 # Parameter counts published for the real checkpoints (safetensors totals on the Hugging Face hub).
 PUBLISHED = {

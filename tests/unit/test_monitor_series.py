@@ -1,10 +1,10 @@
-"""Per-step series for DeepSpeed's monitor (aidaptiv_ds.metrics.monitor_events) and `aidaptiv-ds report
+"""Per-step series for DeepSpeed's monitor (aidaptiv_ds.common.metrics.monitor_events) and `aidaptiv-ds report
 RUN_DIR` on one run's folder (aidaptiv_ds.harness.run_report): no DeepSpeed run needed."""
 import csv
 import json
 
-from aidaptiv_ds import metrics as M
 from aidaptiv_ds.cli import main
+from aidaptiv_ds.common import metrics as M
 
 RECORD = {"step_s": 2.0, "forward": 0.5, "backward": 1.0, "optimizer": 0.5}
 
@@ -90,8 +90,9 @@ def test_report_takes_the_held_out_loss_from_the_json_when_the_csv_lacks_it(tmp_
 
 
 def test_the_loss_panel_shows_the_held_out_loss(tmp_path, monkeypatch):
-    from aidaptiv_ds.harness import run_report
     import matplotlib.axes
+
+    from aidaptiv_ds.harness import run_report
     drawn = []
     real = matplotlib.axes.Axes.plot
     monkeypatch.setattr(matplotlib.axes.Axes, "plot",

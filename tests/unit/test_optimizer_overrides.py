@@ -4,13 +4,13 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import child_env
 
 
 @pytest.mark.parametrize("name", ["_constant_buffered_norm2", "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"])
 def test_the_methods_we_override_are_deepspeeds(name):
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
     from aidaptiv_ds.zero3.optimizer import AidaptivZeroOptimizer
     assert name in vars(DeepSpeedZeroOptimizer_Stage3)
     assert name in vars(AidaptivZeroOptimizer)

@@ -1,8 +1,8 @@
 """Classifying a cell's outcome from exit code, signal, output and metrics, without running anything."""
-import pytest
-
 import subprocess
 import sys
+
+import pytest
 
 from aidaptiv_ds.harness.outcome import classify, decode_exit, error_line, fault_line
 

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from aidaptiv_ds import cli, train
+from aidaptiv_ds import cli
+from aidaptiv_ds.job import args as job_args
+from aidaptiv_ds.job import train
 from aidaptiv_ds.planner import memory as M
 from aidaptiv_ds.planner import rates as R
 from aidaptiv_ds.planner.predict import predict
@@ -30,7 +32,7 @@ def plan_json(capsys, *argv):
 
 def test_seeds_a100_node_zero3_does_not_fit_aidaptiv_does(capsys):
     rc, out = plan_json(capsys, "--model", "llama2-7b", "--seq-len", "2048", "--micro-batch", "8",
-                        "--activations", "checkpoint", *A100_NODE)
+                        "--activations", "recompute", *A100_NODE)
     assert rc == 0
     b = out["backends"]
     assert not b["zero3"]["fits"] and "GPU memory" in b["zero3"]["problems"][0]
@@ -50,7 +52,7 @@ def test_table_names_the_bound_and_the_problem(capsys):
 
 def test_more_gpus_scale_tokens_per_second(capsys):
     args = ["--model", "llama2-7b", "--seq-len", "512", "--micro-batch", "4", "--backend", "aidaptiv",
-            "--activations", "checkpoint", *A100_NODE]
+            "--activations", "recompute", *A100_NODE]
     _, one = plan_json(capsys, *args)
     _, two = plan_json(capsys, *args, "--gpus", "2")
     p1, p2 = one["backends"]["aidaptiv"]["prediction"], two["backends"]["aidaptiv"]["prediction"]
@@ -78,7 +80,7 @@ def test_bad_sizes_are_usage_errors(capsys, flag, value, expected):
 
 
 def test_written_config_validates_and_launches_as_planned(capsys, tmp_path):
-    from aidaptiv_ds import config as aconfig
+    from aidaptiv_ds.config import resolve as aconfig
     swap = tmp_path / "swap"
     swap.mkdir()
     out = tmp_path / "plan.json"
@@ -95,11 +97,11 @@ def test_written_config_validates_and_launches_as_planned(capsys, tmp_path):
     assert "activations" not in cfg["aidaptiv"]           # planned with every activation kept: the default
 
 
-@pytest.mark.parametrize("mode,policy", [("checkpoint", "recompute"), ("nvme", "nvme")])
+@pytest.mark.parametrize("mode,policy", [("recompute", "recompute"), ("nvme", "nvme")])
 def test_written_config_holds_the_activations_that_were_planned(tmp_path, mode, policy):
     """A plan that counted recomputed or stored activations and a chunked loss writes that policy, so the
     job it launches holds what was planned."""
-    from aidaptiv_ds import config as aconfig
+    from aidaptiv_ds.config import resolve as aconfig
     (tmp_path / "swap").mkdir()
     out = tmp_path / "plan.json"
     rc = cli.main(["plan", "--model", "tiny", "--seq-len", "4096", "--micro-batch", "1", "--dtype", "fp32",
@@ -136,9 +138,9 @@ def test_rates_are_cached_per_device_and_given_ones_win(tmp_path, monkeypatch):
 
 
 def test_nvme_probe_measures_through_our_engine(tmp_path):
-    pytest.importorskip("aidaptiv_ds._C")
+    pytest.importorskip("aidaptiv_ds.engine._C")
     with open("/proc/self/mounts") as f:
-        from aidaptiv_ds.harness.io_bench import MEMORY_FILESYSTEMS, mount_of
+        from aidaptiv_ds.engine.disk import MEMORY_FILESYSTEMS, mount_of
         if mount_of(str(tmp_path), f.read())["fstype"] in MEMORY_FILESYSTEMS:
             pytest.skip("tmp_path is on a memory filesystem (no O_DIRECT)")
     rates = R.probe_nvme(str(tmp_path), nbytes=8 << 20, repeats=1)
@@ -149,7 +151,7 @@ def test_nvme_probe_measures_through_our_engine(tmp_path):
 def test_bound_is_the_slowest_resource():
     shape = resolve_shape("llama2-7b")
     hw = M.Hardware(gpus=1, gpu_mem=80 << 30, host_mem=512 << 30)
-    job = M.Job(shape, 128, 1, dtype="bf16", activations="checkpoint")
+    job = M.Job(shape, 128, 1, dtype="bf16", activations="recompute")
     plan = M.plan_backend("zero_infinity", job, hw)
     slow_disk = R.Rates(nvme_read=1e8, nvme_write=1e8, gpu_flops=1e15, pcie=1e11, cpu_adam=1e12)
     assert predict(plan, job, hw, slow_disk).bound == "nvme"
@@ -161,12 +163,12 @@ def test_bound_is_the_slowest_resource():
 
 
 def test_activation_modes_and_the_chunked_loss():
-    """tinyllama at 1 x 2048 in bf16: keeping every activation costs most, layer inputs (checkpoint) less, the
+    """tinyllama at 1 x 2048 in bf16: keeping every activation costs most, layer inputs (recompute) less, the
     nvme policy (inputs in flight only) least; a chunked loss holds one chunk's logits instead of all."""
     shape = resolve_shape("tinyllama-1.1b")
     total = {mode: sum(M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations=mode)).values())
              for mode in M.ACTIVATION_POLICIES}
-    assert total["keep"] > total["checkpoint"] > total["nvme"]
+    assert total["keep"] > total["recompute"] > total["nvme"]
     unchunked = M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations="nvme"))["logits and loss"]
     chunked = M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations="nvme",
                                        loss_chunk_tokens=512))["logits and loss"]
@@ -178,7 +180,7 @@ def test_config_activations_follow_the_aidaptiv_block():
     assert config_activations({"zero_optimization": {"stage": 3}}) == ("keep", None)
     block = {"enabled": True, "nvme_path": "/x"}
     assert config_activations({"aidaptiv": block}) == ("keep", 1024)           # the block's defaults
-    for policy, mode in (("recompute", "checkpoint"), ("nvme", "nvme"), ("auto", "nvme")):
+    for policy, mode in (("recompute", "recompute"), ("nvme", "nvme"), ("auto", "nvme")):
         cfg = {"aidaptiv": {**block, "activations": {"policy": policy, "loss_chunk_tokens": 0}}}
         assert config_activations(cfg) == (mode, None), policy
     assert config_activations({"aidaptiv": {**block, "enabled": False,
@@ -233,7 +235,7 @@ def test_train_refuses_a_model_the_swap_disk_cannot_hold_before_writing(clean_en
 
 
 def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, monkeypatch, capsys, repo):
-    monkeypatch.setattr("aidaptiv_ds.config.total_ram_bytes", lambda: 1 << 30)
+    monkeypatch.setattr("aidaptiv_ds.config.host.total_ram_bytes", lambda: 1 << 30)
     built = []
     monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
     rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "small",
@@ -244,12 +246,12 @@ def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, 
 
 def test_no_fit_check_starts_what_the_plan_refuses_and_says_so(clean_env, tmp_path, monkeypatch, capsys, repo):
     """bench/capacity.py measures where a backend really runs out; the guard would answer with its prediction."""
-    monkeypatch.setattr("aidaptiv_ds.config.total_ram_bytes", lambda: 1 << 30)
+    monkeypatch.setattr("aidaptiv_ds.config.host.total_ram_bytes", lambda: 1 << 30)
     built = []
 
     def stop(self):
         built.append(self.info.get("fit_check"))
-        raise train.TrainingFailed("stopped after the guard")
+        raise job_args.TrainingFailed("stopped after the guard")
     monkeypatch.setattr(train.Run, "build", stop)
     rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "small",
                    "--steps", "1", "--no-progress", "--no-fit-check"])
@@ -263,7 +265,7 @@ def test_train_lets_a_job_that_fits_go_on(clean_env, tmp_path, monkeypatch, repo
 
     def stop(self):
         built.append(True)
-        raise train.TrainingFailed("stopped after the guard")
+        raise job_args.TrainingFailed("stopped after the guard")
     monkeypatch.setattr(train.Run, "build", stop)
     rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "aidaptiv.json"), "--model", "micro",
                    "--nvme-path", str(tmp_path), "--steps", "1", "--no-progress"])
@@ -320,7 +322,7 @@ def test_a_probe_started_by_a_big_process_measures_its_own_peak_not_its_parents(
     import sys
     big = bytearray(600 * 2**20)
     big[::4096] = b"\x01" * len(big[::4096])   # resident in this (parent) process
-    code = "from aidaptiv_ds.metrics import peak_rss_mb; print(peak_rss_mb())"
+    code = "from aidaptiv_ds.common.metrics import peak_rss_mb; print(peak_rss_mb())"
     out = sp.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                  cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert float(out.stdout.split()[-1]) < 300, out.stdout   # the child's own peak, not the parent's 600+ MiB
@@ -348,6 +350,7 @@ def test_a_sweep_cell_is_predicted_oom_when_the_launcher_leaves_too_little():
 
 def test_zero3_probe_is_the_step_less_compute_and_adam(monkeypatch):
     import subprocess as sp
+
     from aidaptiv_ds.planner.predict import step_flops
 
     def fake_run(cmd, **kw):

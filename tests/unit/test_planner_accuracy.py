@@ -8,7 +8,6 @@ import json
 import os
 
 import pytest
-
 from helpers import REPO
 
 RESULTS = os.path.join(REPO, "bench", "results", "plan_accuracy")

@@ -1,7 +1,6 @@
 """The plan on the seeds' hardware, given by hand, against the published OOM/ok pattern (seeds/003, transcribed in
 aidaptiv_ds/harness/published.py). Activations are checkpointed (what a Hugging Face fine-tuning run of these
 sizes does; without it no 7B cell of either table fits 40 GB)."""
-import pytest
 
 from aidaptiv_ds.harness.published import POINTS
 from aidaptiv_ds.planner import memory as M
@@ -17,7 +16,7 @@ def _pattern(source, backend, host_mem, nvme_free=None):
     for p in (p for p in POINTS if p.source == source):
         for seq in ([p.seq_len] if p.seq_len else [128, 256, 512, 1024, 2048]):
             hw = M.Hardware(gpus=p.gpus, host_mem=host_mem, nvme_free=nvme_free, **A100)
-            job = M.Job(resolve_shape(p.model), seq, p.micro_batch, dtype="bf16", activations="checkpoint")
+            job = M.Job(resolve_shape(p.model), seq, p.micro_batch, dtype="bf16", activations="recompute")
             out[(p.model, seq, p.micro_batch, p.gpus)] = (M.plan_backend(backend, job, hw).fits, p.status == "ok")
     return out
 

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aidaptiv_ds import models
+from aidaptiv_ds.common.sizes import align_up
+from aidaptiv_ds.config import settings as config_settings
+from aidaptiv_ds.models import presets as models
 from aidaptiv_ds.planner import memory as M
 from aidaptiv_ds.planner.shapes import resolve_shape, shape_of_config
-from aidaptiv_ds.sizes import align_up
 
 
 def _meta_model(config):
@@ -106,11 +107,11 @@ def _fake_run(model, world, dtype, budget, layer_group_size, prefetch_depth, chu
     ("tiny", 1, torch.bfloat16, 64 << 20), ("small", 1, torch.float32, 1_130_000_000),
     ("tiny", 1, torch.float32, 20 << 20)])     # below the minimum: both refuse, with the same message
 def test_planner_budget_split_is_the_swappers(name, world, dtype, budget):
-    from aidaptiv_ds.ds_config import ConfigError
+    from aidaptiv_ds.config.ds_config import ConfigError
     from aidaptiv_ds.zero3.plan import plan_run
     model = _meta_model(models.preset_config(name))
     shape = resolve_shape(name)
-    chunk = M.auto_chunk(budget)
+    chunk = config_settings.auto_chunk(budget)
     runtime = _fake_run(model, world, dtype, budget, 4, 1, chunk)
     parts = M.partition_numels(shape, world)
     subs = M._sub_groups(parts, chunk)
@@ -142,16 +143,16 @@ def test_measured_pinned_pool_of_a_committed_run():
 @pytest.mark.parametrize("on_host", [True, False])
 @pytest.mark.parametrize("budget", [20 << 20, 290_000_000, 8 << 30, 200 << 30])
 def test_aidaptiv_reduce_bucket_is_the_translated_configs(budget, on_host, tmp_path):
-    from aidaptiv_ds import config as aconfig
-    settings = aconfig.SwapSettings.from_block({"enabled": True, "nvme_path": str(tmp_path),
+    from aidaptiv_ds.config import translate
+    settings = config_settings.SwapSettings.from_block({"enabled": True, "nvme_path": str(tmp_path),
                                                 "host_memory_budget": budget})
-    cfg = aconfig.to_deepspeed_config({"zero_optimization": {"stage": 3}}, settings, on_host=on_host)
+    cfg = translate.to_deepspeed_config({"zero_optimization": {"stage": 3}}, settings, on_host=on_host)
     assert cfg["zero_optimization"]["reduce_bucket_size"] == M.aidaptiv_reduce_bucket(budget, on_host)
 
 
 def test_a_budget_just_short_of_the_minimum_does_not_read_as_enough():
-    from aidaptiv_ds.budget_split import BudgetSplit
-    from aidaptiv_ds.sizes import MiB
+    from aidaptiv_ds.common.sizes import MiB
+    from aidaptiv_ds.swap.budget_split import BudgetSplit
     split = BudgetSplit(budget=24 * MiB, prefetch_depth=1, slot=int(3.5 * MiB), min_slots=3, general=int(1.5 * MiB),
                         chunk_set=3 * MiB, largest_sub_grad=int(1.5 * MiB), minimum=24 * MiB + 40_000)
     msg = split.shortfall()

@@ -1,12 +1,12 @@
-"""Data in every accepted form (aidaptiv_ds.record_files): JSONL, JSON, CSV, Parquet and datasets folders give
+"""Data in every accepted form (aidaptiv_ds.job.record_files): JSONL, JSON, CSV, Parquet and datasets folders give
 the same training texts; anything else is refused with a message listing the accepted forms."""
 import csv
 import json
 
 import pytest
 
-from aidaptiv_ds.data import DataError, load_texts
-from aidaptiv_ds.record_files import ACCEPTED, form_of, read_records
+from aidaptiv_ds.job.data import DataError, load_texts
+from aidaptiv_ds.job.record_files import ACCEPTED, form_of, read_records
 
 RECORDS = [{"instruction": "Add.", "input": "2 and 3", "output": "5"},
            {"instruction": "Say hi.", "input": "", "output": "Hi."},

@@ -6,7 +6,8 @@ import uuid
 import pytest
 
 from aidaptiv_ds.cli import main as aidaptiv_ds_main
-from aidaptiv_ds.harness.report import build_report, ratios
+from aidaptiv_ds.harness.report import build_report
+from aidaptiv_ds.harness.report_tables import ratios
 
 
 def report_main(argv):

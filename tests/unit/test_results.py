@@ -11,7 +11,7 @@ from aidaptiv_ds.harness.grid import Cell
 from aidaptiv_ds.harness.launch import LaunchSpec
 from aidaptiv_ds.harness.outcome import Outcome
 from aidaptiv_ds.harness.results import Row, append_row, load_rows, write_row_file
-from aidaptiv_ds.harness.sweep import build_row
+from aidaptiv_ds.harness.sweep_cell import build_row
 
 # The fields the lead's brief asks every row to have.
 REQUIRED = ["git_sha", "time_start", "machine", "backend", "model", "params", "micro_batch", "seq_len", "gpus",

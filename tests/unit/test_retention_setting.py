@@ -1,11 +1,13 @@
 """retention_budget: validated with the rest of the block, sized by the planner after the swapper's minimum."""
 import pytest
 
-from aidaptiv_ds.budget_split import split_budget
-from aidaptiv_ds.config import SwapSettings, check_host_budget, _parse_block
-from aidaptiv_ds.ds_config import ConfigError
-from aidaptiv_ds.planner.retention import plan_retention, retention_that_fits
-from aidaptiv_ds.sizes import MiB
+from aidaptiv_ds.common.sizes import MiB
+from aidaptiv_ds.config.ds_config import ConfigError
+from aidaptiv_ds.config.host import check_host_budget
+from aidaptiv_ds.config.schema import _parse_block
+from aidaptiv_ds.config.settings import SwapSettings
+from aidaptiv_ds.swap.budget_split import split_budget
+from aidaptiv_ds.swap.retention import plan_retention, retention_that_fits
 
 GROUPS = [8 * MiB] * 6 + [4 * MiB]
 

@@ -1,8 +1,8 @@
 """The one size parser and its documented meaning: decimal GB, binary GiB, a bare M binary (as dd and fio)."""
 import pytest
 
-from aidaptiv_ds import sizes
-from aidaptiv_ds.config import parse_budget
+from aidaptiv_ds.common import sizes
+from aidaptiv_ds.config.schema import parse_budget
 
 
 @pytest.mark.parametrize("text,expected", [

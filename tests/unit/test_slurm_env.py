@@ -1,10 +1,11 @@
 """A rank started by srun (by hand or DeepSpeed's --launcher slurm) takes RANK/WORLD_SIZE/LOCAL_RANK and the
-rendezvous from SLURM's variables (aidaptiv_ds.slurm_env); a fake environment stands in for srun."""
+rendezvous from SLURM's variables (aidaptiv_ds.job.rank_env); a fake environment stands in for srun."""
 import os
 
 import pytest
 
-from aidaptiv_ds import slurm_env, train
+from aidaptiv_ds.job import rank_env as slurm_env
+from aidaptiv_ds.job import rank_env as train
 
 ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from aidaptiv_ds import config as C
+from aidaptiv_ds.config import resolve as C
 from aidaptiv_ds.zero3.initialize import needed_swap_bytes
 
 

@@ -55,7 +55,8 @@ def test_grid_aidaptiv_activations_go_into_aidaptivs_config_only(tmp_path):
 
 def test_grid_aidaptiv_activations_are_validated_with_the_block(tmp_path):
     """A policy the block does not know is a grid problem, found before any cell runs."""
-    from aidaptiv_ds.harness.grid import GridError, load_grid
     import pytest
+
+    from aidaptiv_ds.harness.grid import GridError, load_grid
     with pytest.raises(GridError, match="aidaptiv_activations.policy"):
         load_grid(_grid(tmp_path, aidaptiv_activations={"policy": "ssd"}))

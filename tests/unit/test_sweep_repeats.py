@@ -5,8 +5,15 @@ import uuid
 
 import pytest
 
-from aidaptiv_ds.harness.grid import Cell, Run, enumerate_cells, interleave_repeats, validate_grid
-from aidaptiv_ds.harness.report import build_report, cell_summaries, ratios
+from aidaptiv_ds.harness.grid import (
+    Cell,
+    Run,
+    enumerate_cells,
+    interleave_repeats,
+    validate_grid,
+)
+from aidaptiv_ds.harness.report import build_report
+from aidaptiv_ds.harness.report_tables import cell_summaries, ratios
 from aidaptiv_ds.harness.results import Row, append_row, load_rows
 from aidaptiv_ds.harness.sweep import _dominating_oom
 

@@ -1,7 +1,7 @@
 import pytest
 
-from aidaptiv_ds.models import PRESETS, resolve
-from aidaptiv_ds.tokenizer import ByteTokenizer, tokenizer_for
+from aidaptiv_ds.models.presets import PRESETS, resolve
+from aidaptiv_ds.models.tokenizer import ByteTokenizer, tokenizer_for
 
 
 @pytest.mark.parametrize("text", ["", "hello world", "Où est la gare ? ¿Dónde?", "tabs\tand\nnewlines", "emoji 🚀"])

@@ -5,7 +5,8 @@ import argparse
 
 import pytest
 
-from aidaptiv_ds.train import Run, TrainingFailed
+from aidaptiv_ds.job.args import TrainingFailed
+from aidaptiv_ds.job.train import Run
 
 
 def job():

@@ -4,7 +4,8 @@ import types
 import pytest
 import torch
 
-from aidaptiv_ds.train import Run, TrainingFailed
+from aidaptiv_ds.job.args import TrainingFailed
+from aidaptiv_ds.job.train import Run
 
 
 def _model(dtype):

@@ -5,7 +5,9 @@ import os
 import pytest
 import torch
 
-from aidaptiv_ds import cli, train
+from aidaptiv_ds import cli
+from aidaptiv_ds.job import args as job_args
+from aidaptiv_ds.job import checkpoints, rank_env, train
 
 
 @pytest.fixture
@@ -15,7 +17,7 @@ def clean_env(monkeypatch):
 
 
 def test_single_process_env_is_filled_in(clean_env):
-    train.ensure_single_process_env()
+    rank_env.ensure_single_process_env()
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("0", "0", "1")
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 1024 <= int(os.environ["MASTER_PORT"]) < 65536
 
@@ -25,7 +27,7 @@ def test_launcher_env_is_kept(clean_env, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    train.ensure_single_process_env()
+    rank_env.ensure_single_process_env()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"]) == ("1", "2", "29500")
 
 
@@ -33,13 +35,13 @@ def test_resume_path_resolution(tmp_path):
     (tmp_path / "latest").write_text("step4")
     (tmp_path / "step4").mkdir()
     (tmp_path / "step4" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    assert train._resolve_resume(str(tmp_path)) == (str(tmp_path), None)
-    assert train._resolve_resume(str(tmp_path / "step4")) == (str(tmp_path), "step4")
+    assert checkpoints._resolve_resume(str(tmp_path)) == (str(tmp_path), None)
+    assert checkpoints._resolve_resume(str(tmp_path / "step4")) == (str(tmp_path), "step4")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(train.TrainingFailed, match="no DeepSpeed checkpoint"):
-        train._resolve_resume(str(tmp_path / "empty"))
-    with pytest.raises(train.TrainingFailed, match="does not exist"):
-        train._resolve_resume(str(tmp_path / "missing"))
+    with pytest.raises(job_args.TrainingFailed, match="no DeepSpeed checkpoint"):
+        checkpoints._resolve_resume(str(tmp_path / "empty"))
+    with pytest.raises(job_args.TrainingFailed, match="does not exist"):
+        checkpoints._resolve_resume(str(tmp_path / "missing"))
 
 
 def run_cli(argv):
@@ -97,7 +99,7 @@ def test_bad_arguments_exit_1(clean_env, tmp_path, repo, capsys):
 def test_aidaptiv_block_without_initialize_is_a_clear_error(monkeypatch):
     import aidaptiv_ds
     monkeypatch.delattr(aidaptiv_ds, "initialize", raising=False)
-    with pytest.raises(train.TrainingFailed, match='"aidaptiv" block but this aidaptiv_ds has no initialize'):
+    with pytest.raises(job_args.TrainingFailed, match='"aidaptiv" block but this aidaptiv_ds has no initialize'):
         train._aidaptiv_api()
 
 
@@ -113,11 +115,11 @@ def test_create_nvme_path_makes_a_private_folder_on_this_node(tmp_path):
     path = tmp_path / "swap-root" / "cell.123"          # the parent is missing too on a fresh node
     old = os.umask(0o022)
     try:
-        assert train.make_nvme_path(str(path)) is True
+        assert rank_env.make_nvme_path(str(path)) is True
     finally:
         os.umask(old)
     assert path.is_dir() and (path.stat().st_mode & 0o777) == 0o700
-    assert train.make_nvme_path(str(path)) is False     # another rank of this node made it first: kept as it is
+    assert rank_env.make_nvme_path(str(path)) is False     # another rank of this node made it first: kept as it is
 
 
 def _prepare(tmp_path, *extra):
@@ -130,7 +132,8 @@ def _prepare(tmp_path, *extra):
 
 
 def test_a_rank_whose_node_lacks_the_swap_folder_makes_it_when_told(clean_env, tmp_path):
-    from aidaptiv_ds import config, ds_config
+    from aidaptiv_ds.config import ds_config
+    from aidaptiv_ds.config import resolve as config
     swap = tmp_path / "node-local" / "cell.7"
     job = _prepare(tmp_path, "--nvme-path", str(swap))
     # What deepspeed.initialize then checks (config.validate): the sweep made the folder on the first node only.
@@ -143,5 +146,5 @@ def test_a_rank_whose_node_lacks_the_swap_folder_makes_it_when_told(clean_env, t
 
 
 def test_create_nvme_path_needs_nvme_path(clean_env, tmp_path):
-    with pytest.raises(train.TrainingFailed, match="--create-nvme-path needs --nvme-path"):
+    with pytest.raises(job_args.TrainingFailed, match="--create-nvme-path needs --nvme-path"):
         _prepare(tmp_path, "--create-nvme-path")

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from aidaptiv_ds import data as D
-from aidaptiv_ds import lr_schedule, train_plan
-from aidaptiv_ds.evaluation import evaluate
+from aidaptiv_ds.job import data as D
+from aidaptiv_ds.job import lr_schedule, train_plan
+from aidaptiv_ds.job.evaluation import evaluate
 
 
 def parse(*argv):
@@ -138,7 +138,7 @@ def test_records_go_through_the_tokenizers_chat_template(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from aidaptiv_ds.tokenizer import ByteTokenizer, HFTokenizer
+    from aidaptiv_ds.models.tokenizer import ByteTokenizer, HFTokenizer
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for ch in sorted(set("abcdefghijklmnopqrstuvwxyz:.ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")) + [" ", "\n"]:
         vocab.setdefault(ch, len(vocab))

@@ -1,9 +1,9 @@
-"""W&B's environment for a run with the config's "wandb" section on (aidaptiv_ds.wandb_env)."""
+"""W&B's environment for a run with the config's "wandb" section on (aidaptiv_ds.job.wandb_env)."""
 import importlib.util
 
 import pytest
 
-from aidaptiv_ds import wandb_env
+from aidaptiv_ds.job import wandb_env
 
 ON = {"wandb": {"enabled": True, "project": "p"}}
 

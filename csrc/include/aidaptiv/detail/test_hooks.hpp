@@ -1,6 +1,6 @@
 // Fault-injection hooks for the test suite, compiled into every build (the wheel is built once, so a
 // compile-time switch would never reach the tests). Each hook is off unless a test arms it through
-// aidaptiv_ds._C._testing_*; when off it costs one relaxed atomic load. They are process-wide: tests
+// aidaptiv_ds.engine._C._testing_*; when off it costs one relaxed atomic load. They are process-wide: tests
 // arm them in a child process of their own.
 #pragma once
 

@@ -1,0 +1,135 @@
+"""TODO docstring: split out of aidaptiv_ds.config."""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+from aidaptiv_ds.common.sizes import GiB, MiB
+from aidaptiv_ds.config.schema import (
+    BLOCK,
+    PER_NODE,
+    AidaptivConfig,
+    parse_host_budget,
+    parse_retention,
+)
+
+# Where launchers say how many ranks run on this node: torchrun/accelerate, the deepspeed launcher, Open MPI.
+LOCAL_RANK_COUNT_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def local_rank_count(env=None) -> int:
+    """Ranks of this job on this node, from the launcher's environment; 1 without a launcher."""
+    env = os.environ if env is None else env
+    for name in LOCAL_RANK_COUNT_VARS:
+        text = (env.get(name) or "").strip()
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
+def _cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """The tightest memory limit on this process's cgroup and its ancestors (v2 memory.max, or v1
+    memory.limit_in_bytes), or None when there is none."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            base, name = root, "memory.max"                                   # cgroup v2
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"  # cgroup v1
+        else:
+            continue
+        path = path.strip("/")
+        while True:
+            try:
+                with open(os.path.join(base, path, name)) as f:
+                    text = f.read().strip()
+                if text.isdigit() and int(text) < (1 << 60):  # v1 writes a huge number for "no limit"
+                    candidates.append(int(text))
+            except OSError:
+                pass
+            if not path:
+                break
+            path = os.path.dirname(path)
+    return min(candidates) if candidates else None
+
+
+def total_ram_bytes() -> int:
+    """Memory this process may use: physical RAM, or its cgroup's limit when lower (a container, a SLURM
+    job, a sweep's host cap), so that a budget given as a share of RAM stays inside such a limit."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_memory_limit()
+    return min(physical, limit) if limit else physical
+
+
+def _budget_bytes(host_memory_budget, ram_bytes: Optional[int], local_ranks: Optional[int] = None) -> int:
+    """One rank's budget in bytes: a share of RAM is a share of ``ram_bytes`` (read here when None), and a
+    per-node amount is split between ``local_ranks`` (read from the launcher's environment when None)."""
+    nbytes, fraction, scope = parse_host_budget(host_memory_budget)
+    if fraction is not None:
+        nbytes = int(fraction * (ram_bytes if ram_bytes is not None else total_ram_bytes()))
+    if scope == PER_NODE:
+        nbytes //= local_ranks or local_rank_count()
+    return nbytes
+
+
+def memlock_limit() -> Optional[int]:
+    """The locked-memory limit (ulimit -l) in bytes that mlock and io_uring buffer registration are held to,
+    or None when they are not (unlimited, or the process has CAP_IPC_LOCK)."""
+    import resource
+    try:
+        with open("/proc/self/status") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        if int(caps, 16) & (1 << 14):  # CAP_IPC_LOCK
+            return None
+    except (OSError, ValueError):
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional[int] = None) -> List[str]:
+    """Problems of the budget as the node sees it (all its ranks together), before anything is pinned.
+
+    Refused: a total over the node's RAM (the ranks would be killed or swap). Warned about, not refused: a
+    total over the locked-memory limit, since nothing fails then; the pool falls back to unlocked memory and
+    io_uring to unregistered buffers, which only costs speed (mlock counts a rank's pool against the limit;
+    io_uring counts every registration of the user together)."""
+    ranks = local_ranks or local_rank_count()
+    per_rank = _budget_bytes(cfg.host_memory_budget, ram_bytes, ranks)
+    problems = []
+    retention = parse_retention(cfg.retention_budget)
+    if retention >= per_rank:
+        # The exact room (the budget less the swapper's minimum) is known once the model is: the run's plan
+        # checks it before training. A retention as large as the whole budget can never fit.
+        problems.append(
+            f"{BLOCK}.retention_budget {cfg.retention_budget!r} ({retention / MiB:.1f} MiB) is not below this "
+            f"rank's host_memory_budget ({per_rank / MiB:.1f} MiB), which it is part of: lower it (the run's plan "
+            "says how much fits beyond the swapper's minimum)")
+    node = per_rank * ranks
+    if node > ram_bytes:
+        share = f"each of the {ranks} ranks on this node {per_rank / GiB:.2f} GiB, {node / GiB:.2f} GiB together" \
+            if ranks > 1 else f"{per_rank / GiB:.2f} GiB"
+        return problems + [
+            f"{BLOCK}.host_memory_budget {cfg.host_memory_budget!r} gives {share}, but this node may use "
+            f"{ram_bytes / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (a share such "
+            "as \"25%\" or a size per node such as \"64GiB/node\" is split between the node's ranks)"]
+    limit = memlock_limit()
+    pinned = node if cfg.register_buffers else per_rank
+    if limit is not None and pinned > limit and os.environ.get("LOCAL_RANK", "0") == "0":
+        import logging
+        logging.getLogger(__name__).warning(
+            "aidaptiv: host_memory_budget lets %s pin up to %.2f GiB but the locked-memory limit (ulimit -l) is "
+            "%.2f MiB: pools over it run unlocked and io_uring without fixed buffers (slower, nothing lost); "
+            "raise it (memlock in /etc/security/limits.conf, LimitMEMLOCK= for systemd, --ulimit memlock=-1 "
+            "for docker)", f"the {ranks} ranks on this node" if ranks > 1 else "this rank", pinned / GiB,
+            limit / MiB)
+    return problems

@@ -1,0 +1,30 @@
+"""The held-out loss of a model under training.
+
+One job: run every held-out sequence (aidaptiv_ds.job.data.EvalBatches) through the engine's forward without
+gradients and return the mean token loss over all of them, the same on every rank. All ranks make the same
+number of forwards (ZeRO-3 gathers each layer's parameters collectively); a rank's stand-in batch counts with
+weight 0. Every held-out sequence is whole (seq_len tokens), so the mean over sequences, weighted by how many
+each forward held, is the mean over tokens.
+"""
+from __future__ import annotations
+
+
+def evaluate(engine, batches) -> float:
+    import torch
+    import torch.distributed as dist
+    was_training = engine.training
+    engine.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)   # (sum of loss x sequences, sequences)
+    try:
+        with torch.no_grad():
+            for i in range(batches.rounds):
+                batch, weight = batches.batch(i)
+                loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+                total[0] += loss.detach().to(torch.float64) * weight
+                total[1] += weight
+    finally:
+        if was_training:
+            engine.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item()

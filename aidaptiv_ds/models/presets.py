@@ -1,0 +1,268 @@
+"""Model presets: decoder-only transformer shapes built from a transformers config with random weights.
+
+Each preset is the published hyperparameter set of a model family (or one of three small shapes of our own),
+so that benchmarks move the same bytes as the real model without downloading any weights. Parameter counts
+come from the config arithmetic (``count_parameters``), never from a materialised model, so a 72B preset can
+be sized on a laptop. Torch and transformers are imported only when a config or a model is made, so the
+harness reads ``PRESETS`` without them.
+
+Our own shapes:
+
+- ``tiny``: the 58M-parameter Llama shape the design measurements use: hidden 768, 6 layers, 12 heads of 64
+  (no GQA), intermediate 2048, vocabulary 10,000 with an untied LM head. 6 x 7.08M layer parameters + 2 x 7.68M
+  embedding/head = 57.8M. The embedding and head (30.7 MB each in fp32) are the largest partitions.
+- ``small``: 226M parameters, hidden 1024, 16 layers, 16 heads, intermediate 2816, vocabulary 10,000 (untied):
+  a model whose ZeRO-3 state (about 4.5 GB in fp32) does not fit a few-GiB host-memory cap on a CPU machine,
+  for feasibility cells that take about a minute.
+- ``micro``: 4.7M parameters for fast CI runs: hidden 256, 2 layers, 4 heads, intermediate 2048, vocabulary
+  2048. Its MLP matrices (256 x 2048), embedding and head are 2 MiB each in fp32, so under ZeRO-Infinity they
+  are swapped (DeepSpeed 0.19.8 keeps partitions under 1 MiB in RAM) with 1 rank and, as 1 MiB partitions,
+  with 2. (With intermediate 1024 only the embedding and head partitions are swappable at 2 ranks, and
+  DeepSpeed's NVMe prefetch then queues the head twice at the forward/backward turn and asserts; see
+  ds_configs/README.md.)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+# Published hyperparameters, from each model's config.json on the Hugging Face hub, and the parameter
+# count each model is known by (``nominal_params``: a published model's size, rounded; within 2% of the
+# shape's count). The harness orders and sizes sweep cells by it and reports it for cells that died before
+# train counted the model; train counts from the shape (count_parameters).
+PRESETS: dict[str, dict] = {
+    "micro": dict(nominal_params=4_720_896, family="llama", hidden_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, intermediate_size=2048, vocab_size=2048,
+                  rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tiny": dict(nominal_params=58_000_000, family="llama", hidden_size=768, num_hidden_layers=6,
+                 num_attention_heads=12, num_key_value_heads=12, intermediate_size=2048, vocab_size=10000,
+                 rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "small": dict(nominal_params=226_000_000, family="llama", hidden_size=1024, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=16, intermediate_size=2816, vocab_size=10000,
+                  rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "tinyllama-1.1b": dict(nominal_params=1_100_048_384, family="llama", hidden_size=2048, num_hidden_layers=22,
+                           num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
+                           rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False),
+    "llama2-7b": dict(nominal_params=6_738_000_000, family="llama", hidden_size=4096, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+                      rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False),
+    "llama2-13b": dict(nominal_params=13_016_000_000, family="llama", hidden_size=5120, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40, intermediate_size=13824, vocab_size=32000,
+                       rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+    "llama2-70b": dict(nominal_params=68_977_000_000, family="llama", hidden_size=8192, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=32000,
+                       rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+    "llama3.1-8b": dict(nominal_params=8_030_000_000, family="llama", hidden_size=4096, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                        rope_theta=500000.0,
+                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "llama3.1-70b": dict(nominal_params=70_554_000_000, family="llama", hidden_size=8192, num_hidden_layers=80,
+                         num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                         rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen2.5-7b": dict(nominal_params=7_616_000_000, family="qwen2", hidden_size=3584, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                       rope_theta=1000000.0, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+    "qwen2.5-72b": dict(nominal_params=72_706_000_000, family="qwen2", hidden_size=8192, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, intermediate_size=29568, vocab_size=152064,
+                        rope_theta=1000000.0, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False),
+}
+
+# Qwen2 puts a bias on the q, k and v projections; Llama has no biases.
+_QKV_BIAS = {"llama": False, "qwen2": True}
+
+
+@dataclass
+class ModelSpec:
+    """What the training job needs to know about a model before (and without) building it."""
+    name: str                      # preset name or the HF directory as given
+    config: object                 # a transformers PretrainedConfig
+    hf_dir: str | None = None      # set when weights and tokenizer come from a local HF directory
+    info: dict = field(default_factory=dict)
+
+    @property
+    def num_parameters(self) -> int:
+        return self._counts()[0]
+
+    @property
+    def largest_parameter_numel(self) -> int:
+        return self._counts()[1]
+
+    def _counts(self) -> tuple[int, int]:
+        """(parameters, largest parameter): config arithmetic for the Llama/Qwen2 shapes, otherwise (a local
+        directory of another architecture) a build on the meta device, which allocates nothing."""
+        if "counts" not in self.info:
+            if getattr(self.config, "model_type", None) in ("llama", "qwen2", "mistral"):
+                self.info["counts"] = (count_parameters(self.config), largest_parameter_numel(self.config))
+            else:
+                import torch
+                with torch.device("meta"):
+                    model = _model_class(self.config)(self.config)
+                numels = [p.numel() for p in model.parameters()]
+                self.info["counts"] = (sum(numels), max(numels))
+        return self.info["counts"]
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def nominal_parameters(name: str) -> int | None:
+    """The parameter count a preset is known by (see PRESETS), or None for a name that is no preset."""
+    preset = PRESETS.get(name)
+    return preset["nominal_params"] if preset else None
+
+
+def preset_config(name: str):
+    """The transformers config of a preset (no weights)."""
+    if name not in PRESETS:
+        raise ValueError(f"model preset {name!r} is unknown: choose one of {', '.join(PRESETS)} "
+                         "or give a local Hugging Face model directory")
+    p = dict(PRESETS[name])
+    p.pop("nominal_params")
+    family = p.pop("family")
+    rope = {"rope_type": "default", "rope_theta": p.pop("rope_theta")}
+    rope.update(p.pop("rope_scaling", None) or {})
+    # The byte tokenizer's specials (tokenizer.py) are valid ids for every preset vocabulary.
+    from aidaptiv_ds.models.tokenizer import ByteTokenizer
+    specials = dict(bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS,
+                    pad_token_id=ByteTokenizer.PAD)
+    if family == "llama":
+        from transformers import LlamaConfig
+        return LlamaConfig(rope_parameters=rope, attention_bias=False, mlp_bias=False, **specials, **p)
+    from transformers import Qwen2Config
+    return Qwen2Config(rope_parameters=rope, use_sliding_window=False, **specials, **p)
+
+
+def _shape(config) -> dict:
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    if config.model_type == "qwen2":
+        qkv_bias = True
+    else:
+        qkv_bias = bool(getattr(config, "attention_bias", False))
+    return dict(h=h, heads=heads, kv=kv, head_dim=head_dim, inter=config.intermediate_size,
+                layers=config.num_hidden_layers, vocab=config.vocab_size,
+                tied=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
+                mlp_bias=bool(getattr(config, "mlp_bias", False)),
+                o_bias=bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
+
+
+def count_parameters(config) -> int:
+    """Parameters of a Llama/Qwen2-shaped causal LM, from its config alone (no tensors are made)."""
+    s = _shape(config)
+    h, q_out, kv_out = s["h"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"]
+    attn = h * q_out + 2 * h * kv_out + q_out * h
+    if s["qkv_bias"]:
+        attn += q_out + 2 * kv_out
+    if s["o_bias"]:
+        attn += h
+    mlp = 3 * h * s["inter"] + ((2 * s["inter"] + h) if s["mlp_bias"] else 0)
+    layer = attn + mlp + 2 * h                       # two RMSNorm weights
+    embed = s["vocab"] * h
+    return embed * (1 if s["tied"] else 2) + s["layers"] * layer + h   # + final norm
+
+
+def largest_parameter_numel(config) -> int:
+    """Elements of the largest single parameter (the embedding or an MLP matrix): what swap buffers must hold."""
+    s = _shape(config)
+    return max(s["vocab"] * s["h"], s["h"] * s["inter"], s["h"] * s["heads"] * s["head_dim"])
+
+
+def resolve(model: str) -> ModelSpec:
+    """A preset name or a local HF directory (config.json read from disk, nothing downloaded)."""
+    if model in PRESETS:
+        return ModelSpec(name=model, config=preset_config(model))
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise ValueError(f"--model {model} is a directory without config.json: give a Hugging Face model "
+                             "directory (config.json, weights, tokenizer files)")
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        return ModelSpec(name=os.path.basename(os.path.normpath(model)), config=config, hf_dir=model)
+    raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory")
+
+
+def _model_class(config):
+    from transformers import AutoModelForCausalLM
+    # _model_mapping is public enough: AutoModelForCausalLM.from_config uses the same lookup.
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+@contextlib.contextmanager
+def _keep_rope_dtype():
+    """zero.Init casts every float tensor made inside it to the training dtype; RoPE's arange-based inverse
+    frequencies must stay fp32 (transformers' own guard, entered before zero.Init as it requires)."""
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:      # older/newer transformers without it: nothing to guard
+        yield
+        return
+    with prevent_arange_dtype_change():
+        yield
+
+
+@contextlib.contextmanager
+def _torch_default_init():
+    """Leave weights as torch's module constructors draw them (Linear: kaiming-uniform, Embedding: N(0, 1),
+    norms: ones) and skip transformers' post-init re-initialisation.
+
+    Under zero.Init each submodule is partitioned as soon as its own __init__ returns, so by the time
+    transformers' post_init runs on the whole model every weight is an empty partition stub; its init either
+    does nothing or fails (indexing the padding row of an empty embedding). The constructors' draws happen on
+    whole tensors before partitioning, so they give the same model with and without ZeRO-3 for a given seed.
+    """
+    from transformers import PreTrainedModel
+    original = PreTrainedModel.init_weights
+
+    def tie_only(self):
+        self.tie_weights(recompute_mapping=False)
+
+    PreTrainedModel.init_weights = tie_only
+    try:
+        yield
+    finally:
+        PreTrainedModel.init_weights = original
+
+
+def build_model(spec: ModelSpec, dtype, init_context=None, ds_config: dict | None = None):
+    """Construct the model.
+
+    Presets get random weights. Under ZeRO-3 ``init_context`` is a ``deepspeed.zero.Init`` (or our own
+    equivalent): every submodule is partitioned (and for NVMe offload, written to swap) as soon as it is built,
+    so a preset bigger than host RAM never exists whole. Weights are drawn by torch's default initialisers
+    from the global RNG (see _torch_default_init), so the same seed gives the same model on every rank and
+    with every backend.
+
+    A local HF directory is loaded with ``from_pretrained(local_files_only=True)``; under ZeRO-3 transformers
+    itself wraps construction in zero.Init when an ``HfDeepSpeedConfig`` is alive, which this function keeps
+    alive on the returned model (``model._aidaptiv_hf_ds_config``).
+    """
+    if spec.hf_dir is not None:
+        hf_ds = None
+        if init_context is not None and ds_config is not None:
+            from transformers.integrations import HfDeepSpeedConfig
+            hf_ds = HfDeepSpeedConfig(ds_config)   # must outlive from_pretrained (transformers keeps a weakref)
+        model = _model_class(spec.config).from_pretrained(spec.hf_dir, local_files_only=True, dtype=dtype)
+        model._aidaptiv_hf_ds_config = hf_ds
+        return model
+    cls = _model_class(spec.config)
+    if init_context is None:
+        with _torch_default_init():
+            return cls(spec.config).to(dtype)
+    # zero.Init casts to the dtype of the DeepSpeed config itself (bf16 block on -> bf16, else fp32).
+    with _torch_default_init(), _keep_rope_dtype(), init_context:
+        return cls(spec.config)

@@ -1,0 +1,77 @@
+"""Tokenizers: a byte-level one for presets (offline, deterministic), or a local HF model's own (with its chat
+template, when it has one: ``has_chat_template``, ``encode_chat``).
+
+The byte tokenizer maps UTF-8 bytes 0..255 to ids 0..255 and adds three specials, BOS=256, EOS=257, PAD=258.
+Every preset vocabulary (2,048 and up) contains these 259 ids, so the same text gives the same ids for every
+preset and nothing has to be downloaded. It is not a good tokenizer for language quality (about one id per
+character); it is a fair one for measuring throughput, which counts ids.
+"""
+from __future__ import annotations
+
+
+class ByteTokenizer:
+    """No chat template: records keep the fixed text template of aidaptiv_ds.job.data."""
+    BOS = 256
+    EOS = 257
+    PAD = 258
+    vocab_size = 259
+    name = "byte"
+    has_chat_template = False
+
+    bos_token_id = BOS
+    eos_token_id = EOS
+    pad_token_id = PAD
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return ([self.BOS] if add_bos else []) + ids + ([self.EOS] if add_eos else [])
+
+    def decode(self, ids) -> str:
+        """Bytes back to text; specials are dropped, invalid UTF-8 (a cut multi-byte char) is replaced."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local HF model's tokenizer, behind the same encode/decode as ByteTokenizer."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.name = getattr(self._tok, "name_or_path", path)
+        self.bos_token_id = self._tok.bos_token_id
+        self.eos_token_id = self._tok.eos_token_id
+        self.pad_token_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_token_id
+        self.vocab_size = len(self._tok)
+        # A model's chat template is how it will be prompted after fine-tuning, so records are rendered
+        # through it when the tokenizer has one (tokenizer_config.json "chat_template", or chat_template.jinja).
+        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
+        if add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        if add_eos and self.eos_token_id is not None:
+            ids = ids + [self.eos_token_id]
+        return ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation through the chat template (which places BOS and the turn markers itself), then EOS
+        unless the template ended on it: documents packed into one stream stay separated."""
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
+        if self.eos_token_id is not None and (not ids or ids[-1] != self.eos_token_id):
+            ids.append(self.eos_token_id)
+        return ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def tokenizer_for(spec):
+    """The byte tokenizer for presets, the model's own for a local HF directory."""
+    if spec.hf_dir is None:
+        if spec.config.vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(f"model {spec.name} has vocab_size {spec.config.vocab_size}; the byte tokenizer "
+                             f"needs at least {ByteTokenizer.vocab_size}")
+        return ByteTokenizer()
+    return HFTokenizer(spec.hf_dir)
