@@ -9,11 +9,10 @@ import glob
 import os
 import sysconfig
 
-from setuptools import find_packages, setup
+import torch
+from setuptools import setup
 from setuptools.command.build_py import build_py
 from torch.utils import cpp_extension
-
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -67,14 +66,9 @@ def engine_extension():
     )
 
 
+# Metadata, the version (aidaptiv_ds.__version__), the packages, their data and the console script are in
+# pyproject.toml; setup.py stays for what pyproject.toml cannot declare: the engine extension and the hook file.
 setup(
-    name="aidaptiv-ds",
-    version="0.1.0",
-    description="Fine-tune language models larger than GPU memory: a DeepSpeed ZeRO-3 NVMe swapper on io_uring",
-    packages=find_packages(include=["aidaptiv_ds", "aidaptiv_ds.*"]),
-    package_data={"aidaptiv_ds.job": ["instructions.jsonl"]},
-    python_requires=">=3.10",
     ext_modules=[engine_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension, "build_py": BuildPyWithAutoload},
-    entry_points={"console_scripts": ["aidaptiv-ds=aidaptiv_ds.cli:main"]},
 )

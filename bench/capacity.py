@@ -46,14 +46,11 @@ sys.path.insert(0, ROOT)
 from aidaptiv_ds.harness import capacity as C  # noqa: E402
 from aidaptiv_ds.harness.cellrun import run_cell  # noqa: E402
 from aidaptiv_ds.harness.grid import Cell  # noqa: E402
-from aidaptiv_ds.harness.hostcap import (
-    MECHANISMS,  # noqa: E402
-    host_cap,  # noqa: E402
-)
+from aidaptiv_ds.harness.hostcap import MECHANISMS, host_cap  # noqa: E402
 from aidaptiv_ds.harness.launch import LaunchSpec, free_port, launch_command, train_spec  # noqa: E402
 from aidaptiv_ds.harness.outcome import classify  # noqa: E402
 from aidaptiv_ds.harness.results import append_row, git_state  # noqa: E402
-from aidaptiv_ds.harness.sweep_cell import build_row
+from aidaptiv_ds.harness.sweep_cell import build_row  # noqa: E402
 
 ROWS_FILE = "rows.jsonl"
 STOCK = ("zero3", "zero3_cpu_offload", "zero_infinity")

@@ -77,7 +77,7 @@ def main():
                            dict(git_sha=sha, git_dirty=dirty, machine=machine, model=args.model, seq_len=args.seq_len,
                                 micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
                                 budget_bytes=args.budget_bytes))
-    lines = [f"# Host heap settings: aidaptiv.malloc_mmap_threshold and aidaptiv.trim_heap", "",
+    lines = ["# Host heap settings: aidaptiv.malloc_mmap_threshold and aidaptiv.trim_heap", "",
              f"Machine: {summary(machine)}  ", f"git {sha}{' (dirty)' if dirty else ''}; {args.model}, fp32, "
              f"{args.micro_batch} x {args.seq_len}, {args.steps} steps (first {args.warmup} untimed), host budget "
              f"{args.budget_bytes / 2**20:.0f} MiB; {args.repeats} interleaved repeats.", "",

@@ -1,4 +1,5 @@
-"""TODO docstring: split out of aidaptiv_ds.config."""
+"""This node, as far as the host budget depends on it: its RAM (or the memory cgroup's limit), the ranks
+sharing it, the memlock limit, and the check that a budget fits them."""
 from __future__ import annotations
 
 import os

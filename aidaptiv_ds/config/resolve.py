@@ -29,8 +29,8 @@ import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 from aidaptiv_ds.common.sizes import GiB
-from aidaptiv_ds.config.ds_config import ConfigError, precision_enabled
 from aidaptiv_ds.config import host  # by module: tests replace host.total_ram_bytes
+from aidaptiv_ds.config.ds_config import ConfigError, precision_enabled
 from aidaptiv_ds.config.schema import _NVME_PATH_REQUIRED, BLOCK, _parse_block, block_of
 from aidaptiv_ds.config.settings import SwapSettings
 from aidaptiv_ds.config.translate import auto_keys, to_deepspeed_config

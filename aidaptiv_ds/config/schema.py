@@ -1,4 +1,6 @@
-"""TODO docstring: split out of aidaptiv_ds.config."""
+"""The ``"aidaptiv"`` block as the user writes it: pydantic models with bounds and a docstring per field,
+the parsers of sizes, budgets, bandwidths and retention, and every problem of a block collected into one
+:class:`~aidaptiv_ds.config.ds_config.ConfigError`."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union

@@ -1,4 +1,6 @@
-"""TODO docstring: split out of aidaptiv_ds.config."""
+"""The resolved block: :class:`SwapSettings` (frozen; the budget in bytes, the optimizer chunk in elements,
+an absolute swap path, the I/O choices), :class:`ActivationSettings`, and the one rule for ``"auto"``
+optimizer chunks (:func:`auto_chunk`), which the planner uses too."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,8 @@
-"""TODO docstring: split out of aidaptiv_ds.config."""
+"""The block translated into ZeRO-3's own settings: the offload sections that route DeepSpeed through our
+swappers, and the settings the host budget bounds (:data:`BOUNDED`).
+
+One documented inversion: whether training runs on the CPU (which caps the reduce bucket) is asked through a
+probe that :mod:`aidaptiv_ds.zero3` registers with :func:`set_host_probe`, since only zero3 may ask DeepSpeed."""
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,6 @@
-"""TODO docstring: split out of aidaptiv_ds.harness.io_bench."""
+"""What is known of the disk under a folder: its mount (filesystem type, device), its block device, and
+whether the folder can take O_DIRECT I/O at all (:func:`check_dir`); used by io-bench, the rate cache and
+the planner."""
 from __future__ import annotations
 
 import os

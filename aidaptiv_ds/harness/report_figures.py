@@ -1,4 +1,4 @@
-"""TODO docstring: split out of aidaptiv_ds.harness.report."""
+"""The report's PNG figures of one model's cells (matplotlib, Agg backend)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,6 @@
-"""TODO docstring: split out of aidaptiv_ds.harness.report."""
+"""The report's tables, made from a sweep's rows: throughput per cell beside the published figures, the
+feasibility maps, ratios between backends with their spread over repeats, phases, failures and the
+equal-memory comparison."""
 from __future__ import annotations
 
 import statistics

@@ -1,4 +1,5 @@
-"""TODO docstring: split out of aidaptiv_ds.harness.sweep."""
+"""One cell of a sweep: its folder and config paths, the command that runs it, and the result row built
+from what the run wrote (``build_row``)."""
 from __future__ import annotations
 
 import datetime as dt

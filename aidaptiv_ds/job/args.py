@@ -1,4 +1,4 @@
-"""TODO docstring: split out of aidaptiv_ds.job.train."""
+"""The train job's flags (:func:`add_arguments`), its exit codes and the failures that map to them."""
 from __future__ import annotations
 
 import argparse

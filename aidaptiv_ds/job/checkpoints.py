@@ -1,4 +1,5 @@
-"""TODO docstring: split out of aidaptiv_ds.job.train."""
+"""The train job's checkpoints: which folder and tag ``--resume`` means, and the RNG state saved with a
+checkpoint and restored from it."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,7 @@
-"""TODO docstring: split out of aidaptiv_ds.swap.store."""
+"""Host memory under the budget: :class:`HostMemory` hands out 4 KiB-aligned buffers from the engine's pinned
+pool, never more than the budget, asking registered reclaimers (write-behind completions, retained layer
+groups) for memory before it gives up with :class:`HostBudgetError`; :class:`WriteBehind` keeps writes in
+flight, :class:`SlotPool` reuses fixed-size slots."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple

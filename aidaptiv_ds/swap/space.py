@@ -1,4 +1,9 @@
-"""TODO docstring: split out of aidaptiv_ds.swap.store."""
+"""The swap space on disk: :class:`SwapSpace` owns one runtime's folder under the rank's directory, locked for
+the life of the job (a second job on the same path fails, naming the holder), with directories 0700, files
+0600 created with O_EXCL, no symlinks followed, no reuse of files another user owns, nothing written outside
+the configured path, and files removed at close unless kept; :class:`SwapFile` is one such file with a bump
+allocator of 4 KiB-aligned :class:`Extent` s, grown with ``posix_fallocate`` in :data:`GROW_STEP` steps so
+that a full disk is reported at allocation time."""
 from __future__ import annotations
 
 import errno

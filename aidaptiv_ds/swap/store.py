@@ -1,5 +1,6 @@
 """Swap space: a few large preallocated files per rank, extents inside them, and the host memory that
-stages or caches their contents.
+stages or caches their contents. :class:`SwapSpace` and :class:`SwapFile` live in :mod:`aidaptiv_ds.swap.space`,
+:class:`HostMemory` in :mod:`aidaptiv_ds.swap.host_memory`; this module puts them together.
 
 - :class:`SwapSpace` owns one runtime's folder under the rank's directory and its files, and enforces the
   rules: the rank's directory locked for the life of the job (a second job on the same path fails, naming

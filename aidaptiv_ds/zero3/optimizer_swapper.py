@@ -27,6 +27,7 @@ from typing import Dict, List
 
 import torch
 
+from aidaptiv_ds.swap.budget_split import READ_AHEAD
 from aidaptiv_ds.swap.chunk_layout import (
     FP32,
     PARTS,
@@ -35,7 +36,6 @@ from aidaptiv_ds.swap.chunk_layout import (
     image_parts,
     lay_out_sub_group,
 )
-from aidaptiv_ds.swap.budget_split import READ_AHEAD
 from aidaptiv_ds.swap.host_memory import WriteBehind
 from aidaptiv_ds.zero3.gradients import SubGroupGradients
 from aidaptiv_ds.zero3.streamed_step import ADAM_KEYS, StreamedStep

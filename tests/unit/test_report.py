@@ -8,12 +8,12 @@ import pytest
 from aidaptiv_ds.cli import main as aidaptiv_ds_main
 from aidaptiv_ds.harness.report import build_report
 from aidaptiv_ds.harness.report_tables import ratios
+from aidaptiv_ds.harness.results import Row, append_row
 
 
 def report_main(argv):
     """`aidaptiv-ds report ARGV`, in this process."""
     return aidaptiv_ds_main(["report", *argv])
-from aidaptiv_ds.harness.results import Row, append_row
 
 MACHINE = {"host": "box1", "cpu": "Test CPU 9000", "cores": 8, "ram_gb": 64.0,
            "gpus": [{"name": "NVIDIA A100-SXM4-40GB", "memory_mb": 40960.0}] * 2,
