@@ -5,6 +5,7 @@ extension and must match that torch's ABI. liburing is linked statically from th
 liburing-dev (2.3) or from ``LIBURING_PREFIX`` (a folder with include/liburing.h and lib/liburing.a).
 The CUDA copy path is compiled only when the installed torch has CUDA.
 """
+
 import glob
 import os
 import sysconfig
@@ -44,8 +45,9 @@ class BuildPyWithAutoload(build_py):
 
     def run(self):
         super().run()
-        self.copy_file(os.path.join(HERE, "aidaptiv_ds_autoload.pth"),
-                       os.path.join(self.build_lib, "aidaptiv_ds_autoload.pth"))
+        self.copy_file(
+            os.path.join(HERE, "aidaptiv_ds_autoload.pth"), os.path.join(self.build_lib, "aidaptiv_ds_autoload.pth")
+        )
 
 
 def engine_extension():

@@ -11,6 +11,7 @@ So a plain ``deepspeed.initialize`` script, or HF Trainer with ``--deepspeed con
 ``deepspeed`` launcher as usual, runs with our swapper when the config says so, and exactly as before when
 it does not. Set ``AIDAPTIV_DS_AUTOLOAD=0`` to switch the hook off.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -23,6 +24,7 @@ ENV = "AIDAPTIV_DS_AUTOLOAD"
 
 def _patch(deepspeed) -> None:
     from aidaptiv_ds.zero3.entry_points import patch_deepspeed
+
     patch_deepspeed(deepspeed)
 
 
@@ -38,8 +40,11 @@ class _PatchingLoader(importlib.abc.Loader):
         try:
             _patch(module)
         except Exception as e:  # never break `import deepspeed` because of us
-            print(f"aidaptiv-ds: could not hook deepspeed ({e}); the \"aidaptiv\" block is ignored unless "
-                  "aidaptiv_ds.initialize is called", file=sys.stderr)
+            print(
+                f'aidaptiv-ds: could not hook deepspeed ({e}); the "aidaptiv" block is ignored unless '
+                "aidaptiv_ds.initialize is called",
+                file=sys.stderr,
+            )
 
 
 class _DeepSpeedFinder(importlib.abc.MetaPathFinder):

@@ -5,6 +5,7 @@ subcommand's module is imported (the ``deepspeed`` launcher starts every rank as
 train ...``, which must not depend on the other subcommands), and heavy imports (torch, deepspeed)
 happen inside ``run``.
 """
+
 import argparse
 import faulthandler
 import importlib
@@ -27,8 +28,11 @@ SUBCOMMANDS = {
 def build_parser(command: str) -> argparse.ArgumentParser:
     """The parser of one subcommand (imports its module)."""
     module = importlib.import_module(SUBCOMMANDS[command][0])
-    parser = argparse.ArgumentParser(prog=f"aidaptiv-ds {command}", description=(module.__doc__ or "").strip(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"aidaptiv-ds {command}",
+        description=(module.__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.add_arguments(parser)
     parser.set_defaults(_module=module)
     return parser
@@ -59,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="aidaptiv-ds",
         description="Fine-tune language models larger than GPU memory by streaming state through NVMe.",
         epilog=f"commands:\n{commands}\n\n'aidaptiv-ds COMMAND --help' shows a command's options.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     top.add_argument("command", choices=list(SUBCOMMANDS), metavar="COMMAND", help="one of the commands below")
     top.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     ns = top.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)

@@ -12,6 +12,7 @@ split, the activation counters. A run that fails (out of memory included) is a r
 
 Writes one JSON row per run to OUT/rows.jsonl and prints a table.
 """
+
 import argparse
 import json
 import os
@@ -49,9 +50,29 @@ def run_one(variant, seq_len, args, swap_root, env):
     with open(config, "w") as f:
         json.dump(cfg, f)
     metrics = os.path.join(swap, "metrics.json")
-    cmd = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", config, "--model", args.model,
-           "--seq-len", str(seq_len), "--micro-batch", "1", "--steps", str(args.steps), "--warmup", "1",
-           "--nvme-path", swap, "--metrics-out", metrics, "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aidaptiv_ds",
+        "train",
+        "--config",
+        config,
+        "--model",
+        args.model,
+        "--seq-len",
+        str(seq_len),
+        "--micro-batch",
+        "1",
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        "1",
+        "--nvme-path",
+        swap,
+        "--metrics-out",
+        metrics,
+        "--no-progress",
+    ]
     return run_train(cmd, ROOT, env, swap, metrics, variant=variant, activations=activations, seq_len=seq_len)
 
 
@@ -63,19 +84,31 @@ def main():
     p.add_argument("--host-budget", default="512MiB", help="aidaptiv host budget (512MiB)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated ({','.join(VARIANTS)})")
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "activation_memory"),
-                   help="folder for rows.jsonl (bench/results/activation_memory)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "results", "activation_memory"),
+        help="folder for rows.jsonl (bench/results/activation_memory)",
+    )
     args = p.parse_args()
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     print(summary(machine), file=sys.stderr)
-    print("| variant | seq | status | peak RSS MiB | step s | fwd / bwd s | activation I/O wait s | stored MiB (all steps) |")
+    print(
+        "| variant | seq | status | peak RSS MiB | step s | fwd / bwd s | activation I/O wait s | stored MiB (all steps) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     with open(os.path.join(args.out, "rows.jsonl"), "a") as out:
         for seq_len in (int(s) for s in args.seq_lens.split(",")):
             for variant in args.variants.split(","):
                 row = run_one(variant, seq_len, args, args.swap_root, env)
-                row.update(git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine,
-                           model=args.model, steps=args.steps, host_budget=args.host_budget)
+                row.update(
+                    git_sha=sha,
+                    git_dirty=dirty,
+                    time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    machine=machine,
+                    model=args.model,
+                    steps=args.steps,
+                    host_budget=args.host_budget,
+                )
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 m = row.get("metrics") or {}
@@ -84,10 +117,13 @@ def main():
 
                 def f(v, scale=1.0, digits=2):
                     return "-" if v is None else f"{v * scale:.{digits}f}"
-                print(f"| {variant} | {seq_len} | {m.get('status', row.get('error'))} | {f(m.get('peak_rss_mb'), 1, 0)} "
-                      f"| {f(m.get('step_s_median'))} | {f(ph.get('forward'))} / {f(ph.get('backward'))} "
-                      f"| {f(ph.get('activation_io_wait'), 1, 3)} | {f(a.get('bytes_stored'), 2**-20, 1)} |",
-                      flush=True)
+
+                print(
+                    f"| {variant} | {seq_len} | {m.get('status', row.get('error'))} | {f(m.get('peak_rss_mb'), 1, 0)} "
+                    f"| {f(m.get('step_s_median'))} | {f(ph.get('forward'))} / {f(ph.get('backward'))} "
+                    f"| {f(ph.get('activation_io_wait'), 1, 3)} | {f(a.get('bytes_stored'), 2**-20, 1)} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ micro-batch.
     python bench/capacity.py --models tiny --micro-batches 1 --variants zero_infinity,aidaptiv-nvme \\
         --max-seq 1024 --host-mem-cap-gb 3 --out /tmp/capacity_check         # a short check
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,9 +65,13 @@ def _list(kind, convert=str, allowed=None):
         vals = [convert(x.strip()) for x in text.split(",") if x.strip()]
         bad = [v for v in vals if allowed is not None and v not in allowed]
         if not vals or bad:
-            raise argparse.ArgumentTypeError(f"{kind} {bad or text!r}: choose from {', '.join(map(str, allowed))}"
-                                             if allowed else f"expected a comma list of {kind}")
+            raise argparse.ArgumentTypeError(
+                f"{kind} {bad or text!r}: choose from {', '.join(map(str, allowed))}"
+                if allowed
+                else f"expected a comma list of {kind}"
+            )
         return vals
+
     return parse
 
 
@@ -95,33 +100,58 @@ def max_seq_of(args, model):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", type=_list("variant(s)", allowed=VARIANTS),
-                   default=["zero3", "zero_infinity", "aidaptiv-nvme"],
-                   help=f"comma list of {', '.join(VARIANTS)} (default zero3,zero_infinity,aidaptiv-nvme)")
+    p.add_argument(
+        "--variants",
+        type=_list("variant(s)", allowed=VARIANTS),
+        default=["zero3", "zero_infinity", "aidaptiv-nvme"],
+        help=f"comma list of {', '.join(VARIANTS)} (default zero3,zero_infinity,aidaptiv-nvme)",
+    )
     p.add_argument("--models", type=_list("model presets"), default=["tiny", "small"], help="default tiny,small")
     p.add_argument("--micro-batches", type=_list("positive integers", int), default=[1, 2], help="default 1,2")
-    p.add_argument("--max-seq", type=_max_seq, default=(16384, {}),
-                   help="longest length tried (default 16384); MODEL=N pairs after it set another per model, e.g. "
-                        "16384,small=8192 (small at 16k tokens takes over half an hour per attempt on 2 cores)")
-    p.add_argument("--confirm-seqs", type=_list("positive integers", int), default=[12000],
-                   help="lengths off the 256 grid (default 12000, the issue's target on tiny) also run where the "
-                        "search found a longer length that fits, so that they are measured, not inferred")
+    p.add_argument(
+        "--max-seq",
+        type=_max_seq,
+        default=(16384, {}),
+        help="longest length tried (default 16384); MODEL=N pairs after it set another per model, e.g. "
+        "16384,small=8192 (small at 16k tokens takes over half an hour per attempt on 2 cores)",
+    )
+    p.add_argument(
+        "--confirm-seqs",
+        type=_list("positive integers", int),
+        default=[12000],
+        help="lengths off the 256 grid (default 12000, the issue's target on tiny) also run where the "
+        "search found a longer length that fits, so that they are measured, not inferred",
+    )
     p.add_argument("--steps", type=int, default=2, help="steps per attempt, the first untimed (default 2)")
-    p.add_argument("--timeout-s", type=float, default=3600,
-                   help="per attempt, launcher start-up included; past it the attempt is a timeout, 'does not "
-                        "fit' (default 3600: tiny at 16k tokens takes minutes per step on 2 cores)")
-    p.add_argument("--host-mem-cap-gb", type=float, default=5.0, help="per cell's process tree (default 5, as "
-                                                                      "the cpu_small grid)")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=3600,
+        help="per attempt, launcher start-up included; past it the attempt is a timeout, 'does not "
+        "fit' (default 3600: tiny at 16k tokens takes minutes per step on 2 cores)",
+    )
+    p.add_argument(
+        "--host-mem-cap-gb", type=float, default=5.0, help="per cell's process tree (default 5, as the cpu_small grid)"
+    )
     p.add_argument("--host-mem-cap-mechanism", choices=MECHANISMS, default="auto")
-    p.add_argument("--aidaptiv-state-fraction", type=float, default=0.25,
-                   help="aidaptiv's host budget as a fraction of the model's ZeRO-3 state (default 0.25, as "
-                        "cpu_small)")
+    p.add_argument(
+        "--aidaptiv-state-fraction",
+        type=float,
+        default=0.25,
+        help="aidaptiv's host budget as a fraction of the model's ZeRO-3 state (default 0.25, as cpu_small)",
+    )
     p.add_argument("--ds-configs", default=os.path.join(ROOT, "ds_configs"), help="folder of the shipped configs")
     p.add_argument("--swap-root", help="where the cells' swap folders go (default OUT/cells/<cell>/swap)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "capacity_cpu"),
-                   help="results folder (default bench/results/capacity_cpu)")
-    p.add_argument("--no-prebuild", action="store_true", help="do not build DeepSpeed's JIT ops before the first "
-                                                               "cell (outside the cap)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "results", "capacity_cpu"),
+        help="results folder (default bench/results/capacity_cpu)",
+    )
+    p.add_argument(
+        "--no-prebuild",
+        action="store_true",
+        help="do not build DeepSpeed's JIT ops before the first cell (outside the cap)",
+    )
     args = p.parse_args(argv)
     problems = []
     if args.steps < 2:
@@ -133,12 +163,18 @@ def parse_args(argv=None):
             problems.append(str(e))
     if not 0 < args.aidaptiv_state_fraction < 1:
         problems.append(f"--aidaptiv-state-fraction {args.aidaptiv_state_fraction}: must be between 0 and 1")
-    problems += [f"--{name.replace('_', '-')}: {v} is not a positive length or batch"
-                 for name in ("micro_batches", "confirm_seqs") for v in getattr(args, name) if v < 1]
+    problems += [
+        f"--{name.replace('_', '-')}: {v} is not a positive length or batch"
+        for name in ("micro_batches", "confirm_seqs")
+        for v in getattr(args, name)
+        if v < 1
+    ]
     from aidaptiv_ds.models.presets import PRESETS
+
     problems += [f"--models: {m} is not a preset ({', '.join(PRESETS)})" for m in args.models if m not in PRESETS]
-    problems += [f"--max-seq: {m}={n} names no model of --models" for m, n in args.max_seq[1].items()
-                 if m not in args.models]
+    problems += [
+        f"--max-seq: {m}={n} names no model of --models" for m, n in args.max_seq[1].items() if m not in args.models
+    ]
     if problems:
         p.error("; ".join(problems))
     return args
@@ -175,6 +211,7 @@ class Runner:
     def __init__(self, args, env):
         from aidaptiv_ds.common.sizes import state_bytes_per_param
         from aidaptiv_ds.harness.machine import machine_info
+
         self.args, self.env = args, env
         self.folders, self.flags = write_configs(args)
         self.cap = host_cap(args.host_mem_cap_gb, args.host_mem_cap_mechanism)
@@ -184,14 +221,27 @@ class Runner:
         if not os.access(self.deepspeed, os.X_OK):
             self.deepspeed = shutil.which("deepspeed") or "deepspeed"
         sha, dirty = git_state(ROOT)
-        self.ctx = {"out": args.out, "grid": "capacity_cpu", "git_sha": sha, "git_dirty": dirty, "steps": args.steps,
-                    "warmup": 1, "lr": None, "timeout_s": args.timeout_s, "gpu_mem_cap_gb": None, "cap": self.cap,
-                    "machine": machine_info(args.swap_root or args.out), "spec": LaunchSpec(), "grid_obj": self}
+        self.ctx = {
+            "out": args.out,
+            "grid": "capacity_cpu",
+            "git_sha": sha,
+            "git_dirty": dirty,
+            "steps": args.steps,
+            "warmup": 1,
+            "lr": None,
+            "timeout_s": args.timeout_s,
+            "gpu_mem_cap_gb": None,
+            "cap": self.cap,
+            "machine": machine_info(args.swap_root or args.out),
+            "spec": LaunchSpec(),
+            "grid_obj": self,
+        }
         self.budget_per_param = args.aidaptiv_state_fraction * state_bytes_per_param()
 
     def aidaptiv_budget_bytes(self, model: str, gpus: int) -> int:
         """aidaptiv's host budget per rank (what a sweep grid's aidaptiv_state_fraction gives; build_row asks)."""
         from aidaptiv_ds.models.presets import nominal_parameters
+
         return int(self.budget_per_param * nominal_parameters(model) / gpus)
 
     def budget(self, variant: str, model: str):
@@ -200,26 +250,43 @@ class Runner:
     def __call__(self, variant: str, model: str, micro_batch: int, seq_len: int, phase: str, key: str) -> dict:
         backend = "aidaptiv" if variant in AIDAPTIV else variant
         cell = Cell(model, backend, 1, micro_batch, seq_len, 1)
-        spec = LaunchSpec(accelerator="cpu", deepspeed=self.deepspeed, train=train_spec(None),
-                          ds_configs=self.folders[variant])
+        spec = LaunchSpec(
+            accelerator="cpu", deepspeed=self.deepspeed, train=train_spec(None), ds_configs=self.folders[variant]
+        )
         cell_dir = os.path.join(self.args.out, "cells", f"{variant}__{cell.id}")
-        swap = (os.path.join(self.args.swap_root, f"{variant}__{cell.id}.{os.getpid()}") if self.args.swap_root
-                else os.path.join(cell_dir, "swap"))
-        shutil.rmtree(cell_dir, ignore_errors=True)   # never read an old metrics.json
+        swap = (
+            os.path.join(self.args.swap_root, f"{variant}__{cell.id}.{os.getpid()}")
+            if self.args.swap_root
+            else os.path.join(cell_dir, "swap")
+        )
+        shutil.rmtree(cell_dir, ignore_errors=True)  # never read an old metrics.json
         os.makedirs(cell_dir)
         shutil.rmtree(swap, ignore_errors=True)
         os.makedirs(swap, mode=0o700)
-        os.chmod(swap, 0o700)   # model state is private (DESIGN.md); makedirs' mode is masked by the umask
+        os.chmod(swap, 0o700)  # model state is private (DESIGN.md); makedirs' mode is masked by the umask
         metrics = os.path.join(cell_dir, "metrics.json")
         budget = self.budget(variant, model)
-        cmd = launch_command(cell, spec, port=free_port(), swap_dir=swap, metrics_out=metrics, steps=self.args.steps,
-                             warmup=1, host_budget_bytes=budget) + self.flags[variant] + ["--no-progress"]
+        cmd = (
+            launch_command(
+                cell,
+                spec,
+                port=free_port(),
+                swap_dir=swap,
+                metrics_out=metrics,
+                steps=self.args.steps,
+                warmup=1,
+                host_budget_bytes=budget,
+            )
+            + self.flags[variant]
+            + ["--no-progress"]
+        )
         cap_gb = self.cap["gb"]
         cgroup, watchdog, cap_used = None, False, {}
         if cap_gb and self.cap["factory"] is not None:
             try:
-                cgroup = self.cap["factory"].create(f"aidaptiv-ds-cap-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                                                    int(cap_gb * 2**30))
+                cgroup = self.cap["factory"].create(
+                    f"aidaptiv-ds-cap-{os.getpid()}-{uuid.uuid4().hex[:8]}", int(cap_gb * 2**30)
+                )
                 cap_used = {"detail": cgroup.path}
             except OSError as e:
                 cap_used, watchdog = {"mechanism": "rss-watchdog", "detail": f"cgroup creation failed: {e}"}, True
@@ -227,22 +294,50 @@ class Runner:
             watchdog = True
         t0 = _now()
         try:
-            run = run_cell(cmd, cell_dir=cell_dir, metrics_path=metrics, timeout_s=self.args.timeout_s, env=self.env,
-                           cwd=ROOT, cap_bytes=int(cap_gb * 2**30) if cap_gb else None, cgroup=cgroup,
-                           watchdog=watchdog)
+            run = run_cell(
+                cmd,
+                cell_dir=cell_dir,
+                metrics_path=metrics,
+                timeout_s=self.args.timeout_s,
+                env=self.env,
+                cwd=ROOT,
+                cap_bytes=int(cap_gb * 2**30) if cap_gb else None,
+                cgroup=cgroup,
+                watchdog=watchdog,
+            )
         finally:
             shutil.rmtree(swap, ignore_errors=True)
-        outcome = classify(returncode=run.returncode, timed_out=run.timed_out, timeout_s=self.args.timeout_s,
-                           cap_kill=run.cap_kill, output_tail=run.output_tail, metrics=run.metrics,
-                           metrics_problem=run.metrics_problem)
+        outcome = classify(
+            returncode=run.returncode,
+            timed_out=run.timed_out,
+            timeout_s=self.args.timeout_s,
+            cap_kill=run.cap_kill,
+            output_tail=run.output_tail,
+            metrics=run.metrics,
+            metrics_problem=run.metrics_problem,
+        )
         ctx = dict(self.ctx, spec=spec)
-        row = build_row(cell, ctx=ctx, outcome=outcome, run=run, command=shlex.join(cmd), time_start=t0,
-                        time_end=_now(), cell_dir=cell_dir, cap_used=cap_used)
+        row = build_row(
+            cell,
+            ctx=ctx,
+            outcome=outcome,
+            run=run,
+            command=shlex.join(cmd),
+            time_start=t0,
+            time_end=_now(),
+            cell_dir=cell_dir,
+            cap_used=cap_used,
+        )
         m = run.metrics or {}
-        row.update(attempt_key=key, variant=variant, phase=phase,
-                   fits=row["status"] == "ok" and C.losses_finite(row["losses"]),
-                   gradient_checkpointing=m.get("gradient_checkpointing"), activations=m.get("activations"),
-                   loss_logits_mb=m.get("loss_logits_mb"))
+        row.update(
+            attempt_key=key,
+            variant=variant,
+            phase=phase,
+            fits=row["status"] == "ok" and C.losses_finite(row["losses"]),
+            gradient_checkpointing=m.get("gradient_checkpointing"),
+            activations=m.get("activations"),
+            loss_logits_mb=m.get("loss_logits_mb"),
+        )
         return row
 
 
@@ -263,14 +358,17 @@ def main(argv=None) -> int:
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     from aidaptiv_ds.harness.prebuild import put_build_tools_first
+
     put_build_tools_first(env)
     runner = Runner(args, env)
     from aidaptiv_ds import remove_leaked_shared_memory
+
     removed = remove_leaked_shared_memory()
     if removed:
         print(removed, file=sys.stderr)
     if not args.no_prebuild:
         from aidaptiv_ds.harness.prebuild import prebuild
+
         backends = {"aidaptiv" if v in AIDAPTIV else v for v in args.variants}
         for line in prebuild(backends, env):
             print(f"DeepSpeed op {line}", file=sys.stderr)
@@ -284,21 +382,28 @@ def main(argv=None) -> int:
 
     def show(row, reused):
         a = C.attempt_from_row(row)
-        what = (f"fits, {a.tokens_per_s:,.1f} tokens/s" if a.fits and a.tokens_per_s else
-                "fits" if a.fits else a.failure())
+        what = (
+            f"fits, {a.tokens_per_s:,.1f} tokens/s" if a.fits and a.tokens_per_s else "fits" if a.fits else a.failure()
+        )
         when = "row kept from an earlier run" if reused else f"{row['wall_s']:.0f} s"
-        print(f"  {row['variant']} {row['model']} mb{row['micro_batch']} seq {row['seq_len']:,} ({row['phase']}): "
-              f"{what} [{when}]", file=sys.stderr, flush=True)
+        print(
+            f"  {row['variant']} {row['model']} mb{row['micro_batch']} seq {row['seq_len']:,} ({row['phase']}): "
+            f"{what} [{when}]",
+            file=sys.stderr,
+            flush=True,
+        )
 
     for model in args.models:
         grid = C.seq_grid(max_seq_of(args, model))
         for mb in args.micro_batches:
             for variant in args.variants:
+
                 def key_of(seq, variant=variant, model=model, mb=mb):
                     return C.attempt_key(variant, model, mb, seq, cap, args.steps)
 
                 def run(seq, phase, variant=variant, model=model, mb=mb):
                     return runner(variant, model, mb, seq, phase, key_of(seq))
+
                 try_seq = C.resumable(log, key_of, run, show)
                 print(f"{variant} {model} micro-batch {mb}: searching 256..{grid[-1]:,}", file=sys.stderr)
                 result = C.search_longest(grid, try_seq)
@@ -307,12 +412,20 @@ def main(argv=None) -> int:
                     if s not in grid and result.longest is not None and result.longest > s:
                         f.confirmed[s] = try_seq(s, "confirm")
                 found.append(f)
-    lines = [f"# Capacity under a {cap:g} GiB host cap" if cap else "# Capacity (no host cap)", "",
-             f"Longest sequence that trains {args.steps} steps with finite losses, one CPU process, lengths in "
-             f"multiples of 256 up to {max_seq_text(args)}; rows in {ROWS_FILE}. Machine: "
-             f"{runner.ctx['machine'].get('cpu')}, {runner.ctx['machine'].get('cores')} cores; host cap via "
-             f"{runner.cap['mechanism']}; git {runner.ctx['git_sha']}{' (dirty)' if runner.ctx['git_dirty'] else ''}.",
-             "", *C.summary_table(found), "", "aidaptiv / zero_infinity (longest sequence):", "", *C.ratio_lines(found)]
+    lines = [
+        f"# Capacity under a {cap:g} GiB host cap" if cap else "# Capacity (no host cap)",
+        "",
+        f"Longest sequence that trains {args.steps} steps with finite losses, one CPU process, lengths in "
+        f"multiples of 256 up to {max_seq_text(args)}; rows in {ROWS_FILE}. Machine: "
+        f"{runner.ctx['machine'].get('cpu')}, {runner.ctx['machine'].get('cores')} cores; host cap via "
+        f"{runner.cap['mechanism']}; git {runner.ctx['git_sha']}{' (dirty)' if runner.ctx['git_dirty'] else ''}.",
+        "",
+        *C.summary_table(found),
+        "",
+        "aidaptiv / zero_infinity (longest sequence):",
+        "",
+        *C.ratio_lines(found),
+    ]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as fh:
         fh.write(text)

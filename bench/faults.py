@@ -11,6 +11,7 @@ case moves 128 extents through the swap store at once and compares every byte.
 
 Writes OUT/rows.jsonl (appends); bench/readme_tables.py makes the README's table from it.
 """
+
 import argparse
 import json
 import os
@@ -36,10 +37,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="runs of every case (3)")
     p.add_argument("--cases", default=",".join(ALL), help=f"comma-separated cases (default all: {', '.join(ALL)})")
-    p.add_argument("--work", default=None, help="folder for the jobs' swap spaces and checkpoints (a temporary "
-                                                "folder in the repository's swap/ by default: O_DIRECT needs a disk)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults"),
-                   help="folder for rows.jsonl (bench/results/faults)")
+    p.add_argument(
+        "--work",
+        default=None,
+        help="folder for the jobs' swap spaces and checkpoints (a temporary "
+        "folder in the repository's swap/ by default: O_DIRECT needs a disk)",
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "results", "faults"),
+        help="folder for rows.jsonl (bench/results/faults)",
+    )
     args = p.parse_args()
     names = [n for n in args.cases.split(",") if n]
     unknown = [n for n in names if n not in ALL]
@@ -69,14 +77,25 @@ def main():
                     row = cases.concurrent_swaps(folder, seed=run)
                 else:
                     row = cases.run_case(name, folder, ref_losses, seed=run)
-                row.update(run=run, git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                           machine=machine, steps=cases.STEPS, save_every=cases.SAVE_EVERY,
-                           fault_step=cases.FAULT_STEP + 1, model="micro")
+                row.update(
+                    run=run,
+                    git_sha=sha,
+                    git_dirty=dirty,
+                    time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    machine=machine,
+                    steps=cases.STEPS,
+                    save_every=cases.SAVE_EVERY,
+                    fault_step=cases.FAULT_STEP + 1,
+                    model="micro",
+                )
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 shutil.rmtree(folder, ignore_errors=True)
-                print(f"run {run} {name:<17} hang={row['hang']} crash={row['crash']} clear={row['clear_error']} "
-                      f"data_lost={row['data_lost']} {row.get('seconds', '')}s", file=sys.stderr)
+                print(
+                    f"run {run} {name:<17} hang={row['hang']} crash={row['crash']} clear={row['clear_error']} "
+                    f"data_lost={row['data_lost']} {row.get('seconds', '')}s",
+                    file=sys.stderr,
+                )
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -18,6 +18,7 @@ file: peak RSS (the process's high-water mark, pinned pool included), NVMe bytes
 
 Writes one JSON row per run to OUT/rows.jsonl and the table (with the machine it ran on) to OUT/table.md.
 """
+
 import argparse
 import json
 import os
@@ -53,9 +54,29 @@ def run_one(side, args, swap_root, env):
     with open(config, "w") as f:
         json.dump(cfg, f)
     metrics = os.path.join(swap, "metrics.json")
-    cmd = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", config, "--model", args.model, "--dtype", "fp32",
-           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", "1",
-           "--nvme-path", swap, "--metrics-out", metrics, "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aidaptiv_ds",
+        "train",
+        "--config",
+        config,
+        "--model",
+        args.model,
+        "--dtype",
+        "fp32",
+        "--seq-len",
+        str(args.seq_len),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        "1",
+        "--nvme-path",
+        swap,
+        "--metrics-out",
+        metrics,
+        "--no-progress",
+    ]
     if "aidaptiv" in cfg:
         cmd += ["--host-budget", args.host_budget]
     if lora:
@@ -71,16 +92,21 @@ def cells(row):
     per = lambda k: "-" if m.get(k) is None or not steps else f"{m[k] / steps / 1e6:.2f}"
     trainable = (m.get("lora") or {}).get("trainable_params", m.get("params"))
     losses = m.get("losses") or []
-    return [m.get("status", " ".join(row.get("error") or ["no metrics"])),
-            "-" if m.get("peak_rss_mb") is None else f"{m['peak_rss_mb']:.0f}",
-            per("nvme_read_bytes"), per("nvme_write_bytes"),
-            "-" if trainable is None else f"{trainable:,}",
-            f"{losses[-1]:.4f}" if losses else "-",
-            "-" if m.get("step_s_median") is None else f"{m['step_s_median']:.2f}"]
+    return [
+        m.get("status", " ".join(row.get("error") or ["no metrics"])),
+        "-" if m.get("peak_rss_mb") is None else f"{m['peak_rss_mb']:.0f}",
+        per("nvme_read_bytes"),
+        per("nvme_write_bytes"),
+        "-" if trainable is None else f"{trainable:,}",
+        f"{losses[-1]:.4f}" if losses else "-",
+        "-" if m.get("step_s_median") is None else f"{m['step_s_median']:.2f}",
+    ]
 
 
-HEADER = ("| side | status | peak RSS MiB | NVMe read MB/step | NVMe write MB/step | trainable params | final loss "
-          "| step s (noisy) |\n|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| side | status | peak RSS MiB | NVMe read MB/step | NVMe write MB/step | trainable params | final loss "
+    "| step s (noisy) |\n|---|---|---|---|---|---|---|---|"
+)
 
 
 def main():
@@ -93,25 +119,38 @@ def main():
     p.add_argument("--host-budget", default="256MiB", help="host budget of both aidaptiv sides (256MiB)")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated ({','.join(SIDES)})")
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "lora_cpu"),
-                   help="folder for rows.jsonl and table.md (bench/results/lora_cpu)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "results", "lora_cpu"),
+        help="folder for rows.jsonl and table.md (bench/results/lora_cpu)",
+    )
     args = p.parse_args()
     unknown = [s for s in args.sides.split(",") if s not in SIDES]
     if unknown:
         p.error(f"--sides names {', '.join(unknown)}: expected some of {', '.join(SIDES)}")
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
-    conditions = (f"`{args.model}` preset, fp32, micro-batch from the config (2), seq {args.seq_len}, {args.steps} "
-                  f"steps (first one warm-up), one CPU process, lr {args.lr}, LoRA `{args.lora}`, aidaptiv host "
-                  f"budget {args.host_budget}")
+    conditions = (
+        f"`{args.model}` preset, fp32, micro-batch from the config (2), seq {args.seq_len}, {args.steps} "
+        f"steps (first one warm-up), one CPU process, lr {args.lr}, LoRA `{args.lora}`, aidaptiv host "
+        f"budget {args.host_budget}"
+    )
     command = " ".join(["python", os.path.relpath(os.path.abspath(__file__), ROOT), *sys.argv[1:]])
     lines = [f"Command: `{command}`", f"Machine: {summary(machine)}", f"Conditions: {conditions}", "", HEADER]
     print("\n".join(lines), flush=True)
     with open(os.path.join(args.out, "rows.jsonl"), "a") as out:
         for side in args.sides.split(","):
             row = run_one(side, args, args.swap_root, env)
-            row.update(git_sha=sha, git_dirty=dirty, time=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine,
-                       model=args.model, seq_len=args.seq_len, steps=args.steps, lr=args.lr,
-                       host_budget=args.host_budget if "aidaptiv" in SIDES[side][0] else None)
+            row.update(
+                git_sha=sha,
+                git_dirty=dirty,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                machine=machine,
+                model=args.model,
+                seq_len=args.seq_len,
+                steps=args.steps,
+                lr=args.lr,
+                host_budget=args.host_budget if "aidaptiv" in SIDES[side][0] else None,
+            )
             out.write(json.dumps(row) + "\n")
             out.flush()
             line = f"| {side} | " + " | ".join(cells(row)) + " |"

@@ -12,6 +12,7 @@ the model state, as that bench's equal-memory comparison; --model and --budget-f
     python bench/malloc_threshold.py [--repeats 3] [--variants shipped,untrimmed,dynamic,128KiB]
                                      [--out bench/results/malloc_threshold]
 """
+
 import argparse
 import json
 import os
@@ -47,10 +48,31 @@ def run_one(name, args, env):
     with open(config, "w") as f:
         json.dump(cfg, f)
     metrics = os.path.join(swap, "metrics.json")
-    cmd = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", config, "--model", args.model,
-           "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--nvme-path", swap, "--metrics-out", metrics, "--no-progress",
-           "--host-budget", str(args.budget_bytes)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aidaptiv_ds",
+        "train",
+        "--config",
+        config,
+        "--model",
+        args.model,
+        "--seq-len",
+        str(args.seq_len),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--nvme-path",
+        swap,
+        "--metrics-out",
+        metrics,
+        "--no-progress",
+        "--host-budget",
+        str(args.budget_bytes),
+    ]
     return run_train(cmd, ROOT, env, swap, metrics, variant=name)
 
 
@@ -59,30 +81,54 @@ def main():
     add_run_arguments(p, 3, "runs per setting")
     p.set_defaults(budget_fraction=0.6)
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "malloc_threshold"),
-                   help="folder for rows.jsonl and summary.md (bench/results/malloc_threshold)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma-separated settings to compare, of " + ", ".join(VARIANTS) + " (all)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "results", "malloc_threshold"),
+        help="folder for rows.jsonl and summary.md (bench/results/malloc_threshold)",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated settings to compare, of " + ", ".join(VARIANTS) + " (all)",
+    )
     args = p.parse_args()
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"unknown --variants {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
     from aidaptiv_ds.models.presets import count_parameters, preset_config
+
     params = count_parameters(preset_config(args.model))
     args.budget_bytes = int(params * state_bytes_per_param(4) * args.budget_fraction)
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     names = [VARIANTS[v][0] for v in args.variants.split(",")]
-    rows = run_interleaved(names, args.repeats, lambda name: run_one(name, args, env),
-                           os.path.join(args.out, "rows.jsonl"),
-                           dict(git_sha=sha, git_dirty=dirty, machine=machine, model=args.model, seq_len=args.seq_len,
-                                micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
-                                budget_bytes=args.budget_bytes))
-    lines = ["# Host heap settings: aidaptiv.malloc_mmap_threshold and aidaptiv.trim_heap", "",
-             f"Machine: {summary(machine)}  ", f"git {sha}{' (dirty)' if dirty else ''}; {args.model}, fp32, "
-             f"{args.micro_batch} x {args.seq_len}, {args.steps} steps (first {args.warmup} untimed), host budget "
-             f"{args.budget_bytes / 2**20:.0f} MiB; {args.repeats} interleaved repeats.", "",
-             "| setting | step s (median, min-max) | peak RSS MiB (median, min-max) | heap trims / step | s trimming / step |",
-             "|---|---|---|---|---|"]
+    rows = run_interleaved(
+        names,
+        args.repeats,
+        lambda name: run_one(name, args, env),
+        os.path.join(args.out, "rows.jsonl"),
+        dict(
+            git_sha=sha,
+            git_dirty=dirty,
+            machine=machine,
+            model=args.model,
+            seq_len=args.seq_len,
+            micro_batch=args.micro_batch,
+            steps=args.steps,
+            warmup=args.warmup,
+            budget_bytes=args.budget_bytes,
+        ),
+    )
+    lines = [
+        "# Host heap settings: aidaptiv.malloc_mmap_threshold and aidaptiv.trim_heap",
+        "",
+        f"Machine: {summary(machine)}  ",
+        f"git {sha}{' (dirty)' if dirty else ''}; {args.model}, fp32, "
+        f"{args.micro_batch} x {args.seq_len}, {args.steps} steps (first {args.warmup} untimed), host budget "
+        f"{args.budget_bytes / 2**20:.0f} MiB; {args.repeats} interleaved repeats.",
+        "",
+        "| setting | step s (median, min-max) | peak RSS MiB (median, min-max) | heap trims / step | s trimming / step |",
+        "|---|---|---|---|---|",
+    ]
     for name in names:
         ok = [r["metrics"] for r in rows if r["variant"] == name and (r.get("metrics") or {}).get("status") == "ok"]
         if not ok:
@@ -92,8 +138,10 @@ def main():
         sw = [m.get("swapper") or {} for m in ok]
         trims = statistics.median([s.get("heap_trims", 0) / args.steps for s in sw])
         trim_s = statistics.median([s.get("heap_trim_s", 0.0) / args.steps for s in sw])
-        lines.append(f"| {name} | {statistics.median(st):.3f} ({min(st):.3f}-{max(st):.3f}) | "
-                     f"{statistics.median(rss):.0f} ({min(rss):.0f}-{max(rss):.0f}) | {trims:.1f} | {trim_s:.3f} |")
+        lines.append(
+            f"| {name} | {statistics.median(st):.3f} ({min(st):.3f}-{max(st):.3f}) | "
+            f"{statistics.median(rss):.0f} ({min(rss):.0f}-{max(rss):.0f}) | {trims:.1f} | {trim_s:.3f} |"
+        )
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)

@@ -13,6 +13,7 @@ tokens/s against the measured. Writes ``bench/results/plan_accuracy/rows.jsonl``
 The issue's targets: feasibility right in >= 95% of cells; host memory within 15% and tokens/s within 30% in
 >= 80% of ok cells.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,24 +33,26 @@ from aidaptiv_ds.planner.shapes import resolve_shape  # noqa: E402
 HOST_TOLERANCE, TOKENS_TOLERANCE = 0.15, 0.30
 OUT = os.path.join(HERE, "results", "plan_accuracy")
 # What the misses come from, as far as they were looked into (docs/DESIGN.md, planner section).
-MISS_CAUSES = ("Causes. Feasibility: the one miss was planned at 5044 MiB of its 5120 MiB cap (within 1.5%) and "
-               "the cap killed it; a cell that close falls either way. Host memory: glibc's heap. Tensors below its 32 MiB dynamic mmap threshold (every "
-               "parameter of the tiny model) come from the heap, and what they free there stays resident: the peak "
-               "RSS of a 2-rank zero3 tiny run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_ fixed, of a "
-               "1-rank aidaptiv one from 1290 to 955. With 2 ranks every gathered parameter is a new whole tensor "
-               "(the all-gather output), all of the model at once at the end of the forward under ZeRO-3, the "
-               "current and prefetched layer groups under aidaptiv; the plan counts them per rank now (before, it "
-               "counted the largest layer, and missed the 2-rank cells by 250-400 MiB). aidaptiv's step transient "
-               "is now measured from the RSS after start-up (7.5 B per parameter), not between steps, where the "
-               "heap already holds most of it (it was 4.6). Tokens/s: the 1-rank cells the NVMe bounds "
-               "(zero_infinity, aidaptiv) are within 5% on the rates' machine; the cells the CPU bounds needed "
-               "ZeRO-3's own work per step (gathering and releasing every parameter, partitioning gradients: the "
-               "zero3_cpu rate, from a ZeRO-3 step of the tiny preset less its compute and Adam), without which "
-               "they ran 1.3-3x slower than predicted. What is left: 2-rank aidaptiv and CPU-offload cells run "
-               "up to 37% slower than predicted (gloo collectives between 2 ranks on 2 cores, and the swapper's "
-               "per-rank work, are not modelled); CPU-offload's DeepSpeed CPU Adam is faster than the foreach "
-               "AdamW the Adam probe times, so its 1-rank cells on the Xeon ran up to 33% faster; ZeRO-3's work "
-               "is taken as independent of the tokens, which holds within about 25% from 128 to 256 tokens.")
+MISS_CAUSES = (
+    "Causes. Feasibility: the one miss was planned at 5044 MiB of its 5120 MiB cap (within 1.5%) and "
+    "the cap killed it; a cell that close falls either way. Host memory: glibc's heap. Tensors below its 32 MiB dynamic mmap threshold (every "
+    "parameter of the tiny model) come from the heap, and what they free there stays resident: the peak "
+    "RSS of a 2-rank zero3 tiny run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_ fixed, of a "
+    "1-rank aidaptiv one from 1290 to 955. With 2 ranks every gathered parameter is a new whole tensor "
+    "(the all-gather output), all of the model at once at the end of the forward under ZeRO-3, the "
+    "current and prefetched layer groups under aidaptiv; the plan counts them per rank now (before, it "
+    "counted the largest layer, and missed the 2-rank cells by 250-400 MiB). aidaptiv's step transient "
+    "is now measured from the RSS after start-up (7.5 B per parameter), not between steps, where the "
+    "heap already holds most of it (it was 4.6). Tokens/s: the 1-rank cells the NVMe bounds "
+    "(zero_infinity, aidaptiv) are within 5% on the rates' machine; the cells the CPU bounds needed "
+    "ZeRO-3's own work per step (gathering and releasing every parameter, partitioning gradients: the "
+    "zero3_cpu rate, from a ZeRO-3 step of the tiny preset less its compute and Adam), without which "
+    "they ran 1.3-3x slower than predicted. What is left: 2-rank aidaptiv and CPU-offload cells run "
+    "up to 37% slower than predicted (gloo collectives between 2 ranks on 2 cores, and the swapper's "
+    "per-rank work, are not modelled); CPU-offload's DeepSpeed CPU Adam is faster than the foreach "
+    "AdamW the Adam probe times, so its 1-rank cells on the Xeon ran up to 33% faster; ZeRO-3's work "
+    "is taken as independent of the tokens, which holds within about 25% from 128 to 256 tokens."
+)
 
 
 # The sweeps the comparison covers. Others are added deliberately, with a re-run of this script and the
@@ -74,26 +77,51 @@ def compare(row: dict, rates: Rates) -> dict:
     host = int(cap * GiB) if cap else int(row["machine"]["ram_gb"] * GiB)
     gpu_cap = row.get("gpu_mem_cap_gb")
     on_gpu = bool(row["machine"].get("gpus"))
-    hw = Hardware(gpus=row["gpus"], nodes=row.get("nodes") or 1, host_mem=host,
-                  gpu_mem=(int(gpu_cap * GiB) if gpu_cap else None) if on_gpu else None,
-                  framework_host=int(rates.framework_host or 0),
-                  # the sweep runs every cell under the deepspeed launcher, inside the cell's memory cap
-                  launcher_host=int(rates.launcher_host or 0))
-    job = Job(shape, row["seq_len"], row["micro_batch"], row.get("grad_accum") or 1, dtype=row.get("dtype") or "fp32",
-              host_budget=row.get("aidaptiv_host_budget_bytes"))
+    hw = Hardware(
+        gpus=row["gpus"],
+        nodes=row.get("nodes") or 1,
+        host_mem=host,
+        gpu_mem=(int(gpu_cap * GiB) if gpu_cap else None) if on_gpu else None,
+        framework_host=int(rates.framework_host or 0),
+        # the sweep runs every cell under the deepspeed launcher, inside the cell's memory cap
+        launcher_host=int(rates.launcher_host or 0),
+    )
+    job = Job(
+        shape,
+        row["seq_len"],
+        row["micro_batch"],
+        row.get("grad_accum") or 1,
+        dtype=row.get("dtype") or "fp32",
+        host_budget=row.get("aidaptiv_host_budget_bytes"),
+    )
     plan = plan_backend(row["backend"], job, hw)
     pred = predict(plan, job, hw, rates)
     measured_ok = row["status"] == "ok"
-    out = {"key": row["key"], "grid": row.get("grid"), "status": row["status"], "predicted_fits": plan.fits,
-           "feasibility_right": plan.fits == measured_ok, "problems": plan.problems,
-           "host_predicted_mb": plan.host_bytes / MiB, "host_measured_mb": row.get("peak_rss_mb"),
-           "tokens_per_s_predicted": pred.tokens_per_s, "tokens_per_s_measured": row.get("tokens_per_s"),
-           "bound": pred.bound, "times_s": pred.times}
+    out = {
+        "key": row["key"],
+        "grid": row.get("grid"),
+        "status": row["status"],
+        "predicted_fits": plan.fits,
+        "feasibility_right": plan.fits == measured_ok,
+        "problems": plan.problems,
+        "host_predicted_mb": plan.host_bytes / MiB,
+        "host_measured_mb": row.get("peak_rss_mb"),
+        "tokens_per_s_predicted": pred.tokens_per_s,
+        "tokens_per_s_measured": row.get("tokens_per_s"),
+        "bound": pred.bound,
+        "times_s": pred.times,
+    }
     timed = (row.get("steps") or 0) - (row.get("warmup") or 0)
     if measured_ok and timed > 0 and row.get("nvme_read_bytes") is not None:
         # NVMe bytes per step of the node: predicted, and measured over the timed steps (/proc/self/io).
-        out["nvme_per_step_predicted"] = {"read": pred.bytes.get("nvme_read", 0), "write": pred.bytes.get("nvme_write", 0)}
-        out["nvme_per_step_measured"] = {"read": row["nvme_read_bytes"] / timed, "write": row["nvme_write_bytes"] / timed}
+        out["nvme_per_step_predicted"] = {
+            "read": pred.bytes.get("nvme_read", 0),
+            "write": pred.bytes.get("nvme_write", 0),
+        }
+        out["nvme_per_step_measured"] = {
+            "read": row["nvme_read_bytes"] / timed,
+            "write": row["nvme_write_bytes"] / timed,
+        }
     if measured_ok and row.get("peak_rss_mb"):
         out["host_error"] = out["host_predicted_mb"] / row["peak_rss_mb"] - 1
     if measured_ok and row.get("tokens_per_s") and pred.tokens_per_s:
@@ -123,19 +151,28 @@ def summarize(results: list) -> dict:
     same = [r for r in tokens if r.get("same_machine")]
     other = [r for r in tokens if r.get("same_machine") is False]
     return {
-        "tokens_within_30pct_same_machine": frac(within(same), same), "tokens_cells_same_machine": len(same),
-        "tokens_within_30pct_other_machine": frac(within(other), other), "tokens_cells_other_machine": len(other),
-        "cells": len(results), "ok_cells": len(ok),
+        "tokens_within_30pct_same_machine": frac(within(same), same),
+        "tokens_cells_same_machine": len(same),
+        "tokens_within_30pct_other_machine": frac(within(other), other),
+        "tokens_cells_other_machine": len(other),
+        "cells": len(results),
+        "ok_cells": len(ok),
         "feasibility_right": frac([r for r in results if r["feasibility_right"]], results),
         "host_within_15pct": frac([r for r in host if abs(r["host_error"]) <= HOST_TOLERANCE], host),
         "tokens_within_30pct": frac([r for r in tokens if abs(r["tokens_error"]) <= TOKENS_TOLERANCE], tokens),
         "feasibility_misses": [r["key"] for r in results if not r["feasibility_right"]],
         "host_misses": {r["key"]: round(r["host_error"], 3) for r in host if abs(r["host_error"]) > HOST_TOLERANCE},
-        "tokens_misses": {r["key"]: round(r["tokens_error"], 3) for r in tokens
-                          if abs(r["tokens_error"]) > TOKENS_TOLERANCE},
-        "nvme_bytes_error": {r["key"]: {k: round(r["nvme_per_step_predicted"][k] / r["nvme_per_step_measured"][k] - 1, 3)
-                                        for k in ("read", "write")}
-                             for r in ok if r.get("nvme_per_step_measured", {}).get("read")},
+        "tokens_misses": {
+            r["key"]: round(r["tokens_error"], 3) for r in tokens if abs(r["tokens_error"]) > TOKENS_TOLERANCE
+        },
+        "nvme_bytes_error": {
+            r["key"]: {
+                k: round(r["nvme_per_step_predicted"][k] / r["nvme_per_step_measured"][k] - 1, 3)
+                for k in ("read", "write")
+            }
+            for r in ok
+            if r.get("nvme_per_step_measured", {}).get("read")
+        },
     }
 
 
@@ -151,40 +188,59 @@ def rates_from(path: str) -> Rates:
 
 def markdown(summary: dict, results: list, rates: Rates, conditions: dict) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"
-    lines = ["# The planner against the committed sweep rows", "",
-             "Made by `python bench/plan_accuracy.py`; rates used: "
-             + "; ".join(f"{k} {v['value']:.4g} {v['unit']} ({v['source']})" for k, v in rates.as_dict().items()) + ".",
-             "",
-             f"Rates measured on {conditions['cpu']} (load average {conditions['load_average_1_5_15']} when this was "
-             f"made); the rows were measured on {', '.join(conditions['rows_machines'])}. Where these differ, "
-             "the tokens/s comparison compares two machines' CPUs and says little about the model.",
-             "",
-             f"- cells: {summary['cells']} ({summary['ok_cells']} ok)",
-             f"- feasibility right: {pct(summary['feasibility_right'])} (target >= 95%)",
-             f"- peak host memory within 15%: {pct(summary['host_within_15pct'])} of ok cells (target >= 80%)",
-             f"- tokens/s within 30%: {pct(summary['tokens_within_30pct'])} of ok cells (target >= 80%); rows taken "
-             f"on the rates' machine: {pct(summary['tokens_within_30pct_same_machine'])} of "
-             f"{summary['tokens_cells_same_machine']}, on another machine: "
-             f"{pct(summary['tokens_within_30pct_other_machine'])} of {summary['tokens_cells_other_machine']}",
-             "- NVMe bytes per step, predicted / measured - 1 (read, write): "
-             + (", ".join(f"{k} {v['read']:+.0%} {v['write']:+.0%}" for k, v in summary["nvme_bytes_error"].items())
-                or "no cell read from NVMe"), "",
-             "Feasibility misses: " + (", ".join(summary["feasibility_misses"]) or "none") + ". "
-             "Host-memory misses (plan / measured - 1): "
-             + (", ".join(f"{k} {v:+.0%}" for k, v in summary["host_misses"].items()) or "none") + ". "
-             "Tokens/s misses (plan / measured - 1; a key can stand twice, once per sweep): "
-             + (", ".join(f"{r['key']} {r['tokens_error']:+.0%}" for r in results
-                          if abs(r.get("tokens_error", 0)) > TOKENS_TOLERANCE) or "none") + ". "
-             + MISS_CAUSES, "",
-             "| cell | measured | plan fits | host MB plan / measured | tokens/s plan / measured | bound |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# The planner against the committed sweep rows",
+        "",
+        "Made by `python bench/plan_accuracy.py`; rates used: "
+        + "; ".join(f"{k} {v['value']:.4g} {v['unit']} ({v['source']})" for k, v in rates.as_dict().items())
+        + ".",
+        "",
+        f"Rates measured on {conditions['cpu']} (load average {conditions['load_average_1_5_15']} when this was "
+        f"made); the rows were measured on {', '.join(conditions['rows_machines'])}. Where these differ, "
+        "the tokens/s comparison compares two machines' CPUs and says little about the model.",
+        "",
+        f"- cells: {summary['cells']} ({summary['ok_cells']} ok)",
+        f"- feasibility right: {pct(summary['feasibility_right'])} (target >= 95%)",
+        f"- peak host memory within 15%: {pct(summary['host_within_15pct'])} of ok cells (target >= 80%)",
+        f"- tokens/s within 30%: {pct(summary['tokens_within_30pct'])} of ok cells (target >= 80%); rows taken "
+        f"on the rates' machine: {pct(summary['tokens_within_30pct_same_machine'])} of "
+        f"{summary['tokens_cells_same_machine']}, on another machine: "
+        f"{pct(summary['tokens_within_30pct_other_machine'])} of {summary['tokens_cells_other_machine']}",
+        "- NVMe bytes per step, predicted / measured - 1 (read, write): "
+        + (
+            ", ".join(f"{k} {v['read']:+.0%} {v['write']:+.0%}" for k, v in summary["nvme_bytes_error"].items())
+            or "no cell read from NVMe"
+        ),
+        "",
+        "Feasibility misses: " + (", ".join(summary["feasibility_misses"]) or "none") + ". "
+        "Host-memory misses (plan / measured - 1): "
+        + (", ".join(f"{k} {v:+.0%}" for k, v in summary["host_misses"].items()) or "none")
+        + ". "
+        "Tokens/s misses (plan / measured - 1; a key can stand twice, once per sweep): "
+        + (
+            ", ".join(
+                f"{r['key']} {r['tokens_error']:+.0%}"
+                for r in results
+                if abs(r.get("tokens_error", 0)) > TOKENS_TOLERANCE
+            )
+            or "none"
+        )
+        + ". "
+        + MISS_CAUSES,
+        "",
+        "| cell | measured | plan fits | host MB plan / measured | tokens/s plan / measured | bound |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         hm = r["host_measured_mb"]
         tp, tm = r["tokens_per_s_predicted"], r["tokens_per_s_measured"]
-        lines.append(f"| {r['key']} | {r['status']} | {'yes' if r['predicted_fits'] else 'no'} | "
-                     f"{r['host_predicted_mb']:.0f} / {hm:.0f} | " if hm else
-                     f"| {r['key']} | {r['status']} | {'yes' if r['predicted_fits'] else 'no'} | "
-                     f"{r['host_predicted_mb']:.0f} / - | ")
+        lines.append(
+            f"| {r['key']} | {r['status']} | {'yes' if r['predicted_fits'] else 'no'} | "
+            f"{r['host_predicted_mb']:.0f} / {hm:.0f} | "
+            if hm
+            else f"| {r['key']} | {r['status']} | {'yes' if r['predicted_fits'] else 'no'} | "
+            f"{r['host_predicted_mb']:.0f} / - | "
+        )
         lines[-1] += (f"{tp:.0f} / {tm:.0f} | " if tp and tm else "- | ") + f"{r['bound'] or '-'} |"
     return "\n".join(lines) + "\n"
 
@@ -199,10 +255,12 @@ def main(argv=None) -> int:
         rates = rates_from(args.rates)
     else:
         from aidaptiv_ds.planner.rates import machine_rates
+
         rates = machine_rates("fp32", args.nvme, log=lambda m: print(m, file=sys.stderr))
     rows = load_rows()
     results = [compare(r, rates) for r in rows]
     from aidaptiv_ds.planner.rates import cpu_key
+
     here = cpu_key("fp32")
     if args.rates:
         with open(args.rates, encoding="utf-8") as f:
@@ -214,8 +272,12 @@ def main(argv=None) -> int:
         for r in results:
             f.write(json.dumps(r, sort_keys=True) + "\n")
     from aidaptiv_ds.planner.rates import cpu_key
-    conditions = {"cpu": cpu_key("fp32"), "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
-                  "rows_machines": sorted({r["machine"].get("cpu", "?") for r in load_rows()})}
+
+    conditions = {
+        "cpu": cpu_key("fp32"),
+        "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "rows_machines": sorted({r["machine"].get("cpu", "?") for r in load_rows()}),
+    }
     with open(os.path.join(args.out, "rates.json"), "w", encoding="utf-8") as f:
         json.dump({**rates.as_dict(), "conditions": conditions}, f, indent=1, sort_keys=True)
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as f:

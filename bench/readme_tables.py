@@ -11,6 +11,7 @@ bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_cpu/s
 its rows), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl.
 """
+
 import argparse
 import json
 import os
@@ -37,38 +38,57 @@ def io_bench_section():
     row = rows[-1]
     m, c = row["machine"], row.get("config", {})
     from aidaptiv_ds.harness.machine import cpu_line
-    out = [f"**I/O engines** (`aidaptiv-ds io-bench`): {cpu_line(m)}, {m.get('cores', '?')} cores, kernel "
-           f"{m.get('kernel', '?')}, {m.get('disk', m.get('device', '?'))}; {c.get('size_mb', '?')} MiB per engine, "
-           f"{c.get('block_kb', '?')} KiB blocks, queue depth {c.get('queue_depth', '?')}, O_DIRECT, "
-           f"{c.get('repeat', '?')} interleaved repeats, medians" + (f"; {row['time']}" if row.get("time") else "") + ".", "",
-           "| engine | read GB/s | write GB/s | CPU s per GB read | CPU s per GB write | bytes verified |",
-           "|---|---|---|---|---|---|"]
+
+    out = [
+        f"**I/O engines** (`aidaptiv-ds io-bench`): {cpu_line(m)}, {m.get('cores', '?')} cores, kernel "
+        f"{m.get('kernel', '?')}, {m.get('disk', m.get('device', '?'))}; {c.get('size_mb', '?')} MiB per engine, "
+        f"{c.get('block_kb', '?')} KiB blocks, queue depth {c.get('queue_depth', '?')}, O_DIRECT, "
+        f"{c.get('repeat', '?')} interleaved repeats, medians" + (f"; {row['time']}" if row.get("time") else "") + ".",
+        "",
+        "| engine | read GB/s | write GB/s | CPU s per GB read | CPU s per GB write | bytes verified |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, e in row["engines"].items():
         if "error" in e:
             out.append(f"| {name} | - | - | - | - | {e['error'][:80]} |")
             continue
         f = lambda k, d=2: "-" if e.get(k) is None else f"{e[k]:.{d}f}"
-        out.append(f"| {name} | {f('read_gbps')} | {f('write_gbps')} | {f('cpu_s_per_gb_read', 3)} | "
-                   f"{f('cpu_s_per_gb_write', 3)} | {e.get('verified', 'n/a')} |")
+        out.append(
+            f"| {name} | {f('read_gbps')} | {f('write_gbps')} | {f('cpu_s_per_gb_read', 3)} | "
+            f"{f('cpu_s_per_gb_write', 3)} | {e.get('verified', 'n/a')} |"
+        )
     eng = row["engines"]
     if "uring" in eng and "fio" in eng and "error" not in eng["fio"]:
-        out += ["", f"io_uring engine / fio io_uring: read {eng['uring']['read_gbps'] / eng['fio']['read_gbps']:.2f}x, "
-                    f"write {eng['uring']['write_gbps'] / eng['fio']['write_gbps']:.2f}x."]
+        out += [
+            "",
+            f"io_uring engine / fio io_uring: read {eng['uring']['read_gbps'] / eng['fio']['read_gbps']:.2f}x, "
+            f"write {eng['uring']['write_gbps'] / eng['fio']['write_gbps']:.2f}x.",
+        ]
     if "uring" in eng and "deepspeed" in eng and "error" not in eng["deepspeed"]:
         u, d = eng["uring"], eng["deepspeed"]
-        out.append(f"io_uring engine / DeepSpeed's libaio handle: read {u['read_gbps'] / d['read_gbps']:.2f}x, write "
-                   f"{u['write_gbps'] / d['write_gbps']:.2f}x; CPU per GB {u['cpu_s_per_gb_read'] / d['cpu_s_per_gb_read']:.2f}x "
-                   f"(read), {u['cpu_s_per_gb_write'] / d['cpu_s_per_gb_write']:.2f}x (write).")
+        out.append(
+            f"io_uring engine / DeepSpeed's libaio handle: read {u['read_gbps'] / d['read_gbps']:.2f}x, write "
+            f"{u['write_gbps'] / d['write_gbps']:.2f}x; CPU per GB {u['cpu_s_per_gb_read'] / d['cpu_s_per_gb_read']:.2f}x "
+            f"(read), {u['cpu_s_per_gb_write'] / d['cpu_s_per_gb_write']:.2f}x (write)."
+        )
     if len(rows) > 1:
         # The disk is shared and noisy: show every committed run's ratios, not only the latest.
         runs = []
         for r in rows:
             e = r["engines"]
-            ratio = lambda other, k: (f"{e['uring'][k] / e[other][k]:.2f}x" if other in e and "error" not in e[other]
-                                      and "uring" in e and "error" not in e["uring"] else "-")
-            runs.append(f"vs fio {ratio('fio', 'read_gbps')}/{ratio('fio', 'write_gbps')}, vs DeepSpeed "
-                        f"{ratio('deepspeed', 'read_gbps')}/{ratio('deepspeed', 'write_gbps')}")
-        out += ["", f"All {len(rows)} committed runs (io_uring engine read/write bandwidth ratios): " + "; ".join(runs) + "."]
+            ratio = lambda other, k: (
+                f"{e['uring'][k] / e[other][k]:.2f}x"
+                if other in e and "error" not in e[other] and "uring" in e and "error" not in e["uring"]
+                else "-"
+            )
+            runs.append(
+                f"vs fio {ratio('fio', 'read_gbps')}/{ratio('fio', 'write_gbps')}, vs DeepSpeed "
+                f"{ratio('deepspeed', 'read_gbps')}/{ratio('deepspeed', 'write_gbps')}"
+            )
+        out += [
+            "",
+            f"All {len(rows)} committed runs (io_uring engine read/write bandwidth ratios): " + "; ".join(runs) + ".",
+        ]
     return out
 
 
@@ -84,34 +104,53 @@ def summary_md(folder, command):
 
 
 def step_time_section():
-    return [*summary_md("swap_step_time", "python bench/swap_step_time.py"), "",
-            *summary_md("swap_step_time_small", "python bench/swap_step_time.py --model small --budget-fraction 0.4 "
-                        "--repeats 3 --steps 10 --out bench/results/swap_step_time_small"), "",
-            *summary_md("malloc_threshold", "python bench/malloc_threshold.py"), "",
-            *summary_md("malloc_threshold_small", "python bench/malloc_threshold.py --model small --budget-fraction 0.4 "
-                        "--variants 1MiB,128KiB --steps 10 --out bench/results/malloc_threshold_small")]
+    return [
+        *summary_md("swap_step_time", "python bench/swap_step_time.py"),
+        "",
+        *summary_md(
+            "swap_step_time_small",
+            "python bench/swap_step_time.py --model small --budget-fraction 0.4 "
+            "--repeats 3 --steps 10 --out bench/results/swap_step_time_small",
+        ),
+        "",
+        *summary_md("malloc_threshold", "python bench/malloc_threshold.py"),
+        "",
+        *summary_md(
+            "malloc_threshold_small",
+            "python bench/malloc_threshold.py --model small --budget-fraction 0.4 "
+            "--variants 1MiB,128KiB --steps 10 --out bench/results/malloc_threshold_small",
+        ),
+    ]
 
 
 def sweep_section():
     from aidaptiv_ds.harness.machine import cpu_line
     from aidaptiv_ds.harness.results import load_rows
+
     out_dir = os.path.join(ROOT, "bench", "results", "cpu_small")
     if not os.path.exists(os.path.join(out_dir, "results.jsonl")):
-        return ["(no sweep rows yet: `python bench/sweep.py --grid bench/grids/cpu_small.json --out bench/results/cpu_small`)"]
+        return [
+            "(no sweep rows yet: `python bench/sweep.py --grid bench/grids/cpu_small.json --out bench/results/cpu_small`)"
+        ]
     rows = {}
     for r in load_rows(out_dir).rows:  # the newest row of each cell
         rows[(r["model"], r["gpus"], r["micro_batch"], r["seq_len"], r["backend"])] = r
     backends = ["zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv"]
-    shapes = sorted({k[:4] for k in rows}, key=lambda k: (["micro", "tiny", "small"].index(k[0])
-                                                           if k[0] in ("micro", "tiny", "small") else 9, k[1:]))
+    shapes = sorted(
+        {k[:4] for k in rows},
+        key=lambda k: (["micro", "tiny", "small"].index(k[0]) if k[0] in ("micro", "tiny", "small") else 9, k[1:]),
+    )
     any_row = next(iter(rows.values()))
     cap = (any_row.get("host_mem_cap") or {}).get("gb")
     m = any_row.get("machine", {})
-    out = [f"**CPU sweep** (`bench/grids/cpu_small.json`, report in `bench/results/cpu_small/report.md`): tokens/s "
-           f"per cell, {cpu_line(m)}, {m.get('cores', '?')} cores, host memory capped at "
-           f"{cap} GiB per cell (cgroup), fp32, median step after warm-up; OOM: killed by the cap.", "",
-           "| model | processes | batch x seq | " + " | ".join(backends) + " |",
-           "|---|---|---|" + "---|" * len(backends)]
+    out = [
+        f"**CPU sweep** (`bench/grids/cpu_small.json`, report in `bench/results/cpu_small/report.md`): tokens/s "
+        f"per cell, {cpu_line(m)}, {m.get('cores', '?')} cores, host memory capped at "
+        f"{cap} GiB per cell (cgroup), fp32, median step after warm-up; OOM: killed by the cap.",
+        "",
+        "| model | processes | batch x seq | " + " | ".join(backends) + " |",
+        "|---|---|---|" + "---|" * len(backends),
+    ]
     ratios = []
     for shape in shapes:
         cells = []
@@ -128,10 +167,17 @@ def sweep_section():
             ratios.append(a["tokens_per_s"] / z["tokens_per_s"])
         out.append(f"| {shape[0]} | {shape[1]} | {shape[2]} x {shape[3]} | " + " | ".join(cells) + " |")
     if ratios:
-        out += ["", f"aidaptiv / ZeRO-Infinity tokens/s over the {len(ratios)} cells both ran: median "
-                    f"**{statistics.median(ratios):.2f}x** (min {min(ratios):.2f}x, max {max(ratios):.2f}x)."]
-    only = [s for s in shapes if (rows.get(s + ("aidaptiv",)) or {}).get("status") == "ok"
-            and (rows.get(s + ("zero_infinity",)) or {}).get("status") != "ok"]
+        out += [
+            "",
+            f"aidaptiv / ZeRO-Infinity tokens/s over the {len(ratios)} cells both ran: median "
+            f"**{statistics.median(ratios):.2f}x** (min {min(ratios):.2f}x, max {max(ratios):.2f}x).",
+        ]
+    only = [
+        s
+        for s in shapes
+        if (rows.get(s + ("aidaptiv",)) or {}).get("status") == "ok"
+        and (rows.get(s + ("zero_infinity",)) or {}).get("status") != "ok"
+    ]
     if only:
         out.append("Cells only aidaptiv ran: " + ", ".join(f"{s[0]} {s[2]}x{s[3]} on {s[1]}" for s in only) + ".")
     return out
@@ -149,6 +195,7 @@ def gpu_section():
 
     from aidaptiv_ds.harness import report_studies, report_tables
     from aidaptiv_ds.harness.results import load_rows
+
     out = []
     for out_dir in sorted(glob.glob(os.path.join(ROOT, "bench", "results", "gpu_*"))):
         loaded = load_rows(out_dir)
@@ -160,16 +207,25 @@ def gpu_section():
         dev = f"{gpus[0].get('name', 'unknown GPU')} ({(gpus[0].get('memory_mb') or 0) / 1024:.0f} GiB)"
         caps = sorted({r.get("gpu_mem_cap_gb") for r in rows if r.get("gpu_mem_cap_gb")})
         counts = Counter(r["status"] for r in rows)
-        out += [f"**GPU sweep `{name}`** ({rows[0].get('grid')}, on {dev}"
-                + (f", GPU memory capped at {', '.join(f'{c:g}' for c in caps)} GB" if caps else "")
-                + f"; git {(rows[0].get('git_sha') or '?')[:10]}; report in `{name}/report.md`): {len(rows)} cell(s), "
-                + ", ".join(f"{n} {st}" for st, n in sorted(counts.items())) + ".", ""]
+        out += [
+            f"**GPU sweep `{name}`** ({rows[0].get('grid')}, on {dev}"
+            + (f", GPU memory capped at {', '.join(f'{c:g}' for c in caps)} GB" if caps else "")
+            + f"; git {(rows[0].get('git_sha') or '?')[:10]}; report in `{name}/report.md`): {len(rows)} cell(s), "
+            + ", ".join(f"{n} {st}" for st, n in sorted(counts.items()))
+            + ".",
+            "",
+        ]
         ok = [r for r in rows if r["status"] == "ok"]
         if os.path.exists(os.path.join(out_dir, "README.md")):
             out += [f"What the session showed, and what the rows cannot say: `{name}/README.md`.", ""]
         # Out-of-memory cells read off the tables; errors need their line. Without an ok cell, every reason.
-        errors = sorted({(r["backend"], (r.get("error") or "")[:120]) for r in rows
-                         if r["status"] != "ok" and (not ok or r["status"] != "oom")})
+        errors = sorted(
+            {
+                (r["backend"], (r.get("error") or "")[:120])
+                for r in rows
+                if r["status"] != "ok" and (not ok or r["status"] != "oom")
+            }
+        )
         if errors:
             out += [f"- {b}: {e}" for b, e in errors] + [""]
         if not ok:
@@ -183,10 +239,12 @@ def gpu_section():
                     rt = report_tables.ratios(mrows, "aidaptiv", den)
                     vals = list(rt["both"].values())
                     if vals:
-                        out.append(f"aidaptiv / {report_tables.SHORT.get(den, den)}: median {statistics.median(vals):.2f}x "
-                                   f"over {len(vals)} shared cell(s) ({min(vals):.2f}x-{max(vals):.2f}x); aidaptiv "
-                                   f"alone ran {len(rt['only_num'])}, {report_tables.SHORT.get(den, den)} alone "
-                                   f"{len(rt['only_den'])}.")
+                        out.append(
+                            f"aidaptiv / {report_tables.SHORT.get(den, den)}: median {statistics.median(vals):.2f}x "
+                            f"over {len(vals)} shared cell(s) ({min(vals):.2f}x-{max(vals):.2f}x); aidaptiv "
+                            f"alone ran {len(rt['only_num'])}, {report_tables.SHORT.get(den, den)} alone "
+                            f"{len(rt['only_den'])}."
+                        )
                 out.append("")
         flops = report_studies.table_vi_flops_section(rows)
         if flops:
@@ -198,6 +256,7 @@ def faults_section():
     """The fault-injection table from bench/results/faults/rows.jsonl (bench/faults.py): per case, how many
     runs, and in how many the job hung, crashed, failed without a clear error, or lost data."""
     from aidaptiv_ds.harness.machine import cpu_line
+
     rows = _rows(os.path.join(ROOT, "bench", "results", "faults", "rows.jsonl"))
     if not rows:
         return ["(no fault-injection rows yet: `python bench/faults.py --runs 3`)"]
@@ -208,23 +267,31 @@ def faults_section():
         by_case.setdefault(r["case"], []).append(r)
     m = rows[-1].get("machine") or {}
     shas = sorted({r.get("git_sha", "?")[:10] for r in rows})
-    out = [f"**Fault injection** (`python bench/faults.py`, cases in `tests/faults/cases.py`): {cpu_line(m)}, "
-           f"{m.get('cores', '?')} cores; git {', '.join(shas)}. Each run is a whole `aidaptiv-ds train` job "
-           "(micro preset, fp32, 6 steps, a checkpoint every 2) with the fault in step 4; data lost counts runs "
-           "whose last checkpoint did not resume to the uninterrupted losses (1e-6 relative), or whose bytes "
-           "differed.", "",
-           "Clear error: the job's status line names the file, the errno, the offset and what to do; for a fault "
-           "the job rides through, its log says what fell back.", "",
-           "| case | fault injected | runs | clear error | hangs | crashes | data lost |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        f"**Fault injection** (`python bench/faults.py`, cases in `tests/faults/cases.py`): {cpu_line(m)}, "
+        f"{m.get('cores', '?')} cores; git {', '.join(shas)}. Each run is a whole `aidaptiv-ds train` job "
+        "(micro preset, fp32, 6 steps, a checkpoint every 2) with the fault in step 4; data lost counts runs "
+        "whose last checkpoint did not resume to the uninterrupted losses (1e-6 relative), or whose bytes "
+        "differed.",
+        "",
+        "Clear error: the job's status line names the file, the errno, the offset and what to do; for a fault "
+        "the job rides through, its log says what fell back.",
+        "",
+        "| case | fault injected | runs | clear error | hangs | crashes | data lost |",
+        "|---|---|---|---|---|---|---|",
+    ]
     totals = [0, 0, 0, 0, 0]
     judged = 0  # runs that had an error to give (not killed)
     for case in order:
         rs = by_case[case]
         n = len(rs)
         injected = sum(r.get("injected", 1) for r in rs)
-        counts = [sum(bool(r["clear_error"]) for r in rs), sum(bool(r["hang"]) for r in rs),
-                  sum(bool(r["crash"]) for r in rs), sum(bool(r["data_lost"]) for r in rs)]
+        counts = [
+            sum(bool(r["clear_error"]) for r in rs),
+            sum(bool(r["hang"]) for r in rs),
+            sum(bool(r["crash"]) for r in rs),
+            sum(bool(r["data_lost"]) for r in rs),
+        ]
         killed = all(r.get("rc") == -9 for r in rs)
         if killed:
             counts[0] = 0
@@ -235,18 +302,18 @@ def faults_section():
         # A job killed by the injected SIGKILL has nothing to say; the others must say it.
         clear = "n/a (SIGKILL)" if killed else f"{counts[0]}/{n}"
         out.append(f"| {case} | {what} | {n} | {clear} | {counts[1]} | {counts[2]} | {counts[3]} |")
-    out.append(f"| **all** | | {totals[0]} | {totals[1]}/{judged} | {totals[2]} | {totals[3]} | "
-               f"**{totals[4]}** |")
+    out.append(f"| **all** | | {totals[0]} | {totals[1]}/{judged} | {totals[2]} | {totals[3]} | **{totals[4]}** |")
     return out
 
 
 def settings_section():
     """The block's settings, from the pydantic model (so the README cannot drift from the code)."""
     from aidaptiv_ds.config.schema import AidaptivConfig
+
     out = ["| setting | default | meaning |", "|---|---|---|"]
     for name, field in AidaptivConfig.model_fields.items():
         nested = getattr(field.annotation, "model_fields", None)
-        if nested is not None:   # an object of settings (activations): one row per setting inside it
+        if nested is not None:  # an object of settings (activations): one row per setting inside it
             for sub, sub_field in nested.items():
                 out.append(f"| `{name}.{sub}` | `{json.dumps(sub_field.default)}` | {sub_field.description} |")
             continue
@@ -265,30 +332,42 @@ def repeats_section():
     apart, the grid interleaves every cell once per repeat)."""
     from aidaptiv_ds.harness.machine import cpu_line
     from aidaptiv_ds.harness.results import load_rows
+
     out_dir = os.path.join(ROOT, REPEATS_DIR)
     if not os.path.exists(os.path.join(out_dir, "results.jsonl")):
-        return [f"(no repeated sweep rows yet: `aidaptiv-ds sweep --grid bench/grids/cpu_small_repeats.json --out "
-                f"{REPEATS_DIR}`)"]
+        return [
+            f"(no repeated sweep rows yet: `aidaptiv-ds sweep --grid bench/grids/cpu_small_repeats.json --out "
+            f"{REPEATS_DIR}`)"
+        ]
     runs = {}
     for r in load_rows(out_dir).rows:  # the newest row of each run (cell and repeat)
         runs[(r["model"], r["gpus"], r["micro_batch"], r["seq_len"], r["backend"], r.get("repeat", 0))] = r
-    shapes = sorted({k[:4] for k in runs}, key=lambda k: (["micro", "tiny", "small"].index(k[0])
-                                                          if k[0] in ("micro", "tiny", "small") else 9, k[1:]))
+    shapes = sorted(
+        {k[:4] for k in runs},
+        key=lambda k: (["micro", "tiny", "small"].index(k[0]) if k[0] in ("micro", "tiny", "small") else 9, k[1:]),
+    )
     repeats = sorted({k[5] for k in runs})
     any_row = next(iter(runs.values()))
     cap = (any_row.get("host_mem_cap") or {}).get("gb")
     m = any_row.get("machine", {})
-    names = {"zero_infinity": "ZeRO-Infinity (shipped)", "zero_infinity_eqmem": "ZeRO-Infinity (aidaptiv's memory)",
-             "aidaptiv": "aidaptiv"}
-    out = [f"**CPU sweep, {len(repeats)} interleaved repeats** (`bench/grids/cpu_small_repeats.json`, report in "
-           f"`{REPEATS_DIR}/report.md`): tokens/s per cell, median over the repeats (min-max), {cpu_line(m)}, "
-           f"{m.get('cores', '?')} cores, host memory capped at {cap} GiB per cell, fp32, 1 process. aidaptiv's host "
-           "budget is 0.6 of tiny's state and 0.4 of small's; the eqmem column is ZeRO-Infinity given that same "
-           "memory (max_in_cpu, swap buffers, sub-group size; see the grid's notes). OOM*: refused by the launch "
-           "guard's plan before training.", "",
-           "| model | batch x seq | " + " | ".join(names[b] for b in REPEATS_BACKENDS) +
-           " | aidaptiv / eqmem tokens/s (per-repeat min-max) | peak RSS aidaptiv / eqmem |",
-           "|---|---|" + "---|" * (len(REPEATS_BACKENDS) + 2)]
+    names = {
+        "zero_infinity": "ZeRO-Infinity (shipped)",
+        "zero_infinity_eqmem": "ZeRO-Infinity (aidaptiv's memory)",
+        "aidaptiv": "aidaptiv",
+    }
+    out = [
+        f"**CPU sweep, {len(repeats)} interleaved repeats** (`bench/grids/cpu_small_repeats.json`, report in "
+        f"`{REPEATS_DIR}/report.md`): tokens/s per cell, median over the repeats (min-max), {cpu_line(m)}, "
+        f"{m.get('cores', '?')} cores, host memory capped at {cap} GiB per cell, fp32, 1 process. aidaptiv's host "
+        "budget is 0.6 of tiny's state and 0.4 of small's; the eqmem column is ZeRO-Infinity given that same "
+        "memory (max_in_cpu, swap buffers, sub-group size; see the grid's notes). OOM*: refused by the launch "
+        "guard's plan before training.",
+        "",
+        "| model | batch x seq | "
+        + " | ".join(names[b] for b in REPEATS_BACKENDS)
+        + " | aidaptiv / eqmem tokens/s (per-repeat min-max) | peak RSS aidaptiv / eqmem |",
+        "|---|---|" + "---|" * (len(REPEATS_BACKENDS) + 2),
+    ]
     all_ratios, rss_ratios, shared = [], [], 0
     for shape in shapes:
         cells = []
@@ -296,8 +375,10 @@ def repeats_section():
             got = [runs.get(shape + (b, k)) for k in repeats]
             ok = [r["tokens_per_s"] for r in got if r and r["status"] == "ok"]
             if ok:
-                cells.append(f"{statistics.median(ok):.0f} ({min(ok):.0f}-{max(ok):.0f})"
-                             + (f", {len(ok)}/{len([r for r in got if r])} ok" if len(ok) < len([r for r in got if r]) else ""))
+                cells.append(
+                    f"{statistics.median(ok):.0f} ({min(ok):.0f}-{max(ok):.0f})"
+                    + (f", {len(ok)}/{len([r for r in got if r])} ok" if len(ok) < len([r for r in got if r]) else "")
+                )
             else:
                 bad = next((r for r in got if r), None)
                 cells.append("-" if bad is None else bad["status"].upper() + ("*" if bad.get("inferred") else ""))
@@ -308,14 +389,17 @@ def repeats_section():
         all_ratios += ratios
         rss_ratios += rss
         shared += bool(ratios)
-        ratio = (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
+        ratio = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
         rss_cell = f"{statistics.median(rss):.2f}x" if rss else "-"
         out.append(f"| {shape[0]} | {shape[2]} x {shape[3]} | " + " | ".join(cells) + f" | {ratio} | {rss_cell} |")
     if all_ratios:
-        out += ["", f"aidaptiv / ZeRO-Infinity at equal memory over the {shared} shared cells ({len(all_ratios)} "
-                    f"repeat pairs): tokens/s median **{statistics.median(all_ratios):.2f}x** (min "
-                    f"{min(all_ratios):.2f}x, max {max(all_ratios):.2f}x), i.e. step time "
-                    f"{1 / statistics.median(all_ratios):.2f}x; peak RSS median {statistics.median(rss_ratios):.2f}x."]
+        out += [
+            "",
+            f"aidaptiv / ZeRO-Infinity at equal memory over the {shared} shared cells ({len(all_ratios)} "
+            f"repeat pairs): tokens/s median **{statistics.median(all_ratios):.2f}x** (min "
+            f"{min(all_ratios):.2f}x, max {max(all_ratios):.2f}x), i.e. step time "
+            f"{1 / statistics.median(all_ratios):.2f}x; peak RSS median {statistics.median(rss_ratios):.2f}x.",
+        ]
     return out
 
 
@@ -326,6 +410,7 @@ def user_paths_section():
     from user_paths import EQMEM, STATE_BYTES_PER_PARAM, path_figures
 
     from aidaptiv_ds.harness.machine import cpu_line
+
     rows = [r for r in _rows(os.path.join(ROOT, "bench", "results", "user_paths", "rows.jsonl")) if r["status"] == "ok"]
     if not rows:
         return ["(no user-path rows yet: `python bench/user_paths.py`)"]
@@ -335,23 +420,35 @@ def user_paths_section():
     first = rows[0]
     m = first["machine"]
     budget = next((r["budget_bytes"] for r in rows if r["backend"] == "aidaptiv" and r.get("budget_bytes")), None)
-    memory = ("ZeRO-Infinity runs its shipped config (no RAM cache, `max_in_cpu: 0`, and its own pinned buffers); "
-              + (f"{EQMEM} is that config with its RAM cache, swap buffers and sub-groups sized to aidaptiv's "
-                 "budget (bench/train_run.eqmem_sizing, as the sweep sizes it)." if EQMEM in backends else
-                 "the memory is not equal here (the repeated sweep below compares at equal memory)."))
-    out = [f"**Step time on the paths users take** (`bench/user_paths.py`, summary in "
-           "`bench/results/user_paths/summary.md`): "
-           f"{first['model']} ({first['params'] / 1e6:.1f}M params), fp32, micro-batch {first['micro_batch']} x seq "
-           f"{first['seq_len']}, 1 CPU process, {cpu_line(m)}, {m.get('cores', '?')} cores; "
-           f"{len({r['repeat'] for r in rows})} interleaved repeats, median step after {first['warmup']} warm-up steps. "
-           "script: a plain loop with the model built under `deepspeed.zero.Init` (examples/zero_init_train.py); "
-           "trainer: the HF Trainer with `--deepspeed` (examples/hf_trainer_finetune.py); train: `aidaptiv-ds "
-           "train`. aidaptiv gets a host budget of "
-           + (f"{budget / 2**20:.0f} MiB ({budget / (first['params'] * STATE_BYTES_PER_PARAM):.2g} of the model state); " if budget
-              else "a quarter of the model state; ") + memory, "",
-           "| path | " + " | ".join(f"{b} step s" for b in backends) + " | "
-           + " | ".join(f"aidaptiv / {d} step | peak RSS aidaptiv / {d}" for d in dens) + " |",
-           "|---|" + "---|" * (len(backends) + 2 * len(dens))]
+    memory = "ZeRO-Infinity runs its shipped config (no RAM cache, `max_in_cpu: 0`, and its own pinned buffers); " + (
+        f"{EQMEM} is that config with its RAM cache, swap buffers and sub-groups sized to aidaptiv's "
+        "budget (bench/train_run.eqmem_sizing, as the sweep sizes it)."
+        if EQMEM in backends
+        else "the memory is not equal here (the repeated sweep below compares at equal memory)."
+    )
+    out = [
+        f"**Step time on the paths users take** (`bench/user_paths.py`, summary in "
+        "`bench/results/user_paths/summary.md`): "
+        f"{first['model']} ({first['params'] / 1e6:.1f}M params), fp32, micro-batch {first['micro_batch']} x seq "
+        f"{first['seq_len']}, 1 CPU process, {cpu_line(m)}, {m.get('cores', '?')} cores; "
+        f"{len({r['repeat'] for r in rows})} interleaved repeats, median step after {first['warmup']} warm-up steps. "
+        "script: a plain loop with the model built under `deepspeed.zero.Init` (examples/zero_init_train.py); "
+        "trainer: the HF Trainer with `--deepspeed` (examples/hf_trainer_finetune.py); train: `aidaptiv-ds "
+        "train`. aidaptiv gets a host budget of "
+        + (
+            f"{budget / 2**20:.0f} MiB ({budget / (first['params'] * STATE_BYTES_PER_PARAM):.2g} of the model state); "
+            if budget
+            else "a quarter of the model state; "
+        )
+        + memory,
+        "",
+        "| path | "
+        + " | ".join(f"{b} step s" for b in backends)
+        + " | "
+        + " | ".join(f"aidaptiv / {d} step | peak RSS aidaptiv / {d}" for d in dens)
+        + " |",
+        "|---|" + "---|" * (len(backends) + 2 * len(dens)),
+    ]
     for p in paths:
         cells = []
         for b in backends:
@@ -367,8 +464,26 @@ def user_paths_section():
 
 
 def section():
-    parts = [BEGIN, "", *io_bench_section(), "", *step_time_section(), "", *user_paths_section(), "",
-             *sweep_section(), "", *repeats_section(), "", *capacity_section(), "", *gpu_section(), *faults_section(), "", END]
+    parts = [
+        BEGIN,
+        "",
+        *io_bench_section(),
+        "",
+        *step_time_section(),
+        "",
+        *user_paths_section(),
+        "",
+        *sweep_section(),
+        "",
+        *repeats_section(),
+        "",
+        *capacity_section(),
+        "",
+        *gpu_section(),
+        *faults_section(),
+        "",
+        END,
+    ]
     return "\n".join(parts)
 
 

@@ -18,6 +18,7 @@ Writes one JSON row per run to OUT/rows.jsonl and a summary (medians over repeat
 Every run here is our train job; bench/user_paths.py measures the same backends through a plain zero.Init
 script and the Hugging Face Trainer as well.
 """
+
 import argparse
 import json
 import os
@@ -64,10 +65,29 @@ def config_path(backend, args, swap):
 def run_one(backend, args, swap_root, env):
     swap = tempfile.mkdtemp(prefix=f"{backend}-", dir=swap_root)
     metrics = os.path.join(swap, "metrics.json")
-    cmd = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", config_path(backend, args, swap),
-           "--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-path", swap,
-           "--metrics-out", metrics, "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aidaptiv_ds",
+        "train",
+        "--config",
+        config_path(backend, args, swap),
+        "--model",
+        args.model,
+        "--seq-len",
+        str(args.seq_len),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--nvme-path",
+        swap,
+        "--metrics-out",
+        metrics,
+        "--no-progress",
+    ]
     if backend == "aidaptiv":
         cmd += ["--host-budget", str(args.budget_bytes)]
     return run_train(cmd, ROOT, env, swap, metrics, backend=backend)
@@ -77,39 +97,69 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(p, 5, "runs per backend")
     p.set_defaults(budget_fraction=0.6)
-    p.add_argument("--backends", default=",".join(BACKENDS),
-                   help=f"comma-separated, from {', '.join(BACKENDS)} (default: all)")
+    p.add_argument(
+        "--backends", default=",".join(BACKENDS), help=f"comma-separated, from {', '.join(BACKENDS)} (default: all)"
+    )
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "swap_step_time"),
-                   help="folder for rows.jsonl and summary.md (bench/results/swap_step_time)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "results", "swap_step_time"),
+        help="folder for rows.jsonl and summary.md (bench/results/swap_step_time)",
+    )
     args = p.parse_args()
     bad = [b for b in args.backends.split(",") if b not in BACKENDS]
     if bad:
         p.error(f"--backends {','.join(bad)}: choose from {', '.join(BACKENDS)}")
 
     from aidaptiv_ds.models.presets import count_parameters, preset_config
+
     params = count_parameters(preset_config(args.model))
     args.budget_bytes = int(params * STATE_BYTES_PER_PARAM * args.budget_fraction)
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     print(summary(machine), file=sys.stderr)
-    print(f"model {args.model}: {params / 1e6:.2f}M parameters, state {params * STATE_BYTES_PER_PARAM / 2**20:.0f} MiB,"
-          f" aidaptiv host budget {args.budget_bytes / 2**20:.0f} MiB", file=sys.stderr)
+    print(
+        f"model {args.model}: {params / 1e6:.2f}M parameters, state {params * STATE_BYTES_PER_PARAM / 2**20:.0f} MiB,"
+        f" aidaptiv host budget {args.budget_bytes / 2**20:.0f} MiB",
+        file=sys.stderr,
+    )
     sizing = eqmem_sizing(ROOT, args.model, args.budget_bytes)[1] if eqmem.BACKEND in args.backends.split(",") else None
     if sizing is not None:
-        print(f"{eqmem.BACKEND}: max_in_cpu {sizing.max_in_cpu:,} of {sizing.partition_numel:,} elements, "
-              f"sub_group_size {sizing.sub_group_size:,}, {sizing.sized_bytes / 2**20:.0f} MiB sized"
-              + (f", {sizing.over_budget_bytes / 2**20:.0f} MiB over the budget" if sizing.over_budget_bytes else ""),
-              file=sys.stderr)
+        print(
+            f"{eqmem.BACKEND}: max_in_cpu {sizing.max_in_cpu:,} of {sizing.partition_numel:,} elements, "
+            f"sub_group_size {sizing.sub_group_size:,}, {sizing.sized_bytes / 2**20:.0f} MiB sized"
+            + (f", {sizing.over_budget_bytes / 2**20:.0f} MiB over the budget" if sizing.over_budget_bytes else ""),
+            file=sys.stderr,
+        )
     disk = measure_disk(args, env)
-    print(f"disk (O_DIRECT, 1 MiB blocks, queue depth 32): read {disk.get('read_gbps')} GB/s, write "
-          f"{disk.get('write_gbps')} GB/s", file=sys.stderr)
+    print(
+        f"disk (O_DIRECT, 1 MiB blocks, queue depth 32): read {disk.get('read_gbps')} GB/s, write "
+        f"{disk.get('write_gbps')} GB/s",
+        file=sys.stderr,
+    )
     backends = args.backends.split(",")
-    common = dict(git_sha=sha, git_dirty=dirty, disk=disk, machine=machine, model=args.model, params=params,
-                  seq_len=args.seq_len, micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup)
+    common = dict(
+        git_sha=sha,
+        git_dirty=dirty,
+        disk=disk,
+        machine=machine,
+        model=args.model,
+        params=params,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        steps=args.steps,
+        warmup=args.warmup,
+    )
     rows = run_interleaved(
-        backends, args.repeats, lambda b: run_one(b, args, args.swap_root, env), os.path.join(args.out, "rows.jsonl"),
-        common, lambda b: dict(budget_bytes=args.budget_bytes if b in ("aidaptiv", eqmem.BACKEND) else None,
-                               eqmem=sizing.as_row() if b == eqmem.BACKEND else None))
+        backends,
+        args.repeats,
+        lambda b: run_one(b, args, args.swap_root, env),
+        os.path.join(args.out, "rows.jsonl"),
+        common,
+        lambda b: dict(
+            budget_bytes=args.budget_bytes if b in ("aidaptiv", eqmem.BACKEND) else None,
+            eqmem=sizing.as_row() if b == eqmem.BACKEND else None,
+        ),
+    )
     text = summarize(rows, args, params, machine, sha, disk, sizing)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
@@ -118,9 +168,27 @@ def main():
 
 def measure_disk(args, env):
     """Read and write bandwidth of the swap disk with our engine, measured now (the bound's denominator)."""
-    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "io-bench", "--dir", args.swap_root, "--size-mb", "1024",
-                        "--engines", "uring", "--repeat", "2", "--json"], cwd=ROOT, env=env, capture_output=True,
-                       text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aidaptiv_ds",
+            "io-bench",
+            "--dir",
+            args.swap_root,
+            "--size-mb",
+            "1024",
+            "--engines",
+            "uring",
+            "--repeat",
+            "2",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     try:
         e = json.loads(p.stdout)["engines"]["uring"]
         return {"read_gbps": e["read_gbps"], "write_gbps": e["write_gbps"]}
@@ -157,56 +225,83 @@ def summarize(rows, args, params, machine, sha, disk, sizing=None):
         rs = paired_ratios(figures(rows, key), num, den)
         if not rs:
             return []
-        return [f"- {what}: **{statistics.median(rs):.2f}x** median over {len(rs)} repeat pairs "
-                f"(min {min(rs):.2f}x, max {max(rs):.2f}x){target}"]
+        return [
+            f"- {what}: **{statistics.median(rs):.2f}x** median over {len(rs)} repeat pairs "
+            f"(min {min(rs):.2f}x, max {max(rs):.2f}x){target}"
+        ]
 
     backends = args.backends.split(",")
     steps_timed = args.steps - args.warmup
-    lines = [f"# Swapped step time, {args.model} ({params / 1e6:.1f}M params), fp32, micro-batch {args.micro_batch} x "
-             f"seq {args.seq_len}, 1 CPU process", "",
-             f"Machine: {summary(machine)}  ", f"git {sha}; {args.repeats} interleaved repeats, medians; "
-             f"{args.steps} steps per run, first {args.warmup} excluded; aidaptiv host budget "
-             f"{args.budget_bytes / 2**20:.0f} MiB = {args.budget_fraction:g} x model state.", ""]
+    lines = [
+        f"# Swapped step time, {args.model} ({params / 1e6:.1f}M params), fp32, micro-batch {args.micro_batch} x "
+        f"seq {args.seq_len}, 1 CPU process",
+        "",
+        f"Machine: {summary(machine)}  ",
+        f"git {sha}; {args.repeats} interleaved repeats, medians; "
+        f"{args.steps} steps per run, first {args.warmup} excluded; aidaptiv host budget "
+        f"{args.budget_bytes / 2**20:.0f} MiB = {args.budget_fraction:g} x model state.",
+        "",
+    ]
     if sizing is not None:
-        lines += [f"{eqmem.BACKEND}: ds_configs/zero_infinity.json with max_in_cpu {sizing.max_in_cpu:,} of "
-                  f"{sizing.partition_numel:,} elements, sub_group_size {sizing.sub_group_size:,}, parameter buffers "
-                  f"{sizing.param_buffer_count} x {sizing.param_buffer_size:,}: {sizing.sized_bytes / 2**20:.0f} MiB "
-                  f"of host memory for the model state against aidaptiv's {sizing.budget_bytes / 2**20:.0f} MiB"
-                  + (f" ({sizing.over_budget_bytes / 2**20:.0f} MiB over: its fixed buffers alone exceed the budget)"
-                     if sizing.over_budget_bytes else "") + ". zero_infinity is the shipped file (no RAM cache, "
-                  "5 parameter buffers of 1e8 elements).", ""]
-    lines += ["| backend | step s | forward s | backward s | optimizer s | of which updates s | I/O wait s | "
-              "NVMe read MB/step | NVMe write MB/step | peak RSS MiB | peak pinned MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"{eqmem.BACKEND}: ds_configs/zero_infinity.json with max_in_cpu {sizing.max_in_cpu:,} of "
+            f"{sizing.partition_numel:,} elements, sub_group_size {sizing.sub_group_size:,}, parameter buffers "
+            f"{sizing.param_buffer_count} x {sizing.param_buffer_size:,}: {sizing.sized_bytes / 2**20:.0f} MiB "
+            f"of host memory for the model state against aidaptiv's {sizing.budget_bytes / 2**20:.0f} MiB"
+            + (
+                f" ({sizing.over_budget_bytes / 2**20:.0f} MiB over: its fixed buffers alone exceed the budget)"
+                if sizing.over_budget_bytes
+                else ""
+            )
+            + ". zero_infinity is the shipped file (no RAM cache, "
+            "5 parameter buffers of 1e8 elements).",
+            "",
+        ]
+    lines += [
+        "| backend | step s | forward s | backward s | optimizer s | of which updates s | I/O wait s | "
+        "NVMe read MB/step | NVMe write MB/step | peak RSS MiB | peak pinned MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for b in backends:
         rd, wr = med(b, "nvme_read_bytes"), med(b, "nvme_write_bytes")
-        lines.append(f"| {b} | {fmt(med(b, 'step_s_median'))} | {fmt(med(b, 'phases_s', 'forward'))} | "
-                     f"{fmt(med(b, 'phases_s', 'backward'))} | {fmt(med(b, 'phases_s', 'optimizer'))} | "
-                     f"{fmt(med(b, 'phases_s', 'optimizer_update'))} | "
-                     f"{fmt(med(b, 'phases_s', 'io_wait'))} | {fmt(rd and rd / steps_timed, 1e-6, 0)} | "
-                     f"{fmt(wr and wr / steps_timed, 1e-6, 0)} | {fmt(med(b, 'peak_rss_mb'), 1, 0)} | "
-                     f"{fmt(med(b, 'peak_pinned_mb'), 1, 0)} |")
+        lines.append(
+            f"| {b} | {fmt(med(b, 'step_s_median'))} | {fmt(med(b, 'phases_s', 'forward'))} | "
+            f"{fmt(med(b, 'phases_s', 'backward'))} | {fmt(med(b, 'phases_s', 'optimizer'))} | "
+            f"{fmt(med(b, 'phases_s', 'optimizer_update'))} | "
+            f"{fmt(med(b, 'phases_s', 'io_wait'))} | {fmt(rd and rd / steps_timed, 1e-6, 0)} | "
+            f"{fmt(wr and wr / steps_timed, 1e-6, 0)} | {fmt(med(b, 'peak_rss_mb'), 1, 0)} | "
+            f"{fmt(med(b, 'peak_pinned_mb'), 1, 0)} |"
+        )
     lines += ["", "aidaptiv against ZeRO-Infinity, per repeat:"]
-    lines += ratio("aidaptiv", eqmem.BACKEND, "step_s_median", "step time / equal-memory ZeRO-Infinity",
-                   " (target <= 0.5x)")
-    lines += ratio("aidaptiv", eqmem.BACKEND, "peak_rss_mb", "peak RSS / equal-memory ZeRO-Infinity",
-                   " (target <= 0.5x)")
+    lines += ratio(
+        "aidaptiv", eqmem.BACKEND, "step_s_median", "step time / equal-memory ZeRO-Infinity", " (target <= 0.5x)"
+    )
+    lines += ratio(
+        "aidaptiv", eqmem.BACKEND, "peak_rss_mb", "peak RSS / equal-memory ZeRO-Infinity", " (target <= 0.5x)"
+    )
     lines += ratio("aidaptiv", "zero_infinity", "step_s_median", "step time / shipped ZeRO-Infinity", "")
     lines += ratio("aidaptiv", "zero_infinity", "peak_rss_mb", "peak RSS / shipped ZeRO-Infinity", "")
     a = med("aidaptiv", "step_s_median")
-    rd, wr, compute = med("aidaptiv", "nvme_read_bytes"), med("aidaptiv", "nvme_write_bytes"), med("zero3", "step_s_median")
+    rd, wr, compute = (
+        med("aidaptiv", "nvme_read_bytes"),
+        med("aidaptiv", "nvme_write_bytes"),
+        med("zero3", "step_s_median"),
+    )
     if rd and wr and disk.get("read_gbps") and disk.get("write_gbps") and compute and a:
         io = rd / steps_timed / (disk["read_gbps"] * 1e9) + wr / steps_timed / (disk["write_gbps"] * 1e9)
-        lines += ["", "Distance to the bound (DESIGN.md): a step cannot be faster than max(compute, NVMe time).",
-                  f"Compute: in-memory ZeRO-3 step {compute:.3f} s (on this CPU the optimizer runs on the same "
-                  f"cores as the model, so its time is compute too). NVMe time of aidaptiv's bytes at the disk's "
-                  f"bandwidth measured in this run ({disk['read_gbps']:.2f} GB/s read, {disk['write_gbps']:.2f} "
-                  f"GB/s write, one after the other): {io:.3f} s. Bound {max(compute, io):.3f} s; measured "
-                  f"{a:.3f} s (**{a / max(compute, io):.2f}x** the bound; target <= 1.3x); the rest is I/O that did "
-                  "not overlap compute (the I/O wait column).",
-                  "With fp32 models aidaptiv applies each update when the next forward fetches the parameters "
-                  "(\"of which updates\"): its forward includes the optimizer's work, and its optimizer column "
-                  "is only what engine.step() takes."]
+        lines += [
+            "",
+            "Distance to the bound (DESIGN.md): a step cannot be faster than max(compute, NVMe time).",
+            f"Compute: in-memory ZeRO-3 step {compute:.3f} s (on this CPU the optimizer runs on the same "
+            f"cores as the model, so its time is compute too). NVMe time of aidaptiv's bytes at the disk's "
+            f"bandwidth measured in this run ({disk['read_gbps']:.2f} GB/s read, {disk['write_gbps']:.2f} "
+            f"GB/s write, one after the other): {io:.3f} s. Bound {max(compute, io):.3f} s; measured "
+            f"{a:.3f} s (**{a / max(compute, io):.2f}x** the bound; target <= 1.3x); the rest is I/O that did "
+            "not overlap compute (the I/O wait column).",
+            "With fp32 models aidaptiv applies each update when the next forward fetches the parameters "
+            '("of which updates"): its forward includes the optimizer\'s work, and its optimizer column '
+            "is only what engine.step() takes.",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,7 @@
 
 Shared by the benchmark scripts beside this file (they run as `python bench/NAME.py`, so this folder is on
 sys.path)."""
+
 import json
 import os
 import shutil
@@ -30,8 +31,11 @@ def paired_ratios(figures, num, den):
     value} of the runs that went ok. The runs of a repeat are neighbours in time, so the machine's drift
     cancels in the ratio."""
     reps = sorted({rep for (_, rep) in figures})
-    return [figures[(num, rep)] / figures[(den, rep)] for rep in reps
-            if (num, rep) in figures and (den, rep) in figures and figures[(den, rep)]]
+    return [
+        figures[(num, rep)] / figures[(den, rep)]
+        for rep in reps
+        if (num, rep) in figures and (den, rep) in figures and figures[(den, rep)]
+    ]
 
 
 def eqmem_sizing(root, model, budget_bytes):
@@ -39,6 +43,7 @@ def eqmem_sizing(root, model, budget_bytes):
     sizes its zero_infinity_eqmem cells (aidaptiv_ds/harness/eqmem.py)."""
     from aidaptiv_ds.config import ds_config
     from aidaptiv_ds.harness import eqmem
+
     base = ds_config.load(os.path.join(root, "ds_configs", f"{eqmem.BASE}.json"))
     return base, eqmem.size_eqmem(base, model, 1, budget_bytes)
 
@@ -51,7 +56,7 @@ def run_interleaved(names, repeats, run, rows_path, common, per_name=lambda name
     rows = []
     with open(rows_path, "a") as out:
         for rep in range(repeats):
-            for name in (names if rep % 2 == 0 else names[::-1]):
+            for name in names if rep % 2 == 0 else names[::-1]:
                 row = run(name)
                 row.update(common, **per_name(name), repeat=rep, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
                 out.write(json.dumps(row) + "\n")
@@ -59,8 +64,11 @@ def run_interleaved(names, repeats, run, rows_path, common, per_name=lambda name
                 rows.append(row)
                 m = row.get("metrics") or row
                 step, rss = (m.get(k) for k in ("step_s_median", "peak_rss_mb"))
-                print(f"repeat {rep} {name:22s} step {float('nan') if step is None else step:.3f} s "
-                      f"rss {float('nan') if rss is None else rss:.0f} MiB {row.get('error', '')}", file=sys.stderr)
+                print(
+                    f"repeat {rep} {name:22s} step {float('nan') if step is None else step:.3f} s "
+                    f"rss {float('nan') if rss is None else rss:.0f} MiB {row.get('error', '')}",
+                    file=sys.stderr,
+                )
     return rows
 
 
@@ -75,6 +83,7 @@ def bench_setup(root, swap_root, out):
     from aidaptiv_ds.harness.machine import machine_info
     from aidaptiv_ds.harness.prebuild import put_build_tools_first
     from aidaptiv_ds.harness.results import git_state
+
     os.makedirs(swap_root, exist_ok=True)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ)
@@ -93,5 +102,9 @@ def add_run_arguments(parser, repeats: int, repeats_help: str) -> None:
     parser.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included (12)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (2)")
     parser.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help}, interleaved ({repeats})")
-    parser.add_argument("--budget-fraction", type=float, default=0.25,
-                        help="aidaptiv host budget as a fraction of the model state (default %(default)s)")
+    parser.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.25,
+        help="aidaptiv host budget as a fraction of the model state (default %(default)s)",
+    )

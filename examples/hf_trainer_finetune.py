@@ -12,6 +12,7 @@ plain DeepSpeed run. --model takes a preset of aidaptiv_ds.models.presets (rando
 --step_times_out FILE writes each optimizer step's wall time (a TrainerCallback, from on_step_begin to
 on_step_end: data, forward, backward and step), peak RSS and, when the engine has it, its aidaptiv_stats().
 """
+
 import json
 import resource
 import sys
@@ -93,16 +94,23 @@ def main():
     result = trainer.train()
     stats = getattr(trainer.model_wrapped, "aidaptiv_stats", None)
     if targs.process_index == 0:
-        print(f"train_loss={result.training_loss:.4f} losses={[h['loss'] for h in trainer.state.log_history if 'loss' in h]}")
-        print("aidaptiv swapper active" if stats else "aidaptiv swapper not active",
-              f"nvme_read_bytes={stats()['nvme_read_bytes']}" if stats else "")
+        print(
+            f"train_loss={result.training_loss:.4f} losses={[h['loss'] for h in trainer.state.log_history if 'loss' in h]}"
+        )
+        print(
+            "aidaptiv swapper active" if stats else "aidaptiv swapper not active",
+            f"nvme_read_bytes={stats()['nvme_read_bytes']}" if stats else "",
+        )
         if stats and stats().get("activations"):
             print(f"activations={json.dumps(stats()['activations'])}")
         if margs.step_times_out:
-            record = {"step_s": times.step_s, "io_bytes_at_step_end": times.io_bytes,
-                      "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-                      "aidaptiv_stats": stats() if stats else None}
+            record = {
+                "step_s": times.step_s,
+                "io_bytes_at_step_end": times.io_bytes,
+                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                "aidaptiv_stats": stats() if stats else None,
+            }
             with open(margs.step_times_out, "w") as f:
                 json.dump(record, f, indent=1, default=str)
 

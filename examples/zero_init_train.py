@@ -15,6 +15,7 @@ Each step's wall time is printed; --json-out also writes every step's forward, b
 the losses, peak RSS, this process's block-device bytes over the steps after --warmup (/proc/self/io) and,
 when the engine has it, ``engine.aidaptiv_stats()``. Run without a launcher, it is rank 0 of 1.
 """
+
 import argparse
 import json
 import os
@@ -68,10 +69,16 @@ def main():
     micro_batch = config.get("train_micro_batch_size_per_gpu", 1)
     torch.manual_seed(args.seed)
     deepspeed.init_distributed()
-    model_config = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
-                               num_attention_heads=args.heads, num_key_value_heads=args.kv_heads or args.heads,
-                               intermediate_size=args.intermediate, vocab_size=args.vocab,
-                               max_position_embeddings=4096, tie_word_embeddings=False)
+    model_config = LlamaConfig(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads or args.heads,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     t0 = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = LlamaForCausalLM(model_config)
@@ -105,12 +112,18 @@ def main():
             print(f"step {step + 1}: loss {losses[-1]:.4f}, {t3 - t0:.3f} s", flush=True)
     io_end = proc_io()
 
-    timed = steps[args.warmup:] or steps
+    timed = steps[args.warmup :] or steps
     stats = engine.aidaptiv_stats() if callable(getattr(engine, "aidaptiv_stats", None)) else None
     record = {
-        "config": args.config, "micro_batch": micro_batch, "seq_len": args.seq_len, "warmup": args.warmup,
+        "config": args.config,
+        "micro_batch": micro_batch,
+        "seq_len": args.seq_len,
+        "warmup": args.warmup,
         "params": sum(int(getattr(q, "ds_numel", q.numel())) for q in model.parameters()),
-        "build_s": build_s, "initialize_s": initialize_s, "steps": steps, "losses": losses,
+        "build_s": build_s,
+        "initialize_s": initialize_s,
+        "steps": steps,
+        "losses": losses,
         "mean_step_s": sum(r["step_s"] for r in timed) / len(timed),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "io_bytes": ([e - s for s, e in zip(io_start, io_end)] if io_start and io_end else None),

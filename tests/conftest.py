@@ -21,9 +21,11 @@ def pytest_sessionstart(session):
     Free the RAM that DeepSpeed runs of earlier sessions left in /dev/shm (aidaptiv_ds.zero3.dist_shm): on a
     machine that has run this suite many times it is gigabytes the multi-rank tests then lack."""
     import tempfile
+
     os.environ["AIDAPTIV_DS_CACHE_DIR"] = tempfile.mkdtemp(prefix="aidaptiv-tests-cache-")
     from aidaptiv_ds import remove_leaked_shared_memory
     from aidaptiv_ds.harness.prebuild import put_build_tools_first
+
     put_build_tools_first(os.environ)  # one ninja for every DeepSpeed op build of the session and its children
     removed = remove_leaked_shared_memory()
     if removed:
@@ -41,8 +43,10 @@ class PhaseTimeout(Exception):
 
 
 def _on_alarm(signum, frame):
-    raise PhaseTimeout(f"test phase still running after {PHASE_LIMIT_S} s (AIDAPTIV_TEST_PHASE_LIMIT_S); "
-                       "the traceback shows where it was")
+    raise PhaseTimeout(
+        f"test phase still running after {PHASE_LIMIT_S} s (AIDAPTIV_TEST_PHASE_LIMIT_S); "
+        "the traceback shows where it was"
+    )
 
 
 def _limited(phase):
@@ -55,6 +59,7 @@ def _limited(phase):
         finally:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, previous)
+
     hook.__name__ = f"pytest_runtest_{phase}"
     return hook
 

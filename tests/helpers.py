@@ -1,4 +1,5 @@
 """Test helpers: where the repository is, and how to run the CLI in a child process."""
+
 import json
 import os
 import subprocess
@@ -11,8 +12,11 @@ CONFIGS = os.path.join(REPO, "ds_configs")
 def child_env(**extra):
     """Environment for a child training process: this checkout first on the path, no inherited rank
     variables (a child must start as its own 1-process job or be given ranks by a launcher)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    }
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".torch_extensions"))
     env.setdefault("OMP_NUM_THREADS", "2")
@@ -25,12 +29,22 @@ def run_train(args, cwd, timeout=600, launcher_procs=None):
     (returncode, combined output)."""
     if launcher_procs:
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        cmd = [deepspeed, "--num_accelerators", str(launcher_procs), "--master_port", str(_free_port()),
-               "--module", "aidaptiv_ds", "train", *args]
+        cmd = [
+            deepspeed,
+            "--num_accelerators",
+            str(launcher_procs),
+            "--master_port",
+            str(_free_port()),
+            "--module",
+            "aidaptiv_ds",
+            "train",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "aidaptiv_ds", "train", *args]
-    p = subprocess.run(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=timeout)
+    p = subprocess.run(
+        cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     return p.returncode, p.stdout
 
 
@@ -44,7 +58,7 @@ def failure_excerpt(log, tail=2500):
             end = i + 1
             while end < len(lines) and (lines[end].startswith((" ", "\t")) or not lines[end].strip()):
                 end += 1
-            picked += ["--- traceback ending:", *lines[max(i + 1, end - 6):end + 1]]
+            picked += ["--- traceback ending:", *lines[max(i + 1, end - 6) : end + 1]]
     return "\n".join(["=== status lines and tracebacks", *picked, "=== log tail", log[-tail:]])
 
 
@@ -55,6 +69,7 @@ def read_metrics(path):
 
 def _free_port():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -20,6 +20,7 @@ still called as a module, once per forward (``head(hidden, labels=...)``), becau
 partitioned weight only inside calls of its module and re-gathers it for the backward of that call's
 output; the weight's gradient is produced once per backward, as before. Nothing here imports DeepSpeed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,9 +49,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, divisor, chunk: int):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            logits = F.linear(hidden[start:start + chunk], weight, bias).float()
-            total += F.cross_entropy(logits, targets[start:start + chunk], ignore_index=IGNORE_INDEX,
-                                     reduction="sum")
+            logits = F.linear(hidden[start : start + chunk], weight, bias).float()
+            total += F.cross_entropy(logits, targets[start : start + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
             del logits
         ctx.chunk = chunk
         ctx.save_for_backward(hidden, weight, bias, targets, divisor)
@@ -72,18 +72,22 @@ class LinearCrossEntropy(torch.autograd.Function):
         sums = {}
         chunks = range(0, hidden.shape[0], ctx.chunk)
         for start in chunks:
-            h = hidden[start:start + ctx.chunk].detach().requires_grad_(need_hidden)
+            h = hidden[start : start + ctx.chunk].detach().requires_grad_(need_hidden)
             with torch.enable_grad():
                 logits = F.linear(h, w, b).float()
-                loss = F.cross_entropy(logits, targets[start:start + ctx.chunk], ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
-            wanted = [(name, x) for name, x, need in (("h", h, need_hidden), ("w", w, need_weight),
-                                                       ("b", b, need_bias)) if need]
+                loss = F.cross_entropy(
+                    logits, targets[start : start + ctx.chunk], ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+            wanted = [
+                (name, x)
+                for name, x, need in (("h", h, need_hidden), ("w", w, need_weight), ("b", b, need_bias))
+                if need
+            ]
             grads = torch.autograd.grad(loss, [x for _, x in wanted], grad_outputs=scale)
             del logits, loss
             for (name, _), g in zip(wanted, grads):
                 if name == "h":
-                    grad_hidden[start:start + ctx.chunk] = g
+                    grad_hidden[start : start + ctx.chunk] = g
                 elif len(chunks) == 1:
                     sums[name] = g
                 elif name in sums:
@@ -95,8 +99,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   labels: torch.Tensor, chunk_tokens: int, num_items_in_batch=None) -> torch.Tensor:
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    num_items_in_batch=None,
+) -> torch.Tensor:
     """The loss a Hugging Face causal LM computes from its last hidden state ``hidden`` [B, S, H] and
     ``labels`` [B, S], chunked (see the module docstring)."""
     if chunk_tokens < 1:
@@ -104,7 +114,7 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     targets = shift_labels(labels).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if num_items_in_batch is None:
-        divisor = (targets != IGNORE_INDEX).sum().float()   # a mean over the counted tokens (NaN with none)
+        divisor = (targets != IGNORE_INDEX).sum().float()  # a mean over the counted tokens (NaN with none)
     else:
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
     return LinearCrossEntropy.apply(flat, weight, bias, targets, divisor, int(chunk_tokens))
@@ -114,8 +124,9 @@ def _head_forward(self, hidden, labels=None, *, loss_chunk_tokens=None, num_item
     """An ``nn.Linear`` head's forward; given ``labels``, the chunked loss instead of the logits."""
     if labels is None:
         return F.linear(hidden, self.weight, self.bias)
-    return causal_lm_loss(hidden, self.weight, self.bias, labels, loss_chunk_tokens or self._aidaptiv_loss_chunk,
-                          num_items_in_batch)
+    return causal_lm_loss(
+        hidden, self.weight, self.bias, labels, loss_chunk_tokens or self._aidaptiv_loss_chunk, num_items_in_batch
+    )
 
 
 def loss_owner(model):
@@ -134,8 +145,10 @@ def unsupported_reason(model) -> Optional[str]:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"model type {model_type!r} is not one whose logits are exactly lm_head(hidden) "
-                f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+        return (
+            f"model type {model_type!r} is not one whose logits are exactly lm_head(hidden) "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     if "forward" in vars(model) and not getattr(model, "_aidaptiv_chunked_loss", False):
         # Another library replaced the model's forward and owns its head and loss (TRL's SFTTrainer installs a
         # fused LM head that already works in tiles and returns log_probs its loss needs): leave it be.
@@ -168,21 +181,51 @@ def install(model, chunk_tokens: int) -> None:
     decoder = model.get_decoder()
     original = model.forward
 
-    @functools.wraps(original)   # the same signature for those who inspect it (the HF Trainer does)
-    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    @functools.wraps(original)  # the same signature for those who inspect it (the HF Trainer does)
+    def forward(
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         if labels is None or not torch.is_grad_enabled():
             # Evaluation (no gradient) keeps the model's own forward: callers there may want the logits.
-            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+            return original(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
         from transformers.modeling_outputs import CausalLMOutputWithPast
+
         num_items = kwargs.get("num_items_in_batch")
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        out = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
         loss = head(out.last_hidden_state, labels=labels, num_items_in_batch=num_items)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states, attentions=out.attentions)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
 
     model.forward = forward
     model._aidaptiv_chunked_loss = True

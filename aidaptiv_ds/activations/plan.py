@@ -23,6 +23,7 @@ The rule (:func:`plan_blocks`), kept simple so the plan can be read and checked:
 Nothing here measures or imports torch: :mod:`aidaptiv_ds.activations.policy` measures the costs during the
 first training forward and applies the plan.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -36,12 +37,13 @@ MODES = ("keep", "nvme", "recompute")
 @dataclass(frozen=True)
 class BlockCost:
     """What one block costs, as measured in the first training forward."""
+
     index: int
-    forward_s: float       # one forward of the block with autograd on: what a recompute costs
-    saved_bytes: int       # memory its saved tensors hold when kept (distinct storages, parameters excluded)
-    stored_bytes: int      # bytes the store writes for it (every saved tensor of at least min_bytes)
-    left_bytes: int        # memory still held when it is stored (saved tensors too small to store)
-    input_bytes: int       # memory a checkpoint keeps (its tensor arguments)
+    forward_s: float  # one forward of the block with autograd on: what a recompute costs
+    saved_bytes: int  # memory its saved tensors hold when kept (distinct storages, parameters excluded)
+    stored_bytes: int  # bytes the store writes for it (every saved tensor of at least min_bytes)
+    left_bytes: int  # memory still held when it is stored (saved tensors too small to store)
+    input_bytes: int  # memory a checkpoint keeps (its tensor arguments)
 
     def held(self, mode: str) -> int:
         """Memory this block's activations hold from its forward to its backward in ``mode``."""
@@ -83,12 +85,16 @@ def plan_blocks(costs: List[BlockCost], budget: int, read_bps: float, write_bps:
         over = f"keeping its {_mb(c.saved_bytes)} would exceed the budget"
         if io < fwd:
             mode[c.index] = "nvme"
-            why[c.index] = (f"stored: {over}; writing and reading {_mb(c.stored_bytes)} takes {io * 1e3:.2f} ms, "
-                            f"less than the {fwd * 1e3:.2f} ms a recompute takes")
+            why[c.index] = (
+                f"stored: {over}; writing and reading {_mb(c.stored_bytes)} takes {io * 1e3:.2f} ms, "
+                f"less than the {fwd * 1e3:.2f} ms a recompute takes"
+            )
         else:
             mode[c.index] = "recompute"
-            why[c.index] = (f"recomputed: {over}; a recompute takes {fwd * 1e3:.2f} ms, no more than the "
-                            f"{io * 1e3:.2f} ms to write and read {_mb(c.stored_bytes)}")
+            why[c.index] = (
+                f"recomputed: {over}; a recompute takes {fwd * 1e3:.2f} ms, no more than the "
+                f"{io * 1e3:.2f} ms to write and read {_mb(c.stored_bytes)}"
+            )
     total = sum(c.held(mode[c.index]) for c in costs)
     for c in sorted(costs, key=lambda c: c.index):
         if total <= budget:
@@ -97,39 +103,68 @@ def plan_blocks(costs: List[BlockCost], budget: int, read_bps: float, write_bps:
             continue
         mode[c.index] = "nvme"
         total -= c.input_bytes - c.left_bytes
-        why[c.index] = (f"stored: its input ({_mb(c.input_bytes)}, which a recompute keeps) does not fit the budget "
-                        f"beside the kept blocks; the disk takes {c.io_s(read_bps, write_bps) * 1e3:.2f} ms, a "
-                        f"recompute {c.forward_s * 1e3:.2f} ms")
+        why[c.index] = (
+            f"stored: its input ({_mb(c.input_bytes)}, which a recompute keeps) does not fit the budget "
+            f"beside the kept blocks; the disk takes {c.io_s(read_bps, write_bps) * 1e3:.2f} ms, a "
+            f"recompute {c.forward_s * 1e3:.2f} ms"
+        )
     return [BlockPlan(c.index, mode[c.index], why[c.index]) for c in sorted(costs, key=lambda c: c.index)]
 
 
-def summary(costs: List[BlockCost], plan: List[BlockPlan], budget: int, budget_source: str, read_bps: float,
-            write_bps: float, bandwidth_source: str, unmeasured: Optional[List[int]] = None) -> dict:
+def summary(
+    costs: List[BlockCost],
+    plan: List[BlockPlan],
+    budget: int,
+    budget_source: str,
+    read_bps: float,
+    write_bps: float,
+    bandwidth_source: str,
+    unmeasured: Optional[List[int]] = None,
+) -> dict:
     """The plan as the metrics report it (``activations.plan``)."""
     by_index = {c.index: c for c in costs}
     held = sum(by_index[p.index].held(p.mode) for p in plan)
     blocks = []
     for p in plan:
         c = by_index[p.index]
-        blocks.append({"block": p.index, "mode": p.mode, "why": p.why, "forward_ms": c.forward_s * 1e3,
-                       **{k: v for k, v in asdict(c).items() if k.endswith("_bytes")}})
-    return {"budget_bytes": budget, "budget_source": budget_source, "held_bytes": held, "fits": held <= budget,
-            "nvme_read_bps": read_bps, "nvme_write_bps": write_bps, "nvme_bandwidth_source": bandwidth_source,
-            "kept_blocks": [p.index for p in plan if p.mode == "keep"],
-            "stored_blocks": [p.index for p in plan if p.mode == "nvme"],
-            "recomputed_layers": [p.index for p in plan if p.mode == "recompute"],
-            "unmeasured_blocks": list(unmeasured or []), "blocks": blocks}
+        blocks.append(
+            {
+                "block": p.index,
+                "mode": p.mode,
+                "why": p.why,
+                "forward_ms": c.forward_s * 1e3,
+                **{k: v for k, v in asdict(c).items() if k.endswith("_bytes")},
+            }
+        )
+    return {
+        "budget_bytes": budget,
+        "budget_source": budget_source,
+        "held_bytes": held,
+        "fits": held <= budget,
+        "nvme_read_bps": read_bps,
+        "nvme_write_bps": write_bps,
+        "nvme_bandwidth_source": bandwidth_source,
+        "kept_blocks": [p.index for p in plan if p.mode == "keep"],
+        "stored_blocks": [p.index for p in plan if p.mode == "nvme"],
+        "recomputed_layers": [p.index for p in plan if p.mode == "recompute"],
+        "unmeasured_blocks": list(unmeasured or []),
+        "blocks": blocks,
+    }
 
 
 def render(s: dict) -> str:
     """The plan as the log prints it once: the budget and the rates it used, then one line per block."""
-    lines = [f"activations auto: {len(s['kept_blocks'])} kept, {len(s['stored_blocks'])} stored on NVMe, "
-             f"{len(s['recomputed_layers'])} recomputed; they hold {_mb(s['held_bytes'])} of a "
-             f"{_mb(s['budget_bytes'])} budget ({s['budget_source']}); NVMe {s['nvme_write_bps'] / MiB:.0f} MiB/s "
-             f"write, {s['nvme_read_bps'] / MiB:.0f} MiB/s read ({s['nvme_bandwidth_source']})"]
+    lines = [
+        f"activations auto: {len(s['kept_blocks'])} kept, {len(s['stored_blocks'])} stored on NVMe, "
+        f"{len(s['recomputed_layers'])} recomputed; they hold {_mb(s['held_bytes'])} of a "
+        f"{_mb(s['budget_bytes'])} budget ({s['budget_source']}); NVMe {s['nvme_write_bps'] / MiB:.0f} MiB/s "
+        f"write, {s['nvme_read_bps'] / MiB:.0f} MiB/s read ({s['nvme_bandwidth_source']})"
+    ]
     if not s["fits"]:
-        lines.append("  (over the budget even with every block stored: the saved tensors too small to store "
-                     "exceed it; raise activations.budget or lower activations.min_bytes)")
+        lines.append(
+            "  (over the budget even with every block stored: the saved tensors too small to store "
+            "exceed it; raise activations.budget or lower activations.min_bytes)"
+        )
     for b in s["blocks"]:
         lines.append(f"  block {b['block']}: {b['mode']}: {b['why']}")
     if s["unmeasured_blocks"]:

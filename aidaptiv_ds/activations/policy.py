@@ -19,6 +19,7 @@ Non-reentrant checkpointing works with ZeRO-3 (the recomputed block calls its mo
 partitioned parameters are gathered by ZeRO-3's own hooks) and on CPU and CUDA alike. Nothing here imports
 DeepSpeed; :mod:`aidaptiv_ds.zero3.activations` decides when and with which store this runs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,13 +64,15 @@ def enable_recompute(model: nn.Module) -> str:
             enable = model.gradient_checkpointing_enable
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "config") and getattr(model.config, "use_cache", False):
-            model.config.use_cache = False       # a KV cache would keep every block's keys and values
+            model.config.use_cache = False  # a KV cache would keep every block's keys and values
         return f"{enable.__name__}(use_reentrant=False)"
     found = _block_list(model)
     if found is None:
-        raise ValueError(f"aidaptiv.activations.policy needs transformer blocks to checkpoint but "
-                         f"{type(model).__name__} has no nn.ModuleList of repeated blocks: set the policy to "
-                         "\"keep\", or enable checkpointing in the model yourself")
+        raise ValueError(
+            f"aidaptiv.activations.policy needs transformer blocks to checkpoint but "
+            f"{type(model).__name__} has no nn.ModuleList of repeated blocks: set the policy to "
+            '"keep", or enable checkpointing in the model yourself'
+        )
     name, blocks = found
     for block in blocks:
         if getattr(block, "_aidaptiv_checkpointed", False):
@@ -158,18 +161,20 @@ def default_budget(device: torch.device, host_budget: Optional[int]) -> Tuple[in
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
-        free += torch.cuda.memory_reserved(device) - allocated   # cached, unused
+        free += torch.cuda.memory_reserved(device) - allocated  # cached, unused
         # mem_get_info is the device's; a cap set with set_per_process_memory_fraction (train's
         # --gpu-mem-cap-gb, emulating a smaller card) is the allocator's, and only it tells what is left.
-        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)   # torch >= 2.8
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
         fraction = get_fraction(device) if get_fraction is not None else 1.0
         where = "GPU memory free"
         if fraction < 1.0 and int(fraction * total) - allocated < free:
             free, where = max(0, int(fraction * total) - allocated), "GPU memory left under this process's cap"
         return free // 2, f"half of the {free / GiB:.2f} GiB {where} when planned"
     if host_budget is None:
-        raise ValueError("aidaptiv.activations.budget \"auto\" on CPU is this rank's host budget, which this run "
-                         "does not have: give activations.budget in bytes")
+        raise ValueError(
+            'aidaptiv.activations.budget "auto" on CPU is this rank\'s host budget, which this run '
+            "does not have: give activations.budget in bytes"
+        )
     return host_budget, "this rank's host_memory_budget"
 
 
@@ -177,6 +182,7 @@ def _share_from_rank0(obj):
     """Every rank takes rank 0's plan: ZeRO-3 gathers parameters collectively, so all ranks must run (and
     recompute) the same blocks in the same order."""
     import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return obj
     box = [obj]
@@ -192,9 +198,16 @@ class AutoPolicy:
     other includes the first fetch of its parameters). When that first training forward ends the plan is
     made (rank 0's, shared), logged once, and applies from the next forward on."""
 
-    def __init__(self, model: nn.Module, blocks: nn.ModuleList, store: ActivationStore,
-                 settings: ActivationSettings, bandwidth: Callable[[], Tuple[float, float, str]],
-                 host_budget: Optional[int] = None, rank: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: nn.ModuleList,
+        store: ActivationStore,
+        settings: ActivationSettings,
+        bandwidth: Callable[[], Tuple[float, float, str]],
+        host_budget: Optional[int] = None,
+        rank: int = 0,
+    ):
         self.blocks = blocks
         self.store = store
         self.settings = settings
@@ -240,13 +253,18 @@ class AutoPolicy:
             out = original(*args, **kwargs)
         _sync(device)
         t1 = time.perf_counter()
-        del out      # its graph and saved tensors go with it
+        del out  # its graph and saved tensors go with it
         out = checkpoint(original, *args, use_reentrant=False, **kwargs)
         _sync(device)
         t2 = time.perf_counter()
-        self.costs[i] = BlockCost(index=i, forward_s=min(t1 - t0, t2 - t1), saved_bytes=sum(saved.held.values()),
-                                  stored_bytes=saved.stored, left_bytes=sum(saved.left.values()),
-                                  input_bytes=sum(a.untyped_storage().nbytes() for a in inputs))
+        self.costs[i] = BlockCost(
+            index=i,
+            forward_s=min(t1 - t0, t2 - t1),
+            saved_bytes=sum(saved.held.values()),
+            stored_bytes=saved.stored,
+            left_bytes=sum(saved.left.values()),
+            input_bytes=sum(a.untyped_storage().nbytes() for a in inputs),
+        )
         return out
 
     def _after_forward(self, module, args, output):
@@ -275,10 +293,14 @@ class AutoPolicy:
             log.info("aidaptiv: %s", activation_plan.render(summary))
 
 
-def apply(model: nn.Module, settings: ActivationSettings,
-          make_store: Optional[Callable[[], ActivationStore]] = None, rank: int = 0,
-          bandwidth: Optional[Callable[[], Tuple[float, float, str]]] = None,
-          host_budget: Optional[int] = None) -> dict:
+def apply(
+    model: nn.Module,
+    settings: ActivationSettings,
+    make_store: Optional[Callable[[], ActivationStore]] = None,
+    rank: int = 0,
+    bandwidth: Optional[Callable[[], Tuple[float, float, str]]] = None,
+    host_budget: Optional[int] = None,
+) -> dict:
     """Apply ``settings`` to ``model``; ``make_store`` gives the store for the nvme and auto policies;
     ``bandwidth`` (auto, when ``settings.nvme_bandwidth`` is "auto") gives the swap disk's (read, write)
     bytes/s and where they come from; ``host_budget`` is the CPU default of the auto budget. Returns what
@@ -300,13 +322,19 @@ def apply(model: nn.Module, settings: ActivationSettings,
     plan["recompute"] = enable_recompute(model)
     if settings.policy == "nvme":
         if make_store is None:
-            raise ValueError("aidaptiv.activations.policy \"nvme\" needs the aidaptiv swap space, which this run "
-                             "does not have: enable the aidaptiv block or choose \"recompute\"")
+            raise ValueError(
+                'aidaptiv.activations.policy "nvme" needs the aidaptiv swap space, which this run '
+                'does not have: enable the aidaptiv block or choose "recompute"'
+            )
         attach_store(model, make_store())
         plan["stored"] = True
     if rank == 0:
-        log.info("aidaptiv: activations %s (%s)%s", settings.policy, plan["recompute"],
-                 f", loss in chunks of {plan['loss_chunk_tokens']} tokens" if plan["loss_chunk_tokens"] else "")
+        log.info(
+            "aidaptiv: activations %s (%s)%s",
+            settings.policy,
+            plan["recompute"],
+            f", loss in chunks of {plan['loss_chunk_tokens']} tokens" if plan["loss_chunk_tokens"] else "",
+        )
     return plan
 
 
@@ -314,17 +342,23 @@ def _apply_auto(model, settings, make_store, rank, bandwidth, host_budget, plan)
     problems = []
     found = _block_list(model)
     if found is None:
-        problems.append(f"aidaptiv.activations.policy \"auto\" plans per transformer block but "
-                        f"{type(model).__name__} has no nn.ModuleList of repeated blocks: set the policy to "
-                        "\"keep\" or \"recompute\"")
+        problems.append(
+            f'aidaptiv.activations.policy "auto" plans per transformer block but '
+            f"{type(model).__name__} has no nn.ModuleList of repeated blocks: set the policy to "
+            '"keep" or "recompute"'
+        )
     elif any(getattr(b, "_aidaptiv_checkpointed", False) for b in found[1]):
-        problems.append("aidaptiv.activations.policy \"auto\": the blocks already run under another policy")
+        problems.append('aidaptiv.activations.policy "auto": the blocks already run under another policy')
     if make_store is None:
-        problems.append("aidaptiv.activations.policy \"auto\" may store blocks on NVMe, which needs the aidaptiv "
-                        "swap space this run does not have: enable the aidaptiv block or choose \"recompute\"")
+        problems.append(
+            'aidaptiv.activations.policy "auto" may store blocks on NVMe, which needs the aidaptiv '
+            'swap space this run does not have: enable the aidaptiv block or choose "recompute"'
+        )
     if settings.nvme_bandwidth is None and bandwidth is None:
-        problems.append("aidaptiv.activations.nvme_bandwidth \"auto\" needs a measured rate, which this run "
-                        "cannot get: give it in bytes/s")
+        problems.append(
+            'aidaptiv.activations.nvme_bandwidth "auto" needs a measured rate, which this run '
+            "cannot get: give it in bytes/s"
+        )
     if problems:
         raise ValueError("; ".join(problems))
     # transformers 5 renamed is_gradient_checkpointing and gradient_checkpointing_disable (kept, deprecated).
@@ -336,19 +370,22 @@ def _apply_auto(model, settings, make_store, rank, bandwidth, host_budget, plan)
         if rank == 0:
             log.info("aidaptiv: the model's own gradient checkpointing is off: the auto policy plans it per block")
     if hasattr(model, "config") and getattr(model.config, "use_cache", False):
-        model.config.use_cache = False      # a KV cache would keep every block's keys and values
+        model.config.use_cache = False  # a KV cache would keep every block's keys and values
     if settings.nvme_bandwidth is not None:
         given = settings.nvme_bandwidth
-        bandwidth = lambda: (given, given, "activations.nvme_bandwidth")   # noqa: E731
+        bandwidth = lambda: (given, given, "activations.nvme_bandwidth")  # noqa: E731
     name, blocks = found
     policy = AutoPolicy(model, blocks, make_store(), settings, bandwidth, host_budget=host_budget, rank=rank)
     plan["recompute"] = f"planned per block of {name or 'the model'}'s {len(blocks)} from the first training forward"
     plan["stored"] = True
     model._aidaptiv_auto_policy = policy
     if rank == 0:
-        log.info("aidaptiv: activations auto: the first training forward measures each of the %d blocks, then "
-                 "the plan is made%s", len(blocks),
-                 f"; loss in chunks of {plan['loss_chunk_tokens']} tokens" if plan["loss_chunk_tokens"] else "")
+        log.info(
+            "aidaptiv: activations auto: the first training forward measures each of the %d blocks, then "
+            "the plan is made%s",
+            len(blocks),
+            f"; loss in chunks of {plan['loss_chunk_tokens']} tokens" if plan["loss_chunk_tokens"] else "",
+        )
     return plan
 
 

@@ -25,6 +25,7 @@ regions as a step needs them and the regions are reused from the start once ever
 I/O errors end the forward (a failed write surfaces at a later pack) or the backward (at the read of that
 tensor) with an ``OSError`` that names the file and says what to do. Nothing here imports DeepSpeed.
 """
+
 from __future__ import annotations
 
 import threading
@@ -65,19 +66,21 @@ def _wait_quietly(tickets) -> None:
 @dataclass
 class _Slot:
     """Where one stored tensor lives and what of it is in flight."""
-    index: int                       # pack order within the current cycle
+
+    index: int  # pack order within the current cycle
     offset: int
     nbytes: int
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
-    read: Optional[List[Ticket]] = None            # a read (ahead or on demand), one ticket per piece
-    buffer: Optional[List[torch.Tensor]] = None    # the pieces' staging
+    read: Optional[List[Ticket]] = None  # a read (ahead or on demand), one ticket per piece
+    buffer: Optional[List[torch.Tensor]] = None  # the pieces' staging
     handle: Optional[weakref.ref] = None
 
 
 class StoredActivation:
     """What autograd keeps in place of a stored tensor."""
+
     __slots__ = ("slot", "__weakref__")
 
     def __init__(self, slot: _Slot):
@@ -89,20 +92,27 @@ class ActivationStats:
     tensors_stored: int = 0
     bytes_stored: int = 0
     bytes_read: int = 0
-    tensors_kept: int = 0            # saved tensors left in memory (parameters, small ones)
-    read_wait_s: float = 0.0         # time the backward waited for reads (activation I/O wait)
-    write_wait_s: float = 0.0        # time spent waiting for writes to give their staging back
-    reads_ahead: int = 0             # reads started before the backward asked for them
-    reads_dropped: int = 0           # reads ahead given back to the host budget before use (read again later)
-    cycles: int = 0                  # forward/backward cycles completed (every handle released)
+    tensors_kept: int = 0  # saved tensors left in memory (parameters, small ones)
+    read_wait_s: float = 0.0  # time the backward waited for reads (activation I/O wait)
+    write_wait_s: float = 0.0  # time spent waiting for writes to give their staging back
+    reads_ahead: int = 0  # reads started before the backward asked for them
+    reads_dropped: int = 0  # reads ahead given back to the host budget before use (read again later)
+    cycles: int = 0  # forward/backward cycles completed (every handle released)
     read_wait_s_cycles: List[float] = field(default_factory=list)
 
 
 class ActivationStore:
     """Saved tensors of forwards run under :meth:`hooks`, stored in ``file`` (this store's own)."""
 
-    def __init__(self, store: SwapStore, file: SwapFile, memory: HostMemory, read_ahead: int = 2,
-                 min_bytes: int = 64 * KiB, max_staging_bytes: Optional[int] = None):
+    def __init__(
+        self,
+        store: SwapStore,
+        file: SwapFile,
+        memory: HostMemory,
+        read_ahead: int = 2,
+        min_bytes: int = 64 * KiB,
+        max_staging_bytes: Optional[int] = None,
+    ):
         if read_ahead < 0 or min_bytes < 0:
             raise ValueError(f"read_ahead {read_ahead} and min_bytes {min_bytes} must not be negative")
         self.store = store
@@ -118,12 +128,12 @@ class ActivationStore:
         # Writes in flight with their staging, oldest first. Waited for on the tickets themselves, not through
         # SwapStore.wait: its I/O wait is the parameters' and optimizer's, activation waits are counted here.
         self._writes: List = []
-        self._regions: List = []          # extents of ``file``, filled in order each cycle
-        self._cursor = (0, 0)             # (region, offset inside it) of the next tensor
-        self._slots: List[_Slot] = []     # this cycle's live slots, in pack order
+        self._regions: List = []  # extents of ``file``, filled in order each cycle
+        self._cursor = (0, 0)  # (region, offset inside it) of the next tensor
+        self._slots: List[_Slot] = []  # this cycle's live slots, in pack order
         self._live = 0
         self._cycle_wait0 = 0.0
-        self._unpacking: set = set()      # slots whose staging an unpack is reading from now (ids)
+        self._unpacking: set = set()  # slots whose staging an unpack is reading from now (ids)
         memory.add_reclaimer("activation write-behind (finished)", self._forget_finished, cheap=True)
         memory.add_reclaimer("activation write-behind", self._finish_one_write)
         memory.add_reclaimer("activation read-ahead", self._drop_one_read_ahead)
@@ -139,9 +149,9 @@ class ActivationStore:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_sparse:
             return False
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-            return False     # weights (and their transposes) are the parameter swapper's business
+            return False  # weights (and their transposes) are the parameter swapper's business
         if t.requires_grad and t.is_leaf:
-            return False     # autograd needs such a tensor itself, not a copy
+            return False  # autograd needs such a tensor itself, not a copy
         return t.numel() * t.element_size() >= max(1, self.min_bytes)
 
     def pack(self, t):
@@ -150,11 +160,12 @@ class ActivationStore:
                 self.stats.tensors_kept += 1
             return t
         nbytes = t.numel() * t.element_size()
-        src = t.detach().contiguous().reshape(-1).view(torch.uint8)    # the tensor's bytes
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)  # the tensor's bytes
         with self._lock:
             offset = self._allocate(nbytes)
-            slot = _Slot(index=len(self._slots), offset=offset, nbytes=nbytes, shape=t.shape, dtype=t.dtype,
-                         device=t.device)
+            slot = _Slot(
+                index=len(self._slots), offset=offset, nbytes=nbytes, shape=t.shape, dtype=t.dtype, device=t.device
+            )
             for a, b in _pieces(nbytes):
                 self._make_room(b - a)
                 staging = self.memory.take(b - a, "activation staging")
@@ -178,10 +189,10 @@ class ActivationStore:
             return handle
         slot = handle.slot
         with self._lock:
-            self._forget_finished()     # the forward's writes are done by now: their staging goes back
+            self._forget_finished()  # the forward's writes are done by now: their staging goes back
             if slot.read is None:
                 self._start_read(slot, blocking=True)
-            self._unpacking.add(id(slot))     # its staging must not be reclaimed while read from below
+            self._unpacking.add(id(slot))  # its staging must not be reclaimed while read from below
             self._read_ahead_of(slot)
             reads, buffers = slot.read, slot.buffer
         t0 = time.perf_counter()
@@ -201,7 +212,7 @@ class ActivationStore:
         with self._lock:
             self.stats.read_wait_s += waited
             self.stats.bytes_read += slot.nbytes
-            if slot.read is reads:    # the staging goes back now; a second unpack reads again
+            if slot.read is reads:  # the staging goes back now; a second unpack reads again
                 slot.read, slot.buffer = None, None
         return out
 
@@ -222,9 +233,9 @@ class ActivationStore:
         pieces = _pieces(slot.nbytes)
         bufs = []
         for a, b in pieces:
-            buf = (self.memory.take(b - a, "activation read-back") if blocking else self.memory.try_take(b - a))
+            buf = self.memory.take(b - a, "activation read-back") if blocking else self.memory.try_take(b - a)
             if buf is None:
-                return False          # the pieces taken so far go back with ``bufs``
+                return False  # the pieces taken so far go back with ``bufs``
             bufs.append(buf)
         tickets = []
         try:
@@ -240,7 +251,7 @@ class ActivationStore:
         """Start reads of up to ``read_ahead`` live slots packed before ``slot`` (nearest first), without
         waiting for memory."""
         started = 0
-        for prev in reversed(self._slots[:slot.index]):
+        for prev in reversed(self._slots[: slot.index]):
             if started >= self.read_ahead:
                 break
             if prev.handle is None or prev.handle() is None:
@@ -337,10 +348,13 @@ class ActivationStore:
 
     def _error(self, doing: str, slot: Optional[_Slot], err: OSError) -> OSError:
         where = f" ({slot.nbytes} bytes at offset {slot.offset})" if slot is not None else ""
-        return OSError(err.errno, f"{doing} activations saved for the backward in {self.file.path}{where} failed: "
-                                  f"{err.strerror or err}; the step cannot finish: check the disk under "
-                                  "aidaptiv.nvme_path, or set aidaptiv.activations.policy to \"recompute\"",
-                       self.file.path)
+        return OSError(
+            err.errno,
+            f"{doing} activations saved for the backward in {self.file.path}{where} failed: "
+            f"{err.strerror or err}; the step cannot finish: check the disk under "
+            'aidaptiv.nvme_path, or set aidaptiv.activations.policy to "recompute"',
+            self.file.path,
+        )
 
     def staging_bytes(self) -> int:
         """Pool memory this store holds now (writes in flight, reads ahead)."""
@@ -355,9 +369,16 @@ class ActivationStore:
     def stats_dict(self) -> dict:
         with self._lock:
             s = self.stats
-            return {"tensors_stored": s.tensors_stored, "bytes_stored": s.bytes_stored,
-                    "bytes_read": s.bytes_read, "tensors_kept_in_memory": s.tensors_kept,
-                    "io_wait_s": s.read_wait_s, "write_wait_s": s.write_wait_s, "reads_ahead": s.reads_ahead,
-                    "reads_dropped": s.reads_dropped,
-                    "cycles": s.cycles, "io_wait_s_cycles": list(s.read_wait_s_cycles),
-                    "file_bytes": sum(r.reserved for r in self._regions)}
+            return {
+                "tensors_stored": s.tensors_stored,
+                "bytes_stored": s.bytes_stored,
+                "bytes_read": s.bytes_read,
+                "tensors_kept_in_memory": s.tensors_kept,
+                "io_wait_s": s.read_wait_s,
+                "write_wait_s": s.write_wait_s,
+                "reads_ahead": s.reads_ahead,
+                "reads_dropped": s.reads_dropped,
+                "cycles": s.cycles,
+                "io_wait_s_cycles": list(s.read_wait_s_cycles),
+                "file_bytes": sum(r.reserved for r in self._regions),
+            }

@@ -21,6 +21,7 @@ Test hooks (documented, read on every call so a test can set them per process; n
   at that point would leave on disk, for every point of one run. Nothing else writes into the folder while a
   save runs, and every write before a point has completed, so the copy is that state exactly.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -132,8 +133,11 @@ def begin(save_dir: str, tag: str) -> str:
         path = os.path.join(save_dir, name)
         if name.startswith(".") and name.endswith(".saving"):
             shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith(".") and name.endswith(".previous") and \
-                os.path.isdir(os.path.join(save_dir, name[1:-len(".previous")])):
+        elif (
+            name.startswith(".")
+            and name.endswith(".previous")
+            and os.path.isdir(os.path.join(save_dir, name[1 : -len(".previous")]))
+        ):
             shutil.rmtree(path, ignore_errors=True)  # a fallback publish whose clean-up was cut short
         elif name == ".latest.tmp":
             os.unlink(path)

@@ -11,6 +11,7 @@ Setting the threshold with mallopt(M_MMAP_THRESHOLD) fixes it and turns the dyna
 the MALLOC_MMAP_THRESHOLD_ environment variable, but from inside the process, so that every way of
 starting a job gets it). The cost is a fresh mapping, zero-filled by the kernel, for each large allocation.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -18,7 +19,7 @@ import ctypes.util
 import threading
 from typing import Optional
 
-M_MMAP_THRESHOLD = -3      # malloc.h
+M_MMAP_THRESHOLD = -3  # malloc.h
 # glibc caps the threshold at HEAP_MAX/2 (32 MiB on 64-bit); mallopt refuses a larger value.
 MAX_THRESHOLD = 32 << 20
 

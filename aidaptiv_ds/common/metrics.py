@@ -23,6 +23,7 @@ Only measured numbers go in; what this process cannot measure is JSON null, neve
   chunked) is arithmetic from the shapes: the fp32 logits and their gradient that exist at once, unchunked
   and chunked.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,10 +42,10 @@ def peak_rss_mb() -> float:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0   # kB
+                    return int(line.split()[1]) / 1024.0  # kB
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0   # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
 def proc_io() -> dict | None:
@@ -70,7 +71,7 @@ class StepTimer:
 
     def __init__(self, sync=None):
         self._sync = sync or (lambda: None)
-        self.steps: list[dict] = []      # per optimizer step: {"step_s", "forward", "backward", "optimizer"}
+        self.steps: list[dict] = []  # per optimizer step: {"step_s", "forward", "backward", "optimizer"}
         self._current = None
         self._t0 = None
 
@@ -91,9 +92,19 @@ class StepTimer:
         return self._current["step_s"]
 
 
-def summarize(*, step_records: list[dict], warmup: int, tokens_per_step: int, losses: list[float],
-              engine_stats: dict | None, peak_rss: float, peak_gpu: float | None,
-              nvme_read: int | None, nvme_write: int | None, extra: dict) -> dict:
+def summarize(
+    *,
+    step_records: list[dict],
+    warmup: int,
+    tokens_per_step: int,
+    losses: list[float],
+    engine_stats: dict | None,
+    peak_rss: float,
+    peak_gpu: float | None,
+    nvme_read: int | None,
+    nvme_write: int | None,
+    extra: dict,
+) -> dict:
     """The metrics object. Medians are over the steps after ``warmup`` (all steps if there are no others)."""
     timed = step_records[warmup:] if len(step_records) > warmup else step_records
     step_med = median([r["step_s"] for r in timed])
@@ -147,8 +158,9 @@ def summarize(*, step_records: list[dict], warmup: int, tokens_per_step: int, lo
         if wait is not None:
             out["phases_s"]["activation_io_wait"] = wait
     if engine_stats:
-        out["swapper"] = {k: v for k, v in engine_stats.items()
-                          if not isinstance(v, (list, tuple)) and k != "activations"}
+        out["swapper"] = {
+            k: v for k, v in engine_stats.items() if not isinstance(v, (list, tuple)) and k != "activations"
+        }
     return out
 
 
@@ -156,27 +168,31 @@ def _activation_wait_per_step(cycle_waits, grad_accum: int, warmup: int):
     """Median over the timed steps of the backward's wait for stored activations (one cycle per micro-step)."""
     if not cycle_waits:
         return None
-    steps = [sum(cycle_waits[i:i + grad_accum]) for i in range(0, len(cycle_waits) - grad_accum + 1, grad_accum)]
+    steps = [sum(cycle_waits[i : i + grad_accum]) for i in range(0, len(cycle_waits) - grad_accum + 1, grad_accum)]
     return median(steps[warmup:] if len(steps) > warmup else steps)
 
 
 def one_line(m: dict) -> str:
     """The run in one line, for logs."""
+
     def f(v, fmt):
         return "null" if v is None else format(v, fmt)
+
     if m.get("status") != "ok":
         return f"aidaptiv-ds train: status={m.get('status')} error={m.get('error')}"
     losses = m.get("losses") or []
     ph = m.get("phases_s") or {}
-    return (f"aidaptiv-ds train: status=ok model={m.get('model')} backend={m.get('backend')} "
-            f"world={m.get('world_size')} mb={m.get('micro_batch')}x{m.get('seq_len')} ga={m.get('grad_accum')} "
-            f"steps={m.get('steps')} tokens/s={f(m.get('tokens_per_s'), '.1f')} "
-            f"step_s_median={f(m.get('step_s_median'), '.3f')} "
-            f"fwd/bwd/opt={f(ph.get('forward'), '.3f')}/{f(ph.get('backward'), '.3f')}/{f(ph.get('optimizer'), '.3f')} "
-            f"loss={f(losses[0] if losses else None, '.4f')}->{f(losses[-1] if losses else None, '.4f')} "
-            f"peak_rss_mb={f(m.get('peak_rss_mb'), '.0f')} nvme_r/w_mb="
-            f"{f(None if m.get('nvme_read_bytes') is None else m['nvme_read_bytes'] / 2**20, '.1f')}/"
-            f"{f(None if m.get('nvme_write_bytes') is None else m['nvme_write_bytes'] / 2**20, '.1f')}")
+    return (
+        f"aidaptiv-ds train: status=ok model={m.get('model')} backend={m.get('backend')} "
+        f"world={m.get('world_size')} mb={m.get('micro_batch')}x{m.get('seq_len')} ga={m.get('grad_accum')} "
+        f"steps={m.get('steps')} tokens/s={f(m.get('tokens_per_s'), '.1f')} "
+        f"step_s_median={f(m.get('step_s_median'), '.3f')} "
+        f"fwd/bwd/opt={f(ph.get('forward'), '.3f')}/{f(ph.get('backward'), '.3f')}/{f(ph.get('optimizer'), '.3f')} "
+        f"loss={f(losses[0] if losses else None, '.4f')}->{f(losses[-1] if losses else None, '.4f')} "
+        f"peak_rss_mb={f(m.get('peak_rss_mb'), '.0f')} nvme_r/w_mb="
+        f"{f(None if m.get('nvme_read_bytes') is None else m['nvme_read_bytes'] / 2**20, '.1f')}/"
+        f"{f(None if m.get('nvme_write_bytes') is None else m['nvme_write_bytes'] / 2**20, '.1f')}"
+    )
 
 
 def write_json(path: str, metrics: dict, exclusive: bool = False) -> bool:
@@ -207,23 +223,53 @@ def _finite_or_null(obj):
 # sections), one event per name and optimizer step; the CSV monitor names its files after them with "/"
 # turned into "_" (aidaptiv_loss.csv, ...). NVMe GB/s is this rank's block-device I/O (rank 0's: the monitor
 # writes on rank 0 only) over the step's wall time, checkpoint saves left out.
-MONITOR_SERIES = ("loss", "lr", "tokens_per_s", "step_s", "forward_s", "backward_s", "optimizer_s",
-                  "nvme_read_GBps", "nvme_write_GBps", "host_budget_bytes", "pinned_bytes", "gpu_mem_mb")
+MONITOR_SERIES = (
+    "loss",
+    "lr",
+    "tokens_per_s",
+    "step_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "nvme_read_GBps",
+    "nvme_write_GBps",
+    "host_budget_bytes",
+    "pinned_bytes",
+    "gpu_mem_mb",
+)
 MONITOR_PREFIX = "aidaptiv/"
 
 
-def monitor_events(step: int, record: dict, *, loss: float, lr: float | None, tokens_per_step: int,
-                   io_bytes: tuple | None, host_budget: int | None, pinned: int | None,
-                   gpu_mb: float | None) -> list:
+def monitor_events(
+    step: int,
+    record: dict,
+    *,
+    loss: float,
+    lr: float | None,
+    tokens_per_step: int,
+    io_bytes: tuple | None,
+    host_budget: int | None,
+    pinned: int | None,
+    gpu_mb: float | None,
+) -> list:
     """[(name, value, step)] of one optimizer step, as DeepSpeed's MonitorMaster.write_events takes them;
     what this run cannot measure (no swapper: no budget or pinned bytes; no CUDA: no GPU memory; no
     /proc/self/io: no NVMe rates) is left out rather than written as 0."""
     s = record["step_s"]
-    values = {"loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / s if s > 0 else None, "step_s": s,
-              "forward_s": record["forward"], "backward_s": record["backward"], "optimizer_s": record["optimizer"],
-              "nvme_read_GBps": io_bytes[0] / s / 1e9 if io_bytes and s > 0 else None,
-              "nvme_write_GBps": io_bytes[1] / s / 1e9 if io_bytes and s > 0 else None,
-              "host_budget_bytes": host_budget, "pinned_bytes": pinned, "gpu_mem_mb": gpu_mb}
+    values = {
+        "loss": loss,
+        "lr": lr,
+        "tokens_per_s": tokens_per_step / s if s > 0 else None,
+        "step_s": s,
+        "forward_s": record["forward"],
+        "backward_s": record["backward"],
+        "optimizer_s": record["optimizer"],
+        "nvme_read_GBps": io_bytes[0] / s / 1e9 if io_bytes and s > 0 else None,
+        "nvme_write_GBps": io_bytes[1] / s / 1e9 if io_bytes and s > 0 else None,
+        "host_budget_bytes": host_budget,
+        "pinned_bytes": pinned,
+        "gpu_mem_mb": gpu_mb,
+    }
     return [(MONITOR_PREFIX + k, float(values[k]), step) for k in MONITOR_SERIES if values[k] is not None]
 
 

@@ -6,6 +6,7 @@ binary units powers of 1024 ("4GiB" is 4 x 2^30); a bare "k", "M", "G" or "T" is
 and ``fio`` ("1M" is 1,048,576). This module imports nothing of ours and no torch at import time, so every
 layer (config, engine, harness, planner) may use it.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,11 +22,26 @@ TiB = 1 << 40
 ALIGN = 4096
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1,
-          "k": KiB, "ki": KiB, "kib": KiB, "kb": 10**3,
-          "m": MiB, "mi": MiB, "mib": MiB, "mb": 10**6,
-          "g": GiB, "gi": GiB, "gib": GiB, "gb": 10**9,
-          "t": TiB, "ti": TiB, "tib": TiB, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "ki": KiB,
+    "kib": KiB,
+    "kb": 10**3,
+    "m": MiB,
+    "mi": MiB,
+    "mib": MiB,
+    "mb": 10**6,
+    "g": GiB,
+    "gi": GiB,
+    "gib": GiB,
+    "gb": 10**9,
+    "t": TiB,
+    "ti": TiB,
+    "tib": TiB,
+    "tb": 10**12,
+}
 
 
 def parse_size(value, what: str = "size") -> int:
@@ -41,8 +57,10 @@ def parse_size(value, what: str = "size") -> int:
     text = str(value)
     m = _SIZE_RE.match(text)
     if not m:
-        raise ValueError(f"{what}={text!r} is not a size: use bytes (268435456) or a number with a unit: "
-                         "KiB/MiB/GiB/TiB (powers of 1024; also k/M/G/T), KB/MB/GB/TB (powers of 1000)")
+        raise ValueError(
+            f"{what}={text!r} is not a size: use bytes (268435456) or a number with a unit: "
+            "KiB/MiB/GiB/TiB (powers of 1024; also k/M/G/T), KB/MB/GB/TB (powers of 1000)"
+        )
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 

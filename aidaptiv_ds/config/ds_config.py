@@ -5,6 +5,7 @@
 only edits the DeepSpeed dict; our own ``"aidaptiv"`` block is validated by :mod:`aidaptiv_ds.config`. It
 imports no torch and nothing of ours, so the harness may import its names (``BACKENDS``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -103,6 +104,7 @@ def dtype_name(cfg: dict) -> str:
 
 def torch_dtype(cfg: dict):
     import torch
+
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name(cfg)]
 
 
@@ -125,9 +127,16 @@ def nvme_blocks(cfg: dict) -> list[dict]:
     return [b for b in blocks if "nvme_path" in b]
 
 
-def apply_overrides(cfg: dict, *, micro_batch: int | None = None, grad_accum: int | None = None,
-                    lr: float | None = None, nvme_path: str | None = None, dtype: str | None = None,
-                    host_budget: str | None = None) -> dict:
+def apply_overrides(
+    cfg: dict,
+    *,
+    micro_batch: int | None = None,
+    grad_accum: int | None = None,
+    lr: float | None = None,
+    nvme_path: str | None = None,
+    dtype: str | None = None,
+    host_budget: str | None = None,
+) -> dict:
     """A copy of ``cfg`` with the command line's choices applied.
 
     train_batch_size is removed whenever micro-batch or accumulation are given (DeepSpeed recomputes it as
@@ -155,8 +164,10 @@ def apply_overrides(cfg: dict, *, micro_batch: int | None = None, grad_accum: in
     if host_budget is not None:
         block = cfg.get("aidaptiv")
         if not isinstance(block, dict):
-            raise ConfigError("--host-budget applies to the aidaptiv swapper, but the config has no \"aidaptiv\" "
-                              "block: use ds_configs/aidaptiv.json (or drop --host-budget)")
+            raise ConfigError(
+                '--host-budget applies to the aidaptiv swapper, but the config has no "aidaptiv" '
+                "block: use ds_configs/aidaptiv.json (or drop --host-budget)"
+            )
         block["host_memory_budget"] = int(host_budget) if str(host_budget).isdigit() else host_budget
     if dtype is not None:
         if dtype not in DTYPES:
@@ -166,18 +177,28 @@ def apply_overrides(cfg: dict, *, micro_batch: int | None = None, grad_accum: in
     return cfg
 
 
-def check(cfg: dict, *, world_size: int, largest_param_numel: int | None = None, model_name: str = "the model",
-          cuda: bool = False) -> None:
+def check(
+    cfg: dict,
+    *,
+    world_size: int,
+    largest_param_numel: int | None = None,
+    model_name: str = "the model",
+    cuda: bool = False,
+) -> None:
     """Problems DeepSpeed would report late (an assert mid-step) or not at all, all at once."""
     problems = []
     # The aidaptiv block's own "auto" values (block_size, activations.policy, ...) are ours to resolve.
     autos = [p for p in _find_auto(cfg) if not p.startswith("aidaptiv.")]
     if autos:
-        problems.append(f"values 'auto' at {', '.join(autos)} are filled by the Hugging Face Trainer (and TRL, "
-                        "accelerate), which this job does not use: write numbers (ds_configs/aidaptiv.json has them)")
+        problems.append(
+            f"values 'auto' at {', '.join(autos)} are filled by the Hugging Face Trainer (and TRL, "
+            "accelerate), which this job does not use: write numbers (ds_configs/aidaptiv.json has them)"
+        )
     if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
-        problems.append("neither train_micro_batch_size_per_gpu nor train_batch_size is set: give "
-                        "train_micro_batch_size_per_gpu (or --micro-batch)")
+        problems.append(
+            "neither train_micro_batch_size_per_gpu nor train_batch_size is set: give "
+            "train_micro_batch_size_per_gpu (or --micro-batch)"
+        )
     if dtype_name(cfg) == "fp16" and not cuda:
         problems.append("fp16 training needs CUDA: on CPU use fp32 or bf16 (--dtype)")
     for b in nvme_blocks(cfg):
@@ -191,6 +212,7 @@ def check(cfg: dict, *, world_size: int, largest_param_numel: int | None = None,
             problems.append(
                 f"zero_optimization.offload_param.buffer_size {buffer_size} is smaller than the largest parameter "
                 f"partition of {model_name} ({partition} elements with {world_size} rank(s)): DeepSpeed would assert "
-                f"mid-step; raise buffer_size to at least {partition}")
+                f"mid-step; raise buffer_size to at least {partition}"
+            )
     if problems:
         raise ConfigError(problems)

@@ -1,5 +1,6 @@
 """This node, as far as the host budget depends on it: its RAM (or the memory cgroup's limit), the ranks
 sharing it, the memlock limit, and the check that a budget fits them."""
+
 from __future__ import annotations
 
 import os
@@ -43,7 +44,7 @@ def _cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/s
             continue
         hierarchy, controllers, path = parts
         if hierarchy == "0" and controllers == "":
-            base, name = root, "memory.max"                                   # cgroup v2
+            base, name = root, "memory.max"  # cgroup v2
         elif "memory" in controllers.split(","):
             base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"  # cgroup v1
         else:
@@ -86,6 +87,7 @@ def memlock_limit() -> Optional[int]:
     """The locked-memory limit (ulimit -l) in bytes that mlock and io_uring buffer registration are held to,
     or None when they are not (unlimited, or the process has CAP_IPC_LOCK)."""
     import resource
+
     try:
         with open("/proc/self/status") as f:
             caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
@@ -114,23 +116,32 @@ def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional
         problems.append(
             f"{BLOCK}.retention_budget {cfg.retention_budget!r} ({retention / MiB:.1f} MiB) is not below this "
             f"rank's host_memory_budget ({per_rank / MiB:.1f} MiB), which it is part of: lower it (the run's plan "
-            "says how much fits beyond the swapper's minimum)")
+            "says how much fits beyond the swapper's minimum)"
+        )
     node = per_rank * ranks
     if node > ram_bytes:
-        share = f"each of the {ranks} ranks on this node {per_rank / GiB:.2f} GiB, {node / GiB:.2f} GiB together" \
-            if ranks > 1 else f"{per_rank / GiB:.2f} GiB"
+        share = (
+            f"each of the {ranks} ranks on this node {per_rank / GiB:.2f} GiB, {node / GiB:.2f} GiB together"
+            if ranks > 1
+            else f"{per_rank / GiB:.2f} GiB"
+        )
         return problems + [
             f"{BLOCK}.host_memory_budget {cfg.host_memory_budget!r} gives {share}, but this node may use "
             f"{ram_bytes / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (a share such "
-            "as \"25%\" or a size per node such as \"64GiB/node\" is split between the node's ranks)"]
+            'as "25%" or a size per node such as "64GiB/node" is split between the node\'s ranks)'
+        ]
     limit = memlock_limit()
     pinned = node if cfg.register_buffers else per_rank
     if limit is not None and pinned > limit and os.environ.get("LOCAL_RANK", "0") == "0":
         import logging
+
         logging.getLogger(__name__).warning(
             "aidaptiv: host_memory_budget lets %s pin up to %.2f GiB but the locked-memory limit (ulimit -l) is "
             "%.2f MiB: pools over it run unlocked and io_uring without fixed buffers (slower, nothing lost); "
             "raise it (memlock in /etc/security/limits.conf, LimitMEMLOCK= for systemd, --ulimit memlock=-1 "
-            "for docker)", f"the {ranks} ranks on this node" if ranks > 1 else "this rank", pinned / GiB,
-            limit / MiB)
+            "for docker)",
+            f"the {ranks} ranks on this node" if ranks > 1 else "this rank",
+            pinned / GiB,
+            limit / MiB,
+        )
     return problems

@@ -20,6 +20,7 @@ top-level keys, so the translated config keeps the block, in resolved form; Deep
 parameter-swapper factory only its config object, and :func:`settings_for` maps that block back to the
 settings resolved for it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,22 +40,29 @@ from aidaptiv_ds.config.translate import auto_keys, to_deepspeed_config
 def _check_nvme_path(path: str, needed_bytes: Optional[int]) -> List[str]:
     problems = []
     if not os.path.isdir(path):
-        problems.append(f"{BLOCK}.nvme_path {path} does not exist: create it on an NVMe filesystem you own "
-                        f"(mkdir -p {path}) or point nvme_path at one")
+        problems.append(
+            f"{BLOCK}.nvme_path {path} does not exist: create it on an NVMe filesystem you own "
+            f"(mkdir -p {path}) or point nvme_path at one"
+        )
         return problems
     if not os.access(path, os.W_OK | os.X_OK):
-        problems.append(f"{BLOCK}.nvme_path {path} is not writable (EACCES): choose a directory you own or fix its "
-                        "permissions")
+        problems.append(
+            f"{BLOCK}.nvme_path {path} is not writable (EACCES): choose a directory you own or fix its permissions"
+        )
         return problems
     try:
         import subprocess
-        fstype = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
+
+        fstype = subprocess.run(
+            ["stat", "-f", "-c", "%T", path], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except Exception:  # stat missing: the engine will report O_DIRECT failures with the file name
         fstype = ""
     if fstype in ("tmpfs", "ramfs"):
-        problems.append(f"{BLOCK}.nvme_path {path} is on {fstype}, which is RAM and does not support O_DIRECT: "
-                        "choose a directory on an NVMe (or other block-device) filesystem")
+        problems.append(
+            f"{BLOCK}.nvme_path {path} is on {fstype}, which is RAM and does not support O_DIRECT: "
+            "choose a directory on an NVMe (or other block-device) filesystem"
+        )
     return problems + _free_space_problems(path, needed_bytes)
 
 
@@ -64,13 +72,16 @@ def _free_space_problems(path: str, needed_bytes: Optional[int]) -> List[str]:
     free = shutil.disk_usage(path).free
     if free >= needed_bytes:
         return []
-    return [f"{BLOCK}.nvme_path {path} has {free / GiB:.2f} GiB free but the model state needs "
-            f"{needed_bytes / GiB:.2f} GiB more on this node (all its ranks swap to this disk): free space or choose "
-            "a larger disk"]
+    return [
+        f"{BLOCK}.nvme_path {path} has {free / GiB:.2f} GiB free but the model state needs "
+        f"{needed_bytes / GiB:.2f} GiB more on this node (all its ranks swap to this disk): free space or choose "
+        "a larger disk"
+    ]
 
 
-def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
-             check_paths: bool = True) -> Optional[SwapSettings]:
+def validate(
+    ds_config: Dict[str, Any], needed_bytes: Optional[int] = None, check_paths: bool = True
+) -> Optional[SwapSettings]:
     """Validate the aidaptiv block and what it needs from the rest of the config, and resolve it.
 
     Returns the resolved settings, or None when there is no enabled block. Raises :class:`ConfigError`
@@ -95,24 +106,37 @@ def validate(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None,
     zero = ds_config.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
     if stage != 3:
-        problems.append(f"zero_optimization.stage is {stage} but aidaptiv swaps ZeRO-3 partitions: set "
-                        "\"zero_optimization\": {\"stage\": 3}")
+        problems.append(
+            f"zero_optimization.stage is {stage} but aidaptiv swaps ZeRO-3 partitions: set "
+            '"zero_optimization": {"stage": 3}'
+        )
     for section in ("offload_param", "offload_optimizer"):
         sub = zero.get(section)
         if sub is None:
             continue
         device = (sub or {}).get("device", "none")
         if device not in ("nvme", "none", None):
-            problems.append(f"zero_optimization.{section}.device is '{device}' but aidaptiv manages offload to NVMe "
-                            f"itself: remove zero_optimization.{section} (or set its device to \"nvme\")")
-    if zero.get("offload_param", {}) and zero.get("offload_param", {}).get("device") == "nvme" \
-            and cfg is not None and cfg.nvme_path and zero["offload_param"].get("nvme_path") not in (None, cfg.nvme_path):
-        problems.append(f"zero_optimization.offload_param.nvme_path ({zero['offload_param']['nvme_path']}) differs "
-                        f"from {BLOCK}.nvme_path ({cfg.nvme_path}): keep one, the aidaptiv one is used")
+            problems.append(
+                f"zero_optimization.{section}.device is '{device}' but aidaptiv manages offload to NVMe "
+                f'itself: remove zero_optimization.{section} (or set its device to "nvme")'
+            )
+    if (
+        zero.get("offload_param", {})
+        and zero.get("offload_param", {}).get("device") == "nvme"
+        and cfg is not None
+        and cfg.nvme_path
+        and zero["offload_param"].get("nvme_path") not in (None, cfg.nvme_path)
+    ):
+        problems.append(
+            f"zero_optimization.offload_param.nvme_path ({zero['offload_param']['nvme_path']}) differs "
+            f"from {BLOCK}.nvme_path ({cfg.nvme_path}): keep one, the aidaptiv one is used"
+        )
     for key in ("fp16",):
         if precision_enabled(ds_config, key):
-            problems.append(f"{key}.enabled is true: aidaptiv supports fp32 and bf16 training; use \"bf16\": "
-                            "{\"enabled\": true} for mixed precision")
+            problems.append(
+                f'{key}.enabled is true: aidaptiv supports fp32 and bf16 training; use "bf16": '
+                '{"enabled": true} for mixed precision'
+            )
 
     ram = None
     if cfg is not None:
@@ -148,14 +172,28 @@ _resolved: Dict[str, Tuple[Dict[str, Any], SwapSettings]] = {}
 # (transformers' HfTrainerDeepSpeedConfig.trainer_config_process/_finalize; accelerate's DeepSpeedPlugin,
 # whose zero.Init copy also sets the batch to 1, and Accelerator._prepare_deepspeed).
 TRAINER_FILLED = (
-    "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping",
-    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
-    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
-    "scheduler.params.total_num_steps", "fp16.enabled", "bf16.enabled", "steps_per_print",
-    "zero_allow_untested_optimizer", "checkpoint.use_node_local_storage",
-    "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "optimizer.params.lr",
+    "optimizer.params.betas",
+    "optimizer.params.eps",
+    "optimizer.params.weight_decay",
+    "scheduler.params.warmup_min_lr",
+    "scheduler.params.warmup_max_lr",
+    "scheduler.params.warmup_num_steps",
+    "scheduler.params.total_num_steps",
+    "fp16.enabled",
+    "bf16.enabled",
+    "steps_per_print",
+    "zero_allow_untested_optimizer",
+    "checkpoint.use_node_local_storage",
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save")
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+)
 
 
 # Per config less TRAINER_FILLED (and working directory): the BOUNDED settings that said "auto" when it was
@@ -184,8 +222,9 @@ def _without(cfg: Dict[str, Any], paths) -> Dict[str, Any]:
     return out
 
 
-def resolve(ds_config: Dict[str, Any], needed_bytes: Optional[int] = None
-            ) -> Tuple[Dict[str, Any], Optional[SwapSettings]]:
+def resolve(
+    ds_config: Dict[str, Any], needed_bytes: Optional[int] = None
+) -> Tuple[Dict[str, Any], Optional[SwapSettings]]:
     """(the config DeepSpeed should get, its resolved settings); ``(ds_config, None)`` without an enabled
     block.
 

@@ -1,6 +1,7 @@
 """The resolved block: :class:`SwapSettings` (frozen; the budget in bytes, the optimizer chunk in elements,
 an absolute swap path, the I/O choices), :class:`ActivationSettings`, and the one rule for ``"auto"``
 optimizer chunks (:func:`auto_chunk`), which the planner uses too."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,9 +87,9 @@ class SwapSettings:
     cache_optimizer_state: bool
     keep_swap_files: bool
     activations: ActivationSettings = ActivationSettings()
-    retention_budget: int = 0     # bytes
-    malloc_mmap_threshold: int = MiB   # bytes; 0: glibc's dynamic threshold
-    trim_heap: Union[bool, str] = "auto"   # "auto": when training on the CPU (SwapRuntime decides)
+    retention_budget: int = 0  # bytes
+    malloc_mmap_threshold: int = MiB  # bytes; 0: glibc's dynamic threshold
+    trim_heap: Union[bool, str] = "auto"  # "auto": when training on the CPU (SwapRuntime decides)
     # Where block_size and queue_depth came from: "config" (a number in the block), "tuned" (the cached sweep
     # of the swap disk, for "auto"), "default" ("auto" on a disk never swept). Not compared: the same values
     # are the same settings, and the written-out block() says "config" for both.
@@ -101,8 +102,12 @@ class SwapSettings:
             object.__setattr__(self, "activations", ActivationSettings(**self.activations))
 
     @classmethod
-    def from_block(cls, block: Union[Dict[str, Any], AidaptivConfig], ram_bytes: Optional[int] = None,
-                   local_ranks: Optional[int] = None) -> "SwapSettings":
+    def from_block(
+        cls,
+        block: Union[Dict[str, Any], AidaptivConfig],
+        ram_bytes: Optional[int] = None,
+        local_ranks: Optional[int] = None,
+    ) -> "SwapSettings":
         """Resolve a block (a dict, or one pydantic already parsed) that names its ``nvme_path``.
 
         ``ram_bytes`` is the memory this node may use; it is read (:func:`total_ram_bytes`, which reads
@@ -118,15 +123,34 @@ class SwapSettings:
         if chunk == "auto":
             chunk = auto_chunk(nbytes)
         from aidaptiv_ds.engine.tuning import resolve_io
+
         path = os.path.abspath(cfg.nvme_path)
         auto = lambda v: None if v == "auto" else v
         block, depth, block_source, depth_source = resolve_io(path, auto(cfg.block_size), auto(cfg.queue_depth))
-        same = cfg.model_dump(exclude={"enabled", "nvme_path", "host_memory_budget", "optimizer_chunk_numel",
-                                       "retention_budget", "block_size", "queue_depth", "malloc_mmap_threshold"})
-        return cls(nvme_path=path, host_budget_bytes=nbytes, optimizer_chunk_numel=chunk, block_size=block,
-                   queue_depth=depth, block_size_source=block_source, queue_depth_source=depth_source,
-                   retention_budget=parse_retention(cfg.retention_budget),
-                   malloc_mmap_threshold=parse_mmap_threshold(cfg.malloc_mmap_threshold), **same)
+        same = cfg.model_dump(
+            exclude={
+                "enabled",
+                "nvme_path",
+                "host_memory_budget",
+                "optimizer_chunk_numel",
+                "retention_budget",
+                "block_size",
+                "queue_depth",
+                "malloc_mmap_threshold",
+            }
+        )
+        return cls(
+            nvme_path=path,
+            host_budget_bytes=nbytes,
+            optimizer_chunk_numel=chunk,
+            block_size=block,
+            queue_depth=depth,
+            block_size_source=block_source,
+            queue_depth_source=depth_source,
+            retention_budget=parse_retention(cfg.retention_budget),
+            malloc_mmap_threshold=parse_mmap_threshold(cfg.malloc_mmap_threshold),
+            **same,
+        )
 
     def block(self) -> Dict[str, Any]:
         """These settings as an ``"aidaptiv"`` block with every value explicit (bytes, elements, an absolute

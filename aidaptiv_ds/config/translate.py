@@ -3,6 +3,7 @@ swappers, and the settings the host budget bounds (:data:`BOUNDED`).
 
 One documented inversion: whether training runs on the CPU (which caps the reduce bucket) is asked through a
 probe that :mod:`aidaptiv_ds.zero3` registers with :func:`set_host_probe`, since only zero3 may ask DeepSpeed."""
+
 from __future__ import annotations
 
 import copy
@@ -59,8 +60,13 @@ def reduce_bucket_cap(budget: int, on_host: bool) -> int:
 # Hugging Face Trainer's documented configs leave it there until the trainer fills it) means "ours": the
 # value the translation chooses when the setting is absent. (The persistence threshold and sub-group size
 # are ours whatever the config says.)
-BOUNDED = ("reduce_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-           "stage3_param_persistence_threshold", "sub_group_size")
+BOUNDED = (
+    "reduce_bucket_size",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_param_persistence_threshold",
+    "sub_group_size",
+)
 
 
 def auto_keys(ds_config: Dict[str, Any]) -> frozenset:
@@ -75,8 +81,9 @@ def _number(zero: Dict[str, Any], key: str, ours, auto: frozenset):
     return ours if value is None or value == "auto" or key in auto else value
 
 
-def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings, auto: frozenset = frozenset(),
-                        on_host: Optional[bool] = None) -> Dict[str, Any]:
+def to_deepspeed_config(
+    ds_config: Dict[str, Any], settings: SwapSettings, auto: frozenset = frozenset(), on_host: Optional[bool] = None
+) -> Dict[str, Any]:
     """Return a copy of ``ds_config`` with the ZeRO-3 settings that route DeepSpeed through our swappers,
     and with the block replaced by ``settings.block()`` (which :func:`aidaptiv_ds.config.resolve.resolve`
     registers, so that ``settings_for`` finds ``settings`` from DeepSpeed's config object).
@@ -93,11 +100,23 @@ def to_deepspeed_config(ds_config: Dict[str, Any], settings: SwapSettings, auto:
     budget = settings.host_budget_bytes
     zero = out.setdefault("zero_optimization", {})
     zero["stage"] = 3
-    zero["offload_param"] = {"device": "nvme", "nvme_path": settings.nvme_path, "pin_memory": False,
-                             "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 0}
-    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": settings.nvme_path, "pin_memory": False,
-                                 "pipeline_read": False, "pipeline_write": False, "fast_init": False,
-                                 "buffer_count": 4}
+    zero["offload_param"] = {
+        "device": "nvme",
+        "nvme_path": settings.nvme_path,
+        "pin_memory": False,
+        "buffer_count": 5,
+        "buffer_size": 100_000_000,
+        "max_in_cpu": 0,
+    }
+    zero["offload_optimizer"] = {
+        "device": "nvme",
+        "nvme_path": settings.nvme_path,
+        "pin_memory": False,
+        "pipeline_read": False,
+        "pipeline_write": False,
+        "fast_init": False,
+        "buffer_count": 4,
+    }
     # Small parameters are swapped like the rest; they travel inside their layer group. Any threshold,
     # the user's or the 10 x hidden a trainer fills in for "auto", is replaced: DeepSpeed gathers a
     # persistent parameter again right after every step and never releases its partition, which is a view

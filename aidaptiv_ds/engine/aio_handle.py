@@ -29,6 +29,7 @@ Deliberate differences (errors are never silent here):
 Every keyword name of DeepSpeed's bindings is accepted, including its spelling ``example_tenosr`` in
 new_cpu_locked_tensor and ``async`` in pread/pwrite (passed as ``**{"async": True}``).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -97,10 +98,19 @@ class _Op:
 class AioHandle:
     """Stand-in for DeepSpeed's aio_handle (see the module docstring for the few deliberate differences)."""
 
-    def __init__(self, block_size: int = 1024 * 1024, queue_depth: int = 128, single_submit: bool = False,
-                 overlap_events: bool = False, intra_op_parallelism: int = 1):
-        for name, value in (("block_size", block_size), ("queue_depth", queue_depth),
-                            ("intra_op_parallelism", intra_op_parallelism)):
+    def __init__(
+        self,
+        block_size: int = 1024 * 1024,
+        queue_depth: int = 128,
+        single_submit: bool = False,
+        overlap_events: bool = False,
+        intra_op_parallelism: int = 1,
+    ):
+        for name, value in (
+            ("block_size", block_size),
+            ("queue_depth", queue_depth),
+            ("intra_op_parallelism", intra_op_parallelism),
+        ):
             if int(value) < 1:
                 raise ValueError(f"aio_handle {name} is {value}: expected a positive integer")
         self._block_size, self._queue_depth = int(block_size), int(queue_depth)
@@ -108,8 +118,11 @@ class AioHandle:
         self._intra_op_parallelism = int(intra_op_parallelism)
         # Our pieces are O_DIRECT blocks: round DeepSpeed's block size up to a 4 KiB multiple.
         engine_block = align_up(self._block_size)
-        self._engine = IOEngine(block_size=engine_block, queue_depth=min(self._queue_depth, 4096),
-                                threads=max(4, self._intra_op_parallelism))
+        self._engine = IOEngine(
+            block_size=engine_block,
+            queue_depth=min(self._queue_depth, 4096),
+            threads=max(4, self._intra_op_parallelism),
+        )
         self._ops: List[_Op] = []
         self._lock = threading.Lock()
         self._bounce_pool: Optional[PinnedPool] = None
@@ -134,14 +147,17 @@ class AioHandle:
         return self._intra_op_parallelism * DEEPSPEED_ALIGNMENT
 
     # -- pinned tensors -----------------------------------------------------------------------------
-    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: Optional[torch.Tensor] = None,
-                              **kwargs) -> torch.Tensor:
+    def new_cpu_locked_tensor(
+        self, num_elem: int, example_tensor: Optional[torch.Tensor] = None, **kwargs
+    ) -> torch.Tensor:
         """A page-locked, 4 KiB aligned CPU tensor of num_elem elements of example_tensor's dtype. DeepSpeed
         0.19's binding names the second argument ``example_tenosr``; both spellings are accepted."""
         if "example_tenosr" in kwargs:
             if example_tensor is not None:
-                raise TypeError("aio_handle.new_cpu_locked_tensor: example_tensor given twice "
-                                "(as example_tensor and example_tenosr)")
+                raise TypeError(
+                    "aio_handle.new_cpu_locked_tensor: example_tensor given twice "
+                    "(as example_tensor and example_tenosr)"
+                )
             example_tensor = kwargs.pop("example_tenosr")
         self._reject_unknown(kwargs)
         if example_tensor is None:
@@ -164,8 +180,9 @@ class AioHandle:
     def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
         return self.pread(buffer, filename, False, True, file_offset)
 
-    def async_pwrite(self, buffer: torch.Tensor, filename=None, file_offset: int = 0, *, fd: Optional[int] = None
-                     ) -> int:
+    def async_pwrite(
+        self, buffer: torch.Tensor, filename=None, file_offset: int = 0, *, fd: Optional[int] = None
+    ) -> int:
         """DeepSpeed's two overloads: (buffer, filename, file_offset) and (buffer, fd, file_offset), the
         descriptor given by position or as fd=."""
         if fd is not None and filename is not None:
@@ -188,8 +205,15 @@ class AioHandle:
     def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
         return self.pwrite(buffer, filename, False, False, file_offset)
 
-    def pread(self, buffer: torch.Tensor, filename: str, validate: bool, async_op: Optional[bool] = None,
-              file_offset: int = 0, **kwargs) -> int:
+    def pread(
+        self,
+        buffer: torch.Tensor,
+        filename: str,
+        validate: bool,
+        async_op: Optional[bool] = None,
+        file_offset: int = 0,
+        **kwargs,
+    ) -> int:
         """Queue a read of buffer.nbytes at file_offset; with async false, also wait() (returns its count)."""
         async_op = kwargs.pop("async", async_op)
         self._reject_unknown(kwargs)
@@ -197,13 +221,24 @@ class AioHandle:
         nbytes = self._check_parallel(buffer, "read")
         size = self._file_size(filename)
         if offset + nbytes > size:
-            raise OSError(errno.ENODATA, f"read of {nbytes} bytes at offset {offset} from {filename} would pass "
-                          f"the end of the file ({size} bytes): read only bytes that were written", filename)
+            raise OSError(
+                errno.ENODATA,
+                f"read of {nbytes} bytes at offset {offset} from {filename} would pass "
+                f"the end of the file ({size} bytes): read only bytes that were written",
+                filename,
+            )
         self._queue(self._submit(True, buffer, filename, offset, validate))
         return 0 if async_op else self.wait()
 
-    def pwrite(self, buffer: torch.Tensor, filename: str, validate: bool, async_op: Optional[bool] = None,
-               file_offset: int = 0, **kwargs) -> int:
+    def pwrite(
+        self,
+        buffer: torch.Tensor,
+        filename: str,
+        validate: bool,
+        async_op: Optional[bool] = None,
+        file_offset: int = 0,
+        **kwargs,
+    ) -> int:
         """Queue a write of buffer at file_offset (the file is created 0600 if missing, never truncated)."""
         async_op = kwargs.pop("async", async_op)
         self._reject_unknown(kwargs)
@@ -216,8 +251,10 @@ class AioHandle:
         filename = os.fspath(filename)
         nbytes, size = buffer.numel() * buffer.element_size(), os.stat(filename).st_size
         if nbytes != size:
-            raise ValueError(f"aio_handle.read: buffer has {nbytes} bytes but {filename} has {size}: read() "
-                             "reads a whole file into a buffer of the file's size")
+            raise ValueError(
+                f"aio_handle.read: buffer has {nbytes} bytes but {filename} has {size}: read() "
+                "reads a whole file into a buffer of the file's size"
+            )
         self._run_alone(self._submit(True, buffer, filename, int(file_offset), validate))
         return 0
 
@@ -257,8 +294,10 @@ class AioHandle:
     def _check_parallel(self, buffer: torch.Tensor, what: str) -> int:
         nbytes = buffer.numel() * buffer.element_size()
         if nbytes % self._intra_op_parallelism:
-            raise ValueError(f"aio_handle {what} of {nbytes} bytes is not divisible by intra_op_parallelism "
-                             f"{self._intra_op_parallelism}: pad the buffer or lower intra_op_parallelism")
+            raise ValueError(
+                f"aio_handle {what} of {nbytes} bytes is not divisible by intra_op_parallelism "
+                f"{self._intra_op_parallelism}: pad the buffer or lower intra_op_parallelism"
+            )
         return nbytes
 
     def _queue(self, op: _Op) -> None:
@@ -272,8 +311,7 @@ class AioHandle:
             op.finish()
 
     def _direct_ok(self, buffer: torch.Tensor) -> bool:
-        return (buffer.device.type == "cpu" and buffer.is_contiguous()
-                and buffer.data_ptr() % ALIGN == 0)
+        return buffer.device.type == "cpu" and buffer.is_contiguous() and buffer.data_ptr() % ALIGN == 0
 
     def _bounce(self, buffer: torch.Tensor) -> torch.Tensor:
         """A pinned, aligned tensor of buffer's dtype and shape, from this handle's bounce pool."""
@@ -322,9 +360,14 @@ class AioHandle:
                 f.seek(offset)
                 actual = f.read(len(expected))
             if actual != expected:
-                raise OSError(errno.EIO, f"validation of {len(expected)} bytes at offset {offset} of {filename} "
-                              "failed: the file and the buffer differ; check the disk", filename)
+                raise OSError(
+                    errno.EIO,
+                    f"validation of {len(expected)} bytes at offset {offset} of {filename} "
+                    "failed: the file and the buffer differ; check the disk",
+                    filename,
+                )
             logger.info("aio_handle: validated %d bytes at offset %d of %s", len(expected), offset, filename)
+
         return validate
 
     def _buffered_io(self, is_read: bool, buffer: torch.Tensor, filename: str, offset: int) -> None:
@@ -336,8 +379,11 @@ class AioHandle:
                 while len(data) < nbytes:
                     chunk = os.pread(fd, nbytes - len(data), offset + len(data))
                     if not chunk:
-                        raise OSError(errno.ENODATA, f"read of {nbytes} bytes at offset {offset} from {filename} "
-                                      "reached the end of the file", filename)
+                        raise OSError(
+                            errno.ENODATA,
+                            f"read of {nbytes} bytes at offset {offset} from {filename} reached the end of the file",
+                            filename,
+                        )
                     data += chunk
             finally:
                 os.close(fd)
@@ -357,10 +403,16 @@ class AioHandle:
         try:
             self._pwrite_all(fd, self._host_bytes(source), offset)
         except OSError as e:
-            advice = ("an O_DIRECT descriptor needs a size and offset that are multiples of the disk block"
-                      if e.errno == errno.EINVAL else "check that the descriptor is open for writing and the disk")
-            raise OSError(e.errno, f"write of {source.numel() * source.element_size()} bytes at offset {offset} "
-                          f"to descriptor {fd} failed: {e.strerror}: {advice}") from e
+            advice = (
+                "an O_DIRECT descriptor needs a size and offset that are multiples of the disk block"
+                if e.errno == errno.EINVAL
+                else "check that the descriptor is open for writing and the disk"
+            )
+            raise OSError(
+                e.errno,
+                f"write of {source.numel() * source.element_size()} bytes at offset {offset} "
+                f"to descriptor {fd} failed: {e.strerror}: {advice}",
+            ) from e
 
     @staticmethod
     def _pwrite_all(fd: int, data, offset: int) -> None:

@@ -4,6 +4,7 @@ The ``"aidaptiv"`` config block, the ``AIDAPTIV_BACKEND`` variable and the engin
 (:mod:`aidaptiv_ds.engine.io`) all name backends with it. It lives apart from :mod:`aidaptiv_ds.engine.io` so that the
 config can be validated without loading the compiled engine.
 """
+
 from __future__ import annotations
 
 import enum

@@ -1,6 +1,7 @@
 """What is known of the disk under a folder: its mount (filesystem type, device), its block device, and
 whether the folder can take O_DIRECT I/O at all (:func:`check_dir`); used by io-bench, the rate cache and
 the planner."""
+
 from __future__ import annotations
 
 import os
@@ -57,16 +58,19 @@ def check_dir(path: str, mounts_text: str) -> Dict[str, str]:
     """Refuse memory filesystems and filesystems that refuse O_DIRECT; return the mount."""
     mount = mount_of(path, mounts_text)
     if mount["fstype"] in MEMORY_FILESYSTEMS:
-        raise BenchError(f"--dir {path} is on {mount['fstype']} (memory, not a disk): choose a directory on the "
-                         "disk to measure")
+        raise BenchError(
+            f"--dir {path} is on {mount['fstype']} (memory, not a disk): choose a directory on the disk to measure"
+        )
     probe = os.path.join(path, f".io-bench-probe-{os.getpid()}")
     try:
         fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_DIRECT, 0o600)
         os.close(fd)
     except OSError as e:
         why = "refuses O_DIRECT" if e.errno == 22 else f"cannot take a file ({e.strerror})"
-        raise BenchError(f"--dir {path} is on {mount['fstype']}, which {why}: page-cache-free measurements need "
-                         "O_DIRECT; choose a directory on a disk filesystem such as ext4 or xfs") from None
+        raise BenchError(
+            f"--dir {path} is on {mount['fstype']}, which {why}: page-cache-free measurements need "
+            "O_DIRECT; choose a directory on a disk filesystem such as ext4 or xfs"
+        ) from None
     finally:
         if os.path.exists(probe):
             os.unlink(probe)

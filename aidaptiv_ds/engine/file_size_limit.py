@@ -17,6 +17,7 @@ wants its own writes past the limit to end it.) Instead:
 
 Every other thread, and every write of the user's program, keeps the default: death by SIGXFSZ.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,9 +40,13 @@ def check_growth(path: str, new_size: int) -> None:
     (checked before the growth, so the kernel never sends SIGXFSZ)."""
     lim = limit()
     if lim is not None and new_size > lim:
-        raise OSError(errno.EFBIG, f"swap file {path} needs to grow to {new_size} bytes but the file-size limit "
-                                   f"(ulimit -f) is {lim} bytes: raise it (ulimit -f unlimited) for the job, or "
-                                   "lower what is swapped", path)
+        raise OSError(
+            errno.EFBIG,
+            f"swap file {path} needs to grow to {new_size} bytes but the file-size limit "
+            f"(ulimit -f) is {lim} bytes: raise it (ulimit -f unlimited) for the job, or "
+            "lower what is swapped",
+            path,
+        )
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ AIDAPTIV_BACKEND (auto | io_uring | posix), AIDAPTIV_BLOCK_SIZE (bytes, or a siz
 :func:`aidaptiv_ds.common.sizes.parse_size`),
 AIDAPTIV_QUEUE_DEPTH.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,10 @@ logger = logging.getLogger(__name__)
 # The engine is compiled with its own copy of the O_DIRECT alignment; a build that disagrees with
 # sizes.ALIGN would accept buffers the Python layers never align for.
 if int(_C.ALIGNMENT) != ALIGN:
-    raise ImportError(f"aidaptiv_ds.engine._C was built with O_DIRECT alignment {int(_C.ALIGNMENT)} but the package "
-                      f"aligns to {ALIGN}: rebuild the extension (pip install -e .)")
+    raise ImportError(
+        f"aidaptiv_ds.engine._C was built with O_DIRECT alignment {int(_C.ALIGNMENT)} but the package "
+        f"aligns to {ALIGN}: rebuild the extension (pip install -e .)"
+    )
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_THREADS = 4
@@ -58,8 +61,11 @@ def _log_once(message: str) -> None:
     logger.warning(message)
 
 
-_TO_C = {Backend.IO_URING: _C.BackendKind.IO_URING, Backend.POSIX: _C.BackendKind.POSIX,
-         Backend.AUTO: _C.BackendKind.AUTO}
+_TO_C = {
+    Backend.IO_URING: _C.BackendKind.IO_URING,
+    Backend.POSIX: _C.BackendKind.POSIX,
+    Backend.AUTO: _C.BackendKind.AUTO,
+}
 _FROM_NAME = {"io_uring": Backend.IO_URING, "posix": Backend.POSIX}
 
 
@@ -75,8 +81,9 @@ def resolve_settings(backend=None, block_size=None, queue_depth=None) -> dict:
         try:
             settings["queue_depth"] = int(env["AIDAPTIV_QUEUE_DEPTH"])
         except ValueError:
-            raise ValueError(f"AIDAPTIV_QUEUE_DEPTH={env['AIDAPTIV_QUEUE_DEPTH']!r} is not an integer: "
-                             "expected e.g. 32") from None
+            raise ValueError(
+                f"AIDAPTIV_QUEUE_DEPTH={env['AIDAPTIV_QUEUE_DEPTH']!r} is not an integer: expected e.g. 32"
+            ) from None
     if backend is not None:
         settings["backend"] = Backend.parse(backend)
     if block_size is not None:
@@ -107,8 +114,9 @@ class PinnedPool:
         and the rest at the high end so that the rest cannot cut up the space large buffers need."""
         return self._pool.allocate(int(numel), dtype, bool(from_top))
 
-    def try_allocate(self, numel: int, dtype: torch.dtype = torch.uint8,
-                     from_top: bool = False) -> Optional[torch.Tensor]:
+    def try_allocate(
+        self, numel: int, dtype: torch.dtype = torch.uint8, from_top: bool = False
+    ) -> Optional[torch.Tensor]:
         """allocate(), or None when no free block fits: for callers to whom a full pool is routine (they
         reclaim and ask again). Nothing is raised on that path, in C++ either."""
         return self._pool.try_allocate(int(numel), dtype, bool(from_top))
@@ -122,9 +130,19 @@ class PinnedPool:
     def stats(self) -> dict:
         """capacity, in_use, high_water, largest_free (bytes), blocks, locked, lock_method, lock_note."""
         s = self._pool.stats()
-        return {k: getattr(s, k) for k in
-                ("capacity", "in_use", "high_water", "largest_free", "blocks", "locked", "lock_method",
-                 "lock_note")}
+        return {
+            k: getattr(s, k)
+            for k in (
+                "capacity",
+                "in_use",
+                "high_water",
+                "largest_free",
+                "blocks",
+                "locked",
+                "lock_method",
+                "lock_note",
+            )
+        }
 
     @property
     def capacity(self) -> int:
@@ -217,9 +235,15 @@ class IOEngine:
     AIDAPTIV_QUEUE_DEPTH when those are set and the argument is not given.
     """
 
-    def __init__(self, backend: Union[str, Backend, None] = None, block_size: Optional[int] = None,
-                 queue_depth: Optional[int] = None, threads: int = DEFAULT_THREADS,
-                 pool: Optional[PinnedPool] = None, sqpoll: bool = False):
+    def __init__(
+        self,
+        backend: Union[str, Backend, None] = None,
+        block_size: Optional[int] = None,
+        queue_depth: Optional[int] = None,
+        threads: int = DEFAULT_THREADS,
+        pool: Optional[PinnedPool] = None,
+        sqpoll: bool = False,
+    ):
         settings = resolve_settings(backend, block_size, queue_depth)
         options = _C.EngineOptions()
         options.backend = _TO_C[settings["backend"]]
@@ -329,20 +353,24 @@ class IOEngine:
             self._outstanding.pop(handle, None)
 
     # -- GPU ----------------------------------------------------------------------------------------
-    def read_to_device(self, tensor: torch.Tensor, file: FileLike, offset: int = 0,
-                       staging: Optional[torch.Tensor] = None) -> int:
+    def read_to_device(
+        self, tensor: torch.Tensor, file: FileLike, offset: int = 0, staging: Optional[torch.Tensor] = None
+    ) -> int:
         """File -> pinned staging -> GPU tensor, reading chunk i+1 while chunk i is copied (blocking)."""
         return self._device_copy("read_to_device", tensor, file, offset, staging)
 
-    def write_from_device(self, tensor: torch.Tensor, file: FileLike, offset: int = 0,
-                          staging: Optional[torch.Tensor] = None) -> int:
+    def write_from_device(
+        self, tensor: torch.Tensor, file: FileLike, offset: int = 0, staging: Optional[torch.Tensor] = None
+    ) -> int:
         """GPU tensor -> pinned staging -> file, copying chunk i+1 while chunk i is written (blocking)."""
         return self._device_copy("write_from_device", tensor, file, offset, staging)
 
     def _device_copy(self, name, tensor, file, offset, staging) -> int:
         if not _C.WITH_CUDA:
-            raise RuntimeError(f"{name} needs aidaptiv_ds built with CUDA (this build has none): install "
-                               "it with a CUDA torch, or copy through a host tensor")
+            raise RuntimeError(
+                f"{name} needs aidaptiv_ds built with CUDA (this build has none): install "
+                "it with a CUDA torch, or copy through a host tensor"
+            )
         if staging is None:
             if self.pool is None:
                 raise ValueError(f"{name} needs a staging tensor or an IOEngine created with a pool")
@@ -357,8 +385,21 @@ class IOEngine:
         direct_fallbacks (O_DIRECT pieces the kernel refused with EINVAL, retried through the page cache)."""
         s = self._engine.stats()
         out = {"backend": self.backend.value, "fixed_buffers": self.fixed_buffers}
-        out.update({k: getattr(s, k) for k in ("bytes_read", "bytes_written", "reads", "writes", "errors",
-                                               "in_flight", "wait_seconds", "direct_fallbacks")})
+        out.update(
+            {
+                k: getattr(s, k)
+                for k in (
+                    "bytes_read",
+                    "bytes_written",
+                    "reads",
+                    "writes",
+                    "errors",
+                    "in_flight",
+                    "wait_seconds",
+                    "direct_fallbacks",
+                )
+            }
+        )
         self._log_direct_fallbacks(s.direct_fallbacks)
         if self.pool is not None:
             out["pool"] = self.pool.stats()
@@ -368,10 +409,13 @@ class IOEngine:
         """Warn once per engine (from stats() or shutdown()) that O_DIRECT fell back to the page cache."""
         if count and not self._direct_fallbacks_logged:
             self._direct_fallbacks_logged = True
-            logger.warning("%d O_DIRECT transfer(s) were refused with EINVAL and retried through the page cache "
-                           "(slower, and they use page-cache memory): a file-size limit (ulimit -f) or the "
-                           "filesystem cut them at an unaligned byte; put nvme_path on a filesystem that "
-                           "supports O_DIRECT (ext4, xfs) and check ulimit -f", count)
+            logger.warning(
+                "%d O_DIRECT transfer(s) were refused with EINVAL and retried through the page cache "
+                "(slower, and they use page-cache memory): a file-size limit (ulimit -f) or the "
+                "filesystem cut them at an unaligned byte; put nvme_path on a filesystem that "
+                "supports O_DIRECT (ext4, xfs) and check ulimit -f",
+                count,
+            )
 
     def shutdown(self) -> None:
         """Wait for all I/O, close all files and stop the engine's threads. Errors of requests nobody

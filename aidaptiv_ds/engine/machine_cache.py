@@ -6,6 +6,7 @@ the I/O settings tuned for it), the CPUs, the framework's memory, a GPU. The pla
 (:mod:`aidaptiv_ds.planner.rates`) write it; the swapper reads the tuned I/O settings of its disk
 (:mod:`aidaptiv_ds.engine.tuning`). Nothing here imports torch, DeepSpeed or the rest of the package's layers.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,6 +46,7 @@ def save_cache(entries: dict, path: Optional[str] = None) -> None:
 def disk_key(directory: str) -> str:
     """The cache key of the disk under ``directory``: its st_dev and the disk's model."""
     from aidaptiv_ds.engine.disk import block_device
+
     st = os.stat(directory)
     dev = block_device(directory).get("device") or ""
     name = os.path.basename(dev)

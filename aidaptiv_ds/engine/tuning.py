@@ -15,6 +15,7 @@ for it.
 Nothing here is measured when a job starts: without a cached sweep for the disk, "auto" is the engine's
 defaults (1 MiB, 32), and the settings say which of "config", "tuned" or "default" each value came from.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,14 +62,20 @@ def time_write_read(engine, buf, directory: str, stem: str, repeats: int):
     return writes, reads
 
 
-def sweep(directory: str, nbytes: int = SWEEP_BYTES, repeats: int = SWEEP_REPEATS,
-          blocks=CANDIDATE_BLOCKS, depths=CANDIDATE_DEPTHS) -> List[Dict[str, float]]:
+def sweep(
+    directory: str,
+    nbytes: int = SWEEP_BYTES,
+    repeats: int = SWEEP_REPEATS,
+    blocks=CANDIDATE_BLOCKS,
+    depths=CANDIDATE_DEPTHS,
+) -> List[Dict[str, float]]:
     """Write and read-back bandwidth (bytes/s, best of ``repeats``) of every block size x queue depth, one row
     each: ``{"block_size", "queue_depth", "write", "read"}``. The files are removed; the directory must take
     O_DIRECT (the caller checks)."""
     import torch
 
     from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+
     pool = PinnedPool(nbytes)
     buf = pool.allocate(nbytes)
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
@@ -89,8 +96,13 @@ def _valid(row) -> bool:
         b, q, w, r = int(row["block_size"]), int(row["queue_depth"]), float(row["write"]), float(row["read"])
     except (KeyError, TypeError, ValueError):
         return False
-    return (BLOCK_RANGE[0] <= b <= BLOCK_RANGE[1] and b % (4 * KiB) == 0 and DEPTH_RANGE[0] <= q <= DEPTH_RANGE[1]
-            and w > 0 and r > 0)
+    return (
+        BLOCK_RANGE[0] <= b <= BLOCK_RANGE[1]
+        and b % (4 * KiB) == 0
+        and DEPTH_RANGE[0] <= q <= DEPTH_RANGE[1]
+        and w > 0
+        and r > 0
+    )
 
 
 def _speed(row) -> float:
@@ -98,14 +110,19 @@ def _speed(row) -> float:
     return 1.0 / (1.0 / row["write"] + 1.0 / row["read"])
 
 
-def choose(table: List[dict], block_size: Optional[int] = None, queue_depth: Optional[int] = None
-           ) -> Optional[Tuple[int, int]]:
+def choose(
+    table: List[dict], block_size: Optional[int] = None, queue_depth: Optional[int] = None
+) -> Optional[Tuple[int, int]]:
     """(block size, queue depth) from a sweep table: the fastest pair, or among pairs within TIE of it the one
     with the fewest bytes in flight; only pairs with the given ``block_size``/``queue_depth`` when one is given.
     None when no row qualifies."""
-    rows = [r for r in table or [] if _valid(r)
-            and (block_size is None or int(r["block_size"]) == block_size)
-            and (queue_depth is None or int(r["queue_depth"]) == queue_depth)]
+    rows = [
+        r
+        for r in table or []
+        if _valid(r)
+        and (block_size is None or int(r["block_size"]) == block_size)
+        and (queue_depth is None or int(r["queue_depth"]) == queue_depth)
+    ]
     if not rows:
         return None
     best = max(_speed(r) for r in rows)
@@ -125,8 +142,9 @@ def cached_sweep(directory: str, cache_file: Optional[str] = None) -> Optional[L
     return table if isinstance(table, list) and any(_valid(r) for r in table) else None
 
 
-def resolve_io(directory: str, block_size: Optional[int], queue_depth: Optional[int],
-               cache_file: Optional[str] = None) -> Tuple[int, int, str, str]:
+def resolve_io(
+    directory: str, block_size: Optional[int], queue_depth: Optional[int], cache_file: Optional[str] = None
+) -> Tuple[int, int, str, str]:
     """(block size, queue depth, where the block size came from, where the queue depth came from) for a swap
     directory; ``None`` is "auto". A given value is the config's; an "auto" one is the cached sweep's choice
     (with the other value as given, when the sweep measured it), else the engine's default."""
@@ -139,5 +157,9 @@ def resolve_io(directory: str, block_size: Optional[int], queue_depth: Optional[
                 block_size, sources[0] = pick[0], TUNED
             if queue_depth is None:
                 queue_depth, sources[1] = pick[1], TUNED
-    return (DEFAULT_BLOCK_SIZE if block_size is None else block_size,
-            DEFAULT_QUEUE_DEPTH if queue_depth is None else queue_depth, sources[0], sources[1])
+    return (
+        DEFAULT_BLOCK_SIZE if block_size is None else block_size,
+        DEFAULT_QUEUE_DEPTH if queue_depth is None else queue_depth,
+        sources[0],
+        sources[1],
+    )

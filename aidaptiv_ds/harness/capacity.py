@@ -14,6 +14,7 @@ over the same file (an interrupted sweep, a machine reboot) reruns nothing it ha
 
 Nothing here starts processes: bench/capacity.py runs the cells through the sweep harness.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,8 +82,8 @@ def search_longest(grid: list[int], try_seq: Callable[[int, str], Attempt]) -> S
         return a
 
     last = len(grid) - 1
-    ok: Optional[int] = None     # index of the longest length known to fit
-    bad: Optional[int] = None    # index of the shortest length known not to fit
+    ok: Optional[int] = None  # index of the longest length known to fit
+    bad: Optional[int] = None  # index of the shortest length known not to fit
     bad_attempt: Optional[Attempt] = None
     i = 0
     while True:
@@ -103,8 +104,12 @@ def search_longest(grid: list[int], try_seq: Callable[[int, str], Attempt]) -> S
                 ok = mid
             else:
                 bad, bad_attempt = mid, a
-    return SearchResult(longest=grid[ok] if ok is not None else None, failed_above=bad_attempt,
-                        reached_max=ok == last, attempts=attempts)
+    return SearchResult(
+        longest=grid[ok] if ok is not None else None,
+        failed_above=bad_attempt,
+        reached_max=ok == last,
+        attempts=attempts,
+    )
 
 
 def losses_finite(losses) -> bool:
@@ -119,15 +124,25 @@ def attempt_from_row(row: dict, phase: str = "") -> Attempt:
     if row["status"] == "ok" and not fits:
         status, error = "error", f"ran, but the losses are not all finite: {row.get('losses')}"
     peak = row.get("cell_mem_peak_mb") or row.get("tree_peak_rss_mb")
-    return Attempt(seq_len=row["seq_len"], fits=fits, status=status, error=error,
-                   tokens_per_s=row.get("tokens_per_s") if fits else None, step_s=row.get("step_s") if fits else None,
-                   peak_mb=peak, phase=row.get("phase") or phase)
+    return Attempt(
+        seq_len=row["seq_len"],
+        fits=fits,
+        status=status,
+        error=error,
+        tokens_per_s=row.get("tokens_per_s") if fits else None,
+        step_s=row.get("step_s") if fits else None,
+        peak_mb=peak,
+        phase=row.get("phase") or phase,
+    )
 
 
 def attempt_key(variant: str, model: str, micro_batch: int, seq_len: int, cap_gb: Optional[float], steps: int) -> str:
     """What makes two attempts the same experiment (the resume key)."""
-    return f"{variant}__{model}__mb{micro_batch}__s{seq_len}__cap{cap_gb:g}__steps{steps}" if cap_gb else \
-        f"{variant}__{model}__mb{micro_batch}__s{seq_len}__uncapped__steps{steps}"
+    return (
+        f"{variant}__{model}__mb{micro_batch}__s{seq_len}__cap{cap_gb:g}__steps{steps}"
+        if cap_gb
+        else f"{variant}__{model}__mb{micro_batch}__s{seq_len}__uncapped__steps{steps}"
+    )
 
 
 class AttemptLog:
@@ -145,7 +160,7 @@ class AttemptLog:
                         continue
                     try:
                         row = json.loads(raw)
-                        self.rows[row["attempt_key"]] = row     # the last row of a key wins
+                        self.rows[row["attempt_key"]] = row  # the last row of a key wins
                     except (ValueError, KeyError, TypeError):
                         self.problems.append(f"{path} line {n}: not a capacity row (cut off?), skipped")
 
@@ -157,10 +172,15 @@ class AttemptLog:
         self.rows[row["attempt_key"]] = row
 
 
-def resumable(log: AttemptLog, key_of: Callable[[int], str], run: Callable[[int, str], dict],
-              on_row: Callable[[dict, bool], None] = lambda row, reused: None) -> Callable[[int, str], Attempt]:
+def resumable(
+    log: AttemptLog,
+    key_of: Callable[[int], str],
+    run: Callable[[int, str], dict],
+    on_row: Callable[[dict, bool], None] = lambda row, reused: None,
+) -> Callable[[int, str], Attempt]:
     """A ``try_seq`` that answers from ``log`` when it has the attempt's key, else calls ``run(seq, phase)``
     (which returns the row, ``attempt_key`` and ``phase`` set) and records the row."""
+
     def try_seq(seq_len: int, phase: str) -> Attempt:
         row = log.get(key_of(seq_len))
         reused = row is not None
@@ -169,6 +189,7 @@ def resumable(log: AttemptLog, key_of: Callable[[int], str], run: Callable[[int,
             log.add(row)
         on_row(row, reused)
         return attempt_from_row(row, phase)
+
     return try_seq
 
 
@@ -195,9 +216,11 @@ def _fmt_seq(f: Found) -> str:
 
 
 def summary_table(found: Iterable[Found]) -> list[str]:
-    lines = ["| backend | model | micro-batch | longest sequence | tokens/s at it | step s | peak memory MiB "
-             "| above it | attempts | confirmed |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    lines = [
+        "| backend | model | micro-batch | longest sequence | tokens/s at it | step s | peak memory MiB "
+        "| above it | attempts | confirmed |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
     for f in found:
         at = f.result.at_longest
         above = f.result.failed_above
@@ -211,10 +234,13 @@ def summary_table(found: Iterable[Found]) -> list[str]:
 
         def num(v, fmt):
             return "-" if v is None else format(v, fmt)
-        lines.append(f"| {f.variant} | {f.model} | {f.micro_batch} | {_fmt_seq(f)} | "
-                     f"{num(at.tokens_per_s if at else None, ',.1f')} | {num(at.step_s if at else None, '.1f')} | "
-                     f"{num(at.peak_mb if at else None, ',.0f')} | {above_text.replace('|', '/')} | "
-                     f"{len(f.result.attempts)} | {conf} |")
+
+        lines.append(
+            f"| {f.variant} | {f.model} | {f.micro_batch} | {_fmt_seq(f)} | "
+            f"{num(at.tokens_per_s if at else None, ',.1f')} | {num(at.step_s if at else None, '.1f')} | "
+            f"{num(at.peak_mb if at else None, ',.0f')} | {above_text.replace('|', '/')} | "
+            f"{len(f.result.attempts)} | {conf} |"
+        )
     return lines
 
 

@@ -7,6 +7,7 @@ over the cap it gets SIGKILL at once. Whatever happens, including Ctrl-C or SIGT
 process group, every descendant seen while sampling and everything left in the cgroup are killed before
 ``run_cell`` returns or raises.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,8 @@ import psutil
 
 from aidaptiv_ds.harness.hostcap import CellCgroup
 
-TAIL_BYTES = 64 * 1024         # read back for classification
-KEEP_LOG_BYTES = 512 * 1024    # kept of each log in the cell folder
+TAIL_BYTES = 64 * 1024  # read back for classification
+KEEP_LOG_BYTES = 512 * 1024  # kept of each log in the cell folder
 TERM_GRACE_S = 3.0
 
 
@@ -143,10 +144,20 @@ def read_metrics(path: str) -> tuple[Optional[dict], Optional[str]]:
     return m, None
 
 
-def run_cell(cmd: list[str], *, cell_dir: str, metrics_path: str, timeout_s: float, env: dict,
-             cwd: Optional[str] = None, cap_bytes: Optional[int] = None, cgroup: Optional[CellCgroup] = None,
-             watchdog: bool = False, poll_s: float = 0.1, tick: Optional[Callable[[float], None]] = None
-             ) -> CellRun:
+def run_cell(
+    cmd: list[str],
+    *,
+    cell_dir: str,
+    metrics_path: str,
+    timeout_s: float,
+    env: dict,
+    cwd: Optional[str] = None,
+    cap_bytes: Optional[int] = None,
+    cgroup: Optional[CellCgroup] = None,
+    watchdog: bool = False,
+    poll_s: float = 0.1,
+    tick: Optional[Callable[[float], None]] = None,
+) -> CellRun:
     """Run one cell's command to completion, timeout or cap. ``cgroup``: the cell's memory cgroup (already
     limited), or None; ``watchdog``: enforce ``cap_bytes`` by sampling RSS instead."""
     run = CellRun()
@@ -154,8 +165,9 @@ def run_cell(cmd: list[str], *, cell_dir: str, metrics_path: str, timeout_s: flo
     launch = cgroup.wrap(cmd) if cgroup is not None else cmd
     t0 = time.monotonic()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen(launch, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            launch, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True
+        )
     tree = _Tree(proc)
     sample_every = poll_s if watchdog else max(poll_s, 0.5)
     next_sample = 0.0
@@ -174,8 +186,10 @@ def run_cell(cmd: list[str], *, cell_dir: str, metrics_path: str, timeout_s: flo
                 run.tree_peak_rss_bytes = max(run.tree_peak_rss_bytes, rss)
                 if watchdog and cap_bytes is not None and rss > cap_bytes:
                     tree.kill()
-                    run.cap_kill = (f"killed by the host memory cap (rss-watchdog): process tree RSS "
-                                    f"{rss / 2**30:.2f} GiB > cap {cap_bytes / 2**30:.2f} GiB")
+                    run.cap_kill = (
+                        f"killed by the host memory cap (rss-watchdog): process tree RSS "
+                        f"{rss / 2**30:.2f} GiB > cap {cap_bytes / 2**30:.2f} GiB"
+                    )
                     break
             if tick is not None:
                 tick(now)
@@ -197,8 +211,10 @@ def run_cell(cmd: list[str], *, cell_dir: str, metrics_path: str, timeout_s: flo
                 pass
         run.wall_s = time.monotonic() - t0
     if cgroup is not None and run.oom_kills:
-        run.cap_kill = (f"killed by the host memory cap ({cgroup.kind} limit {cgroup.limit_bytes / 2**30:.2f} GiB"
-                        f", oom_kill count {run.oom_kills})")
+        run.cap_kill = (
+            f"killed by the host memory cap ({cgroup.kind} limit {cgroup.limit_bytes / 2**30:.2f} GiB"
+            f", oom_kill count {run.oom_kills})"
+        )
     elif watchdog and run.cap_kill:
         run.oom_kills = 1
     run.output_tail = _tail(out_path, TAIL_BYTES) + _tail(err_path, TAIL_BYTES)

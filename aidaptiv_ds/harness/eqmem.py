@@ -38,6 +38,7 @@ Not counted (the same for both, or too small to matter): parameters under 1 MiB 
 ``stage3_param_persistence_threshold`` that DeepSpeed never swaps (norms: kilobytes), the reduce bucket and
 activations (outside the budget for aidaptiv too), the framework itself.
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,8 @@ from aidaptiv_ds.planner.shapes import resolve_shape
 
 BACKEND = "zero_infinity_eqmem"
 BASE = "zero_infinity"
-AIO_ALIGNED_BYTES = 1024          # deepspeed/runtime/swap_tensor/utils.py
-OPTIMIZER_BUFFERS = 4             # Adam: weights, moments, gradient (PartitionedOptimizerSwapper's requirement)
+AIO_ALIGNED_BYTES = 1024  # deepspeed/runtime/swap_tensor/utils.py
+OPTIMIZER_BUFFERS = 4  # Adam: weights, moments, gradient (PartitionedOptimizerSwapper's requirement)
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,19 @@ class EqmemSizing:
 
     def as_row(self) -> dict:
         """The sizing as a result row records it."""
-        return {"budget_bytes": self.budget_bytes, "sized_bytes": self.sized_bytes,
-                "over_budget_bytes": self.over_budget_bytes, "parts": dict(self.parts),
-                "sub_group_size": self.sub_group_size, "max_in_cpu": self.max_in_cpu,
-                "param_buffer_count": self.param_buffer_count, "param_buffer_size": self.param_buffer_size,
-                "optimizer_buffer_count": self.optimizer_buffer_count, "cached_numel": self.cached_numel,
-                "partition_numel": self.partition_numel}
+        return {
+            "budget_bytes": self.budget_bytes,
+            "sized_bytes": self.sized_bytes,
+            "over_budget_bytes": self.over_budget_bytes,
+            "parts": dict(self.parts),
+            "sub_group_size": self.sub_group_size,
+            "max_in_cpu": self.max_in_cpu,
+            "param_buffer_count": self.param_buffer_count,
+            "param_buffer_size": self.param_buffer_size,
+            "optimizer_buffer_count": self.optimizer_buffer_count,
+            "cached_numel": self.cached_numel,
+            "partition_numel": self.partition_numel,
+        }
 
 
 def _aligned(numel: int, elsize: int, intra_op: int) -> int:
@@ -101,9 +109,12 @@ def _aligned(numel: int, elsize: int, intra_op: int) -> int:
 def _grad_bytes(cfg: dict) -> int:
     """Bytes per gradient element of stage3's flat buffer: data_types.grad_accum_dtype, else the model dtype
     (engine.get_data_types)."""
-    name = ((cfg.get("data_types") or {}).get("grad_accum_dtype") or ds_config.dtype_name(cfg))
-    return dtype_bytes({"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16",
-                        "fp16": "fp16", "float16": "fp16"}.get(str(name).lower(), "fp32"))
+    name = (cfg.get("data_types") or {}).get("grad_accum_dtype") or ds_config.dtype_name(cfg)
+    return dtype_bytes(
+        {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(
+            str(name).lower(), "fp32"
+        )
+    )
 
 
 def _sub_group_ranges(part_numels: list[int], sub_group_size: int) -> list[tuple[int, int]]:
@@ -151,10 +162,12 @@ def size_eqmem(base_cfg: dict, model: str, world: int, budget_bytes: int) -> Eqm
         # sizes it with its parameters' full numels.
         lo, hi = ranges[subs.index(s_max)]
         write_back = sum(_aligned(n, e, intra) for n in full_n[lo:hi]) * e
-        fixed = {"gradient partitions": total * g,
-                 "parameter swap buffers": p_count * _aligned(largest, e, intra) * e,
-                 "optimizer swap buffers": o_count * _aligned(s_max, 4, intra) * 4,
-                 "optimizer-init gradient buffer": s_max * 4}
+        fixed = {
+            "gradient partitions": total * g,
+            "parameter swap buffers": p_count * _aligned(largest, e, intra) * e,
+            "optimizer swap buffers": o_count * _aligned(s_max, 4, intra) * 4,
+            "optimizer-init gradient buffer": s_max * 4,
+        }
         room = budget_bytes - sum(fixed.values())
         cached, k = 0, 0
         if room >= 0:
@@ -168,10 +181,18 @@ def size_eqmem(base_cfg: dict, model: str, world: int, budget_bytes: int) -> Eqm
         if k < len(subs):
             parts["parameter write-back buffer"] = write_back
         parts["parameter RAM cache (max_in_cpu)"] = cached * e
-        sizing = EqmemSizing(budget_bytes=budget_bytes, sub_group_size=sgs, max_in_cpu=cached,
-                             param_buffer_count=p_count, param_buffer_size=largest, optimizer_buffer_count=o_count,
-                             parts=parts, cached_numel=cached, partition_numel=total,
-                             next_sub_group_bytes=subs[k] * e if k < len(subs) else None)
+        sizing = EqmemSizing(
+            budget_bytes=budget_bytes,
+            sub_group_size=sgs,
+            max_in_cpu=cached,
+            param_buffer_count=p_count,
+            param_buffer_size=largest,
+            optimizer_buffer_count=o_count,
+            parts=parts,
+            cached_numel=cached,
+            partition_numel=total,
+            next_sub_group_bytes=subs[k] * e if k < len(subs) else None,
+        )
         if best is None:
             best = sizing
             continue
@@ -189,7 +210,8 @@ def eqmem_config(base_cfg: dict, sizing: EqmemSizing) -> dict:
     zero = cfg.setdefault("zero_optimization", {})
     zero["sub_group_size"] = sizing.sub_group_size
     op = zero.setdefault("offload_param", {})
-    op.update(max_in_cpu=sizing.max_in_cpu, buffer_count=sizing.param_buffer_count,
-              buffer_size=sizing.param_buffer_size)
+    op.update(
+        max_in_cpu=sizing.max_in_cpu, buffer_count=sizing.param_buffer_count, buffer_size=sizing.param_buffer_size
+    )
     zero.setdefault("offload_optimizer", {})["buffer_count"] = sizing.optimizer_buffer_count
     return cfg

@@ -9,6 +9,7 @@ again, so a slow spell of the machine falls on all backends alike rather than on
 
 Everything here is pure (no processes, no files but the grid), so it is cheap to test.
 """
+
 from __future__ import annotations
 
 import json
@@ -175,8 +176,12 @@ class Grid(BaseModel):
         """(micro_batches, seq_lens, gpus, grad_accums) for one model, per_model overrides applied."""
         o = self.per_model.get(model) or ModelOverride()
         ga = o.grad_accum if o.grad_accum is not None else self.grad_accum
-        return (o.micro_batches or self.micro_batches, o.seq_lens or self.seq_lens, o.gpus or self.gpus,
-                list(ga) if isinstance(ga, list) else [ga])
+        return (
+            o.micro_batches or self.micro_batches,
+            o.seq_lens or self.seq_lens,
+            o.gpus or self.gpus,
+            list(ga) if isinstance(ga, list) else [ga],
+        )
 
 
 def _loc(parts: Iterable) -> str:
@@ -202,12 +207,22 @@ def _cross_field_problems(data) -> list[str]:
     models, per_model = data.get("models"), data.get("per_model", {})
     backends = data.get("backends")
     if isinstance(backends, list) and EQMEM_BACKEND in backends and isinstance(models, list):
-        unsized = [m for m in models if isinstance(m, str) and not data.get("aidaptiv_state_fraction")
-                   and not (isinstance(per_model, dict) and isinstance(per_model.get(m), dict)
-                            and per_model[m].get("aidaptiv_state_fraction"))]
+        unsized = [
+            m
+            for m in models
+            if isinstance(m, str)
+            and not data.get("aidaptiv_state_fraction")
+            and not (
+                isinstance(per_model, dict)
+                and isinstance(per_model.get(m), dict)
+                and per_model[m].get("aidaptiv_state_fraction")
+            )
+        ]
         if unsized:
-            problems.append(f"backend {EQMEM_BACKEND} is sized to aidaptiv's host budget, but models {unsized} "
-                            "have no aidaptiv_state_fraction: set one (top level or per_model)")
+            problems.append(
+                f"backend {EQMEM_BACKEND} is sized to aidaptiv's host budget, but models {unsized} "
+                "have no aidaptiv_state_fraction: set one (top level or per_model)"
+            )
     if isinstance(models, list) and isinstance(per_model, dict):
         stray = [m for m in per_model if m not in models]
         if stray:
@@ -215,8 +230,12 @@ def _cross_field_problems(data) -> list[str]:
         for field in ("micro_batches", "seq_lens", "gpus"):
             if data.get(field) is not None:
                 continue
-            lacking = [m for m in models if isinstance(m, str)
-                       and not (isinstance(per_model.get(m), dict) and per_model[m].get(field) is not None)]
+            lacking = [
+                m
+                for m in models
+                if isinstance(m, str)
+                and not (isinstance(per_model.get(m), dict) and per_model[m].get(field) is not None)
+            ]
             if lacking:
                 problems.append(f"{field} is missing: give it at the top level or in per_model for {lacking}")
     return problems
@@ -277,9 +296,15 @@ class Cell:
         """True when ``other`` needs at least this cell's memory: same model, backend, GPU count and grad
         accumulation, and no smaller micro-batch or sequence. (More GPUs are not compared: they shard GPU
         state but add host processes, so the order is not clear for a host cap.)"""
-        return (self != other and self.model == other.model and self.backend == other.backend
-                and self.gpus == other.gpus and self.grad_accum == other.grad_accum
-                and other.micro_batch >= self.micro_batch and other.seq_len >= self.seq_len)
+        return (
+            self != other
+            and self.model == other.model
+            and self.backend == other.backend
+            and self.gpus == other.gpus
+            and self.grad_accum == other.grad_accum
+            and other.micro_batch >= self.micro_batch
+            and other.seq_len >= self.seq_len
+        )
 
 
 @dataclass(frozen=True)
@@ -313,14 +338,13 @@ def _model_rank(model: str) -> tuple:
     return (nominal_parameters(model) or 0, model)
 
 
-def enumerate_cells(grid: Grid, backends: Optional[list[str]] = None,
-                    gpus: Optional[list[int]] = None) -> list[Cell]:
+def enumerate_cells(grid: Grid, backends: Optional[list[str]] = None, gpus: Optional[list[int]] = None) -> list[Cell]:
     """All cells of a grid, in run order (see order_cells). ``backends`` / ``gpus`` replace the grid's."""
     backends = list(backends or grid.backends)
     cells = []
     for model in grid.models:
         mbs, seqs, gpu_counts, gas = grid.values_for(model)
-        for g in (gpus or gpu_counts):
+        for g in gpus or gpu_counts:
             for mb in mbs:
                 for seq in seqs:
                     for ga in gas:
@@ -337,8 +361,10 @@ def order_cells(cells: list[Cell], backends: Optional[list[str]] = None) -> list
     if backends is None:
         backends = [b for b in SWEEP_BACKENDS if any(c.backend == b for c in cells)]
         backends += sorted({c.backend for c in cells} - set(backends))
-    shapes = sorted({(c.model, c.gpus, c.micro_batch, c.seq_len, c.grad_accum) for c in cells},
-                    key=lambda s: (_model_rank(s[0]), s[2] * s[3], s[3], s[2], s[1], s[4]))
+    shapes = sorted(
+        {(c.model, c.gpus, c.micro_batch, c.seq_len, c.grad_accum) for c in cells},
+        key=lambda s: (_model_rank(s[0]), s[2] * s[3], s[3], s[2], s[1], s[4]),
+    )
     by_shape: dict[tuple, list[Cell]] = {}
     for c in cells:
         by_shape.setdefault((c.model, c.gpus, c.micro_batch, c.seq_len, c.grad_accum), []).append(c)

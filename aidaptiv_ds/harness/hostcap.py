@@ -18,6 +18,7 @@ A cgroup charges page cache too (as a real machine of that size would feel it); 
 The launcher joins the cgroup before exec through ``sh -c 'echo $$ > cgroup.procs && exec "$@"'``, so every
 descendant starts inside it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -92,8 +93,7 @@ class CellCgroup:
         return self._counter("memory.oom_control", "oom_kill")
 
     def peak_bytes(self) -> Optional[int]:
-        raw = _read(os.path.join(self.path, "memory.peak" if self.kind == "cgroup2" else
-                                 "memory.max_usage_in_bytes"))
+        raw = _read(os.path.join(self.path, "memory.peak" if self.kind == "cgroup2" else "memory.max_usage_in_bytes"))
         try:
             return int(raw) if raw else None
         except ValueError:

@@ -14,6 +14,7 @@ fio checks only its byte counts, and reports the CPU time of its own thread only
 io-wq workers, which ours counts). The disk here may be shared and noisy: compare engines
 within one run, never a lone number across runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,16 +67,22 @@ def parse_engines(text: str) -> List[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", default=None,
-                        help="directory on the disk to measure (default: a temporary directory under the "
-                             "current directory, removed afterwards); tmpfs and filesystems without O_DIRECT "
-                             "are refused")
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the disk to measure (default: a temporary directory under the "
+        "current directory, removed afterwards); tmpfs and filesystems without O_DIRECT "
+        "are refused",
+    )
     parser.add_argument("--size-mb", type=positive_int, default=1024, help="MiB written and read per engine (1024)")
-    parser.add_argument("--block-kb", type=positive_int, default=1024,
-                        help="KiB per I/O, a multiple of 4 (1024)")
+    parser.add_argument("--block-kb", type=positive_int, default=1024, help="KiB per I/O, a multiple of 4 (1024)")
     parser.add_argument("--queue-depth", type=positive_int, default=32, help="I/Os in flight (32)")
-    parser.add_argument("--engines", type=parse_engines, default=None,
-                        help=f"comma-separated, from {','.join(ENGINES)} (default: all; fio when on PATH)")
+    parser.add_argument(
+        "--engines",
+        type=parse_engines,
+        default=None,
+        help=f"comma-separated, from {','.join(ENGINES)} (default: all; fio when on PATH)",
+    )
     parser.add_argument("--repeat", type=positive_int, default=3, help="repetitions, interleaved (3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -102,9 +109,18 @@ def machine_info(path: str, mount: Dict[str, str]) -> dict:
         cpu = platform.processor() or "unknown"
     from aidaptiv_ds.harness.machine import cpu_flags
 
-    info = {"cpu": cpu, "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "kernel": platform.release(), "python": platform.python_version(), "dir": os.path.realpath(path),
-            "filesystem": mount["fstype"], "mount": mount["mountpoint"], "source": mount["source"]}
+    info = {
+        "cpu": cpu,
+        "cpu_flags": cpu_flags(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "dir": os.path.realpath(path),
+        "filesystem": mount["fstype"],
+        "mount": mount["mountpoint"],
+        "source": mount["source"],
+    }
     info.update(block_device(path))
     return info
 
@@ -202,9 +218,21 @@ class DeepSpeedEngine:
 
 
 def fio_command(path: str, rw: str, nbytes: int, block: int, queue_depth: int) -> List[str]:
-    return ["fio", "--output-format=json", f"--name=io-bench-{rw}", f"--filename={path}", f"--rw={rw}",
-            f"--bs={block}", f"--size={nbytes}", "--ioengine=io_uring", f"--iodepth={queue_depth}", "--direct=1",
-            "--fixedbufs=1", "--numjobs=1", "--unlink=0"]
+    return [
+        "fio",
+        "--output-format=json",
+        f"--name=io-bench-{rw}",
+        f"--filename={path}",
+        f"--rw={rw}",
+        f"--bs={block}",
+        f"--size={nbytes}",
+        "--ioengine=io_uring",
+        f"--iodepth={queue_depth}",
+        "--direct=1",
+        "--fixedbufs=1",
+        "--numjobs=1",
+        "--unlink=0",
+    ]
 
 
 def parse_fio(text: str, rw: str) -> Sample:
@@ -232,8 +260,12 @@ class FioEngine:
         self.command = " ".join(fio_command("FILE", "write", self.nbytes, block, queue_depth))
 
     def _run(self, path: str, rw: str) -> Sample:
-        result = subprocess.run(fio_command(path, rw, self.nbytes, self.block, self.queue_depth),
-                                capture_output=True, text=True, timeout=3600)
+        result = subprocess.run(
+            fio_command(path, rw, self.nbytes, self.block, self.queue_depth),
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"fio {rw} failed ({result.returncode}): {result.stderr.strip()[:300]}")
         return parse_fio(result.stdout, rw)
@@ -263,16 +295,20 @@ def summarize(samples: Dict[str, list], verified: List[Optional[bool]], error: O
     """Medians of the repeats; samples are lists of Sample per direction."""
     entry: dict = {}
     if samples["read"] and samples["write"]:
-        entry.update({
-            "read_gbps": round(statistics.median(s.gbps for s in samples["read"]), 3),
-            "write_gbps": round(statistics.median(s.gbps for s in samples["write"]), 3),
-            "cpu_s_per_gb_read": round(statistics.median(s.cpu_s_per_gb for s in samples["read"]), 4),
-            "cpu_s_per_gb_write": round(statistics.median(s.cpu_s_per_gb for s in samples["write"]), 4),
-            "verified": None if any(v is None for v in verified) else all(verified),
-            "repeats": len(samples["read"]),
-            "samples": {"read_gbps": [round(s.gbps, 3) for s in samples["read"]],
-                        "write_gbps": [round(s.gbps, 3) for s in samples["write"]]},
-        })
+        entry.update(
+            {
+                "read_gbps": round(statistics.median(s.gbps for s in samples["read"]), 3),
+                "write_gbps": round(statistics.median(s.gbps for s in samples["write"]), 3),
+                "cpu_s_per_gb_read": round(statistics.median(s.cpu_s_per_gb for s in samples["read"]), 4),
+                "cpu_s_per_gb_write": round(statistics.median(s.cpu_s_per_gb for s in samples["write"]), 4),
+                "verified": None if any(v is None for v in verified) else all(verified),
+                "repeats": len(samples["read"]),
+                "samples": {
+                    "read_gbps": [round(s.gbps, 3) for s in samples["read"]],
+                    "write_gbps": [round(s.gbps, 3) for s in samples["write"]],
+                },
+            }
+        )
     if error:
         entry["error"] = error
     return entry
@@ -288,11 +324,15 @@ def comparisons(engines: dict) -> List[str]:
         theirs = engines.get(other, {})
         if "read_gbps" not in theirs:
             continue
-        line = (f"uring / {other}: read {uring['read_gbps'] / theirs['read_gbps']:.2f}x, "
-                f"write {uring['write_gbps'] / theirs['write_gbps']:.2f}x")
+        line = (
+            f"uring / {other}: read {uring['read_gbps'] / theirs['read_gbps']:.2f}x, "
+            f"write {uring['write_gbps'] / theirs['write_gbps']:.2f}x"
+        )
         if theirs.get("cpu_s_per_gb_read"):
-            line += (f"; CPU per GB read {uring['cpu_s_per_gb_read'] / theirs['cpu_s_per_gb_read']:.2f}x, "
-                     f"write {uring['cpu_s_per_gb_write'] / max(theirs['cpu_s_per_gb_write'], 1e-9):.2f}x")
+            line += (
+                f"; CPU per GB read {uring['cpu_s_per_gb_read'] / theirs['cpu_s_per_gb_read']:.2f}x, "
+                f"write {uring['cpu_s_per_gb_write'] / max(theirs['cpu_s_per_gb_write'], 1e-9):.2f}x"
+            )
         lines.append(line)
     return lines
 
@@ -312,8 +352,10 @@ def format_table(result: dict) -> str:
     for name, e in result["engines"].items():
         if "read_gbps" in e:
             verified = {True: "yes", False: "NO", None: "n/a"}[e["verified"]]
-            lines.append(f"{name:<10} {e['read_gbps']:>10.2f} {e['write_gbps']:>11.2f} "
-                         f"{e['cpu_s_per_gb_read']:>12.3f} {e['cpu_s_per_gb_write']:>12.3f}  {verified}")
+            lines.append(
+                f"{name:<10} {e['read_gbps']:>10.2f} {e['write_gbps']:>11.2f} "
+                f"{e['cpu_s_per_gb_read']:>12.3f} {e['cpu_s_per_gb_write']:>12.3f}  {verified}"
+            )
         if "error" in e:
             lines.append(f"{name:<10} error: {e['error']}")
     lines += comparisons(result["engines"])
@@ -375,9 +417,11 @@ def measure(engines: List[str], directory: str, size: int, block: int, queue_dep
                 samples[name]["write"].append(w)
                 samples[name]["read"].append(rd)
                 verified[name].append(ok)
-                progress(f"[{r + 1}/{repeat}] {name:<9} write {w.gbps:6.2f} GB/s ({w.cpu_s_per_gb:.3f} CPU s/GB), "
-                         f"read {rd.gbps:6.2f} GB/s ({rd.cpu_s_per_gb:.3f} CPU s/GB)"
-                         + ("" if ok is not False else "  BYTES DIFFER"))
+                progress(
+                    f"[{r + 1}/{repeat}] {name:<9} write {w.gbps:6.2f} GB/s ({w.cpu_s_per_gb:.3f} CPU s/GB), "
+                    f"read {rd.gbps:6.2f} GB/s ({rd.cpu_s_per_gb:.3f} CPU s/GB)"
+                    + ("" if ok is not False else "  BYTES DIFFER")
+                )
     finally:
         for engine in live.values():
             engine.close()
@@ -399,12 +443,21 @@ def run(args) -> int:
             mount = check_dir(directory, f.read())
         free = shutil.disk_usage(directory).free
         if free < size * 1.1:
-            raise BenchError(f"--dir {directory} has {free >> 20} MiB free, the run needs about {size >> 20} MiB: "
-                             "free space or lower --size-mb")
+            raise BenchError(
+                f"--dir {directory} has {free >> 20} MiB free, the run needs about {size >> 20} MiB: "
+                "free space or lower --size-mb"
+            )
         machine = machine_info(directory, mount)
-        config = {"size_mb": args.size_mb, "block_kb": args.block_kb, "queue_depth": args.queue_depth,
-                  "repeat": args.repeat, "engines": engines, "direct": True, "git_sha": git_sha(),
-                  "fio_command": " ".join(fio_command("FILE", "write|read", size, block, args.queue_depth))}
+        config = {
+            "size_mb": args.size_mb,
+            "block_kb": args.block_kb,
+            "queue_depth": args.queue_depth,
+            "repeat": args.repeat,
+            "engines": engines,
+            "direct": True,
+            "git_sha": git_sha(),
+            "fio_command": " ".join(fio_command("FILE", "write|read", size, block, args.queue_depth)),
+        }
         if not args.json:
             print(format_table({"machine": machine, "config": config, "engines": {}}).splitlines()[0], flush=True)
         with stdout_to_stderr():

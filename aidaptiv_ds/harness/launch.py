@@ -15,6 +15,7 @@ its own node only, so each rank makes it (0700) on a node that lacks it.
 The train module is ``aidaptiv_ds train`` unless AIDAPTIV_DS_TRAIN_MODULE or --train-module names another
 (``"MODULE [ARGS...]"``), which is how the tests substitute a fake.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,8 +82,10 @@ def launcher_args(cell: Cell, spec: LaunchSpec, port: int) -> list[str]:
     nodes = spec.nodes_for(cell)
     if spec.hostfile:
         if nodes > 1 and cell.gpus % nodes:
-            raise ValueError(f"cell {cell.id}: {cell.gpus} GPUs do not split evenly over {nodes} nodes of "
-                             f"{spec.gpus_per_node}: choose GPU counts that are multiples of --gpus-per-node")
+            raise ValueError(
+                f"cell {cell.id}: {cell.gpus} GPUs do not split evenly over {nodes} nodes of "
+                f"{spec.gpus_per_node}: choose GPU counts that are multiples of --gpus-per-node"
+            )
         args += ["--hostfile", spec.hostfile, "--num_nodes", str(nodes), "--num_gpus", str(cell.gpus // nodes)]
         if spec.master_addr:
             args += ["--master_addr", spec.master_addr]
@@ -92,31 +95,49 @@ def launcher_args(cell: Cell, spec: LaunchSpec, port: int) -> list[str]:
         ids = [d.strip() for d in spec.visible_devices.split(",") if d.strip()]
         if cell.gpus > len(ids):
             raise ValueError(f"cell {cell.id} needs {cell.gpus} GPUs but CUDA_VISIBLE_DEVICES has {len(ids)}")
-        args += ["--include", "localhost:" + ",".join(ids[:cell.gpus])]
+        args += ["--include", "localhost:" + ",".join(ids[: cell.gpus])]
     else:
         args += ["--num_accelerators", str(cell.gpus)]
     args += ["--master_port", str(port), "--no_local_rank"]
     return args
 
 
-def launch_command(cell: Cell, spec: LaunchSpec, *, port: int, swap_dir: str, metrics_out: str, steps: int,
-                   warmup: int, gpu_mem_cap_gb: Optional[float] = None,
-                   host_budget_bytes: Optional[int] = None, config: Optional[str] = None) -> list[str]:
+def launch_command(
+    cell: Cell,
+    spec: LaunchSpec,
+    *,
+    port: int,
+    swap_dir: str,
+    metrics_out: str,
+    steps: int,
+    warmup: int,
+    gpu_mem_cap_gb: Optional[float] = None,
+    host_budget_bytes: Optional[int] = None,
+    config: Optional[str] = None,
+) -> list[str]:
     """The whole command line of one cell (see the module docstring). ``config``: a config file written for
     this cell (zero_infinity_eqmem) instead of ds_configs/<backend>.json."""
     module, *lead = shlex.split(spec.train)
     cmd = launcher_args(cell, spec, port) + ["--module", module, *lead]
     cmd += [
-        "--config", config or config_path(spec, cell.backend),
-        "--model", cell.model,
-        "--seq-len", str(cell.seq_len),
-        "--micro-batch", str(cell.micro_batch),
-        "--grad-accum", str(cell.grad_accum),
-        "--steps", str(steps),
-        "--warmup", str(warmup),
-        "--nvme-path", swap_dir,
+        "--config",
+        config or config_path(spec, cell.backend),
+        "--model",
+        cell.model,
+        "--seq-len",
+        str(cell.seq_len),
+        "--micro-batch",
+        str(cell.micro_batch),
+        "--grad-accum",
+        str(cell.grad_accum),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--nvme-path",
+        swap_dir,
     ]
-    if spec.hostfile:   # ranks may run on other nodes, where the sweep did not make swap_dir
+    if spec.hostfile:  # ranks may run on other nodes, where the sweep did not make swap_dir
         cmd.append("--create-nvme-path")
     cmd += ["--metrics-out", metrics_out]
     if gpu_mem_cap_gb is not None:

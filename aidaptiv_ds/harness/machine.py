@@ -1,6 +1,7 @@
 """Facts about the machine a sweep runs on, recorded in every row: host, CPU and its flags, cores, RAM, GPUs, kernel,
 and the disk under the swap folder (device, model, rotational, file system). Every probe degrades to None
 rather than failing: a row with an unknown disk model is still a row."""
+
 from __future__ import annotations
 
 import os
@@ -29,6 +30,7 @@ def cpu_model() -> Optional[str]:
             return line.split(":", 1)[1].strip()
     try:
         import cpuinfo
+
         return cpuinfo.get_cpu_info().get("brand_raw")
     except Exception:  # py-cpuinfo raises assorted errors on unusual CPUs
         return None
@@ -75,8 +77,13 @@ def gpus() -> list[dict]:
     if not smi:
         return []
     try:
-        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     found = []
@@ -112,8 +119,16 @@ def disk_of(path: str) -> dict:
         p = os.path.dirname(p)
     p = os.path.realpath(p)
     mount, fstype, source = _mount_of(p)
-    info = {"path": os.path.abspath(path), "mount": mount, "filesystem": fstype, "source": source,
-            "device": None, "model": None, "rotational": None, "size_gb": None}
+    info = {
+        "path": os.path.abspath(path),
+        "mount": mount,
+        "filesystem": fstype,
+        "source": source,
+        "device": None,
+        "model": None,
+        "rotational": None,
+        "size_gb": None,
+    }
     try:
         st = os.stat(p)
     except OSError:
@@ -168,8 +183,12 @@ def summary(m: dict) -> str:
         kinds[name] = kinds.get(name, 0) + 1
     gpu = ", ".join(f"{n}x {name}" for name, n in kinds.items()) or "no GPU"
     d = m.get("swap_disk") or {}
-    disk = (f"{d.get('device') or d.get('source') or '?'} ({d.get('model') or 'unknown model'}, "
-            f"{'rotational' if d.get('rotational') else 'non-rotational' if d.get('rotational') is False else '?'}"
-            f", {d.get('filesystem') or '?'})")
-    return (f"{m.get('host')}: {cpu_line(m)}, {m.get('cores')} cores, {m.get('ram_gb')} GiB RAM, {gpu}, "
-            f"kernel {m.get('kernel')}, swap disk {disk}")
+    disk = (
+        f"{d.get('device') or d.get('source') or '?'} ({d.get('model') or 'unknown model'}, "
+        f"{'rotational' if d.get('rotational') else 'non-rotational' if d.get('rotational') is False else '?'}"
+        f", {d.get('filesystem') or '?'})"
+    )
+    return (
+        f"{m.get('host')}: {cpu_line(m)}, {m.get('cores')} cores, {m.get('ram_gb')} GiB RAM, {gpu}, "
+        f"kernel {m.get('kernel')}, swap disk {disk}"
+    )

@@ -6,6 +6,7 @@ none, and DeepSpeed's launcher reports a rank killed by signal N as exit code 25
 ``sys.exit(-N)``). ``classify`` combines, in this order: the timeout, the host cap's own record, the
 metrics file (checked against the exit code), out-of-memory messages in the output, the exit code.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,7 +24,8 @@ REFUSED = "refused before training by the plan: "
 
 # Messages that mean memory ran out, whatever the process then did.
 _OOM_PATTERNS = [
-    re.compile(p, re.IGNORECASE) for p in (
+    re.compile(p, re.IGNORECASE)
+    for p in (
         r"CUDA out of memory",
         r"OutOfMemoryError",
         r"\bMemoryError\b",
@@ -41,16 +43,27 @@ _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warni
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 
 # Signals whose 256-N exit codes we translate back (through the deepspeed launcher).
-_LAUNCHER_SIGNALS = {256 - s: s for s in (_signal.SIGKILL, _signal.SIGSEGV, _signal.SIGABRT, _signal.SIGBUS,
-                                          _signal.SIGTERM, _signal.SIGINT, _signal.SIGFPE, _signal.SIGILL)}
+_LAUNCHER_SIGNALS = {
+    256 - s: s
+    for s in (
+        _signal.SIGKILL,
+        _signal.SIGSEGV,
+        _signal.SIGABRT,
+        _signal.SIGBUS,
+        _signal.SIGTERM,
+        _signal.SIGINT,
+        _signal.SIGFPE,
+        _signal.SIGILL,
+    )
+}
 
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str           # ok | oom | error | timeout
+    status: str  # ok | oom | error | timeout
     error: Optional[str]  # one line, None when ok
     signal: Optional[str] = None
-    predicted: bool = False   # an oom the plan called (train's launch guard refused the job), not measured
+    predicted: bool = False  # an oom the plan called (train's launch guard refused the job), not measured
 
 
 def signal_name(num: int) -> str:
@@ -119,9 +132,16 @@ def oom_line(lines: list[str]) -> Optional[str]:
     return None
 
 
-def classify(*, returncode: Optional[int], timed_out: bool, timeout_s: Optional[float] = None,
-             cap_kill: Optional[str] = None, output_tail: list[str] = (), metrics: Optional[dict] = None,
-             metrics_problem: Optional[str] = None) -> Outcome:
+def classify(
+    *,
+    returncode: Optional[int],
+    timed_out: bool,
+    timeout_s: Optional[float] = None,
+    cap_kill: Optional[str] = None,
+    output_tail: list[str] = (),
+    metrics: Optional[dict] = None,
+    metrics_problem: Optional[str] = None,
+) -> Outcome:
     """Status and error line of one finished (or killed) cell.
 
     returncode: the launcher's Popen return code; timed_out: the harness killed the tree at the timeout;
@@ -134,8 +154,9 @@ def classify(*, returncode: Optional[int], timed_out: bool, timeout_s: Optional[
     if timed_out:
         t = f"{timeout_s:g} s" if timeout_s is not None else "the time limit"
         if metrics is not None and metrics.get("status") == "ok":
-            return Outcome("timeout", f"still running after {t} although metrics said ok (hung at exit?): "
-                                      "process tree killed", sig)
+            return Outcome(
+                "timeout", f"still running after {t} although metrics said ok (hung at exit?): process tree killed", sig
+            )
         return Outcome("timeout", f"no result after {t}: process tree killed", sig)
     ran_ok = code == 0 and metrics is not None and metrics.get("status") == "ok"
     if cap_kill and not ran_ok:
@@ -143,8 +164,9 @@ def classify(*, returncode: Optional[int], timed_out: bool, timeout_s: Optional[
     if metrics is not None and metrics.get("status") == "refused":
         # train's launch guard: the plan says the job cannot fit these caps, so nothing was trained. An
         # out-of-memory that was predicted, not measured (the row says so: see REFUSED).
-        return Outcome("oom", f"{REFUSED}{metrics.get('error') or error_line(lines) or 'no reason given'}", sig,
-                       predicted=True)
+        return Outcome(
+            "oom", f"{REFUSED}{metrics.get('error') or error_line(lines) or 'no reason given'}", sig, predicted=True
+        )
     if metrics is not None and metrics.get("status") in ("ok", "oom", "error"):
         st = metrics["status"]
         err = metrics.get("error") or error_line(lines)
@@ -160,8 +182,11 @@ def classify(*, returncode: Optional[int], timed_out: bool, timeout_s: Optional[
     if oom:
         return Outcome("oom", oom, sig)
     if code == OOM_EXIT_CODE:
-        return Outcome("oom", f"exit code {OOM_EXIT_CODE} (train's out-of-memory exit), no metrics: "
-                              f"{error_line(lines) or 'no output'}", sig)
+        return Outcome(
+            "oom",
+            f"exit code {OOM_EXIT_CODE} (train's out-of-memory exit), no metrics: {error_line(lines) or 'no output'}",
+            sig,
+        )
     if code == 0:
         return Outcome("error", f"exited 0 but {metrics_problem or 'wrote no metrics file'}", sig)
     if sig:

@@ -7,6 +7,7 @@ compile takes about a GiB per job): a ZeRO-Infinity cell would be recorded as ou
 its build. So the sweep builds what its backends need first, in a separate process with no cap
 (``python -m aidaptiv_ds.zero3.op_builds NAMES``).
 """
+
 from __future__ import annotations
 
 import glob
@@ -63,14 +64,19 @@ def prebuild(backends, env, timeout_s: float = 1800) -> list[str]:
     names = sorted({op for b in backends for op in OPS.get(b, [])})
     if not names:
         return []
-    warnings = [f"warning: build lock {path} is older than 10 minutes; if no build is running it was left by "
-                "a killed one and the build of that op waits for it forever: delete it"
-                for path in stale_locks(env)]
+    warnings = [
+        f"warning: build lock {path} is older than 10 minutes; if no build is running it was left by "
+        "a killed one and the build of that op waits for it forever: delete it"
+        for path in stale_locks(env)
+    ]
     try:
-        p = subprocess.run([sys.executable, "-m", BUILD_MODULE, *names], env=env, capture_output=True, text=True,
-                           timeout=timeout_s)
+        p = subprocess.run(
+            [sys.executable, "-m", BUILD_MODULE, *names], env=env, capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
-        return warnings + [f"building DeepSpeed ops {', '.join(names)} took longer than {timeout_s:.0f} s; cells will build them"]
+        return warnings + [
+            f"building DeepSpeed ops {', '.join(names)} took longer than {timeout_s:.0f} s; cells will build them"
+        ]
     lines = [line for line in p.stdout.splitlines() if ": " in line and line.split(":")[0] in names]
     if p.returncode != 0 and not lines:
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]

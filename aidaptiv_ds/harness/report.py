@@ -12,6 +12,7 @@ shared cells (both ran ok at least once; the ratio of the medians, with the min-
 repeat k of one against repeat k of the other, which ran close in time), where the time went, failures, and
 plots of throughput against batch size and GPU count.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,11 @@ from aidaptiv_ds.models.presets import nominal_parameters
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help="a sweep's results folder (with results.jsonl), or one train run's folder (with the "
-                               "CSV monitor's aidaptiv_*.csv files or a --metrics-out JSON)")
+    p.add_argument(
+        "dir",
+        help="a sweep's results folder (with results.jsonl), or one train run's folder (with the "
+        "CSV monitor's aidaptiv_*.csv files or a --metrics-out JSON)",
+    )
     p.add_argument("--no-plots", action="store_true", help="tables only, no PNGs")
 
 
@@ -67,14 +71,22 @@ def header_section(rows: list[dict], loaded, superseded: int, out_dir: str) -> s
         host = f"{hc['gb']:g} GiB via {hc['mechanism']}" if hc.get("gb") else "none"
         gpu = f"{r['gpu_mem_cap_gb']:g} GB" if r.get("gpu_mem_cap_gb") else "none"
         caps[f"GPU memory cap {gpu}; host memory cap {host}"] += 1
-    runs = Counter(f"{r['steps']} steps ({r['warmup']} warm-up, untimed)" + (f", lr {r['lr']:g}" if r.get("lr") else "")
-                   + (f", timeout {r['timeout_s']:g} s" if r.get("timeout_s") else "") for r in rows)
+    runs = Counter(
+        f"{r['steps']} steps ({r['warmup']} warm-up, untimed)"
+        + (f", lr {r['lr']:g}" if r.get("lr") else "")
+        + (f", timeout {r['timeout_s']:g} s" if r.get("timeout_s") else "")
+        for r in rows
+    )
     lines = [
         f"# Sweep report: {os.path.basename(os.path.abspath(out_dir))}",
         "",
         f"Made by `aidaptiv-ds report` from `{RESULTS_FILE}` alone: {len(rows)} cell(s), the newest row of each "
-        + (f"of their {sum(r.get('n_runs', 1) for r in rows)} runs (cell and repeat: at most "
-           f"{max(r.get('n_runs', 1) for r in rows)} per cell) " if any(r.get("n_runs", 1) > 1 for r in rows) else "")
+        + (
+            f"of their {sum(r.get('n_runs', 1) for r in rows)} runs (cell and repeat: at most "
+            f"{max(r.get('n_runs', 1) for r in rows)} per cell) "
+            if any(r.get("n_runs", 1) > 1 for r in rows)
+            else ""
+        )
         + f"({superseded} older row(s) superseded"
         + (f", {loaded.recovered} recovered from cells/*/row.json" if loaded.recovered else "")
         + (f", {len(loaded.problems)} unusable line(s) skipped" if loaded.problems else "")
@@ -91,13 +103,24 @@ def header_section(rows: list[dict], loaded, superseded: int, out_dir: str) -> s
     for r in rows:
         counts[r["backend"]][r["status"] + ("*" if r.get("inferred") else "")] += 1
     cols = ["ok", "oom", "oom*", "error", "timeout"]
-    lines += ["", md_table(["backend"] + cols + ["cells"],
-                           [[SHORT.get(b, b)] + [str(counts[b][c]) for c in cols] + [str(sum(counts[b].values()))]
-                            for b in _order_backends(rows)], right_from=1)]
-    lines += ["", "Cells: tokens/s (all ranks together) when the cell ran; OOM = out of memory (CUDA OOM, "
-              "MemoryError, or killed by the host memory cap); OOM* = not run because a smaller cell of the same "
-              "backend ran out of memory; ERR = error; TIMEOUT = killed at the time limit; empty = not in this "
-              "sweep. Published columns: † = the source does not name the model exactly (see Sources)."]
+    lines += [
+        "",
+        md_table(
+            ["backend"] + cols + ["cells"],
+            [
+                [SHORT.get(b, b)] + [str(counts[b][c]) for c in cols] + [str(sum(counts[b].values()))]
+                for b in _order_backends(rows)
+            ],
+            right_from=1,
+        ),
+    ]
+    lines += [
+        "",
+        "Cells: tokens/s (all ranks together) when the cell ran; OOM = out of memory (CUDA OOM, "
+        "MemoryError, or killed by the host memory cap); OOM* = not run because a smaller cell of the same "
+        "backend ran out of memory; ERR = error; TIMEOUT = killed at the time limit; empty = not in this "
+        "sweep. Published columns: † = the source does not name the model exactly (see Sources).",
+    ]
     return "\n".join(lines)
 
 
@@ -106,8 +129,10 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
     loaded = load_rows(out_dir)
     rows = cell_summaries(loaded.rows)
     if not rows:
-        raise ValueError(f"{os.path.join(out_dir, RESULTS_FILE)} has no usable rows: run `aidaptiv-ds sweep` first "
-                         "(or give one train run's folder: aidaptiv_*.csv from a \"csv_monitor\" or a metrics JSON)")
+        raise ValueError(
+            f"{os.path.join(out_dir, RESULTS_FILE)} has no usable rows: run `aidaptiv-ds sweep` first "
+            '(or give one train run\'s folder: aidaptiv_*.csv from a "csv_monitor" or a metrics JSON)'
+        )
     superseded = len(loaded.rows) - sum(r["n_runs"] for r in rows)
     parts = [header_section(rows, loaded, superseded, out_dir)]
     ov = overall_ratio(rows)
@@ -119,26 +144,40 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
     models = sorted({r["model"] for r in rows}, key=lambda m: (nominal_parameters(m) or 0, m))
     for model in models:
         mrows = [r for r in rows if r["model"] == model]
-        params = (next((r["params"] for r in mrows if r.get("params_source") == "metrics"), None)
-                  or nominal_parameters(model))
-        ptxt = f" ({params / 1e9:.2f} B parameters)" if params and params >= 1e9 else \
-            f" ({params / 1e6:.1f} M parameters)" if params else ""
+        params = next((r["params"] for r in mrows if r.get("params_source") == "metrics"), None) or nominal_parameters(
+            model
+        )
+        ptxt = (
+            f" ({params / 1e9:.2f} B parameters)"
+            if params and params >= 1e9
+            else f" ({params / 1e6:.1f} M parameters)"
+            if params
+            else ""
+        )
         table, sources = throughput_table(model, mrows)
         used_sources |= set(sources)
         parts += [f"## {model}{ptxt}", "### Throughput, tokens/s (shape of C-DAC Table VI)", table]
         if sources:
             parts.append("Published columns from: " + ", ".join(sources) + " (see Sources).")
-        parts += ["### Feasibility per backend (✓ ok, ✗ OOM, ✗* inferred OOM, E error, T timeout, · not run)",
-                  feasibility_maps(mrows)]
+        parts += [
+            "### Feasibility per backend (✓ ok, ✗ OOM, ✗* inferred OOM, E error, T timeout, · not run)",
+            feasibility_maps(mrows),
+        ]
         if any(r["backend"] == RATIO[0] for r in mrows):
             for den in _others(mrows):
-                parts += [f"### aidaptiv / {SHORT.get(den, den)} (tokens/s ratio where both ran)",
-                          ratio_section(mrows, den)]
+                parts += [
+                    f"### aidaptiv / {SHORT.get(den, den)} (tokens/s ratio where both ran)",
+                    ratio_section(mrows, den),
+                ]
         sizing = eqmem_table(mrows)
         if sizing:
             parts += ["### ZeRO-Infinity with aidaptiv's host memory: the sizing", sizing]
-        parts += ["### Where the time went (cells that ran; with repeats, the median run)", phases_table(mrows),
-                  "### Failures", failures_table(mrows)]
+        parts += [
+            "### Where the time went (cells that ran; with repeats, the median run)",
+            phases_table(mrows),
+            "### Failures",
+            failures_table(mrows),
+        ]
         if plots:
             try:
                 os.makedirs(fig_dir, exist_ok=True)
@@ -148,9 +187,15 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
                 parts.append(f"_No plots: {e} (pip install matplotlib)._")
             figures += made
             parts += [f"![{os.path.basename(p)[:-4]}](figures/{os.path.basename(p)})" for p in made]
-    extras = [(src, text) for src, text in (("cdac-t6", table_vi_flops_section(rows)),
-                                            ("cdac-f8", figure8_section(rows)), ("signal65", signal65_section(rows)))
-              if text]
+    extras = [
+        (src, text)
+        for src, text in (
+            ("cdac-t6", table_vi_flops_section(rows)),
+            ("cdac-f8", figure8_section(rows)),
+            ("signal65", signal65_section(rows)),
+        )
+        if text
+    ]
     if extras:
         parts.append("## Published comparisons")
         for src, text in extras:
@@ -165,8 +210,9 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
 def run(args: argparse.Namespace) -> int:
     if os.path.isdir(args.dir) and not os.path.exists(os.path.join(args.dir, RESULTS_FILE)):
         from aidaptiv_ds.harness import run_report
+
         series, source = run_report.find_series(args.dir)
-        if series:   # one run's folder; a folder with neither gets the sweep's "no usable rows" below
+        if series:  # one run's folder; a folder with neither gets the sweep's "no usable rows" below
             path = run_report.plot(args.dir, series, source)
             print(f"wrote {path} ({', '.join(sorted(series))} from the {source})", file=sys.stderr)
             return 0
@@ -178,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
     path = os.path.join(args.dir, "report.md")
     with open(path, "w") as f:
         f.write(md)
-    print(f"wrote {path}" + (f" and {len(figures)} figure(s) in {os.path.join(args.dir, 'figures')}" if figures else ""),
-          file=sys.stderr)
+    print(
+        f"wrote {path}" + (f" and {len(figures)} figure(s) in {os.path.join(args.dir, 'figures')}" if figures else ""),
+        file=sys.stderr,
+    )
     return 0

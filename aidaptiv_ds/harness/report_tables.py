@@ -1,6 +1,7 @@
 """The report's tables, made from a sweep's rows: throughput per cell beside the published figures, the
 feasibility maps, ratios between backends with their spread over repeats, phases, failures and the
 equal-memory comparison."""
+
 from __future__ import annotations
 
 import statistics
@@ -10,8 +11,13 @@ from typing import Optional
 from aidaptiv_ds.harness import published
 from aidaptiv_ds.harness.grid import SWEEP_BACKENDS
 
-SHORT = {"zero3": "ZeRO-3", "zero3_cpu_offload": "ZeRO-3 CPU offload", "zero_infinity": "ZeRO-Infinity",
-         "zero_infinity_eqmem": "ZeRO-Infinity (aidaptiv's memory)", "aidaptiv": "aidaptiv"}
+SHORT = {
+    "zero3": "ZeRO-3",
+    "zero3_cpu_offload": "ZeRO-3 CPU offload",
+    "zero_infinity": "ZeRO-Infinity",
+    "zero_infinity_eqmem": "ZeRO-Infinity (aidaptiv's memory)",
+    "aidaptiv": "aidaptiv",
+}
 
 
 SYMBOL = {"ok": "✓", "oom": "✗", "error": "E", "timeout": "T"}
@@ -68,8 +74,11 @@ def pub_text(p: published.Point) -> str:
 def md_table(header: list[str], rows: list[list[str]], right_from: int = 0) -> str:
     def esc(s):
         return str(s).replace("|", "\\|")
-    out = ["| " + " | ".join(esc(h) for h in header) + " |",
-           "|" + "|".join("---:" if i >= right_from else "---" for i in range(len(header))) + "|"]
+
+    out = [
+        "| " + " | ".join(esc(h) for h in header) + " |",
+        "|" + "|".join("---:" if i >= right_from else "---" for i in range(len(header))) + "|",
+    ]
     out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
 
@@ -104,9 +113,14 @@ def cell_summaries(rows: list[dict]) -> list[dict]:
         else:
             s = dict(max(runs, key=lambda r: r["time_end"]))
         vals = [r["tokens_per_s"] for r in ok]
-        s.update(runs=runs, n_runs=len(runs), n_ok=len(ok), tps_min=min(vals) if vals else None,
-                 tps_max=max(vals) if vals else None,
-                 tps_by_repeat={r.get("repeat") or 0: r["tokens_per_s"] for r in ok})
+        s.update(
+            runs=runs,
+            n_runs=len(runs),
+            n_ok=len(ok),
+            tps_min=min(vals) if vals else None,
+            tps_max=max(vals) if vals else None,
+            tps_by_repeat={r.get("repeat") or 0: r["tokens_per_s"] for r in ok},
+        )
         out.append(s)
     return out
 
@@ -147,8 +161,13 @@ def ratios(rows: list[dict], num: str = RATIO[0], den: str = RATIO[1]) -> dict:
             only_num.append(key)
         elif d["status"] == "ok" and r["status"] != "ok":
             only_den.append(key)
-    return {"both": both, "spread": spread, "only_num": sorted(only_num), "only_den": sorted(only_den),
-            "median": statistics.median(both.values()) if both else None}
+    return {
+        "both": both,
+        "spread": spread,
+        "only_num": sorted(only_num),
+        "only_den": sorted(only_den),
+        "median": statistics.median(both.values()) if both else None,
+    }
 
 
 def _ratio_text(ratio: float, spread) -> str:
@@ -162,8 +181,13 @@ def _ratio_text(ratio: float, spread) -> str:
 def _others(rows: list[dict]) -> list[str]:
     """The backends aidaptiv is compared with, ZeRO-Infinity first (the comparison the project is about)."""
     present = [b for b in _order_backends(rows) if b != RATIO[0]]
-    return sorted(present, key=lambda b: (0 if b == RATIO[1] else 1 if b == "zero_infinity_eqmem" else 2,
-                                          SWEEP_BACKENDS.index(b) if b in SWEEP_BACKENDS else 99))
+    return sorted(
+        present,
+        key=lambda b: (
+            0 if b == RATIO[1] else 1 if b == "zero_infinity_eqmem" else 2,
+            SWEEP_BACKENDS.index(b) if b in SWEEP_BACKENDS else 99,
+        ),
+    )
 
 
 def _published_columns(model: str, rows: list[dict]) -> dict:
@@ -218,8 +242,10 @@ def feasibility_maps(rows: list[dict]) -> str:
                         syms.append("·" if r is None else SYMBOL[r["status"]] + ("*" if r.get("inferred") else ""))
                     line.append(" ".join(syms))
                 body.append(line)
-        parts.append(f"**{SHORT.get(b, b)}** (each cell: {unit_of(rows)} counts {', '.join(map(str, gpus))})\n\n"
-                     + md_table(["seq \\ batch"] + [str(m) for m in mbs], body, right_from=1))
+        parts.append(
+            f"**{SHORT.get(b, b)}** (each cell: {unit_of(rows)} counts {', '.join(map(str, gpus))})\n\n"
+            + md_table(["seq \\ batch"] + [str(m) for m in mbs], body, right_from=1)
+        )
     return "\n\n".join(parts)
 
 
@@ -245,11 +271,14 @@ def ratio_section(rows: list[dict], den: str = RATIO[1]) -> str:
         body.append(line)
     med = rt["median"]
     vals = list(rt["both"].values())
-    head = (f"Median aidaptiv / {name} tokens/s over {len(vals)} cell(s) where both ran: "
-            f"**{med:.2f}×** (min {min(vals):.2f}×, max {max(vals):.2f}×). " if vals else
-            "No cell ran on both. ")
+    head = (
+        f"Median aidaptiv / {name} tokens/s over {len(vals)} cell(s) where both ran: "
+        f"**{med:.2f}×** (min {min(vals):.2f}×, max {max(vals):.2f}×). "
+        if vals
+        else "No cell ran on both. "
+    )
     head += _repeat_spread_text(rt)
-    head += (f"Ran on aidaptiv only: {len(rt['only_num'])}; on {name} only: {len(rt['only_den'])}.")
+    head += f"Ran on aidaptiv only: {len(rt['only_num'])}; on {name} only: {len(rt['only_den'])}."
     return head + "\n\n" + md_table(["seq", "batch"] + [f"{g} {unit_of(rows)}" for g in gpus], body, right_from=2)
 
 
@@ -258,31 +287,72 @@ def _repeat_spread_text(rt: dict) -> str:
     paired = [s for s in rt["spread"].values() if s]
     if not any(s[2] > 1 for s in paired):
         return ""
-    return (f"Per-repeat ratios (repeat k against repeat k) range from {min(s[0] for s in paired):.2f}× to "
-            f"{max(s[1] for s in paired):.2f}× over {sum(s[2] for s in paired)} pair(s); each cell shows the ratio "
-            "of its medians and that range. ")
+    return (
+        f"Per-repeat ratios (repeat k against repeat k) range from {min(s[0] for s in paired):.2f}× to "
+        f"{max(s[1] for s in paired):.2f}× over {sum(s[2] for s in paired)} pair(s); each cell shows the ratio "
+        "of its medians and that range. "
+    )
 
 
 def phases_table(rows: list[dict]) -> str:
-    ok = sorted((r for r in rows if r["status"] == "ok"),
-                key=lambda r: (r["seq_len"], r["micro_batch"], r["gpus"], SWEEP_BACKENDS.index(r["backend"])
-                               if r["backend"] in SWEEP_BACKENDS else 9))
+    ok = sorted(
+        (r for r in rows if r["status"] == "ok"),
+        key=lambda r: (
+            r["seq_len"],
+            r["micro_batch"],
+            r["gpus"],
+            SWEEP_BACKENDS.index(r["backend"]) if r["backend"] in SWEEP_BACKENDS else 9,
+        ),
+    )
     if not ok:
         return "_No cell ran._"
 
     def f(v, nd=2):
         return "" if v is None else f"{v:.{nd}f}"
+
     body = []
     for r in ok:
         ph = r.get("phases_s") or {}
-        body.append([SHORT.get(r["backend"], r["backend"]), str(r["gpus"]), str(r["micro_batch"]), str(r["seq_len"]),
-                     f(r["step_s"], 3), f(ph.get("forward")), f(ph.get("backward")), f(ph.get("optimizer")),
-                     f(ph.get("io_wait")), f(r["nvme_read_gbps"]), f(r["nvme_write_gbps"]),
-                     f(r["peak_rss_mb"], 0), f(r["peak_pinned_mb"], 0), f(r["peak_gpu_mb"], 0),
-                     f(r.get("cell_mem_peak_mb") or r.get("tree_peak_rss_mb"), 0)])
-    return md_table(["backend", unit_of(rows) + "s", "batch", "seq", "step s (median)", "forward s", "backward s",
-                     "optimizer s", "I/O wait s", "NVMe read GB/s", "NVMe write GB/s", "peak RSS MB",
-                     "peak pinned MB", "peak GPU MB", "cell memory peak MB"], body, right_from=1)
+        body.append(
+            [
+                SHORT.get(r["backend"], r["backend"]),
+                str(r["gpus"]),
+                str(r["micro_batch"]),
+                str(r["seq_len"]),
+                f(r["step_s"], 3),
+                f(ph.get("forward")),
+                f(ph.get("backward")),
+                f(ph.get("optimizer")),
+                f(ph.get("io_wait")),
+                f(r["nvme_read_gbps"]),
+                f(r["nvme_write_gbps"]),
+                f(r["peak_rss_mb"], 0),
+                f(r["peak_pinned_mb"], 0),
+                f(r["peak_gpu_mb"], 0),
+                f(r.get("cell_mem_peak_mb") or r.get("tree_peak_rss_mb"), 0),
+            ]
+        )
+    return md_table(
+        [
+            "backend",
+            unit_of(rows) + "s",
+            "batch",
+            "seq",
+            "step s (median)",
+            "forward s",
+            "backward s",
+            "optimizer s",
+            "I/O wait s",
+            "NVMe read GB/s",
+            "NVMe write GB/s",
+            "peak RSS MB",
+            "peak pinned MB",
+            "peak GPU MB",
+            "cell memory peak MB",
+        ],
+        body,
+        right_from=1,
+    )
 
 
 def failures_table(rows: list[dict]) -> str:
@@ -291,15 +361,22 @@ def failures_table(rows: list[dict]) -> str:
     bad = [r for r in runs if r["status"] != "ok" and not r.get("inferred")]
     inferred = sum(1 for r in runs if r.get("inferred"))
     repeats = any(r.get("repeat") for r in runs)
-    tail = ("" if not inferred else
-            f"\n\nNot run, inferred OOM from a smaller cell's OOM: {inferred} cell(s) (OOM* above)." if not repeats else
-            f"\n\nNot run, inferred OOM from a smaller cell's OOM or from this cell's OOM in an earlier repeat: "
-            f"{inferred} run(s) (OOM* above).")
+    tail = (
+        ""
+        if not inferred
+        else f"\n\nNot run, inferred OOM from a smaller cell's OOM: {inferred} cell(s) (OOM* above)."
+        if not repeats
+        else f"\n\nNot run, inferred OOM from a smaller cell's OOM or from this cell's OOM in an earlier repeat: "
+        f"{inferred} run(s) (OOM* above)."
+    )
     if not bad:
         return "_None._" + tail
-    body = [[r["key"]] + ([str(r.get("repeat") or 0)] if repeats else [])
-            + [r["status"], (r["error"] or "")[:200], f"{r['wall_s']:.0f}"]
-            for r in sorted(bad, key=lambda r: (r["key"], r.get("repeat") or 0))]
+    body = [
+        [r["key"]]
+        + ([str(r.get("repeat") or 0)] if repeats else [])
+        + [r["status"], (r["error"] or "")[:200], f"{r['wall_s']:.0f}"]
+        for r in sorted(bad, key=lambda r: (r["key"], r.get("repeat") or 0))
+    ]
     header = ["cell"] + (["repeat"] if repeats else []) + ["status", "error (last line)", "wall s"]
     return md_table(header, body, right_from=len(header) - 1) + tail
 
@@ -309,19 +386,43 @@ def eqmem_table(rows: list[dict]) -> str:
     sel = [r for r in rows if r["backend"] == "zero_infinity_eqmem" and r.get("eqmem")]
     if not sel:
         return ""
-    mib = 2 ** 20
+    mib = 2**20
     body = []
     for r in sorted(sel, key=lambda r: (r["gpus"], r["seq_len"], r["micro_batch"])):
         e = r["eqmem"]
-        body.append([str(r["gpus"]), str(r["micro_batch"]), str(r["seq_len"]), f"{e['budget_bytes'] / mib:.0f}",
-                     f"{e['sized_bytes'] / mib:.0f}", f"{e['over_budget_bytes'] / mib:.0f}",
-                     f"{e['max_in_cpu']:,}", f"{100 * e['cached_numel'] / max(1, e['partition_numel']):.0f}%",
-                     f"{e['sub_group_size']:,}"])
-    return ("Host memory DeepSpeed holds for the model state per rank (gradient partitions, swap buffers, "
-            "parameter RAM cache), sized to aidaptiv's budget; over budget: ZeRO-Infinity's smallest working set "
-            "exceeds it, and it runs with that minimum (see ds_configs/README.md).\n\n"
-            + md_table([f"{unit_of(rows)}s", "batch", "seq", "aidaptiv budget MiB", "ZeRO-Infinity sized MiB",
-                        "over budget MiB", "max_in_cpu", "parameters cached", "sub_group_size"], body, right_from=0))
+        body.append(
+            [
+                str(r["gpus"]),
+                str(r["micro_batch"]),
+                str(r["seq_len"]),
+                f"{e['budget_bytes'] / mib:.0f}",
+                f"{e['sized_bytes'] / mib:.0f}",
+                f"{e['over_budget_bytes'] / mib:.0f}",
+                f"{e['max_in_cpu']:,}",
+                f"{100 * e['cached_numel'] / max(1, e['partition_numel']):.0f}%",
+                f"{e['sub_group_size']:,}",
+            ]
+        )
+    return (
+        "Host memory DeepSpeed holds for the model state per rank (gradient partitions, swap buffers, "
+        "parameter RAM cache), sized to aidaptiv's budget; over budget: ZeRO-Infinity's smallest working set "
+        "exceeds it, and it runs with that minimum (see ds_configs/README.md).\n\n"
+        + md_table(
+            [
+                f"{unit_of(rows)}s",
+                "batch",
+                "seq",
+                "aidaptiv budget MiB",
+                "ZeRO-Infinity sized MiB",
+                "over budget MiB",
+                "max_in_cpu",
+                "parameters cached",
+                "sub_group_size",
+            ],
+            body,
+            right_from=0,
+        )
+    )
 
 
 def overall_ratio(rows: list[dict]) -> str:
@@ -335,8 +436,11 @@ def overall_ratio(rows: list[dict]) -> str:
         if not vals:
             continue
         name = SHORT.get(den, den)
-        lines.append(f"**aidaptiv / {name}, all models:** median {statistics.median(vals):.2f}× over {len(vals)} "
-                     f"cell(s) where both ran (cells from {min(vals):.2f}× to {max(vals):.2f}×). "
-                     + _repeat_spread_text(rt) + f"aidaptiv ran {len(rt['only_num'])} cell(s) {name} could not, "
-                     f"{name} {len(rt['only_den'])} that aidaptiv could not.")
+        lines.append(
+            f"**aidaptiv / {name}, all models:** median {statistics.median(vals):.2f}× over {len(vals)} "
+            f"cell(s) where both ran (cells from {min(vals):.2f}× to {max(vals):.2f}×). "
+            + _repeat_spread_text(rt)
+            + f"aidaptiv ran {len(rt['only_num'])} cell(s) {name} could not, "
+            f"{name} {len(rt['only_den'])} that aidaptiv could not."
+        )
     return "\n\n".join(lines)

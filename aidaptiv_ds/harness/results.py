@@ -7,6 +7,7 @@ exclusive lock on DIR/results.jsonl.lock, followed by fsync. So an interrupted s
 that was running, concurrent SLURM array tasks never interleave lines, and a row whose append did not
 happen (a crash in between, a file system without working locks) is still found by ``load_rows``.
 """
+
 from __future__ import annotations
 
 import errno
@@ -136,11 +137,29 @@ def git_state(start: Optional[str] = None) -> tuple[Optional[str], Optional[bool
         return env_sha, None
     where = start or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        sha = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)bench/results"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip() != ""
+        sha = subprocess.run(
+            ["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(
+                [
+                    "git",
+                    "-C",
+                    where,
+                    "status",
+                    "--porcelain",
+                    "--untracked-files=no",
+                    "--",
+                    ".",
+                    ":(exclude)bench/results",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+            != ""
+        )
         return sha, dirty
     except (OSError, subprocess.SubprocessError):
         return None, None

@@ -8,6 +8,7 @@ JSON file, which holds the loss and step time of every step but no per-step I/O.
 ``aidaptiv_eval_loss.csv``, else from the metrics JSON's ``eval_losses``. The figure goes to
 ``RUN_DIR/figures/run_curves.png``; a panel whose series the run did not record says so instead of a curve.
 """
+
 from __future__ import annotations
 
 import csv
@@ -17,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 from aidaptiv_ds.common.metrics import EVAL_SERIES, MONITOR_PREFIX, MONITOR_SERIES
 
-Series = List[Tuple[float, float]]     # (step, value)
+Series = List[Tuple[float, float]]  # (step, value)
 
 
 def csv_series(run_dir: str) -> Dict[str, Series]:
@@ -64,9 +65,13 @@ def _eval_points(pairs) -> Series:
     """[(step, loss)] from the metrics JSON's "eval_losses" ([[step, loss], ...]); malformed pairs are skipped."""
     if not isinstance(pairs, list):
         return []
-    return sorted((float(p[0]), float(p[1])) for p in pairs
-                  if isinstance(p, (list, tuple)) and len(p) == 2
-                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p))
+    return sorted(
+        (float(p[0]), float(p[1]))
+        for p in pairs
+        if isinstance(p, (list, tuple))
+        and len(p) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
+    )
 
 
 def find_series(run_dir: str) -> Tuple[Dict[str, Series], Optional[str]]:
@@ -84,15 +89,20 @@ def find_series(run_dir: str) -> Tuple[Dict[str, Series], Optional[str]]:
     return (s, "metrics JSON") if s else ({}, None)
 
 
-PANELS = (("loss", ("loss", "eval_loss"), "loss"), ("tokens/s", ("tokens_per_s",), "tokens/s"),
-          ("NVMe I/O (rank 0)", ("nvme_read_GBps", "nvme_write_GBps"), "GB/s"))
+PANELS = (
+    ("loss", ("loss", "eval_loss"), "loss"),
+    ("tokens/s", ("tokens_per_s",), "tokens/s"),
+    ("NVMe I/O (rank 0)", ("nvme_read_GBps", "nvme_write_GBps"), "GB/s"),
+)
 
 
 def plot(run_dir: str, series: Dict[str, Series], source: str) -> str:
     """Write RUN_DIR/figures/run_curves.png; returns its path."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 8), sharex=True)
     for ax, (title, names, unit) in zip(axes, PANELS):
         ax.set_title(title)
@@ -102,8 +112,13 @@ def plot(run_dir: str, series: Dict[str, Series], source: str) -> str:
             pts = series.get(name)
             if pts:
                 # The held-out loss has a point every --eval-every steps: bigger markers keep a single one visible.
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s" if name == "eval_loss" else "o",
-                        ms=6 if name == "eval_loss" else 3, label=name)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="s" if name == "eval_loss" else "o",
+                    ms=6 if name == "eval_loss" else 3,
+                    label=name,
+                )
                 drawn += 1
         if not drawn:
             ax.text(0.5, 0.5, f"not recorded in the {source}", ha="center", va="center", transform=ax.transAxes)

@@ -31,6 +31,7 @@ are not run (status oom, "inferred": true, the plan's reason as the error).
 On a SLURM cluster: --count-cells gives the size of a job array, --cell-index runs one cell; rows from
 concurrent tasks are appended under a lock (see bench/README.md and bench/slurm/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,60 +101,109 @@ def _backend_list(text: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", required=True, help="grid file, e.g. bench/grids/cdac_rudra.json")
     p.add_argument("--out", help="results folder (results.jsonl, cells/); required unless listing cells")
-    p.add_argument("--backends", type=_backend_list,
-                   help=f"comma list replacing the grid's ({','.join(SWEEP_BACKENDS)}; {eqmem.BACKEND} is "
-                        "zero_infinity.json with its host memory sized to aidaptiv's budget)")
+    p.add_argument(
+        "--backends",
+        type=_backend_list,
+        help=f"comma list replacing the grid's ({','.join(SWEEP_BACKENDS)}; {eqmem.BACKEND} is "
+        "zero_infinity.json with its host memory sized to aidaptiv's budget)",
+    )
     p.add_argument("--gpus", type=_int_list, help="comma list of GPU (on CPU: process) counts replacing the grid's")
     p.add_argument("--steps", type=int, help="steps per cell, warm-up included (default: the grid's)")
     p.add_argument("--warmup", type=int, help="untimed steps per cell (default: the grid's)")
-    p.add_argument("--timeout-s", type=float, help="per-cell wall-clock limit; the process tree is killed after it "
-                                                   "(default: the grid's timeout_s)")
-    p.add_argument("--gpu-mem-cap-gb", type=float,
-                   help="GPU memory per process, passed to train (torch.cuda.set_per_process_memory_fraction), "
-                        "so a large GPU behaves like e.g. a 40 GB A100 (default: the grid's)")
-    p.add_argument("--host-mem-cap-gb", type=float,
-                   help="host memory (GiB) for each cell's whole process tree, enforced with a cgroup "
-                        "(v2 memory.max + memory.swap.max 0, or v1 memory.limit_in_bytes + memsw) when "
-                        "/sys/fs/cgroup allows, else an RSS watchdog (0.1 s) that kills the tree; a cell "
-                        "killed by it is status oom (default: the grid's)")
-    p.add_argument("--host-mem-cap-mechanism", choices=MECHANISMS, default="auto",
-                   help="force one cap mechanism (default auto: cgroup2, cgroup1, then rss-watchdog)")
-    p.add_argument("--repeats", type=int, help="runs per cell, interleaved: every cell once, then every cell again "
-                                                "(default: the grid's repeats, 1 when it has none)")
-    p.add_argument("--resume", action="store_true",
-                   help="skip runs (cell and repeat) that already have a row in OUT/results.jsonl (any status)")
-    p.add_argument("--skip-dominated", action=argparse.BooleanOptionalAction, default=True,
-                   help="do not run a cell when a smaller one (same model, backend, GPUs) ran out of memory; "
-                        "record it as oom with inferred: true (default: on)")
-    p.add_argument("--skip-predicted-oom", action=argparse.BooleanOptionalAction, default=False,
-                   help="do not run a cell that the planner (aidaptiv-ds plan) says will run out of memory under "
-                        "the caps; record it as oom with inferred: true (default: off: such cells run, and are "
-                        "reported as 'predicted OOM' beside their outcome)")
-    p.add_argument("--max-cells", type=int, help="run only the first N cells of the ordered list (each of them "
-                                                  "--repeats times)")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        help="per-cell wall-clock limit; the process tree is killed after it (default: the grid's timeout_s)",
+    )
+    p.add_argument(
+        "--gpu-mem-cap-gb",
+        type=float,
+        help="GPU memory per process, passed to train (torch.cuda.set_per_process_memory_fraction), "
+        "so a large GPU behaves like e.g. a 40 GB A100 (default: the grid's)",
+    )
+    p.add_argument(
+        "--host-mem-cap-gb",
+        type=float,
+        help="host memory (GiB) for each cell's whole process tree, enforced with a cgroup "
+        "(v2 memory.max + memory.swap.max 0, or v1 memory.limit_in_bytes + memsw) when "
+        "/sys/fs/cgroup allows, else an RSS watchdog (0.1 s) that kills the tree; a cell "
+        "killed by it is status oom (default: the grid's)",
+    )
+    p.add_argument(
+        "--host-mem-cap-mechanism",
+        choices=MECHANISMS,
+        default="auto",
+        help="force one cap mechanism (default auto: cgroup2, cgroup1, then rss-watchdog)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="runs per cell, interleaved: every cell once, then every cell again "
+        "(default: the grid's repeats, 1 when it has none)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip runs (cell and repeat) that already have a row in OUT/results.jsonl (any status)",
+    )
+    p.add_argument(
+        "--skip-dominated",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="do not run a cell when a smaller one (same model, backend, GPUs) ran out of memory; "
+        "record it as oom with inferred: true (default: on)",
+    )
+    p.add_argument(
+        "--skip-predicted-oom",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="do not run a cell that the planner (aidaptiv-ds plan) says will run out of memory under "
+        "the caps; record it as oom with inferred: true (default: off: such cells run, and are "
+        "reported as 'predicted OOM' beside their outcome)",
+    )
+    p.add_argument(
+        "--max-cells", type=int, help="run only the first N cells of the ordered list (each of them --repeats times)"
+    )
     p.add_argument("--list-cells", action="store_true", help="print 'index run-id' per run (cell and repeat) and exit")
-    p.add_argument("--count-cells", action="store_true", help="print the number of runs (cells x repeats) and exit "
-                                                              "(for sbatch --array=0-$((N-1)))")
-    p.add_argument("--cell-index", type=int, help="run only the run at this index of the ordered list of runs "
-                                                   "(a SLURM array task)")
-    p.add_argument("--train-module", help="module and leading args of the trainer (default: "
-                                          "$AIDAPTIV_DS_TRAIN_MODULE or 'aidaptiv_ds train')")
+    p.add_argument(
+        "--count-cells",
+        action="store_true",
+        help="print the number of runs (cells x repeats) and exit (for sbatch --array=0-$((N-1)))",
+    )
+    p.add_argument(
+        "--cell-index", type=int, help="run only the run at this index of the ordered list of runs (a SLURM array task)"
+    )
+    p.add_argument(
+        "--train-module",
+        help="module and leading args of the trainer (default: $AIDAPTIV_DS_TRAIN_MODULE or 'aidaptiv_ds train')",
+    )
     p.add_argument("--ds-configs", default="ds_configs", help="folder of <backend>.json (default: ds_configs)")
     p.add_argument("--deepspeed", help="the deepspeed launcher (default: the one next to this Python, else PATH)")
-    p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda when nvidia-smi lists a GPU")
-    p.add_argument("--swap-root", help="folder for the cells' swap folders (default OUT/cells/<id>/swap); put it on "
-                                       "the NVMe under test, e.g. node-local disk when OUT is on a shared FS")
+    p.add_argument(
+        "--accelerator", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when nvidia-smi lists a GPU"
+    )
+    p.add_argument(
+        "--swap-root",
+        help="folder for the cells' swap folders (default OUT/cells/<id>/swap); put it on "
+        "the NVMe under test, e.g. node-local disk when OUT is on a shared FS",
+    )
     p.add_argument("--hostfile", help="DeepSpeed hostfile ('host slots=K' lines) for multi-node cells")
     p.add_argument("--gpus-per-node", type=int, help="with --hostfile: a cell of G GPUs uses G / K nodes")
     p.add_argument("--master-addr", help="with --hostfile: address of the first node")
     p.add_argument("--ds-launcher", help="with --hostfile: DeepSpeed's multi-node launcher (pdsh, openmpi, slurm, ...)")
-    p.add_argument("--dry-run", action="store_true", help="print the launch command of each cell that would run "
-                                                           "(after --resume) and exit without running anything")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the launch command of each cell that would run (after --resume) and exit without running anything",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--prebuild", action=argparse.BooleanOptionalAction, default=True,
-                   help="build DeepSpeed's just-in-time ops the backends need before the first cell, without "
-                        "the host cap (default on; a build inside a capped cell is killed like the cell)")
+    p.add_argument(
+        "--prebuild",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="build DeepSpeed's just-in-time ops the backends need before the first cell, without "
+        "the host cap (default on; a build inside a capped cell is killed like the cell)",
+    )
 
 
 class _Interrupted(Exception):
@@ -171,7 +221,10 @@ def _dominating_oom(cell: Cell, rows: list[dict], ctx: dict) -> Optional[str]:
     for r in rows:
         if r["status"] != "oom" or r.get("inferred"):
             continue
-        if r.get("gpu_mem_cap_gb") != ctx["gpu_mem_cap_gb"] or (r.get("host_mem_cap") or {}).get("gb") != ctx["cap"]["gb"]:
+        if (
+            r.get("gpu_mem_cap_gb") != ctx["gpu_mem_cap_gb"]
+            or (r.get("host_mem_cap") or {}).get("gb") != ctx["cap"]["gb"]
+        ):
             continue
         other = Cell(r["model"], r["backend"], r["gpus"], r["micro_batch"], r["seq_len"], r["grad_accum"])
         if other == cell:
@@ -187,6 +240,7 @@ def _grid_configs(src: str, dst: str, names, *, dtype: Optional[str], aidaptiv_a
     ZeRO-Infinity eqmem sizing all read the same files; returns ``dst``. Rewritten on every run of the sweep
     (a resumed sweep gets the same files)."""
     from aidaptiv_ds.config import ds_config
+
     os.makedirs(dst, exist_ok=True)
     for name in sorted(names):
         cfg = ds_config.apply_overrides(ds_config.load(os.path.join(src, f"{name}.json")), dtype=dtype)
@@ -205,8 +259,9 @@ def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
     from aidaptiv_ds.config import ds_config
     from aidaptiv_ds.planner.guard import config_activations, predicted_oom
     from aidaptiv_ds.planner.rates import machine_rates
+
     if cell.backend == eqmem.BACKEND:
-        return None   # the planner sizes the shipped configs; this one is sized per cell
+        return None  # the planner sizes the shipped configs; this one is sized per cell
     try:
         cfg = ds_config.load(os.path.join(ctx["spec"].ds_configs, f"{cell.backend}.json"))
     except ds_config.ConfigError:
@@ -215,17 +270,30 @@ def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
     if "framework" not in ctx:
         cached = machine_rates(dtype, None, probe=False)
         ctx["framework"] = int(cached.framework_host or 0)
-        ctx["launcher"] = int(cached.launcher_host or 0)   # every cell runs under the deepspeed launcher
+        ctx["launcher"] = int(cached.launcher_host or 0)  # every cell runs under the deepspeed launcher
     host = int(ctx["cap"]["gb"] * 2**30) if ctx["cap"]["gb"] else int(ctx["machine"].get("ram_gb", 0) * 2**30)
     gpu = None
     if ctx["spec"].accelerator == "cuda":
         gpu = int(ctx["gpu_mem_cap_gb"] * 2**30) if ctx["gpu_mem_cap_gb"] else ctx.get("gpu_mem_bytes")
     nodes = ctx["spec"].nodes_for(cell)
     activations, chunk = config_activations(cfg)
-    return predicted_oom(cell.model, cell.backend, gpus=cell.gpus // nodes, nodes=nodes, micro_batch=cell.micro_batch,
-                         seq_len=cell.seq_len, grad_accum=cell.grad_accum, dtype=dtype, host_mem=host, gpu_mem=gpu,
-                         host_budget=_aidaptiv_budget(cell, ctx), framework_host=ctx["framework"],
-                         launcher_host=ctx["launcher"], activations=activations, loss_chunk_tokens=chunk)
+    return predicted_oom(
+        cell.model,
+        cell.backend,
+        gpus=cell.gpus // nodes,
+        nodes=nodes,
+        micro_batch=cell.micro_batch,
+        seq_len=cell.seq_len,
+        grad_accum=cell.grad_accum,
+        dtype=dtype,
+        host_mem=host,
+        gpu_mem=gpu,
+        host_budget=_aidaptiv_budget(cell, ctx),
+        framework_host=ctx["framework"],
+        launcher_host=ctx["launcher"],
+        activations=activations,
+        loss_chunk_tokens=chunk,
+    )
 
 
 def _run_one(run_: Run, ctx: dict, tick) -> dict:
@@ -255,18 +323,43 @@ def _run_one(run_: Run, ctx: dict, tick) -> dict:
         watchdog = True
     time_start = _now()
     try:
-        run = run_cell(cmd, cell_dir=cell_dir, metrics_path=metrics_path, timeout_s=ctx["timeout_s"],
-                       env=ctx["env"], cwd=ctx["cwd"], cap_bytes=cap_bytes, cgroup=cgroup, watchdog=watchdog,
-                       tick=tick)
+        run = run_cell(
+            cmd,
+            cell_dir=cell_dir,
+            metrics_path=metrics_path,
+            timeout_s=ctx["timeout_s"],
+            env=ctx["env"],
+            cwd=ctx["cwd"],
+            cap_bytes=cap_bytes,
+            cgroup=cgroup,
+            watchdog=watchdog,
+            tick=tick,
+        )
     finally:
         shutil.rmtree(swap_dir, ignore_errors=True)
         if os.path.exists(swap_dir):
             print(f"warning: could not remove swap folder {swap_dir}: delete it by hand", file=sys.stderr)
-    outcome = classify(returncode=run.returncode, timed_out=run.timed_out, timeout_s=ctx["timeout_s"],
-                       cap_kill=run.cap_kill, output_tail=run.output_tail, metrics=run.metrics,
-                       metrics_problem=run.metrics_problem)
-    row = build_row(cell, ctx=ctx, outcome=outcome, run=run, command=shlex.join(cmd), time_start=time_start,
-                    time_end=_now(), cell_dir=cell_dir, cap_used=cap_used, repeat=run_.repeat)
+    outcome = classify(
+        returncode=run.returncode,
+        timed_out=run.timed_out,
+        timeout_s=ctx["timeout_s"],
+        cap_kill=run.cap_kill,
+        output_tail=run.output_tail,
+        metrics=run.metrics,
+        metrics_problem=run.metrics_problem,
+    )
+    row = build_row(
+        cell,
+        ctx=ctx,
+        outcome=outcome,
+        run=run,
+        command=shlex.join(cmd),
+        time_start=time_start,
+        time_end=_now(),
+        cell_dir=cell_dir,
+        cap_used=cap_used,
+        repeat=run_.repeat,
+    )
     _record(ctx, row, cell_dir)
     return row
 
@@ -279,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cells = enumerate_cells(grid, backends=args.backends, gpus=args.gpus)
     if args.max_cells is not None:
-        cells = cells[:max(0, args.max_cells)]
+        cells = cells[: max(0, args.max_cells)]
     repeats = args.repeats if args.repeats is not None else grid.repeats
     if repeats < 1:
         print(f"error: --repeats {repeats}: need at least 1", file=sys.stderr)
@@ -297,8 +390,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.cell_index is not None:
         if not 0 <= args.cell_index < len(runs):
-            print(f"error: --cell-index {args.cell_index} is outside 0..{len(runs) - 1} "
-                  f"(the grid has {len(cells)} cells x {repeats} repeats)", file=sys.stderr)
+            print(
+                f"error: --cell-index {args.cell_index} is outside 0..{len(runs) - 1} "
+                f"(the grid has {len(cells)} cells x {repeats} repeats)",
+                file=sys.stderr,
+            )
             return 2
         runs = [runs[args.cell_index]]
 
@@ -313,14 +409,21 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"deepspeed launcher {ds_bin or 'deepspeed'} not found: install deepspeed or pass --deepspeed")
     ds_configs = os.path.abspath(args.ds_configs)
     for b in sorted({r.cell.backend for r in runs}, key=SWEEP_BACKENDS.index):
-        name = eqmem.BASE if b == eqmem.BACKEND else b   # eqmem's config is derived from zero_infinity.json
+        name = eqmem.BASE if b == eqmem.BACKEND else b  # eqmem's config is derived from zero_infinity.json
         if not os.path.isfile(os.path.join(ds_configs, f"{name}.json")):
             problems.append(f"backend {b}: {os.path.join(ds_configs, name + '.json')} not found (--ds-configs)")
-    unsized = sorted({r.cell.model for r in runs if r.cell.backend == eqmem.BACKEND
-                      and grid.aidaptiv_budget_bytes(r.cell.model, r.cell.gpus) is None})
+    unsized = sorted(
+        {
+            r.cell.model
+            for r in runs
+            if r.cell.backend == eqmem.BACKEND and grid.aidaptiv_budget_bytes(r.cell.model, r.cell.gpus) is None
+        }
+    )
     if unsized:
-        problems.append(f"backend {eqmem.BACKEND} is sized to aidaptiv's host budget, but the grid gives models "
-                        f"{unsized} none: set aidaptiv_state_fraction in the grid")
+        problems.append(
+            f"backend {eqmem.BACKEND} is sized to aidaptiv's host budget, but the grid gives models "
+            f"{unsized} none: set aidaptiv_state_fraction in the grid"
+        )
     if args.hostfile and not os.path.isfile(args.hostfile):
         problems.append(f"--hostfile {args.hostfile} not found")
     if problems:
@@ -332,10 +435,16 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(os.path.join(out, "cells"), exist_ok=True)
     if grid.dtype or grid.aidaptiv_activations is not None:
         ds_configs = _grid_configs(
-            ds_configs, os.path.join(out, "ds_configs"),
-            {eqmem.BASE if r.cell.backend == eqmem.BACKEND else r.cell.backend for r in runs}, dtype=grid.dtype,
-            aidaptiv_activations=(grid.aidaptiv_activations.model_dump(exclude_unset=True)
-                                  if grid.aidaptiv_activations is not None else None))
+            ds_configs,
+            os.path.join(out, "ds_configs"),
+            {eqmem.BASE if r.cell.backend == eqmem.BACKEND else r.cell.backend for r in runs},
+            dtype=grid.dtype,
+            aidaptiv_activations=(
+                grid.aidaptiv_activations.model_dump(exclude_unset=True)
+                if grid.aidaptiv_activations is not None
+                else None
+            ),
+        )
     loaded = load_rows(out)
     for p in loaded.problems:
         print(f"warning: {p}", file=sys.stderr)
@@ -349,10 +458,17 @@ def run(args: argparse.Namespace) -> int:
 
     gpu_list = detect_gpus()
     accel = args.accelerator if args.accelerator != "auto" else ("cuda" if gpu_list else "cpu")
-    spec = LaunchSpec(accelerator=accel, deepspeed=ds_bin, train=spec_train, ds_configs=ds_configs,
-                      hostfile=os.path.abspath(args.hostfile) if args.hostfile else None,
-                      gpus_per_node=args.gpus_per_node, master_addr=args.master_addr, ds_launcher=args.ds_launcher,
-                      visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES") if accel == "cuda" else None)
+    spec = LaunchSpec(
+        accelerator=accel,
+        deepspeed=ds_bin,
+        train=spec_train,
+        ds_configs=ds_configs,
+        hostfile=os.path.abspath(args.hostfile) if args.hostfile else None,
+        gpus_per_node=args.gpus_per_node,
+        master_addr=args.master_addr,
+        ds_launcher=args.ds_launcher,
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES") if accel == "cuda" else None,
+    )
     swap_root = os.path.abspath(args.swap_root) if args.swap_root else None
     if swap_root:
         os.makedirs(swap_root, exist_ok=True)
@@ -360,16 +476,32 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     put_build_tools_first(env)
     ctx = {
-        "out": out, "grid": grid.name, "grid_obj": grid, "git_sha": sha, "git_dirty": dirty, "steps": steps, "warmup": warmup,
-        "lr": grid.lr, "timeout_s": args.timeout_s if args.timeout_s is not None else grid.timeout_s,
-        "gpu_mem_cap_gb": gpu_cap, "cap": cap, "spec": spec, "swap_root": swap_root, "env": env,
-        "cwd": os.getcwd(), "machine": machine_info(swap_root or os.path.join(out, "cells")),
-        "gpu_mem_bytes": (int(min(g["memory_mb"] for g in gpu_list) * 2**20)
-                          if gpu_list and all(g["memory_mb"] for g in gpu_list) else None),
+        "out": out,
+        "grid": grid.name,
+        "grid_obj": grid,
+        "git_sha": sha,
+        "git_dirty": dirty,
+        "steps": steps,
+        "warmup": warmup,
+        "lr": grid.lr,
+        "timeout_s": args.timeout_s if args.timeout_s is not None else grid.timeout_s,
+        "gpu_mem_cap_gb": gpu_cap,
+        "cap": cap,
+        "spec": spec,
+        "swap_root": swap_root,
+        "env": env,
+        "cwd": os.getcwd(),
+        "machine": machine_info(swap_root or os.path.join(out, "cells")),
+        "gpu_mem_bytes": (
+            int(min(g["memory_mb"] for g in gpu_list) * 2**20)
+            if gpu_list and all(g["memory_mb"] for g in gpu_list)
+            else None
+        ),
     }
     # GPUs this process may use: CUDA_VISIBLE_DEVICES (as SLURM sets it) when given, else all nvidia-smi lists.
-    usable_gpus = (len([d for d in spec.visible_devices.split(",") if d.strip()]) if spec.visible_devices
-                   else len(gpu_list))
+    usable_gpus = (
+        len([d for d in spec.visible_devices.split(",") if d.strip()]) if spec.visible_devices else len(gpu_list)
+    )
     bad_split = []
     for r in runs:
         try:
@@ -384,8 +516,10 @@ def run(args: argparse.Namespace) -> int:
     if accel == "cuda" and not spec.hostfile and gpu_cap and gpu_list:
         smallest = min(g["memory_mb"] or 0 for g in gpu_list) / 1024
         if smallest and gpu_cap > smallest:
-            print(f"warning: --gpu-mem-cap-gb {gpu_cap:g} exceeds this GPU's {smallest:.0f} GiB: the cap changes "
-                  "nothing", file=sys.stderr)
+            print(
+                f"warning: --gpu-mem-cap-gb {gpu_cap:g} exceeds this GPU's {smallest:.0f} GiB: the cap changes nothing",
+                file=sys.stderr,
+            )
 
     done = {(r["key"], r["repeat"]) for r in loaded.rows}
     # Rows that can make a cell dominated: this run's, and with --resume the kept ones (without it, an OOM
@@ -393,12 +527,19 @@ def run(args: argparse.Namespace) -> int:
     rows = list(loaded.rows) if args.resume else []
     if args.resume:
         keys = {c.id for c in cells}
-        changed = [r["key"] for r in loaded.latest_by_key().values() if r["key"] in keys
-                   and (r["steps"], r["warmup"], r["gpu_mem_cap_gb"], r["host_mem_cap"]["gb"]) !=
-                   (steps, warmup, gpu_cap, host_cap_gb)]
+        changed = [
+            r["key"]
+            for r in loaded.latest_by_key().values()
+            if r["key"] in keys
+            and (r["steps"], r["warmup"], r["gpu_mem_cap_gb"], r["host_mem_cap"]["gb"])
+            != (steps, warmup, gpu_cap, host_cap_gb)
+        ]
         if changed:
-            print(f"warning: --resume keeps {len(changed)} earlier row(s) run under other steps/warm-up/caps, "
-                  f"e.g. {changed[0]}", file=sys.stderr)
+            print(
+                f"warning: --resume keeps {len(changed)} earlier row(s) run under other steps/warm-up/caps, "
+                f"e.g. {changed[0]}",
+                file=sys.stderr,
+            )
 
     if args.dry_run:
         for r in runs:
@@ -412,23 +553,29 @@ def run(args: argparse.Namespace) -> int:
         if sizing.over_budget_bytes:
             over[c.id] = sizing
     for cid, sizing in sorted(over.items()):
-        print(f"note: {cid}: ZeRO-Infinity's smallest host memory for the state, {sizing.sized_bytes / 2**20:.0f} "
-              f"MiB, exceeds aidaptiv's budget of {sizing.budget_bytes / 2**20:.0f} MiB; it runs with that "
-              "minimum and max_in_cpu 0 (see harness/eqmem.py)", file=sys.stderr)
+        print(
+            f"note: {cid}: ZeRO-Infinity's smallest host memory for the state, {sizing.sized_bytes / 2**20:.0f} "
+            f"MiB, exceeds aidaptiv's budget of {sizing.budget_bytes / 2**20:.0f} MiB; it runs with that "
+            "minimum and max_in_cpu 0 (see harness/eqmem.py)",
+            file=sys.stderr,
+        )
 
     # Cells run under host-memory caps: RAM that earlier DeepSpeed CPU runs left in /dev/shm is RAM the
     # cells do not have.
     from aidaptiv_ds import remove_leaked_shared_memory
+
     removed = remove_leaked_shared_memory()
     if removed:
         print(removed, file=sys.stderr)
 
     if args.prebuild:
         from aidaptiv_ds.harness.prebuild import prebuild
+
         for line in prebuild({r.cell.backend for r in runs}, env):
             print(f"DeepSpeed op {line}", file=sys.stderr)
 
     from tqdm import tqdm
+
     counts: dict[str, int] = {}
     unrunnable = []
     pbar = tqdm(total=len(runs), unit="run", file=sys.stderr, dynamic_ncols=True, disable=args.no_progress)
@@ -458,15 +605,33 @@ def run(args: argparse.Namespace) -> int:
                 counts["predicted OOM"] = counts.get("predicted OOM", 0) + 1
             if not dom and predicted and args.skip_predicted_oom:
                 t = _now()
-                row = build_row(cell, ctx=ctx, inferred=True, run=None, command=None, time_start=t, time_end=t,
-                                outcome=Outcome("oom", f"skipped: predicted OOM: {predicted}"),
-                                cell_dir=os.path.join(out, "cells", run_.id), repeat=run_.repeat)
+                row = build_row(
+                    cell,
+                    ctx=ctx,
+                    inferred=True,
+                    run=None,
+                    command=None,
+                    time_start=t,
+                    time_end=t,
+                    outcome=Outcome("oom", f"skipped: predicted OOM: {predicted}"),
+                    cell_dir=os.path.join(out, "cells", run_.id),
+                    repeat=run_.repeat,
+                )
                 _record(ctx, row, os.path.join(out, "cells", run_.id))
             elif dom:
                 t = _now()
-                row = build_row(cell, ctx=ctx, inferred=True, run=None, command=None, time_start=t, time_end=t,
-                                outcome=Outcome("oom", f"skipped: {dom}"),
-                                cell_dir=os.path.join(out, "cells", run_.id), repeat=run_.repeat)
+                row = build_row(
+                    cell,
+                    ctx=ctx,
+                    inferred=True,
+                    run=None,
+                    command=None,
+                    time_start=t,
+                    time_end=t,
+                    outcome=Outcome("oom", f"skipped: {dom}"),
+                    cell_dir=os.path.join(out, "cells", run_.id),
+                    repeat=run_.repeat,
+                )
                 _record(ctx, row, os.path.join(out, "cells", run_.id))
             else:
                 shown = [-1]
@@ -475,6 +640,7 @@ def run(args: argparse.Namespace) -> int:
                     if int(elapsed) != shown[0]:  # once a second
                         shown[0] = int(elapsed)
                         pbar.set_postfix_str(f"{elapsed:.0f} s, last: {last}", refresh=True)
+
                 row = _run_one(run_, ctx, tick)
             rows.append(row)
             last = row["status"] + ("*" if row["inferred"] else "")
@@ -485,8 +651,11 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, _Interrupted) as e:
         pbar.close()
         what = "SIGTERM" if isinstance(e, _Interrupted) else "Ctrl-C"
-        print(f"interrupted by {what} during {current.id if current else '-'}: that run has no row; "
-              f"run again with --resume to continue", file=sys.stderr)
+        print(
+            f"interrupted by {what} during {current.id if current else '-'}: that run has no row; "
+            f"run again with --resume to continue",
+            file=sys.stderr,
+        )
         return 130
     finally:
         signal.signal(signal.SIGTERM, old_term)
@@ -494,7 +663,9 @@ def run(args: argparse.Namespace) -> int:
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to do"
     print(f"sweep {grid.name}: {summary}; rows in {os.path.join(out, RESULTS_FILE)}", file=sys.stderr)
     if unrunnable:
-        print(f"error: {len(unrunnable)} cell(s) need more GPUs than are usable here, e.g. {unrunnable[0]}",
-              file=sys.stderr)
+        print(
+            f"error: {len(unrunnable)} cell(s) need more GPUs than are usable here, e.g. {unrunnable[0]}",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -1,5 +1,6 @@
 """One cell of a sweep: its folder and config paths, the command that runs it, and the result row built
 from what the run wrote (``build_row``)."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -41,9 +42,20 @@ def _num(x) -> Optional[float]:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun], command: Optional[str],
-              time_start: str, time_end: str, cell_dir: Optional[str], inferred: bool = False,
-              cap_used: Optional[dict] = None, repeat: int = 0) -> dict:
+def build_row(
+    cell: Cell,
+    *,
+    ctx: dict,
+    outcome: Outcome,
+    run: Optional[CellRun],
+    command: Optional[str],
+    time_start: str,
+    time_end: str,
+    cell_dir: Optional[str],
+    inferred: bool = False,
+    cap_used: Optional[dict] = None,
+    repeat: int = 0,
+) -> dict:
     """One row from a cell's outcome and its metrics (see results.Row for the fields). ``cap_used``:
     the host cap as applied to this cell (mechanism, detail), default the sweep's; ``repeat``: which run of
     the cell this is."""
@@ -68,24 +80,37 @@ def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun]
         "grid": ctx["grid"],
         "aidaptiv_host_budget_bytes": _aidaptiv_budget(cell, ctx),
         "eqmem": _eqmem_sizing(cell, ctx).as_row() if cell.backend == eqmem.BACKEND else None,
-        "git_sha": ctx["git_sha"], "git_dirty": ctx["git_dirty"],
-        "time_start": time_start, "time_end": time_end,
+        "git_sha": ctx["git_sha"],
+        "git_dirty": ctx["git_dirty"],
+        "time_start": time_start,
+        "time_end": time_end,
         "wall_s": round(run.wall_s, 3) if run else 0.0,
         "machine": ctx["machine"],
-        "backend": cell.backend, "model": cell.model,
+        "backend": cell.backend,
+        "model": cell.model,
         "params": params if params is not None else nominal,
         "params_source": "metrics" if params is not None else ("nominal" if nominal else None),
-        "micro_batch": cell.micro_batch, "seq_len": cell.seq_len, "gpus": cell.gpus,
-        "nodes": ctx["spec"].nodes_for(cell), "grad_accum": cell.grad_accum,
-        "steps": ctx["steps"], "warmup": ctx["warmup"], "lr": ctx["lr"],
+        "micro_batch": cell.micro_batch,
+        "seq_len": cell.seq_len,
+        "gpus": cell.gpus,
+        "nodes": ctx["spec"].nodes_for(cell),
+        "grad_accum": cell.grad_accum,
+        "steps": ctx["steps"],
+        "warmup": ctx["warmup"],
+        "lr": ctx["lr"],
         "world_size": m.get("world_size") if isinstance(m.get("world_size"), int) else None,
-        "status": outcome.status, "error": outcome.error, "inferred": inferred,
-        "exit_code": run.returncode if run else None, "signal": outcome.signal,
-        "tokens_per_s": tps, "step_s": step_med,
+        "status": outcome.status,
+        "error": outcome.error,
+        "inferred": inferred,
+        "exit_code": run.returncode if run else None,
+        "signal": outcome.signal,
+        "tokens_per_s": tps,
+        "step_s": step_med,
         "step_times_s": [float(x) for x in m["step_s"]] if isinstance(m.get("step_s"), list) else None,
         "losses": m.get("losses") if isinstance(m.get("losses"), list) else None,
         "phases_s": m.get("phases_s") if isinstance(m.get("phases_s"), dict) else None,
-        "peak_gpu_mb": _num(m.get("peak_gpu_mb")), "peak_rss_mb": _num(m.get("peak_rss_mb")),
+        "peak_gpu_mb": _num(m.get("peak_gpu_mb")),
+        "peak_rss_mb": _num(m.get("peak_rss_mb")),
         "peak_pinned_mb": _num(m.get("peak_pinned_mb")),
         "tree_peak_rss_mb": round(run.tree_peak_rss_bytes / 2**20, 1) if run and run.tree_peak_rss_bytes else None,
         "cell_mem_peak_mb": round(run.cgroup_peak_bytes / 2**20, 1) if run and run.cgroup_peak_bytes else None,
@@ -94,8 +119,12 @@ def build_row(cell: Cell, *, ctx: dict, outcome: Outcome, run: Optional[CellRun]
         "nvme_read_gbps": rd / total_timed / 1e9 if isinstance(rd, int) and total_timed else None,
         "nvme_write_gbps": wr / total_timed / 1e9 if isinstance(wr, int) and total_timed else None,
         "gpu_mem_cap_gb": ctx["gpu_mem_cap_gb"],
-        "host_mem_cap": {"gb": cap["gb"], "mechanism": cap["mechanism"], "detail": cap["detail"],
-                         "oom_kills": run.oom_kills if run else None},
+        "host_mem_cap": {
+            "gb": cap["gb"],
+            "mechanism": cap["mechanism"],
+            "detail": cap["detail"],
+            "oom_kills": run.oom_kills if run else None,
+        },
         "timeout_s": ctx["timeout_s"],
         "command": command,
         "cell_dir": os.path.relpath(cell_dir, ctx["out"]) if cell_dir else None,
@@ -112,8 +141,11 @@ def _record(ctx: dict, row: dict, cell_dir: str) -> None:
 def _cell_paths(run: Run, ctx: dict) -> tuple[str, str, str]:
     """(run folder, swap folder, metrics file) of a run of a cell."""
     cell_dir = os.path.join(ctx["out"], "cells", run.id)
-    swap_dir = (os.path.join(ctx["swap_root"], f"{run.id}.{os.getpid()}") if ctx["swap_root"]
-                else os.path.join(cell_dir, "swap"))
+    swap_dir = (
+        os.path.join(ctx["swap_root"], f"{run.id}.{os.getpid()}")
+        if ctx["swap_root"]
+        else os.path.join(cell_dir, "swap")
+    )
     return cell_dir, swap_dir, os.path.join(cell_dir, "metrics.json")
 
 
@@ -124,10 +156,18 @@ def _eqmem_config_path(run: Run, ctx: dict) -> str:
 def _command(run: Run, ctx: dict, port: int) -> list[str]:
     _, swap_dir, metrics_path = _cell_paths(run, ctx)
     cell = run.cell
-    return launch_command(cell, ctx["spec"], port=port, swap_dir=swap_dir, metrics_out=metrics_path,
-                          steps=ctx["steps"], warmup=ctx["warmup"], gpu_mem_cap_gb=ctx["gpu_mem_cap_gb"],
-                          host_budget_bytes=_aidaptiv_budget(cell, ctx),
-                          config=_eqmem_config_path(run, ctx) if cell.backend == eqmem.BACKEND else None)
+    return launch_command(
+        cell,
+        ctx["spec"],
+        port=port,
+        swap_dir=swap_dir,
+        metrics_out=metrics_path,
+        steps=ctx["steps"],
+        warmup=ctx["warmup"],
+        gpu_mem_cap_gb=ctx["gpu_mem_cap_gb"],
+        host_budget_bytes=_aidaptiv_budget(cell, ctx),
+        config=_eqmem_config_path(run, ctx) if cell.backend == eqmem.BACKEND else None,
+    )
 
 
 def _aidaptiv_budget(cell: Cell, ctx: dict) -> Optional[int]:
@@ -138,6 +178,7 @@ def _eqmem_base(ctx: dict) -> dict:
     """ds_configs/zero_infinity.json, read once per sweep."""
     if "eqmem_base" not in ctx:
         from aidaptiv_ds.config import ds_config
+
         ctx["eqmem_base"] = ds_config.load(os.path.join(ctx["spec"].ds_configs, f"{eqmem.BASE}.json"))
     return ctx["eqmem_base"]
 
@@ -145,7 +186,7 @@ def _eqmem_base(ctx: dict) -> dict:
 def _eqmem_sizing(cell: Cell, ctx: dict) -> eqmem.EqmemSizing:
     """The zero_infinity_eqmem sizing of a cell: aidaptiv's budget for the same model and GPU count."""
     budget = ctx["grid_obj"].aidaptiv_budget_bytes(cell.model, cell.gpus)
-    if budget is None:   # the grid's validation and run() refuse this before any cell runs
+    if budget is None:  # the grid's validation and run() refuse this before any cell runs
         raise ValueError(f"{cell.id}: no aidaptiv budget to size {eqmem.BACKEND} to (aidaptiv_state_fraction)")
     return eqmem.size_eqmem(_eqmem_base(ctx), cell.model, cell.gpus, budget)
 

@@ -26,6 +26,7 @@ Held-out evaluation (``split_held_out``): a fraction of the records, picked from
 training stream before packing; ``EvalBatches`` packs those records once, in file order, into whole sequences
 of ``seq_len`` (the tail shorter than one sequence is left out) and shards them over the ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,7 +44,7 @@ CHAT_ROLES = ("system", "user", "assistant")
 
 def _text_field(rec: dict, key: str, where: str, required: bool = True) -> str:
     value = rec.get(key)
-    if value is None and not required:   # absent, or null in a Parquet/datasets column
+    if value is None and not required:  # absent, or null in a Parquet/datasets column
         return ""
     if value is None:
         raise DataError(f"{where}: field {key!r} is missing")
@@ -68,19 +69,25 @@ def _chat(rec: dict, where: str) -> list[dict]:
 
 def _instruction_fields(rec: dict, where: str) -> tuple[str, str, str]:
     """(instruction, input or context, response) of a Dolly, Alpaca or prompt/response record."""
-    if "instruction" in rec and "response" in rec:           # Dolly
-        instruction, extra, response = (_text_field(rec, "instruction", where),
-                                        _text_field(rec, "context", where, required=False),
-                                        _text_field(rec, "response", where))
-    elif "instruction" in rec and "output" in rec:           # Alpaca
-        instruction, extra, response = (_text_field(rec, "instruction", where),
-                                        _text_field(rec, "input", where, required=False),
-                                        _text_field(rec, "output", where))
+    if "instruction" in rec and "response" in rec:  # Dolly
+        instruction, extra, response = (
+            _text_field(rec, "instruction", where),
+            _text_field(rec, "context", where, required=False),
+            _text_field(rec, "response", where),
+        )
+    elif "instruction" in rec and "output" in rec:  # Alpaca
+        instruction, extra, response = (
+            _text_field(rec, "instruction", where),
+            _text_field(rec, "input", where, required=False),
+            _text_field(rec, "output", where),
+        )
     elif "prompt" in rec and "response" in rec:
         instruction, extra, response = _text_field(rec, "prompt", where), "", _text_field(rec, "response", where)
     else:
-        raise DataError(f"{where}: unrecognised record with keys {sorted(rec)}; expected instruction/context/"
-                        "response (Dolly), instruction/input/output (Alpaca), prompt/response, or messages")
+        raise DataError(
+            f"{where}: unrecognised record with keys {sorted(rec)}; expected instruction/context/"
+            "response (Dolly), instruction/input/output (Alpaca), prompt/response, or messages"
+        )
     return instruction, extra, response
 
 
@@ -138,8 +145,10 @@ def split_held_out(records: list, fraction: float, seed: int) -> tuple[list, lis
         return list(records), []
     n_eval = max(1, round(fraction * len(records)))
     if n_eval >= len(records):
-        raise DataError(f"--eval-fraction {fraction} of {len(records)} record(s) leaves nothing to train on: lower "
-                        "it, give more data, or pass the held-out set as --eval-data")
+        raise DataError(
+            f"--eval-fraction {fraction} of {len(records)} record(s) leaves nothing to train on: lower "
+            "it, give more data, or pass the held-out set as --eval-data"
+        )
     order = list(range(len(records)))
     # Its own generator, not the packing's, so that the split does not move when the packing changes.
     random.Random(seed * 1_000_033 + 7).shuffle(order)
@@ -152,6 +161,7 @@ class PackedStream:
 
     def __init__(self, token_lists: list[list[int]], seq_len: int, seed: int):
         import torch
+
         if seq_len < 2:
             raise ValueError(f"seq_len {seq_len} is too short: need at least 2 tokens per sequence")
         self.seq_len = seq_len
@@ -164,6 +174,7 @@ class PackedStream:
 
     def _epoch(self, e: int):
         import torch
+
         if e not in self._cache:
             order = list(range(len(self._docs)))
             random.Random(self.seed * 1_000_003 + e).shuffle(order)
@@ -175,12 +186,13 @@ class PackedStream:
     def sequence(self, k: int):
         """Sequence ``k`` of the stream (int64 tensor of seq_len ids)."""
         import torch
+
         start, end = k * self.seq_len, (k + 1) * self.seq_len
         pieces = []
         while start < end:
             e, off = divmod(start, self.epoch_tokens)
             take = min(end - start, self.epoch_tokens - off)
-            pieces.append(self._epoch(e)[off:off + take])
+            pieces.append(self._epoch(e)[off : off + take])
             start += take
         return torch.cat(pieces).to(torch.int64)
 
@@ -200,6 +212,7 @@ class ShardedBatches:
 
     def batch(self, m: int) -> dict:
         import torch
+
         g = self.global_index(m)
         ids = torch.stack([self.stream.sequence(g * self.micro_batch + j) for j in range(self.micro_batch)])
         return {"input_ids": ids, "labels": ids.clone()}
@@ -210,17 +223,27 @@ class EvalBatches:
     ShardedBatches. Every rank runs the same number of forwards (``rounds``; ZeRO-3 gathers parameters
     collectively): a rank without a batch in the last round re-runs the first one with weight 0."""
 
-    def __init__(self, token_lists: list[list[int]], seq_len: int, micro_batch: int, rank: int, world_size: int,
-                 what: str = "the held-out data"):
+    def __init__(
+        self,
+        token_lists: list[list[int]],
+        seq_len: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        what: str = "the held-out data",
+    ):
         import torch
+
         ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
         self.sequences = len(ids) // seq_len
         if self.sequences == 0:
-            raise DataError(f"{what} has {len(ids)} tokens, fewer than one sequence of --seq-len {seq_len}: give "
-                            "more held-out records (a larger --eval-fraction or --eval-data file) or a shorter "
-                            "--seq-len")
+            raise DataError(
+                f"{what} has {len(ids)} tokens, fewer than one sequence of --seq-len {seq_len}: give "
+                "more held-out records (a larger --eval-fraction or --eval-data file) or a shorter "
+                "--seq-len"
+            )
         self.tokens = self.sequences * seq_len
-        self._ids = ids[:self.tokens].view(self.sequences, seq_len)
+        self._ids = ids[: self.tokens].view(self.sequences, seq_len)
         self.micro_batch, self.rank, self.world_size = micro_batch, rank, world_size
         global_batches = math.ceil(self.sequences / micro_batch)
         self.rounds = math.ceil(global_batches / world_size)
@@ -230,9 +253,9 @@ class EvalBatches:
         g = i * self.world_size + self.rank
         start = g * self.micro_batch
         if start >= self.sequences:
-            ids, weight = self._ids[:min(self.micro_batch, self.sequences)], 0
+            ids, weight = self._ids[: min(self.micro_batch, self.sequences)], 0
         else:
-            ids = self._ids[start:start + self.micro_batch]
+            ids = self._ids[start : start + self.micro_batch]
             weight = len(ids)
         return {"input_ids": ids.clone(), "labels": ids.clone()}, weight
 
@@ -241,7 +264,8 @@ def tokenize(records: list, tokenizer) -> list[list[int]]:
     return [record_tokens(rec, tokenizer, where) for where, rec in records]
 
 
-def build_batches(path: str, tokenizer, seq_len: int, micro_batch: int, seed: int, rank: int,
-                  world_size: int) -> ShardedBatches:
+def build_batches(
+    path: str, tokenizer, seq_len: int, micro_batch: int, seed: int, rank: int, world_size: int
+) -> ShardedBatches:
     stream = PackedStream(tokenize(read_records(path), tokenizer), seq_len, seed)
     return ShardedBatches(stream, micro_batch, rank, world_size)

@@ -6,15 +6,17 @@ number of forwards (ZeRO-3 gathers each layer's parameters collectively); a rank
 weight 0. Every held-out sequence is whole (seq_len tokens), so the mean over sequences, weighted by how many
 each forward held, is the mean over tokens.
 """
+
 from __future__ import annotations
 
 
 def evaluate(engine, batches) -> float:
     import torch
     import torch.distributed as dist
+
     was_training = engine.training
     engine.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=engine.device)   # (sum of loss x sequences, sequences)
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # (sum of loss x sequences, sequences)
     try:
         with torch.no_grad():
             for i in range(batches.rounds):

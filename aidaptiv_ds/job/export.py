@@ -23,6 +23,7 @@ that library and with transformers.
 Checkpoints of plain DeepSpeed runs (no "aidaptiv" block) keep their weights in DeepSpeed's own files and
 are refused with a message. Nothing here imports DeepSpeed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ from aidaptiv_ds.models.tokenizer import ByteTokenizer
 
 COPY_BUFFER = 64 * 1024 * 1024
 DEFAULT_SHARD = "5GB"
-MODEL_FILES = "hf"       # <save_dir>/<tag>/hf/: config.json and tokenizer files the train job saves with a tag
+MODEL_FILES = "hf"  # <save_dir>/<tag>/hf/: config.json and tokenizer files the train job saves with a tag
 
 # safetensors' dtype names, by the names the manifest uses (torch's, without "torch.")
 _ST_DTYPE = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float64": ("F64", 8)}
@@ -63,9 +64,11 @@ def resolve_checkpoint(path: str) -> str:
         if os.path.isdir(os.path.join(tag, "aidaptiv")):
             return tag
         path = tag
-    raise ExportError(f"checkpoint {path} has no aidaptiv/ folder: only checkpoints of runs with an \"aidaptiv\" "
-                      "block can be exported (plain DeepSpeed keeps weights in its own files; use DeepSpeed's "
-                      "zero_to_fp32.py for those)")
+    raise ExportError(
+        f'checkpoint {path} has no aidaptiv/ folder: only checkpoints of runs with an "aidaptiv" '
+        "block can be exported (plain DeepSpeed keeps weights in its own files; use DeepSpeed's "
+        "zero_to_fp32.py for those)"
+    )
 
 
 class Checkpoint:
@@ -73,6 +76,7 @@ class Checkpoint:
 
     def __init__(self, tag_dir: str):
         from aidaptiv_ds.zero3.checkpoint import FORMAT, MANIFEST
+
         self.tag_dir = tag_dir
         root = os.path.join(tag_dir, "aidaptiv")
         ranks = sorted(int(d[4:]) for d in os.listdir(root) if d.startswith("rank") and d[4:].isdigit())
@@ -84,24 +88,34 @@ class Checkpoint:
             folder = os.path.join(root, f"rank{r}")
             path = os.path.join(folder, MANIFEST)
             if not os.path.isfile(path):
-                raise ExportError(f"checkpoint {tag_dir}: {path} is missing: the save did not complete; export "
-                                  "another checkpoint")
+                raise ExportError(
+                    f"checkpoint {tag_dir}: {path} is missing: the save did not complete; export another checkpoint"
+                )
             with open(path, encoding="utf-8") as f:
                 m = json.load(f)
             if m.get("format") != FORMAT:
-                raise ExportError(f"checkpoint {folder} has aidaptiv format {m.get('format')}; this version "
-                                  f"exports format {FORMAT}: export it with the aidaptiv-ds version that saved it")
-            size = os.path.getsize(os.path.join(folder, "params.bin")) \
-                if os.path.exists(os.path.join(folder, "params.bin")) else -1
+                raise ExportError(
+                    f"checkpoint {folder} has aidaptiv format {m.get('format')}; this version "
+                    f"exports format {FORMAT}: export it with the aidaptiv-ds version that saved it"
+                )
+            size = (
+                os.path.getsize(os.path.join(folder, "params.bin"))
+                if os.path.exists(os.path.join(folder, "params.bin"))
+                else -1
+            )
             if size < m["params_bytes"]:
-                raise ExportError(f"checkpoint file {os.path.join(folder, 'params.bin')} has {max(size, 0)} bytes, "
-                                  f"its manifest says {m['params_bytes']}: the checkpoint is damaged")
+                raise ExportError(
+                    f"checkpoint file {os.path.join(folder, 'params.bin')} has {max(size, 0)} bytes, "
+                    f"its manifest says {m['params_bytes']}: the checkpoint is damaged"
+                )
             self.manifests.append(m)
             self.folders.append(folder)
         self.world_size = self.manifests[0]["world_size"]
         if ranks != list(range(self.world_size)):
-            raise ExportError(f"checkpoint {tag_dir} was saved by {self.world_size} ranks but holds rank folders "
-                              f"{ranks}: copy every rank's aidaptiv/rank<r> folder (from every node) into it")
+            raise ExportError(
+                f"checkpoint {tag_dir} was saved by {self.world_size} ranks but holds rank folders "
+                f"{ranks}: copy every rank's aidaptiv/rank<r> folder (from every node) into it"
+            )
         self.dtype = self.manifests[0]["model_dtype"]
         if self.dtype not in _ST_DTYPE:
             raise ExportError(f"checkpoint {tag_dir} holds {self.dtype} weights, which this exporter cannot write")
@@ -114,17 +128,27 @@ class Checkpoint:
             for r, ps in enumerate(by_rank):
                 q = ps.get(name)
                 if q is None or q["shape"] != p["shape"] or q["partition_numel"] != p["partition_numel"]:
-                    raise ExportError(f"checkpoint {tag_dir}: parameter {name} differs between rank 0 and rank {r} "
-                                      "(missing, or another shape or partition): the rank folders are not of one save")
+                    raise ExportError(
+                        f"checkpoint {tag_dir}: parameter {name} differs between rank 0 and rank {r} "
+                        "(missing, or another shape or partition): the rank folders are not of one save"
+                    )
                 parts.append(q["offset"])
             if p["partition_numel"] * self.world_size < numel:
-                raise ExportError(f"checkpoint {tag_dir}: parameter {name} of shape {p['shape']} has partitions of "
-                                  f"{p['partition_numel']} elements on {self.world_size} ranks, too few to hold it")
-            self.parameters[name] = {"shape": p["shape"], "numel": numel, "partition_numel": p["partition_numel"],
-                                     "offsets": parts}
+                raise ExportError(
+                    f"checkpoint {tag_dir}: parameter {name} of shape {p['shape']} has partitions of "
+                    f"{p['partition_numel']} elements on {self.world_size} ranks, too few to hold it"
+                )
+            self.parameters[name] = {
+                "shape": p["shape"],
+                "numel": numel,
+                "partition_numel": p["partition_numel"],
+                "offsets": parts,
+            }
         if any(len(ps) != len(self.parameters) for ps in by_rank):
-            raise ExportError(f"checkpoint {tag_dir}: the ranks' manifests list different parameters: the rank "
-                              "folders are not of one save")
+            raise ExportError(
+                f"checkpoint {tag_dir}: the ranks' manifests list different parameters: the rank "
+                "folders are not of one save"
+            )
         self.has_adapters = any("lora_" in n for n in self.parameters)
 
     def nbytes(self, name: str) -> int:
@@ -144,12 +168,14 @@ class Checkpoint:
 
 def torch_uint8():
     import torch
+
     return torch.uint8
 
 
 def read_tensor(ck: Checkpoint, name: str):
     """One parameter of the checkpoint, whole, as a torch tensor of its shape and dtype."""
     import torch
+
     p = ck.parameters[name]
     t = torch.empty(p["numel"], dtype=getattr(torch, ck.dtype))
     raw = memoryview(t.view(torch.uint8).numpy())
@@ -159,10 +185,12 @@ def read_tensor(ck: Checkpoint, name: str):
         try:
             done = 0
             while done < nbytes:
-                got = os.preadv(fd, [raw[pos + done:pos + nbytes]], offset + done)
+                got = os.preadv(fd, [raw[pos + done : pos + nbytes]], offset + done)
                 if got <= 0:
-                    raise ExportError(f"checkpoint file {src} ends at byte {offset + done}, parameter {name} needs "
-                                      f"{nbytes - done} more: the checkpoint is damaged")
+                    raise ExportError(
+                        f"checkpoint file {src} ends at byte {offset + done}, parameter {name} needs "
+                        f"{nbytes - done} more: the checkpoint is damaged"
+                    )
                 done += got
         finally:
             os.close(fd)
@@ -203,12 +231,18 @@ def _header(ck: Checkpoint, names: List[str], rename: Optional[Dict[str, str]] =
         h[out] = {"dtype": st, "shape": list(ck.parameters[name]["shape"]), "data_offsets": [pos, pos + n]}
         pos += n
     raw = json.dumps(h, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)        # the data starts 8-byte aligned, as the safetensors library writes it
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_shard(ck: Checkpoint, names: List[str], path: str, buf: bytearray,
-                 rename: Optional[Dict[str, str]] = None, computed: Optional[Dict[str, "callable"]] = None) -> None:
+def _write_shard(
+    ck: Checkpoint,
+    names: List[str],
+    path: str,
+    buf: bytearray,
+    rename: Optional[Dict[str, str]] = None,
+    computed: Optional[Dict[str, "callable"]] = None,
+) -> None:
     """Stream ``names`` from the checkpoint into one safetensors file (named as ``rename`` says); a name in
     ``computed`` is written from the tensor its function returns instead (a merged LoRA weight: one tensor
     in memory at a time)."""
@@ -231,8 +265,10 @@ def _write_shard(ck: Checkpoint, names: List[str], path: str, buf: bytearray,
                         n = min(len(buf), nbytes - done)
                         got = os.preadv(fd, [view[:n]], offset + done)
                         if got <= 0:
-                            raise ExportError(f"checkpoint file {src} ends at byte {offset + done}, parameter "
-                                              f"{name} needs {nbytes - done} more: the checkpoint is damaged")
+                            raise ExportError(
+                                f"checkpoint file {src} ends at byte {offset + done}, parameter "
+                                f"{name} needs {nbytes - done} more: the checkpoint is damaged"
+                            )
                         out.write(view[:got])
                         done += got
         finally:
@@ -247,11 +283,16 @@ def copy_model_files(src: str, out: str) -> List[str]:
     """config.json, generation config and tokenizer files of ``src`` (a tag's hf/ folder or a local HF model
     directory) into ``out``; weights are not copied. Returns the names copied."""
     import shutil
+
     copied = []
     for f in sorted(os.listdir(src)):
         # adapter_config.json stays out: beside the weights it would make transformers load them as an adapter
-        if f.endswith((".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")) or f.endswith(".index.json") \
-                or f == "adapter_config.json" or not os.path.isfile(os.path.join(src, f)):
+        if (
+            f.endswith((".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5"))
+            or f.endswith(".index.json")
+            or f == "adapter_config.json"
+            or not os.path.isfile(os.path.join(src, f))
+        ):
             continue
         shutil.copyfile(os.path.join(src, f), os.path.join(out, f))
         copied.append(f)
@@ -263,6 +304,7 @@ def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) 
     e.g. "bfloat16", so that ``dtype="auto"`` loads them as trained) and, for a local HF model, its tokenizer
     files, or for presets the byte tokenizer in Hugging Face form (:func:`save_byte_tokenizer`)."""
     import copy
+
     os.makedirs(folder, exist_ok=True)
     config = copy.deepcopy(spec.config)
     if dtype is not None:
@@ -303,22 +345,27 @@ def save_byte_tokenizer(folder: str) -> None:
         processors,
     )
     from transformers import PreTrainedTokenizerFast
+
     table = _bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<pad>")])
     bos, eos = ByteTokenizer.BOS, ByteTokenizer.EOS
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>",
-                                                       special_tokens=[("<s>", bos), ("</s>", eos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
     if [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")] != [bos, eos, ByteTokenizer.PAD]:
-        raise ExportError("the byte tokenizer's special ids came out other than 256/257/258: this tokenizers "
-                          "version numbers added tokens differently; report it")
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>", split_special_tokens=True).save_pretrained(folder)
+        raise ExportError(
+            "the byte tokenizer's special ids came out other than 256/257/258: this tokenizers "
+            "version numbers added tokens differently; report it"
+        )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", split_special_tokens=True
+    ).save_pretrained(folder)
 
 
-ADAPTER_DIR = "adapter"   # <out>/adapter/: the LoRA adapter in PEFT's format (PeftModel.from_pretrained)
+ADAPTER_DIR = "adapter"  # <out>/adapter/: the LoRA adapter in PEFT's format (PeftModel.from_pretrained)
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -330,25 +377,32 @@ class LoraExport:
 
     def __init__(self, ck: Checkpoint, files_dir: str, merge: bool):
         from aidaptiv_ds.job.lora import ADAPTER_CONFIG
+
         self.ck = ck
         path = os.path.join(files_dir, ADAPTER_CONFIG)
         if not os.path.isfile(path):
-            raise ExportError(f"checkpoint {ck.tag_dir} holds LoRA adapters but no {MODEL_FILES}/{ADAPTER_CONFIG}: "
-                              "it was not saved by 'aidaptiv-ds train --lora'; export it with PEFT instead")
+            raise ExportError(
+                f"checkpoint {ck.tag_dir} holds LoRA adapters but no {MODEL_FILES}/{ADAPTER_CONFIG}: "
+                "it was not saved by 'aidaptiv-ds train --lora'; export it with PEFT instead"
+            )
         with open(path, encoding="utf-8") as f:
             self.config = json.load(f)
         if self.config.get("rank_pattern") or self.config.get("alpha_pattern"):
-            raise ExportError(f"{path} has a rank_pattern or alpha_pattern, which this exporter does not merge: "
-                              "export it with PEFT's merge_and_unload")
+            raise ExportError(
+                f"{path} has a rank_pattern or alpha_pattern, which this exporter does not merge: "
+                "export it with PEFT's merge_and_unload"
+            )
         r, alpha = float(self.config["r"]), float(self.config["lora_alpha"])
-        self.scaling = alpha / (r ** 0.5) if self.config.get("use_rslora") else alpha / r
+        self.scaling = alpha / (r**0.5) if self.config.get("use_rslora") else alpha / r
         adapters = [n for n in ck.parameters if ".lora_" in n]
         others = [n for n in ck.parameters if n not in set(adapters)]
         if any(not n.startswith(_PEFT_PREFIX) for n in ck.parameters):
-            raise ExportError(f"checkpoint {ck.tag_dir} holds lora_ parameters outside a PEFT model "
-                              f"(names not under {_PEFT_PREFIX}): it was not saved by 'aidaptiv-ds train --lora'")
+            raise ExportError(
+                f"checkpoint {ck.tag_dir} holds lora_ parameters outside a PEFT model "
+                f"(names not under {_PEFT_PREFIX}): it was not saved by 'aidaptiv-ds train --lora'"
+            )
         self.base_names = others
-        self.rename = {n: n[len(_PEFT_PREFIX):].replace(".base_layer.", ".") for n in others}
+        self.rename = {n: n[len(_PEFT_PREFIX) :].replace(".base_layer.", ".") for n in others}
         # adapter tensors as PEFT saves them: "...q_proj.lora_A.weight" (".default" is the adapter's name)
         self.adapter_rename = {n: n.replace(".default.", ".") for n in adapters}
         self.computed = {}
@@ -356,10 +410,10 @@ class LoraExport:
             for n in others:
                 if ".base_layer.weight" not in n:
                     continue
-                stem = n[:-len(".base_layer.weight")]
+                stem = n[: -len(".base_layer.weight")]
                 a, b = f"{stem}.lora_A.default.weight", f"{stem}.lora_B.default.weight"
                 if a in ck.parameters and b in ck.parameters:
-                    self.computed[n] = (lambda w=n, a=a, b=b: self.merged(w, a, b))
+                    self.computed[n] = lambda w=n, a=a, b=b: self.merged(w, a, b)
 
     def merged(self, w: str, a: str, b: str):
         ck = self.ck
@@ -369,12 +423,15 @@ class LoraExport:
 
     def write_adapter(self, out: str, buf: bytearray) -> List[str]:
         from aidaptiv_ds.job.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
         folder = os.path.join(out, ADAPTER_DIR)
         os.makedirs(folder, exist_ok=True)
         config = dict(self.config, base_model_name_or_path=os.path.abspath(out))
         with open(os.path.join(folder, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
-        _write_shard(self.ck, list(self.adapter_rename), os.path.join(folder, ADAPTER_WEIGHTS), buf, self.adapter_rename)
+        _write_shard(
+            self.ck, list(self.adapter_rename), os.path.join(folder, ADAPTER_WEIGHTS), buf, self.adapter_rename
+        )
         return [f"{ADAPTER_DIR}/{ADAPTER_CONFIG}", f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"]
 
 
@@ -388,31 +445,40 @@ def out_problem(out: str) -> Optional[str]:
     return None
 
 
-def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str] = None,
-           merge_lora: bool = False, log=None) -> dict:
+def export(
+    checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str] = None, merge_lora: bool = False, log=None
+) -> dict:
     """Write the model of ``checkpoint`` (a tag folder or a save dir) to ``out`` as a Hugging Face folder.
     ``model`` (a preset or local HF directory) supplies config and tokenizer when the checkpoint has no hf/
     folder. Returns a summary (files, bytes, tensors)."""
     tag_dir = resolve_checkpoint(checkpoint)
     ck = Checkpoint(tag_dir)
     if merge_lora and not ck.has_adapters:
-        raise ExportError(f"--merge-lora: checkpoint {tag_dir} has no LoRA adapters (no lora_ parameters); drop "
-                          "the flag to export its full weights")
+        raise ExportError(
+            f"--merge-lora: checkpoint {tag_dir} has no LoRA adapters (no lora_ parameters); drop "
+            "the flag to export its full weights"
+        )
     files_dir = os.path.join(tag_dir, MODEL_FILES)
     from aidaptiv_ds.job.lora import QLORA_FILE
+
     qlora = os.path.isfile(os.path.join(files_dir, QLORA_FILE))
     if qlora and merge_lora:
-        raise ExportError(f"--merge-lora: checkpoint {tag_dir} is QLoRA (its base holds bitsandbytes 4-bit data, "
-                          f"{MODEL_FILES}/{QLORA_FILE}), which is not merged into HF weights: drop --merge-lora to "
-                          "export the adapter, and merge it with PEFT on the original base")
+        raise ExportError(
+            f"--merge-lora: checkpoint {tag_dir} is QLoRA (its base holds bitsandbytes 4-bit data, "
+            f"{MODEL_FILES}/{QLORA_FILE}), which is not merged into HF weights: drop --merge-lora to "
+            "export the adapter, and merge it with PEFT on the original base"
+        )
     lora = LoraExport(ck, files_dir, merge_lora) if ck.has_adapters else None
-    limit = parse_size(max_shard_size, what="--max-shard-size") if isinstance(max_shard_size, str) \
-        else int(max_shard_size)
+    limit = (
+        parse_size(max_shard_size, what="--max-shard-size") if isinstance(max_shard_size, str) else int(max_shard_size)
+    )
     if limit < 1:
         raise ExportError(f"--max-shard-size {max_shard_size} must be a positive size such as 5GB")
     if model is None and not os.path.isfile(os.path.join(files_dir, "config.json")):
-        raise ExportError(f"checkpoint {tag_dir} has no {MODEL_FILES}/config.json (saved by an older aidaptiv-ds, "
-                          "or not by aidaptiv-ds train): give --model with the preset or HF directory it trained")
+        raise ExportError(
+            f"checkpoint {tag_dir} has no {MODEL_FILES}/config.json (saved by an older aidaptiv-ds, "
+            "or not by aidaptiv-ds train): give --model with the preset or HF directory it trained"
+        )
     problem = out_problem(out)
     if problem:
         raise ExportError(problem)
@@ -422,17 +488,27 @@ def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str]
     else:
         from aidaptiv_ds.models import presets as models
         from aidaptiv_ds.models.tokenizer import tokenizer_for
+
         spec = models.resolve(model)
         save_model_files(spec, tokenizer_for(spec), out, dtype=ck.dtype)
         copied = sorted(os.listdir(out))
-    if qlora:   # the adapter alone: the base's packed 4-bit data are no HF weights
+    if qlora:  # the adapter alone: the base's packed 4-bit data are no HF weights
         files = lora.write_adapter(out, bytearray(COPY_BUFFER))
         if log:
-            log(f"aidaptiv-ds export: QLoRA checkpoint: the adapter in PEFT's format in {os.path.join(out, ADAPTER_DIR)} "
-                "(load it with PeftModel.from_pretrained on the original base)")
-        return {"checkpoint": tag_dir, "out": out, "files": files + copied, "tensors": len(lora.adapter_rename),
-                "bytes": sum(ck.nbytes(n) for n in lora.adapter_rename), "dtype": ck.dtype,
-                "world_size": ck.world_size, "qlora": True}
+            log(
+                f"aidaptiv-ds export: QLoRA checkpoint: the adapter in PEFT's format in {os.path.join(out, ADAPTER_DIR)} "
+                "(load it with PeftModel.from_pretrained on the original base)"
+            )
+        return {
+            "checkpoint": tag_dir,
+            "out": out,
+            "files": files + copied,
+            "tensors": len(lora.adapter_rename),
+            "bytes": sum(ck.nbytes(n) for n in lora.adapter_rename),
+            "dtype": ck.dtype,
+            "world_size": ck.world_size,
+            "qlora": True,
+        }
     base = lora.base_names if lora else list(ck.parameters)
     rename = lora.rename if lora else {}
     sizes = {name: ck.nbytes(name) for name in base}
@@ -448,44 +524,77 @@ def export(checkpoint: str, out: str, max_shard_size="5GB", model: Optional[str]
     if lora:
         files += lora.write_adapter(out, buf)
         if log:
-            log(f"aidaptiv-ds export: LoRA adapters {'merged into the weights, and ' if merge_lora else ''}"
-                f"in PEFT's format in {os.path.join(out, ADAPTER_DIR)}")
+            log(
+                f"aidaptiv-ds export: LoRA adapters {'merged into the weights, and ' if merge_lora else ''}"
+                f"in PEFT's format in {os.path.join(out, ADAPTER_DIR)}"
+            )
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())},
-                 "weight_map": {rename.get(n, n): files[i] for i, names in enumerate(shards) for n in names}}
+        index = {
+            "metadata": {"total_size": sum(sizes.values())},
+            "weight_map": {rename.get(n, n): files[i] for i, names in enumerate(shards) for n in names},
+        }
         with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
         files.append("model.safetensors.index.json")
-    return {"checkpoint": tag_dir, "out": out, "files": files + copied, "tensors": len(sizes),
-            "bytes": sum(sizes.values()), "dtype": ck.dtype, "world_size": ck.world_size,
-            "copy_buffer_bytes": len(buf)}
+    return {
+        "checkpoint": tag_dir,
+        "out": out,
+        "files": files + copied,
+        "tensors": len(sizes),
+        "bytes": sum(sizes.values()),
+        "dtype": ck.dtype,
+        "world_size": ck.world_size,
+        "copy_buffer_bytes": len(buf),
+    }
 
 
 # ------------------------------------------------------------------------------------------- command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a --save-dir of an aidaptiv run (its latest tag) or one tag folder in it")
+    p.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a --save-dir of an aidaptiv run (its latest tag) or one tag folder in it",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the Hugging Face model (new or empty)")
-    p.add_argument("--max-shard-size", default=DEFAULT_SHARD, metavar="SIZE",
-                   help=f"largest safetensors shard ('5GB', '500MiB', bytes); default {DEFAULT_SHARD}")
-    p.add_argument("--model", default=None, metavar="PRESET|HF_DIR",
-                   help="the model the checkpoint trained, for config and tokenizer files when the checkpoint has "
-                        f"no {MODEL_FILES}/ folder (default: the checkpoint's own)")
-    p.add_argument("--merge-lora", action="store_true",
-                   help="checkpoints of 'train --lora': write the base weights with the adapters merged in "
-                        "(W + alpha/r * B @ A) instead of the frozen base; either way the adapter is also written "
-                        f"in PEFT's format to DIR/{ADAPTER_DIR}")
+    p.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_SHARD,
+        metavar="SIZE",
+        help=f"largest safetensors shard ('5GB', '500MiB', bytes); default {DEFAULT_SHARD}",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="PRESET|HF_DIR",
+        help="the model the checkpoint trained, for config and tokenizer files when the checkpoint has "
+        f"no {MODEL_FILES}/ folder (default: the checkpoint's own)",
+    )
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="checkpoints of 'train --lora': write the base weights with the adapters merged in "
+        "(W + alpha/r * B @ A) instead of the frozen base; either way the adapter is also written "
+        f"in PEFT's format to DIR/{ADAPTER_DIR}",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        s = export(args.checkpoint, args.out, args.max_shard_size, model=args.model, merge_lora=args.merge_lora,
-                   log=lambda m: print(m, file=sys.stderr, flush=True))
+        s = export(
+            args.checkpoint,
+            args.out,
+            args.max_shard_size,
+            model=args.model,
+            merge_lora=args.merge_lora,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
     except (ExportError, ValueError, OSError) as e:
         print(f"aidaptiv-ds export: {e}", file=sys.stderr)
         return 1
-    print(f"aidaptiv-ds export: {s['tensors']} tensors ({s['bytes']:,} bytes, {s['dtype']}, from {s['world_size']} "
-          f"ranks) of {s['checkpoint']} -> {s['out']}: {', '.join(s['files'])}")
+    print(
+        f"aidaptiv-ds export: {s['tensors']} tensors ({s['bytes']:,} bytes, {s['dtype']}, from {s['world_size']} "
+        f"ranks) of {s['checkpoint']} -> {s['out']}: {', '.join(s['files'])}"
+    )
     return 0

@@ -18,18 +18,19 @@ before the adapters are added; the base is built whole in host memory first (at 
 and then partitioned and swapped by ``deepspeed.initialize``, so it must fit in RAM once at that precision.
 Its checkpoint exports the adapter only (a 4-bit base is not written as HF weights, nor merged).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")
-ADAPTER_CONFIG = "adapter_config.json"     # PEFT's file names (PeftModel.from_pretrained reads these)
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file names (PeftModel.from_pretrained reads these)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-QLORA_FILE = "aidaptiv_qlora.json"   # in a checkpoint's hf/ folder: its base holds bitsandbytes 4-bit data
-QLORA_QUANT_TYPE = "nf4"             # QLoRA's NormalFloat4 (Dettmers et al. 2023)
-QLORA_KEEP = ("lm_head",)            # left unquantised, as transformers' bitsandbytes loader does
+QLORA_FILE = "aidaptiv_qlora.json"  # in a checkpoint's hf/ folder: its base holds bitsandbytes 4-bit data
+QLORA_QUANT_TYPE = "nf4"  # QLoRA's NormalFloat4 (Dettmers et al. 2023)
+QLORA_KEEP = ("lm_head",)  # left unquantised, as transformers' bitsandbytes loader does
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class LoraSpec:
     alpha: float
     targets: Tuple[str, ...]
     dropout: float = 0.0
-    bits: int = 16          # 4: QLoRA, the frozen base quantised to bitsandbytes nf4 (see quantize_base)
+    bits: int = 16  # 4: QLoRA, the frozen base quantised to bitsandbytes nf4 (see quantize_base)
 
     def describe(self) -> str:
         what = "QLoRA (nf4 base)" if self.bits == 4 else "LoRA"
@@ -48,8 +49,15 @@ class LoraSpec:
 
     def peft_config(self):
         from peft import LoraConfig
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=list(self.targets),
-                          lora_dropout=self.dropout, bias="none", task_type="CAUSAL_LM")
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            target_modules=list(self.targets),
+            lora_dropout=self.dropout,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
 
 
 def parse_spec(text: str) -> LoraSpec:
@@ -101,23 +109,27 @@ def parse_spec(text: str) -> LoraSpec:
     if not targets:
         problems.append("targets is empty (e.g. targets=q_proj,v_proj)")
     if problems:
-        raise ValueError(f"--lora {text!r}: {'; '.join(problems)}: write it as "
-                         "r=16,alpha=32,targets=q_proj,v_proj")
-    return LoraSpec(r=r, alpha=alpha if alpha is not None else 2.0 * r, targets=targets, dropout=dropout or 0.0,
-                    bits=bits or 16)
+        raise ValueError(f"--lora {text!r}: {'; '.join(problems)}: write it as r=16,alpha=32,targets=q_proj,v_proj")
+    return LoraSpec(
+        r=r, alpha=alpha if alpha is not None else 2.0 * r, targets=targets, dropout=dropout or 0.0, bits=bits or 16
+    )
 
 
 def apply(model, spec: LoraSpec):
     """``model`` wrapped by PEFT with ``spec``'s adapters; only the adapters require gradients. Raises
     ValueError when no module of the model matches the targets."""
     from peft import get_peft_model
+
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [t for t in spec.targets if t not in names]
     if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                         if type(m).__name__ == "Linear" and "." in n})
-        raise ValueError(f"--lora targets {','.join(missing)}: the model has no module of that name; its linear "
-                         f"layers are {', '.join(linear)}")
+        linear = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Linear" and "." in n}
+        )
+        raise ValueError(
+            f"--lora targets {','.join(missing)}: the model has no module of that name; its linear "
+            f"layers are {', '.join(linear)}"
+        )
     return get_peft_model(model, spec.peft_config())
 
 
@@ -139,19 +151,30 @@ def quantize_base(model, compute_dtype) -> int:
     packed bytes with blocks of 64). Call it on a built, unpartitioned model, before :func:`apply`.
     Returns the number of layers quantised. Raises ValueError when bitsandbytes is missing."""
     import torch
+
     try:
         import bitsandbytes as bnb
     except ImportError as e:
         raise ValueError(f"--lora bits=4 needs bitsandbytes (requirements.txt pins it): {e}") from None
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is torch.nn.Linear and name.rsplit(".", 1)[-1] not in QLORA_KEEP]
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is torch.nn.Linear and name.rsplit(".", 1)[-1] not in QLORA_KEEP
+    ]
     for name, linear in targets:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                              compute_dtype=compute_dtype, quant_type=QLORA_QUANT_TYPE, quant_storage=compute_dtype,
-                              device="meta")
-        q.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type=QLORA_QUANT_TYPE,
-                                     quant_storage=compute_dtype).to(linear.weight.device)   # quantises
+        q = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=compute_dtype,
+            quant_type=QLORA_QUANT_TYPE,
+            quant_storage=compute_dtype,
+            device="meta",
+        )
+        q.weight = bnb.nn.Params4bit(
+            linear.weight.data, requires_grad=False, quant_type=QLORA_QUANT_TYPE, quant_storage=compute_dtype
+        ).to(linear.weight.device)  # quantises
         if linear.bias is not None:
             q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
         setattr(parent, name.rsplit(".", 1)[-1], q)
@@ -162,5 +185,6 @@ def save_qlora_marker(folder: str) -> None:
     """Mark a checkpoint whose base is 4-bit (the export must not read its packed data as weights)."""
     import json
     import os
+
     with open(os.path.join(folder, QLORA_FILE), "w", encoding="utf-8") as f:
         json.dump({"bits": 4, "quant_type": QLORA_QUANT_TYPE, "keep": list(QLORA_KEEP)}, f)

@@ -17,6 +17,7 @@ its kin raise warm-ups shorter than 2 steps to 2 and reject 0, and WarmupCosineL
 DeepSpeed saves the scheduler's state in every checkpoint and loads it with the optimizer's (which carries the
 lr of the next step), so a resumed run continues on the same curve.
 """
+
 from __future__ import annotations
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
@@ -31,11 +32,15 @@ def problems(schedule: str | None, warmup_steps: int, total_steps: int | None) -
     if warmup_steps < 0:
         out.append(f"--warmup-steps {warmup_steps} must not be negative")
     if schedule is None and warmup_steps:
-        out.append("--warmup-steps needs --lr-schedule (constant, linear or cosine): without it the lr is the "
-                   "config's (its scheduler section, if any)")
+        out.append(
+            "--warmup-steps needs --lr-schedule (constant, linear or cosine): without it the lr is the "
+            "config's (its scheduler section, if any)"
+        )
     if schedule in ("linear", "cosine") and total_steps is not None and warmup_steps >= total_steps:
-        out.append(f"--warmup-steps {warmup_steps} is not below the run's {total_steps} optimizer step(s): the "
-                   f"{schedule} decay would never start; use fewer warm-up steps")
+        out.append(
+            f"--warmup-steps {warmup_steps} is not below the run's {total_steps} optimizer step(s): the "
+            f"{schedule} decay would never start; use fewer warm-up steps"
+        )
     return out
 
 
@@ -47,7 +52,9 @@ def scheduler_factory(schedule: str, warmup_steps: int, total_steps: int):
 
     def make(optimizer):
         from transformers import get_scheduler
-        return get_scheduler(SCHEDULES[schedule], optimizer, num_warmup_steps=warmup_steps,
-                             num_training_steps=total_steps)
-    return make
 
+        return get_scheduler(
+            SCHEDULES[schedule], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+        )
+
+    return make

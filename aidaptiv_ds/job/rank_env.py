@@ -15,6 +15,7 @@ count, so a plain ``python -m aidaptiv_ds train`` there stays one process):
 
 Variables already set are left alone (a launcher's, or the user's). Nothing here imports torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,7 @@ import sys
 from typing import Dict, Mapping, Optional, Tuple
 
 PORT_BASE, PORT_SPAN = 20000, 10000
-DEFAULT_PORT = 29500   # torch.distributed's usual port; every rank must pick the same one, so not a free one
+DEFAULT_PORT = 29500  # torch.distributed's usual port; every rank must pick the same one, so not a free one
 
 
 def in_srun_step(env: Mapping[str, str]) -> bool:
@@ -41,8 +42,8 @@ def first_host(nodelist: str) -> Optional[str]:
     prefix, ranges = m.group(1), m.group(3)
     if ranges is None:
         return prefix or None
-    first = ranges.split(",")[0].split("-")[0]   # zero padding is part of the number's text, as SLURM writes it
-    return prefix + first + text[m.end():].split(",")[0] if first else None
+    first = ranges.split(",")[0].split("-")[0]  # zero padding is part of the number's text, as SLURM writes it
+    return prefix + first + text[m.end() :].split(",")[0] if first else None
 
 
 def tasks_on_node(tasks_per_node: str, node_id: int) -> Optional[int]:
@@ -85,8 +86,11 @@ def rendezvous(env: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
     else:
         take("MASTER_ADDR", "SLURM_LAUNCH_NODE_IPADDR")
     job = env.get("SLURM_JOB_ID", "").strip()
-    found["MASTER_PORT"] = ((str(PORT_BASE + int(job) % PORT_SPAN), "SLURM_JOB_ID") if job.isdigit()
-                            else (str(DEFAULT_PORT), "default: no SLURM_JOB_ID"))
+    found["MASTER_PORT"] = (
+        (str(PORT_BASE + int(job) % PORT_SPAN), "SLURM_JOB_ID")
+        if job.isdigit()
+        else (str(DEFAULT_PORT), "default: no SLURM_JOB_ID")
+    )
     return {k: v for k, v in found.items() if k not in env}
 
 
@@ -105,6 +109,7 @@ def ensure_single_process_env() -> None:
     """Without a launcher, make this process rank 0 of 1 (DeepSpeed needs the env:// rendezvous variables);
     started by srun, take them from SLURM's variables (aidaptiv_ds.job.rank_env) and say which."""
     from aidaptiv_ds.job import rank_env as slurm_env
+
     found = slurm_env.rendezvous(os.environ)
     if found:
         os.environ.update({k: v for k, (v, _) in found.items()})
@@ -128,11 +133,12 @@ def make_nvme_path(path: str) -> bool:
         os.makedirs(path, mode=0o700)
     except FileExistsError:
         return False
-    os.chmod(path, 0o700)   # makedirs' mode is masked by the umask
+    os.chmod(path, 0o700)  # makedirs' mode is masked by the umask
     import atexit
 
     def remove_if_empty():
-        with contextlib.suppress(OSError):   # not empty: another rank's files, or kept swap files
+        with contextlib.suppress(OSError):  # not empty: another rank's files, or kept swap files
             os.rmdir(path)
+
     atexit.register(remove_if_empty)
     return True

@@ -14,14 +14,17 @@ path alone, never guessed from the content:
 
 pyarrow and datasets are imported only for the forms that need them.
 """
+
 from __future__ import annotations
 
 import csv
 import json
 import os
 
-ACCEPTED = ("a JSON Lines file (.jsonl, .ndjson), a .json file (an array of records, or JSON lines), a .csv file "
-            "with a header row, a .parquet file, or a folder saved by datasets' save_to_disk")
+ACCEPTED = (
+    "a JSON Lines file (.jsonl, .ndjson), a .json file (an array of records, or JSON lines), a .csv file "
+    "with a header row, a .parquet file, or a folder saved by datasets' save_to_disk"
+)
 
 
 class DataError(ValueError):
@@ -34,15 +37,19 @@ def form_of(path: str) -> str:
         names = set(os.listdir(path))
         if "dataset_dict.json" in names or {"state.json", "dataset_info.json"} & names:
             return "hf_disk"
-        raise DataError(f"data folder {path} is not a datasets save_to_disk folder (no state.json, "
-                              f"dataset_info.json or dataset_dict.json): give {ACCEPTED}")
+        raise DataError(
+            f"data folder {path} is not a datasets save_to_disk folder (no state.json, "
+            f"dataset_info.json or dataset_dict.json): give {ACCEPTED}"
+        )
     if not os.path.exists(path):
         raise DataError(f"data file {path} does not exist: give {ACCEPTED}")
     ext = os.path.splitext(path)[1].lower()
     forms = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
     if ext not in forms:
-        raise DataError(f"data file {path} has the extension {ext or '(none)'!r}, which is not a form this "
-                              f"job reads: give {ACCEPTED}")
+        raise DataError(
+            f"data file {path} has the extension {ext or '(none)'!r}, which is not a form this "
+            f"job reads: give {ACCEPTED}"
+        )
     return forms[ext]
 
 
@@ -73,7 +80,7 @@ def _json(path: str) -> list:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if not text.lstrip().startswith("["):
-        return _jsonl(path)   # JSON lines under a .json name, as many exports write them
+        return _jsonl(path)  # JSON lines under a .json name, as many exports write them
     try:
         items = json.loads(text)
     except json.JSONDecodeError as e:
@@ -84,21 +91,24 @@ def _json(path: str) -> list:
 def _csv(path: str) -> list:
     out = []
     with open(path, encoding="utf-8", newline="") as f:
-        for row_no, row in enumerate(csv.DictReader(f), 2):   # row 1 is the header
+        for row_no, row in enumerate(csv.DictReader(f), 2):  # row 1 is the header
             where = f"{path}:{row_no}"
             rec = {k: ("" if v is None else v) for k, v in row.items() if k is not None}
             if isinstance(rec.get("messages"), str) and rec["messages"].strip():
                 try:
                     rec["messages"] = json.loads(rec["messages"])
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: the messages cell is not valid JSON ({e.msg}); write the chat "
-                                          'as a JSON list of {"role", "content"} objects') from None
+                    raise DataError(
+                        f"{where}: the messages cell is not valid JSON ({e.msg}); write the chat "
+                        'as a JSON list of {"role", "content"} objects'
+                    ) from None
             out.append((where, rec))
     return out
 
 
 def _parquet(path: str) -> list:
     import pyarrow.parquet as pq
+
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
@@ -108,10 +118,13 @@ def _parquet(path: str) -> list:
 
 def _hf_disk(path: str) -> list:
     import datasets
+
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise DataError(f"data folder {path} is a DatasetDict with splits {', '.join(ds)} and no 'train': "
-                                  "save the split to train on alone (ds[split].save_to_disk) and give that folder")
+            raise DataError(
+                f"data folder {path} is a DatasetDict with splits {', '.join(ds)} and no 'train': "
+                "save the split to train on alone (ds[split].save_to_disk) and give that folder"
+            )
         ds = ds["train"]
     return [(f"{path} row {i}", rec) for i, rec in enumerate(ds)]

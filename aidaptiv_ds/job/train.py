@@ -24,6 +24,7 @@ deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA
 DeepSpeed's --launcher slurm), it takes its rank, world size and rendezvous from SLURM's variables
 (aidaptiv_ds.job.rank_env).
 """
+
 from __future__ import annotations
 
 __all__ = ["Run", "add_arguments", "run"]
@@ -57,10 +58,13 @@ from aidaptiv_ds.job.rank_env import ensure_single_process_env, make_nvme_path
 def _aidaptiv_api():
     """aidaptiv_ds.initialize (and zero_init if present), or a clear failure if this build lacks them."""
     import aidaptiv_ds
+
     init = getattr(aidaptiv_ds, "initialize", None)
     if init is None:
-        raise TrainingFailed('the config has an "aidaptiv" block but this aidaptiv_ds has no initialize(): '
-                             'remove the block to run plain DeepSpeed, or install a build with the swapper')
+        raise TrainingFailed(
+            'the config has an "aidaptiv" block but this aidaptiv_ds has no initialize(): '
+            "remove the block to run plain DeepSpeed, or install a build with the swapper"
+        )
     return init, getattr(aidaptiv_ds, "zero_init", None)
 
 
@@ -85,6 +89,7 @@ class Run:
         plan = ((stats or {}).get("activations") or {}).get("plan")
         if plan:
             from aidaptiv_ds.activations.plan import render
+
             self.log(f"aidaptiv-ds train: {render(plan)}")
 
     def prepare(self):
@@ -93,6 +98,7 @@ class Run:
         from aidaptiv_ds.job import train_plan
         from aidaptiv_ds.models import presets as models
         from aidaptiv_ds.models.tokenizer import tokenizer_for
+
         a = self.args
         if a.seq_len < 1:
             raise ValueError(f"--seq-len {a.seq_len} must be at least 1")
@@ -103,56 +109,85 @@ class Run:
             found.append("--create-nvme-path needs --nvme-path: give the swap folder to make on this node")
         if found:
             raise TrainingFailed("; ".join(found))
-        if getattr(a, "create_nvme_path", False):   # before the config check, which refuses a missing folder
+        if getattr(a, "create_nvme_path", False):  # before the config check, which refuses a missing folder
             self.info["nvme_path_created"] = make_nvme_path(os.path.abspath(a.nvme_path))
         self.lora = None
         if getattr(a, "lora", None):
             from aidaptiv_ds.job.lora import parse_spec
+
             self.lora = parse_spec(a.lora)
         cfg = ds_config.load(a.config, what="--config")
-        cfg = ds_config.apply_overrides(cfg, micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr,
-                                        nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
-                                        dtype=a.dtype, host_budget=a.host_budget)
+        cfg = ds_config.apply_overrides(
+            cfg,
+            micro_batch=a.micro_batch,
+            grad_accum=a.grad_accum,
+            lr=a.lr,
+            nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
+            dtype=a.dtype,
+            host_budget=a.host_budget,
+        )
         if getattr(a, "gradient_checkpointing", False):
             cfg = self.checkpointing_in_block(cfg)
-        for block in ds_config.nvme_blocks(cfg):   # relative paths mean the working directory, as in DeepSpeed;
-            if block["nvme_path"]:                   # made absolute so that logs and metrics are unambiguous
+        for block in ds_config.nvme_blocks(cfg):  # relative paths mean the working directory, as in DeepSpeed;
+            if block["nvme_path"]:  # made absolute so that logs and metrics are unambiguous
                 block["nvme_path"] = os.path.abspath(block["nvme_path"])
         self.spec = models.resolve(a.model)
         import torch
+
         self.cuda = torch.cuda.is_available()
-        ds_config.check(cfg, world_size=self.world_size, largest_param_numel=self.spec.largest_parameter_numel,
-                        model_name=self.spec.name, cuda=self.cuda)
+        ds_config.check(
+            cfg,
+            world_size=self.world_size,
+            largest_param_numel=self.spec.largest_parameter_numel,
+            model_name=self.spec.name,
+            cuda=self.cuda,
+        )
         self.cfg = cfg
         self.backend = ds_config.backend(cfg)
         self.note_wandb(cfg)
         self.check_fits(cfg, a.seq_len)
         if getattr(a, "output_dir", None) and self.backend != "aidaptiv":
-            raise TrainingFailed(f"--output-dir needs a config with an \"aidaptiv\" block (this one runs "
-                                 f"{self.backend}): the export reads the checkpoint our swapper writes; for plain "
-                                 "DeepSpeed save with --save-dir and convert with DeepSpeed's zero_to_fp32.py")
+            raise TrainingFailed(
+                f'--output-dir needs a config with an "aidaptiv" block (this one runs '
+                f"{self.backend}): the export reads the checkpoint our swapper writes; for plain "
+                "DeepSpeed save with --save-dir and convert with DeepSpeed's zero_to_fp32.py"
+            )
         if getattr(a, "output_dir", None):
             from aidaptiv_ds.job.export import out_problem
+
             problem = out_problem(a.output_dir)
             if problem:
                 raise TrainingFailed(f"--output-dir: {problem}")
         self.dtype = ds_config.torch_dtype(cfg)
-        self.micro_batch = int(cfg.get("train_micro_batch_size_per_gpu")
-                               or cfg["train_batch_size"] // (self.world_size * cfg.get("gradient_accumulation_steps", 1)))
+        self.micro_batch = int(
+            cfg.get("train_micro_batch_size_per_gpu")
+            or cfg["train_batch_size"] // (self.world_size * cfg.get("gradient_accumulation_steps", 1))
+        )
         self.grad_accum = int(cfg.get("gradient_accumulation_steps", 1))
         self.tokenizer = tokenizer_for(self.spec)
         if self.tokenizer.vocab_size > self.spec.config.vocab_size:
-            raise TrainingFailed(f"the tokenizer of {a.model} has {self.tokenizer.vocab_size} ids but the model's "
-                                 f"vocabulary is {self.spec.config.vocab_size}: use the model's own tokenizer files")
+            raise TrainingFailed(
+                f"the tokenizer of {a.model} has {self.tokenizer.vocab_size} ids but the model's "
+                f"vocabulary is {self.spec.config.vocab_size}: use the model's own tokenizer files"
+            )
         data_path = self.prepare_data(cfg)
         self.info.update(
-            model=self.spec.name, params=self.spec.num_parameters, backend=self.backend,
-            dtype=ds_config.dtype_name(cfg), micro_batch=self.micro_batch, seq_len=a.seq_len,
-            grad_accum=self.grad_accum, world_size=self.world_size, config=a.config, data=data_path,
-            tokenizer=self.tokenizer.name, seed=a.seed,
+            model=self.spec.name,
+            params=self.spec.num_parameters,
+            backend=self.backend,
+            dtype=ds_config.dtype_name(cfg),
+            micro_batch=self.micro_batch,
+            seq_len=a.seq_len,
+            grad_accum=self.grad_accum,
+            world_size=self.world_size,
+            config=a.config,
+            data=data_path,
+            tokenizer=self.tokenizer.name,
+            seed=a.seed,
             lr=((cfg.get("optimizer") or {}).get("params") or {}).get("lr"),
             nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
-            device="cuda" if self.cuda else "cpu")
+            device="cuda" if self.cuda else "cpu",
+        )
 
     def checkpointing_in_block(self, cfg: dict) -> dict:
         """--gradient-checkpointing with an "aidaptiv" block: the block's activation policy does the
@@ -165,9 +200,11 @@ class Run:
         activations = block.get("activations") or {}
         policy = activations.get("policy") if isinstance(activations, dict) else None
         if policy == "keep":
-            raise TrainingFailed("--gradient-checkpointing asks to recompute activations but the config's "
-                                 "aidaptiv.activations.policy is \"keep\": drop the flag, or set the policy to "
-                                 "\"recompute\" (or \"nvme\", which also stores the checkpoints on NVMe)")
+            raise TrainingFailed(
+                "--gradient-checkpointing asks to recompute activations but the config's "
+                'aidaptiv.activations.policy is "keep": drop the flag, or set the policy to '
+                '"recompute" (or "nvme", which also stores the checkpoints on NVMe)'
+            )
         if policy is None and isinstance(activations, dict):
             cfg = copy.deepcopy(cfg)
             cfg["aidaptiv"]["activations"] = {**activations, "policy": "recompute"}
@@ -179,18 +216,24 @@ class Run:
         """Training stream and held-out batches, the run's step count, and the lr schedule that needs it."""
         from aidaptiv_ds.job import data as D
         from aidaptiv_ds.job import lr_schedule, train_plan
+
         a = self.args
         data_path = a.data or D.DEFAULT_DATA
         train_records, held_out = D.split_held_out(D.load_records(data_path), a.eval_fraction, a.seed)
-        self.batches = D.ShardedBatches(D.PackedStream(D.tokenize(train_records, self.tokenizer), a.seq_len, a.seed),
-                                        self.micro_batch, self.rank, self.world_size)
+        self.batches = D.ShardedBatches(
+            D.PackedStream(D.tokenize(train_records, self.tokenizer), a.seq_len, a.seed),
+            self.micro_batch,
+            self.rank,
+            self.world_size,
+        )
         if a.eval_data:
             held_out = D.load_records(a.eval_data)
         self.eval_batches = None
         if held_out:
             what = f"--eval-data {a.eval_data}" if a.eval_data else f"the held-out {a.eval_fraction:g} of {data_path}"
-            self.eval_batches = D.EvalBatches(D.tokenize(held_out, self.tokenizer), a.seq_len, self.micro_batch,
-                                              self.rank, self.world_size, what=what)
+            self.eval_batches = D.EvalBatches(
+                D.tokenize(held_out, self.tokenizer), a.seq_len, self.micro_batch, self.rank, self.world_size, what=what
+            )
         epoch_tokens = self.batches.stream.epoch_tokens
         tokens_per_step = self.micro_batch * a.seq_len * self.grad_accum * self.world_size
         self.steps = train_plan.total_steps(a.steps, a.epochs, epoch_tokens, tokens_per_step)
@@ -203,19 +246,23 @@ class Run:
                 self.log(f"aidaptiv-ds train: --lr-schedule {a.lr_schedule} replaces the config's scheduler section")
             self.lr_scheduler = lr_schedule.scheduler_factory(a.lr_schedule, a.warmup_steps, self.steps)
         self.info.update(
-            train_records=len(train_records), epoch_tokens=epoch_tokens,
+            train_records=len(train_records),
+            epoch_tokens=epoch_tokens,
             steps_per_epoch=epoch_tokens / tokens_per_step,
             eval_data=a.eval_data or (data_path if held_out else None),
             eval_records=len(held_out) or None,
             eval_sequences=self.eval_batches.sequences if self.eval_batches else None,
-            lr_schedule=a.lr_schedule, warmup_steps=a.warmup_steps if a.lr_schedule else None,
-            chat_template=bool(getattr(self.tokenizer, "has_chat_template", False)))
+            lr_schedule=a.lr_schedule,
+            warmup_steps=a.warmup_steps if a.lr_schedule else None,
+            chat_template=bool(getattr(self.tokenizer, "has_chat_template", False)),
+        )
         return data_path
 
     def note_wandb(self, cfg: dict) -> None:
         """With the config's "wandb" section on: W&B offline (unless WANDB_MODE says otherwise), its files in
         the --metrics-out folder (else the working directory) unless WANDB_DIR says otherwise."""
         from aidaptiv_ds.job import wandb_env
+
         out = self.args.metrics_out
         wandb = wandb_env.prepare(cfg, os.path.dirname(os.path.abspath(out)) if out else os.getcwd())
         if wandb:
@@ -229,13 +276,21 @@ class Run:
         from aidaptiv_ds.config.host import total_ram_bytes
         from aidaptiv_ds.planner.guard import launch_problems
         from aidaptiv_ds.planner.shapes import LLAMA_LIKE, shape_of_config
+
         if getattr(self.spec.config, "model_type", None) not in LLAMA_LIKE:
             return
         micro = int(cfg.get("train_micro_batch_size_per_gpu") or 1)
         local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or self.world_size)
-        problems = launch_problems(shape_of_config(self.spec.name, self.spec.config), cfg,
-                                   world_size=self.world_size, local_world_size=min(local, self.world_size),
-                                   seq_len=seq_len, micro_batch=micro, cuda=self.cuda, ram_bytes=total_ram_bytes())
+        problems = launch_problems(
+            shape_of_config(self.spec.name, self.spec.config),
+            cfg,
+            world_size=self.world_size,
+            local_world_size=min(local, self.world_size),
+            seq_len=seq_len,
+            micro_batch=micro,
+            cuda=self.cuda,
+            ram_bytes=total_ram_bytes(),
+        )
         if not problems:
             return
         text = str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}"))
@@ -243,20 +298,23 @@ class Run:
             self.info["fit_check"] = {"skipped": True, "problems": problems}
             print(f"aidaptiv-ds train: warning: --no-fit-check: starting although {text}", file=sys.stderr, flush=True)
             return
-        raise DoesNotFit(text)   # every problem, in full (a ConfigError would be cut to its last line by run())
+        raise DoesNotFit(text)  # every problem, in full (a ConfigError would be cut to its last line by run())
 
     def build(self):
         import deepspeed
         import torch
+
         a = self.args
         if not a.verbose:
             from aidaptiv_ds.zero3.compat import set_deepspeed_log_level
+
             set_deepspeed_log_level(logging.WARNING)
         random.seed(a.seed)
         torch.manual_seed(a.seed)
         deepspeed.init_distributed()
         # DeepSpeed's CPU communicator leaves a 66 MiB /dev/shm segment per rank behind (see dist_shm).
         from aidaptiv_ds.zero3 import dist_shm
+
         dist_shm.release_after_barrier()
         if self.cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -266,6 +324,7 @@ class Run:
         self.info.update(deepspeed_version=deepspeed.__version__, torch_version=torch.__version__)
 
         from aidaptiv_ds.models.presets import build_model
+
         stage3 = int((self.cfg.get("zero_optimization") or {}).get("stage", 0)) == 3
         initialize = deepspeed.initialize
         init_context = None
@@ -283,6 +342,7 @@ class Run:
         model = build_model(self.spec, self.dtype, None if qlora else init_context, self.cfg)
         if qlora:
             from aidaptiv_ds.job import lora
+
             self.info["qlora_layers"] = lora.quantize_base(model, self.dtype or torch.float32)
         if getattr(a, "gradient_checkpointing", False) and self.backend != "aidaptiv":
             self.enable_gradient_checkpointing(model)
@@ -291,8 +351,9 @@ class Run:
         self.info["build_s"] = time.perf_counter() - t0
         params = [p for p in model.parameters() if p.requires_grad]
         t0 = time.perf_counter()
-        self.engine, _, _, _ = initialize(model=model, model_parameters=params, config=self.cfg,
-                                          lr_scheduler=self.lr_scheduler)
+        self.engine, _, _, _ = initialize(
+            model=model, model_parameters=params, config=self.cfg, lr_scheduler=self.lr_scheduler
+        )
         self.info["initialize_s"] = time.perf_counter() - t0
         self.note_io_settings()
         self.check_partition_dtype(model)
@@ -306,20 +367,23 @@ class Run:
         deepspeed.checkpointing.checkpoint, which a model must call itself (Megatron-style code) and Hugging Face
         models never do; its partition_activations / cpu_checkpointing need model parallelism."""
         from aidaptiv_ds.activations.policy import enable_recompute
+
         self.info["gradient_checkpointing"] = enable_recompute(model)
         self.log(f"aidaptiv-ds train: gradient checkpointing: {self.info['gradient_checkpointing']}")
 
     def add_adapters(self, model):
         """--lora: PEFT's adapters on the built (and, under ZeRO-3, partitioned) base, which is frozen."""
         from aidaptiv_ds.job import lora
+
         model = lora.apply(model, self.lora)
-        if self.dtype is not None:   # adapters are made in fp32; train them in the base's dtype
+        if self.dtype is not None:  # adapters are made in fp32; train them in the base's dtype
             for p in model.parameters():
                 if p.requires_grad and p.dtype != self.dtype:
                     p.data = p.data.to(self.dtype)
         self.info["lora"] = {"spec": self.lora.describe(), "trainable_params": lora.trainable_numel(model)}
-        self.log(f"aidaptiv-ds train: {self.lora.describe()}: {self.info['lora']['trainable_params']:,} trainable "
-                 "parameters")
+        self.log(
+            f"aidaptiv-ds train: {self.lora.describe()}: {self.info['lora']['trainable_params']:,} trainable parameters"
+        )
         return model
 
     def note_io_settings(self) -> None:
@@ -328,13 +392,20 @@ class Run:
         if self.backend != "aidaptiv":
             return
         from aidaptiv_ds.config import resolve as C
-        settings = C.resolve(self.cfg)[1]     # the settings the swapper got (resolved once per config)
+
+        settings = C.resolve(self.cfg)[1]  # the settings the swapper got (resolved once per config)
         if settings is None:
             return
-        self.info["aidaptiv_io"] = {"block_size": settings.block_size, "block_size_source": settings.block_size_source,
-                           "queue_depth": settings.queue_depth, "queue_depth_source": settings.queue_depth_source}
-        self.log(f"aidaptiv I/O: block_size {settings.block_size // 1024} KiB ({settings.block_size_source}), "
-                 f"queue_depth {settings.queue_depth} ({settings.queue_depth_source})")
+        self.info["aidaptiv_io"] = {
+            "block_size": settings.block_size,
+            "block_size_source": settings.block_size_source,
+            "queue_depth": settings.queue_depth,
+            "queue_depth_source": settings.queue_depth_source,
+        }
+        self.log(
+            f"aidaptiv I/O: block_size {settings.block_size // 1024} KiB ({settings.block_size_source}), "
+            f"queue_depth {settings.queue_depth} ({settings.queue_depth_source})"
+        )
 
     def check_partition_dtype(self, model) -> None:
         """Every backend trains in the dtype the config asks for, or the job stops here saying why: DeepSpeed
@@ -348,22 +419,27 @@ class Run:
             raise TrainingFailed(
                 f"the config asks for {wanted} but DeepSpeed partitioned parameters in {', '.join(sorted(found))} "
                 "(DeepSpeed 0.19.8's zero.Init ignores an explicit dtype on CPUs without fp16 support): keep the "
-                "aidaptiv-ds start-up hook on (unset AIDAPTIV_DS_AUTOLOAD), which mends it")
+                "aidaptiv-ds start-up hook on (unset AIDAPTIV_DS_AUTOLOAD), which mends it"
+            )
 
     def note_loss_chunking(self, model) -> None:
         """What the chunked loss (aidaptiv.activations.loss_chunk_tokens) saves, for the metrics."""
         from aidaptiv_ds.activations import chunked_loss
+
         chunk = chunked_loss.installed_chunk(model)
         if chunk is None:
             return
         tokens, vocab = self.micro_batch * self.args.seq_len, self.spec.config.vocab_size
         self.info["loss_chunk_tokens"] = chunk
-        self.info["loss_logits_mb"] = {"unchunked": chunked_loss.logits_bytes(tokens, vocab, None) / 2**20,
-                                       "chunked": chunked_loss.logits_bytes(tokens, vocab, chunk) / 2**20}
+        self.info["loss_logits_mb"] = {
+            "unchunked": chunked_loss.logits_bytes(tokens, vocab, None) / 2**20,
+            "chunked": chunked_loss.logits_bytes(tokens, vocab, chunk) / 2**20,
+        }
 
     def resume(self) -> dict:
         """Restore from --resume-from or --resume auto; returns the client state (or a fresh one)."""
         from aidaptiv_ds.job.train_plan import latest_checkpoint
+
         a = self.args
         fresh = {"step": 0, "data_position": 0, "losses": [], "lrs": []}
         source = a.resume_from
@@ -376,8 +452,9 @@ class Run:
         if not source:
             return fresh
         load_dir, tag = _resolve_resume(source)
-        path, client = self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+        path, client = self.engine.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None or client is None or "step" not in client:
             raise TrainingFailed(f"--resume-from {source}: DeepSpeed found no loadable checkpoint there")
         was = {k: client.get(k) for k in ("seq_len", "micro_batch", "world_size")}
@@ -385,8 +462,10 @@ class Run:
         if any(was[k] is not None and was[k] != now[k] for k in now):
             # The data position counts micro-batches of this shape: with another shape the data continues from
             # a different point of the stream than the interrupted run would have.
-            self.log(f"aidaptiv-ds train: warning: checkpoint was made with {was}, resuming with {now}; "
-                     "the data order will differ from an uninterrupted run")
+            self.log(
+                f"aidaptiv-ds train: warning: checkpoint was made with {was}, resuming with {now}; "
+                "the data order will differ from an uninterrupted run"
+            )
         if "rng" in client:
             _set_rng_state(client["rng"])
         self.info["resumed_from"] = path
@@ -400,6 +479,7 @@ class Run:
         if getattr(self, "backend", None) != "zero_infinity":
             return
         from aidaptiv_ds.zero3.compat import zero_infinity_swap_dirs
+
         dirs = [d for p in self.info.get("nvme_paths") or [] for d in zero_infinity_swap_dirs(p, self.rank)]
         if not dirs:
             return
@@ -409,7 +489,7 @@ class Run:
             return
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
-            with contextlib.suppress(OSError):        # the kind folder, once every rank has emptied it
+            with contextlib.suppress(OSError):  # the kind folder, once every rank has emptied it
                 os.rmdir(os.path.dirname(d))
         self.info["swap_removed"] = dirs
         self.log(f"aidaptiv-ds train: removed DeepSpeed swap files in {', '.join(dirs)}")
@@ -417,19 +497,33 @@ class Run:
     def save(self, step: int, position: int, losses: list, save_dir: str | None = None) -> str:
         save_dir = save_dir or self.args.save_dir
         tag = f"step{step}"
-        client = {"step": step, "data_position": position, "losses": list(losses), "rng": _rng_state(),
-                  "lrs": list(getattr(self, "lrs", [])), "eval_losses": list(getattr(self, "eval_losses", [])),
-                  "seed": self.args.seed, "seq_len": self.args.seq_len, "micro_batch": self.micro_batch,
-                  "world_size": self.world_size}
+        client = {
+            "step": step,
+            "data_position": position,
+            "losses": list(losses),
+            "rng": _rng_state(),
+            "lrs": list(getattr(self, "lrs", [])),
+            "eval_losses": list(getattr(self, "eval_losses", [])),
+            "seed": self.args.seed,
+            "seq_len": self.args.seq_len,
+            "micro_batch": self.micro_batch,
+            "world_size": self.world_size,
+        }
         self.engine.save_checkpoint(save_dir, tag=tag, client_state=client)
         folder = os.path.join(save_dir, tag)
         if self.rank == 0 and self.backend == "aidaptiv":
             # config and tokenizer beside the weights, so that 'aidaptiv-ds export' needs nothing else
             from aidaptiv_ds.job.export import MODEL_FILES, save_model_files
-            save_model_files(self.spec, self.tokenizer, os.path.join(folder, MODEL_FILES),
-                             dtype=str(self.dtype).replace("torch.", ""))
-            if self.lora is not None:   # how to read the lora_ parameters (export merges or copies them)
+
+            save_model_files(
+                self.spec,
+                self.tokenizer,
+                os.path.join(folder, MODEL_FILES),
+                dtype=str(self.dtype).replace("torch.", ""),
+            )
+            if self.lora is not None:  # how to read the lora_ parameters (export merges or copies them)
                 from aidaptiv_ds.job.lora import save_adapter_config, save_qlora_marker
+
                 save_adapter_config(self.engine.module, os.path.join(folder, MODEL_FILES))
                 if self.lora.bits == 4:
                     save_qlora_marker(os.path.join(folder, MODEL_FILES))
@@ -443,18 +537,18 @@ class Run:
         import torch.distributed as dist
 
         from aidaptiv_ds.job.export import export
+
         out = self.args.output_dir
         final = os.path.join(self.args.save_dir, f"step{step}") if self.args.save_dir else None
         temporary = final is None or not os.path.isdir(final)
         if temporary:
             final = self.save(step, position, losses, save_dir=os.path.join(out, "checkpoint"))
-        dist.barrier()   # every rank's folder of the checkpoint is written
+        dist.barrier()  # every rank's folder of the checkpoint is written
         failed = None
         if self.rank == 0:
             try:
-                summary = export(final, out, merge_lora=self.lora is not None and self.lora.bits != 4,
-                                 log=self.log)
-            except (ValueError, OSError) as e:   # reported after the barrier the other ranks wait at
+                summary = export(final, out, merge_lora=self.lora is not None and self.lora.bits != 4, log=self.log)
+            except (ValueError, OSError) as e:  # reported after the barrier the other ranks wait at
                 failed = e
             else:
                 if temporary:
@@ -469,6 +563,7 @@ class Run:
     def write_logits(self, path: str) -> None:
         """The trained model's logits on the first data batch (for checking an export against it)."""
         import torch
+
         batch = {k: v.to(self.engine.device) for k, v in self.batches.batch(0).items()}
         self.engine.eval()
         with torch.no_grad():
@@ -487,23 +582,37 @@ class Run:
         import torch
 
         from aidaptiv_ds.common import metrics as M
+
         io1 = M.proc_io()
         io = (io1["read_bytes"] - io0["read_bytes"], io1["write_bytes"] - io0["write_bytes"]) if io0 and io1 else None
         lr = None
         with contextlib.suppress(Exception):
             lr = float(self.engine.get_lr()[0])
         stats = self.engine.aidaptiv_stats() if callable(getattr(self.engine, "aidaptiv_stats", None)) else None
-        if not hasattr(self, "host_budget"):   # the resolved budget (the config's own object, made once)
+        if not hasattr(self, "host_budget"):  # the resolved budget (the config's own object, made once)
             self.host_budget = None
             if self.backend == "aidaptiv":
                 from aidaptiv_ds.config import resolve as C
+
                 settings = C.resolve(self.cfg)[1]
                 self.host_budget = settings.host_budget_bytes if settings else None
         from aidaptiv_ds.zero3 import monitors
-        monitors.write_events(monitor, M.monitor_events(
-            step, record, loss=loss, lr=lr, tokens_per_step=tokens_per_step, io_bytes=io,
-            host_budget=self.host_budget, pinned=stats.get("pinned_bytes") if stats else None,
-            gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None), self.engine)
+
+        monitors.write_events(
+            monitor,
+            M.monitor_events(
+                step,
+                record,
+                loss=loss,
+                lr=lr,
+                tokens_per_step=tokens_per_step,
+                io_bytes=io,
+                host_budget=self.host_budget,
+                pinned=stats.get("pinned_bytes") if stats else None,
+                gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None,
+            ),
+            self.engine,
+        )
 
     def current_lr(self) -> float | None:
         """The lr the optimizer's next update uses (its first parameter group's)."""
@@ -515,13 +624,17 @@ class Run:
         """The held-out loss after optimizer step ``step``: into the metrics, the log and the monitors."""
         from aidaptiv_ds.common import metrics as M
         from aidaptiv_ds.job.evaluation import evaluate
+
         t0 = time.perf_counter()
         loss = evaluate(self.engine, self.eval_batches)
         self.eval_losses.append([step, loss])
-        self.log(f"aidaptiv-ds train: step {step}: eval loss {loss:.4f} on {self.eval_batches.sequences} held-out "
-                 f"sequence(s) ({time.perf_counter() - t0:.1f} s)")
+        self.log(
+            f"aidaptiv-ds train: step {step}: eval loss {loss:.4f} on {self.eval_batches.sequences} held-out "
+            f"sequence(s) ({time.perf_counter() - t0:.1f} s)"
+        )
         if monitor:
             from aidaptiv_ds.zero3 import monitors
+
             monitors.write_events(monitor, M.eval_events(step, loss), self.engine)
 
     def train(self) -> dict:
@@ -530,6 +643,7 @@ class Run:
 
         from aidaptiv_ds.common import metrics as M
         from aidaptiv_ds.job.train_plan import eval_due
+
         a, engine = self.args, self.engine
         sync = torch.cuda.synchronize if self.cuda else None
         timer = M.StepTimer(sync)
@@ -546,8 +660,15 @@ class Run:
         bar = None
         if self.rank == 0 and not a.no_progress:
             from tqdm import tqdm
-            bar = tqdm(total=steps, initial=start, file=sys.stderr, desc=f"train {self.spec.name}",
-                       unit="step", dynamic_ncols=True)
+
+            bar = tqdm(
+                total=steps,
+                initial=start,
+                file=sys.stderr,
+                desc=f"train {self.spec.name}",
+                unit="step",
+                dynamic_ncols=True,
+            )
         io_start = None
         io_excluded = {"read_bytes": 0, "write_bytes": 0}
         engine.train()
@@ -556,7 +677,7 @@ class Run:
             if i == warmup:
                 io_start = M.proc_io()
             step_io = M.proc_io() if monitor else None
-            self.lrs.append(self.current_lr())   # what this step's update uses
+            self.lrs.append(self.current_lr())  # what this step's update uses
             timer.start_step()
             micro_losses = []
             for _ in range(self.grad_accum):
@@ -585,14 +706,14 @@ class Run:
                 before = M.proc_io()
                 self.run_eval(step + 1, monitor)
                 after = M.proc_io()
-                if before and after:   # the held-out forwards are not the training steps' traffic
+                if before and after:  # the held-out forwards are not the training steps' traffic
                     for k in io_excluded:
                         io_excluded[k] += after[k] - before[k]
             if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
                 before = M.proc_io()
                 self.save(step + 1, position, losses)
                 after = M.proc_io()
-                if before and after:   # checkpoint bytes are not swap traffic
+                if before and after:  # checkpoint bytes are not swap traffic
                     for k in io_excluded:
                         io_excluded[k] += after[k] - before[k]
             if bar is not None:
@@ -621,24 +742,39 @@ class Run:
             g = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], dtype=torch.float64, device=device)
             dist.all_reduce(g, op=dist.ReduceOp.MAX)
             peak_gpu = g.item()
-        with contextlib.suppress(Exception):   # what the optimizer will use next (checks a resume's lr)
+        with contextlib.suppress(Exception):  # what the optimizer will use next (checks a resume's lr)
             self.info["lr_final"] = float(engine.get_lr()[0])
         stats = engine.aidaptiv_stats() if callable(getattr(engine, "aidaptiv_stats", None)) else None
         if stats and stats.get("nvme_read_bytes") is not None:
             self.info["engine_nvme_read_bytes"] = stats.get("nvme_read_bytes")
             self.info["engine_nvme_write_bytes"] = stats.get("nvme_write_bytes")
         return M.summarize(
-            step_records=timer.steps, warmup=warmup, tokens_per_step=tokens_per_step, losses=losses,
-            engine_stats=stats, peak_rss=peak.item(), peak_gpu=peak_gpu,
+            step_records=timer.steps,
+            warmup=warmup,
+            tokens_per_step=tokens_per_step,
+            losses=losses,
+            engine_stats=stats,
+            peak_rss=peak.item(),
+            peak_gpu=peak_gpu,
             nvme_read=int(t[0].item()) if nvme[0] is not None else None,
             nvme_write=int(t[1].item()) if nvme[1] is not None else None,
-            extra={**self.info, "steps": steps, "first_step": start, "warmup": warmup,
-                   "tokens_per_step": tokens_per_step, "lrs": self.lrs,
-                   "epochs_done": position * self.micro_batch * self.world_size * a.seq_len
-                   / self.batches.stream.epoch_tokens,
-                   "eval_losses": self.eval_losses or None,
-                   "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
-                   "nvme_bytes_steps": (steps_to_run - warmup) if io_start else None})
+            extra={
+                **self.info,
+                "steps": steps,
+                "first_step": start,
+                "warmup": warmup,
+                "tokens_per_step": tokens_per_step,
+                "lrs": self.lrs,
+                "epochs_done": position
+                * self.micro_batch
+                * self.world_size
+                * a.seq_len
+                / self.batches.stream.epoch_tokens,
+                "eval_losses": self.eval_losses or None,
+                "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
+                "nvme_bytes_steps": (steps_to_run - warmup) if io_start else None,
+            },
+        )
 
     def close(self):
         """DeepSpeed 0.19.8 aborts at interpreter exit with 2 ranks and param offload unless the engine and the
@@ -650,12 +786,14 @@ class Run:
             self.remove_deepspeed_swap()
         with contextlib.suppress(Exception):
             import torch.distributed as dist
+
             if dist.is_initialized():
                 dist.destroy_process_group()
 
 
 def _write_metrics(run: Run, metrics: dict, failed: bool) -> None:
     from aidaptiv_ds.common.metrics import write_json
+
     path = run.args.metrics_out
     if not path:
         return
@@ -672,6 +810,7 @@ def run(args) -> int:
     # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, once per step; say nothing about them.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     from aidaptiv_ds.common.metrics import one_line
+
     job = Run(args)
     status, error, metrics, where = "ok", None, None, None
     try:
@@ -699,11 +838,18 @@ def run(args) -> int:
     finally:
         job.close()
     if status != "ok":
-        metrics = {"status": status, "error": error, **job.info, "steps": getattr(job, "steps", args.steps),
-                   "losses": None, "tokens_per_s": None, "step_s_median": None}
+        metrics = {
+            "status": status,
+            "error": error,
+            **job.info,
+            "steps": getattr(job, "steps", args.steps),
+            "losses": None,
+            "tokens_per_s": None,
+            "step_s_median": None,
+        }
         if where:
             metrics["traceback"] = where
-    else:   # what close() did with the swap files
+    else:  # what close() did with the swap files
         metrics.update({k: job.info[k] for k in ("swap_kept", "swap_removed") if k in job.info})
     _write_metrics(job, metrics, failed=status != "ok")
     if job.rank == 0 or status != "ok":

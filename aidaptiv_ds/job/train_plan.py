@@ -5,6 +5,7 @@ One job: the flags for epochs, held-out evaluation, learning-rate schedule and `
 they imply: how many optimizer steps a run makes, when it evaluates, which checkpoint it resumes. Nothing here
 imports torch or DeepSpeed; aidaptiv_ds.job.train wires the results into the run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,34 +17,68 @@ DEFAULT_STEPS = 10
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from aidaptiv_ds.job.lr_schedule import SCHEDULES
-    p.add_argument("--epochs", type=float, default=None, metavar="N",
-                   help="passes over the training data (the records not held out; fractions allowed): sets the "
-                        "number of optimizer steps to ceil(N x training tokens / tokens per step). With --steps "
-                        "as well, the run stops at whichever comes first. Default: none (--steps decides)")
-    p.add_argument("--eval-fraction", type=float, default=0.0, metavar="F",
-                   help="hold out this fraction of the records (picked from --seed, at least one) for evaluation; "
-                        "they are never trained on. Default 0: no held-out split (every record trains)")
-    p.add_argument("--eval-data", default=None, metavar="FILE|DIR",
-                   help="evaluate on this data instead (same forms as --data); not with --eval-fraction")
-    p.add_argument("--eval-every", type=int, default=0, metavar="N",
-                   help="with held-out data, its loss every N optimizer steps as well as after the last one "
-                        "(0, the default: after the last only). Goes to the metrics (eval_losses) and to the "
-                        "config's monitors (aidaptiv/eval_loss)")
-    p.add_argument("--lr-schedule", choices=tuple(SCHEDULES), default=None,
-                   help="learning-rate schedule over the run's optimizer steps, from the optimizer's lr (the "
-                        "config's or --lr): constant, linear or cosine decay to 0, each after --warmup-steps; "
-                        "replaces the config's scheduler section. Default: the config's scheduler, if any")
-    p.add_argument("--warmup-steps", type=int, default=0, metavar="K",
-                   help="optimizer steps of linear lr warm-up from 0 for --lr-schedule (not --warmup, which only "
-                        "leaves steps out of the timing medians); default 0")
-    p.add_argument("--resume", choices=("auto",), default=None,
-                   help="auto: resume from the latest checkpoint in --save-dir, or start fresh (saying so) when "
-                        "there is none; for a given checkpoint use --resume-from")
+
+    p.add_argument(
+        "--epochs",
+        type=float,
+        default=None,
+        metavar="N",
+        help="passes over the training data (the records not held out; fractions allowed): sets the "
+        "number of optimizer steps to ceil(N x training tokens / tokens per step). With --steps "
+        "as well, the run stops at whichever comes first. Default: none (--steps decides)",
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="hold out this fraction of the records (picked from --seed, at least one) for evaluation; "
+        "they are never trained on. Default 0: no held-out split (every record trains)",
+    )
+    p.add_argument(
+        "--eval-data",
+        default=None,
+        metavar="FILE|DIR",
+        help="evaluate on this data instead (same forms as --data); not with --eval-fraction",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with held-out data, its loss every N optimizer steps as well as after the last one "
+        "(0, the default: after the last only). Goes to the metrics (eval_losses) and to the "
+        "config's monitors (aidaptiv/eval_loss)",
+    )
+    p.add_argument(
+        "--lr-schedule",
+        choices=tuple(SCHEDULES),
+        default=None,
+        help="learning-rate schedule over the run's optimizer steps, from the optimizer's lr (the "
+        "config's or --lr): constant, linear or cosine decay to 0, each after --warmup-steps; "
+        "replaces the config's scheduler section. Default: the config's scheduler, if any",
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="optimizer steps of linear lr warm-up from 0 for --lr-schedule (not --warmup, which only "
+        "leaves steps out of the timing medians); default 0",
+    )
+    p.add_argument(
+        "--resume",
+        choices=("auto",),
+        default=None,
+        help="auto: resume from the latest checkpoint in --save-dir, or start fresh (saying so) when "
+        "there is none; for a given checkpoint use --resume-from",
+    )
 
 
 def problems(args) -> list[str]:
     """Every problem with the options of this module, as one-line messages (empty when none)."""
     from aidaptiv_ds.job.lr_schedule import problems as schedule_problems
+
     out = []
     if args.steps is not None and args.steps < 1:
         out.append(f"--steps {args.steps} must be at least 1")
@@ -90,6 +125,8 @@ def latest_checkpoint(save_dir: str) -> str | None:
         tag = f.read().strip()
     folder = os.path.join(save_dir, tag)
     if not tag or not os.path.isdir(folder):
-        raise ValueError(f"--resume auto: {latest} names the checkpoint {tag!r}, which is not in {save_dir}: "
-                         "restore that folder, or give --resume-from with another tag folder")
+        raise ValueError(
+            f"--resume auto: {latest} names the checkpoint {tag!r}, which is not in {save_dir}: "
+            "restore that folder, or give --resume-from with another tag folder"
+        )
     return folder

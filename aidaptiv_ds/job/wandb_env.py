@@ -6,6 +6,7 @@ environment. A run is offline unless the user says otherwise (``WANDB_MODE=onlin
 no login prompt. Its files go to ``<run folder>/wandb/offline-run-<time>-<id>/`` (``run-<id>.wandb`` holds
 every logged row) and ``wandb sync`` uploads them later from a machine that has a network.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +28,10 @@ def prepare(cfg: dict, run_dir: str, env=None) -> dict:
     if not wandb_enabled(cfg):
         return {}
     if importlib.util.find_spec("wandb") is None:
-        raise ValueError(f'the config\'s "{SECTION}" section is enabled but the wandb package is not installed: '
-                         'pip install wandb (see requirements.txt) or set "enabled": false')
+        raise ValueError(
+            f'the config\'s "{SECTION}" section is enabled but the wandb package is not installed: '
+            'pip install wandb (see requirements.txt) or set "enabled": false'
+        )
     env = os.environ if env is None else env
     env.setdefault("WANDB_MODE", "offline")
     env.setdefault("WANDB_DIR", os.path.abspath(run_dir))

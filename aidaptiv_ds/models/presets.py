@@ -21,6 +21,7 @@ Our own shapes:
   DeepSpeed's NVMe prefetch then queues the head twice at the forward/backward turn and asserts; see
   ds_configs/README.md.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,51 +33,174 @@ from dataclasses import dataclass, field
 # shape's count). The harness orders and sizes sweep cells by it and reports it for cells that died before
 # train counted the model; train counts from the shape (count_parameters).
 PRESETS: dict[str, dict] = {
-    "micro": dict(nominal_params=4_720_896, family="llama", hidden_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, intermediate_size=2048, vocab_size=2048,
-                  rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "tiny": dict(nominal_params=58_000_000, family="llama", hidden_size=768, num_hidden_layers=6,
-                 num_attention_heads=12, num_key_value_heads=12, intermediate_size=2048, vocab_size=10000,
-                 rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "small": dict(nominal_params=226_000_000, family="llama", hidden_size=1024, num_hidden_layers=16,
-                  num_attention_heads=16, num_key_value_heads=16, intermediate_size=2816, vocab_size=10000,
-                  rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "tinyllama-1.1b": dict(nominal_params=1_100_048_384, family="llama", hidden_size=2048, num_hidden_layers=22,
-                           num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
-                           rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                           tie_word_embeddings=False),
-    "llama2-7b": dict(nominal_params=6_738_000_000, family="llama", hidden_size=4096, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
-                      rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False),
-    "llama2-13b": dict(nominal_params=13_016_000_000, family="llama", hidden_size=5120, num_hidden_layers=40,
-                       num_attention_heads=40, num_key_value_heads=40, intermediate_size=13824, vocab_size=32000,
-                       rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False),
-    "llama2-70b": dict(nominal_params=68_977_000_000, family="llama", hidden_size=8192, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=32000,
-                       rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False),
-    "llama3.1-8b": dict(nominal_params=8_030_000_000, family="llama", hidden_size=4096, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                        rope_theta=500000.0,
-                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                          high_freq_factor=4.0, original_max_position_embeddings=8192),
-                        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "llama3.1-70b": dict(nominal_params=70_554_000_000, family="llama", hidden_size=8192, num_hidden_layers=80,
-                         num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
-                         rope_theta=500000.0,
-                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
-                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "qwen2.5-7b": dict(nominal_params=7_616_000_000, family="qwen2", hidden_size=3584, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-                       rope_theta=1000000.0, max_position_embeddings=131072, rms_norm_eps=1e-6,
-                       tie_word_embeddings=False),
-    "qwen2.5-72b": dict(nominal_params=72_706_000_000, family="qwen2", hidden_size=8192, num_hidden_layers=80,
-                        num_attention_heads=64, num_key_value_heads=8, intermediate_size=29568, vocab_size=152064,
-                        rope_theta=1000000.0, max_position_embeddings=131072, rms_norm_eps=1e-6,
-                        tie_word_embeddings=False),
+    "micro": dict(
+        nominal_params=4_720_896,
+        family="llama",
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=2048,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        nominal_params=58_000_000,
+        family="llama",
+        hidden_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=2048,
+        vocab_size=10000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "small": dict(
+        nominal_params=226_000_000,
+        family="llama",
+        hidden_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=2816,
+        vocab_size=10000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "tinyllama-1.1b": dict(
+        nominal_params=1_100_048_384,
+        family="llama",
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        intermediate_size=5632,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "llama2-7b": dict(
+        nominal_params=6_738_000_000,
+        family="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "llama2-13b": dict(
+        nominal_params=13_016_000_000,
+        family="llama",
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        intermediate_size=13824,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "llama2-70b": dict(
+        nominal_params=68_977_000_000,
+        family="llama",
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "llama3.1-8b": dict(
+        nominal_params=8_030_000_000,
+        family="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "llama3.1-70b": dict(
+        nominal_params=70_554_000_000,
+        family="llama",
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-7b": dict(
+        nominal_params=7_616_000_000,
+        family="qwen2",
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-72b": dict(
+        nominal_params=72_706_000_000,
+        family="qwen2",
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=29568,
+        vocab_size=152064,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
 }
 
 # Qwen2 puts a bias on the q, k and v projections; Llama has no biases.
@@ -86,9 +210,10 @@ _QKV_BIAS = {"llama": False, "qwen2": True}
 @dataclass
 class ModelSpec:
     """What the training job needs to know about a model before (and without) building it."""
-    name: str                      # preset name or the HF directory as given
-    config: object                 # a transformers PretrainedConfig
-    hf_dir: str | None = None      # set when weights and tokenizer come from a local HF directory
+
+    name: str  # preset name or the HF directory as given
+    config: object  # a transformers PretrainedConfig
+    hf_dir: str | None = None  # set when weights and tokenizer come from a local HF directory
     info: dict = field(default_factory=dict)
 
     @property
@@ -107,6 +232,7 @@ class ModelSpec:
                 self.info["counts"] = (count_parameters(self.config), largest_parameter_numel(self.config))
             else:
                 import torch
+
                 with torch.device("meta"):
                     model = _model_class(self.config)(self.config)
                 numels = [p.numel() for p in model.parameters()]
@@ -127,8 +253,10 @@ def nominal_parameters(name: str) -> int | None:
 def preset_config(name: str):
     """The transformers config of a preset (no weights)."""
     if name not in PRESETS:
-        raise ValueError(f"model preset {name!r} is unknown: choose one of {', '.join(PRESETS)} "
-                         "or give a local Hugging Face model directory")
+        raise ValueError(
+            f"model preset {name!r} is unknown: choose one of {', '.join(PRESETS)} "
+            "or give a local Hugging Face model directory"
+        )
     p = dict(PRESETS[name])
     p.pop("nominal_params")
     family = p.pop("family")
@@ -136,12 +264,14 @@ def preset_config(name: str):
     rope.update(p.pop("rope_scaling", None) or {})
     # The byte tokenizer's specials (tokenizer.py) are valid ids for every preset vocabulary.
     from aidaptiv_ds.models.tokenizer import ByteTokenizer
-    specials = dict(bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS,
-                    pad_token_id=ByteTokenizer.PAD)
+
+    specials = dict(bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS, pad_token_id=ByteTokenizer.PAD)
     if family == "llama":
         from transformers import LlamaConfig
+
         return LlamaConfig(rope_parameters=rope, attention_bias=False, mlp_bias=False, **specials, **p)
     from transformers import Qwen2Config
+
     return Qwen2Config(rope_parameters=rope, use_sliding_window=False, **specials, **p)
 
 
@@ -154,11 +284,19 @@ def _shape(config) -> dict:
         qkv_bias = True
     else:
         qkv_bias = bool(getattr(config, "attention_bias", False))
-    return dict(h=h, heads=heads, kv=kv, head_dim=head_dim, inter=config.intermediate_size,
-                layers=config.num_hidden_layers, vocab=config.vocab_size,
-                tied=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
-                mlp_bias=bool(getattr(config, "mlp_bias", False)),
-                o_bias=bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2")
+    return dict(
+        h=h,
+        heads=heads,
+        kv=kv,
+        head_dim=head_dim,
+        inter=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        vocab=config.vocab_size,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        o_bias=bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2",
+    )
 
 
 def count_parameters(config) -> int:
@@ -171,9 +309,9 @@ def count_parameters(config) -> int:
     if s["o_bias"]:
         attn += h
     mlp = 3 * h * s["inter"] + ((2 * s["inter"] + h) if s["mlp_bias"] else 0)
-    layer = attn + mlp + 2 * h                       # two RMSNorm weights
+    layer = attn + mlp + 2 * h  # two RMSNorm weights
     embed = s["vocab"] * h
-    return embed * (1 if s["tied"] else 2) + s["layers"] * layer + h   # + final norm
+    return embed * (1 if s["tied"] else 2) + s["layers"] * layer + h  # + final norm
 
 
 def largest_parameter_numel(config) -> int:
@@ -188,9 +326,12 @@ def resolve(model: str) -> ModelSpec:
         return ModelSpec(name=model, config=preset_config(model))
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
-            raise ValueError(f"--model {model} is a directory without config.json: give a Hugging Face model "
-                             "directory (config.json, weights, tokenizer files)")
+            raise ValueError(
+                f"--model {model} is a directory without config.json: give a Hugging Face model "
+                "directory (config.json, weights, tokenizer files)"
+            )
         from transformers import AutoConfig
+
         config = AutoConfig.from_pretrained(model, local_files_only=True)
         return ModelSpec(name=os.path.basename(os.path.normpath(model)), config=config, hf_dir=model)
     raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory")
@@ -198,6 +339,7 @@ def resolve(model: str) -> ModelSpec:
 
 def _model_class(config):
     from transformers import AutoModelForCausalLM
+
     # _model_mapping is public enough: AutoModelForCausalLM.from_config uses the same lookup.
     return AutoModelForCausalLM._model_mapping[type(config)]
 
@@ -208,7 +350,7 @@ def _keep_rope_dtype():
     frequencies must stay fp32 (transformers' own guard, entered before zero.Init as it requires)."""
     try:
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
-    except ImportError:      # older/newer transformers without it: nothing to guard
+    except ImportError:  # older/newer transformers without it: nothing to guard
         yield
         return
     with prevent_arange_dtype_change():
@@ -226,6 +368,7 @@ def _torch_default_init():
     whole tensors before partitioning, so they give the same model with and without ZeRO-3 for a given seed.
     """
     from transformers import PreTrainedModel
+
     original = PreTrainedModel.init_weights
 
     def tie_only(self):
@@ -255,7 +398,8 @@ def build_model(spec: ModelSpec, dtype, init_context=None, ds_config: dict | Non
         hf_ds = None
         if init_context is not None and ds_config is not None:
             from transformers.integrations import HfDeepSpeedConfig
-            hf_ds = HfDeepSpeedConfig(ds_config)   # must outlive from_pretrained (transformers keeps a weakref)
+
+            hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained (transformers keeps a weakref)
         model = _model_class(spec.config).from_pretrained(spec.hf_dir, local_files_only=True, dtype=dtype)
         model._aidaptiv_hf_ds_config = hf_ds
         return model

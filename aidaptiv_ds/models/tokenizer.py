@@ -6,11 +6,13 @@ Every preset vocabulary (2,048 and up) contains these 259 ids, so the same text 
 preset and nothing has to be downloaded. It is not a good tokenizer for language quality (about one id per
 character); it is a fair one for measuring throughput, which counts ids.
 """
+
 from __future__ import annotations
 
 
 class ByteTokenizer:
     """No chat template: records keep the fixed text template of aidaptiv_ds.job.data."""
+
     BOS = 256
     EOS = 257
     PAD = 258
@@ -36,6 +38,7 @@ class HFTokenizer:
 
     def __init__(self, path: str):
         from transformers import AutoTokenizer
+
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.name = getattr(self._tok, "name_or_path", path)
         self.bos_token_id = self._tok.bos_token_id
@@ -71,7 +74,9 @@ def tokenizer_for(spec):
     """The byte tokenizer for presets, the model's own for a local HF directory."""
     if spec.hf_dir is None:
         if spec.config.vocab_size < ByteTokenizer.vocab_size:
-            raise ValueError(f"model {spec.name} has vocab_size {spec.config.vocab_size}; the byte tokenizer "
-                             f"needs at least {ByteTokenizer.vocab_size}")
+            raise ValueError(
+                f"model {spec.name} has vocab_size {spec.config.vocab_size}; the byte tokenizer "
+                f"needs at least {ByteTokenizer.vocab_size}"
+            )
         return ByteTokenizer()
     return HFTokenizer(spec.hf_dir)

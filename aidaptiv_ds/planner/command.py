@@ -11,6 +11,7 @@ hardware. Without a GPU and without --gpu-mem the job is planned for training on
 
 Exit status: 0 when at least one planned backend fits, 3 when none does, 1 for bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ def _size(what: str):
             return parse_size(text, what)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     return parse
 
 
@@ -57,6 +59,7 @@ def _positive(what: str):
         if value < 1:
             raise argparse.ArgumentTypeError(f"{what} {value} must be at least 1")
         return value
+
     return parse
 
 
@@ -69,6 +72,7 @@ def _rate(what: str):
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{what} {value} must be positive")
         return value
+
     return parse
 
 
@@ -82,73 +86,180 @@ def _bandwidth(what: str):
             return float(parse_size(t, what))
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"{e} (per second, e.g. 3.2GB/s)") from None
+
     return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from aidaptiv_ds.models.presets import preset_names
-    p.add_argument("--model", required=True, metavar="PRESET|HF_DIR",
-                   help=f"a preset ({', '.join(preset_names())}) or a local Hugging Face directory (its config.json)")
+
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|HF_DIR",
+        help=f"a preset ({', '.join(preset_names())}) or a local Hugging Face directory (its config.json)",
+    )
     p.add_argument("--seq-len", type=_positive("--seq-len"), required=True, help="tokens per sequence")
-    p.add_argument("--micro-batch", type=_positive("--micro-batch"), required=True, help="sequences per rank per micro-step")
-    p.add_argument("--grad-accum", type=_positive("--grad-accum"), default=1, help="micro-steps per optimizer step; default 1")
-    p.add_argument("--gpus", type=_positive("--gpus"), default=1,
-                   help="ranks per node (GPUs; processes when training on CPU); default 1")
+    p.add_argument(
+        "--micro-batch", type=_positive("--micro-batch"), required=True, help="sequences per rank per micro-step"
+    )
+    p.add_argument(
+        "--grad-accum", type=_positive("--grad-accum"), default=1, help="micro-steps per optimizer step; default 1"
+    )
+    p.add_argument(
+        "--gpus",
+        type=_positive("--gpus"),
+        default=1,
+        help="ranks per node (GPUs; processes when training on CPU); default 1",
+    )
     p.add_argument("--nodes", type=_positive("--nodes"), default=1, help="nodes; default 1")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="training precision; default bf16")
-    p.add_argument("--gpu-mem", type=_size("--gpu-mem"), default=None, metavar="SIZE",
-                   help="memory per GPU (e.g. 40GB); default: this machine's GPU, or none (train on CPU)")
-    p.add_argument("--host-mem", type=_size("--host-mem"), default=None, metavar="SIZE",
-                   help="host memory per node (e.g. 512GB); default: this machine's (or its cgroup's limit)")
-    p.add_argument("--nvme", nargs="+", default=None, metavar="DIR",
-                   help="swap directory (or several on distinct disks: their free space and bandwidth add up); "
-                        "its free space is checked and its bandwidth probed")
-    p.add_argument("--nvme-free", type=_size("--nvme-free"), default=None, metavar="SIZE",
-                   help="free swap space per node, instead of the directory's")
+    p.add_argument(
+        "--gpu-mem",
+        type=_size("--gpu-mem"),
+        default=None,
+        metavar="SIZE",
+        help="memory per GPU (e.g. 40GB); default: this machine's GPU, or none (train on CPU)",
+    )
+    p.add_argument(
+        "--host-mem",
+        type=_size("--host-mem"),
+        default=None,
+        metavar="SIZE",
+        help="host memory per node (e.g. 512GB); default: this machine's (or its cgroup's limit)",
+    )
+    p.add_argument(
+        "--nvme",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="swap directory (or several on distinct disks: their free space and bandwidth add up); "
+        "its free space is checked and its bandwidth probed",
+    )
+    p.add_argument(
+        "--nvme-free",
+        type=_size("--nvme-free"),
+        default=None,
+        metavar="SIZE",
+        help="free swap space per node, instead of the directory's",
+    )
     p.add_argument("--backend", default="all", help=f"all, or one or more of {', '.join(BACKENDS)} (comma-separated)")
-    p.add_argument("--activations", choices=ACTIVATION_POLICIES, default="keep",
-                   help="keep: autograd keeps every activation (aidaptiv.activations.policy keep, the default); "
-                        "recompute: only layer inputs, recomputed in backward (the HF Trainer's "
-                        "gradient_checkpointing, policy recompute); nvme: the layer inputs stored on NVMe and read "
-                        "back ahead of the backward (policy nvme, and the least policy auto keeps)")
-    p.add_argument("--loss-chunk-tokens", type=_positive("--loss-chunk-tokens"), default=None, metavar="N",
-                   help="the LM head and loss in chunks of N tokens (aidaptiv.activations.loss_chunk_tokens): "
-                        "one chunk's logits exist at a time; default: unchunked")
+    p.add_argument(
+        "--activations",
+        choices=ACTIVATION_POLICIES,
+        default="keep",
+        help="keep: autograd keeps every activation (aidaptiv.activations.policy keep, the default); "
+        "recompute: only layer inputs, recomputed in backward (the HF Trainer's "
+        "gradient_checkpointing, policy recompute); nvme: the layer inputs stored on NVMe and read "
+        "back ahead of the backward (policy nvme, and the least policy auto keeps)",
+    )
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=_positive("--loss-chunk-tokens"),
+        default=None,
+        metavar="N",
+        help="the LM head and loss in chunks of N tokens (aidaptiv.activations.loss_chunk_tokens): "
+        "one chunk's logits exist at a time; default: unchunked",
+    )
     g = p.add_argument_group("aidaptiv settings (default: chosen to fit)")
-    g.add_argument("--host-budget", type=_size("--host-budget"), default=None, metavar="SIZE",
-                   help="aidaptiv.host_memory_budget per rank; default: the host memory left, at most what helps")
-    g.add_argument("--layer-group-size", type=_positive("--layer-group-size"), default=4,
-                   help="upper bound on layers per group; default 4")
-    g.add_argument("--prefetch-depth", type=int, default=1, choices=range(0, 17), metavar="0..16",
-                   help="layer groups read ahead; default 1")
+    g.add_argument(
+        "--host-budget",
+        type=_size("--host-budget"),
+        default=None,
+        metavar="SIZE",
+        help="aidaptiv.host_memory_budget per rank; default: the host memory left, at most what helps",
+    )
+    g.add_argument(
+        "--layer-group-size",
+        type=_positive("--layer-group-size"),
+        default=4,
+        help="upper bound on layers per group; default 4",
+    )
+    g.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=1,
+        choices=range(0, 17),
+        metavar="0..16",
+        help="layer groups read ahead; default 1",
+    )
     r = p.add_argument_group("rates (default: measured here by a short probe, cached)")
-    r.add_argument("--nvme-read-bw", type=_bandwidth("--nvme-read-bw"), default=None, metavar="BYTES/s",
-                   help="NVMe read bandwidth per node, e.g. 6.5GB/s")
+    r.add_argument(
+        "--nvme-read-bw",
+        type=_bandwidth("--nvme-read-bw"),
+        default=None,
+        metavar="BYTES/s",
+        help="NVMe read bandwidth per node, e.g. 6.5GB/s",
+    )
     r.add_argument("--nvme-write-bw", type=_bandwidth("--nvme-write-bw"), default=None, metavar="BYTES/s")
-    r.add_argument("--pcie-bw", type=_bandwidth("--pcie-bw"), default=None, metavar="BYTES/s",
-                   help="host-to-GPU bandwidth per GPU, e.g. 12GB/s (PCIe Gen3 x16)")
-    r.add_argument("--gpu-flops", type=_rate("--gpu-flops"), default=None, metavar="FLOP/s",
-                   help="achieved GPU FLOP/s in the training dtype, e.g. 1.5e14")
-    r.add_argument("--cpu-flops", type=_rate("--cpu-flops"), default=None, metavar="FLOP/s",
-                   help="achieved CPU FLOP/s of a node (all cores)")
-    r.add_argument("--cpu-adam", type=_rate("--cpu-adam"), default=None, metavar="PARAMS/s",
-                   help="CPU Adam parameters/s of a node (all cores)")
-    r.add_argument("--zero3-cpu", type=_rate("--zero3-cpu"), default=None, metavar="PARAMS/s",
-                   help="parameters/s of ZeRO-3's own per-step work when training on CPU (gathering, releasing, "
-                        "partitioning; measured here as a ZeRO-3 step of the tiny preset less its compute and Adam)")
-    r.add_argument("--framework-mem", type=_size("--framework-mem"), default=None, metavar="SIZE",
-                   help="host memory per rank of torch, DeepSpeed and transformers themselves")
-    r.add_argument("--launcher-mem", type=_size("--launcher-mem"), default=None, metavar="SIZE",
-                   help="host memory per node of the deepspeed launcher's own processes, counted for jobs of "
-                        "more than one rank (which need the launcher)")
-    r.add_argument("--gpu-overhead", type=_size("--gpu-overhead"), default=None, metavar="SIZE",
-                   help=f"GPU memory per rank outside tensors (CUDA context, workspaces); default: "
-                        f"{GPU_OVERHEAD_ASSUMED / GiB:.0f} GiB, assumed")
+    r.add_argument(
+        "--pcie-bw",
+        type=_bandwidth("--pcie-bw"),
+        default=None,
+        metavar="BYTES/s",
+        help="host-to-GPU bandwidth per GPU, e.g. 12GB/s (PCIe Gen3 x16)",
+    )
+    r.add_argument(
+        "--gpu-flops",
+        type=_rate("--gpu-flops"),
+        default=None,
+        metavar="FLOP/s",
+        help="achieved GPU FLOP/s in the training dtype, e.g. 1.5e14",
+    )
+    r.add_argument(
+        "--cpu-flops",
+        type=_rate("--cpu-flops"),
+        default=None,
+        metavar="FLOP/s",
+        help="achieved CPU FLOP/s of a node (all cores)",
+    )
+    r.add_argument(
+        "--cpu-adam",
+        type=_rate("--cpu-adam"),
+        default=None,
+        metavar="PARAMS/s",
+        help="CPU Adam parameters/s of a node (all cores)",
+    )
+    r.add_argument(
+        "--zero3-cpu",
+        type=_rate("--zero3-cpu"),
+        default=None,
+        metavar="PARAMS/s",
+        help="parameters/s of ZeRO-3's own per-step work when training on CPU (gathering, releasing, "
+        "partitioning; measured here as a ZeRO-3 step of the tiny preset less its compute and Adam)",
+    )
+    r.add_argument(
+        "--framework-mem",
+        type=_size("--framework-mem"),
+        default=None,
+        metavar="SIZE",
+        help="host memory per rank of torch, DeepSpeed and transformers themselves",
+    )
+    r.add_argument(
+        "--launcher-mem",
+        type=_size("--launcher-mem"),
+        default=None,
+        metavar="SIZE",
+        help="host memory per node of the deepspeed launcher's own processes, counted for jobs of "
+        "more than one rank (which need the launcher)",
+    )
+    r.add_argument(
+        "--gpu-overhead",
+        type=_size("--gpu-overhead"),
+        default=None,
+        metavar="SIZE",
+        help=f"GPU memory per rank outside tensors (CUDA context, workspaces); default: "
+        f"{GPU_OVERHEAD_ASSUMED / GiB:.0f} GiB, assumed",
+    )
     r.add_argument("--no-probe", action="store_true", help="measure nothing: use given and cached rates only")
     r.add_argument("--reprobe", action="store_true", help="measure again even if cached")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--write-config", default=None, metavar="OUT.json",
-                   help="write a DeepSpeed config with the aidaptiv block this plan chose")
+    p.add_argument(
+        "--write-config",
+        default=None,
+        metavar="OUT.json",
+        help="write a DeepSpeed config with the aidaptiv block this plan chose",
+    )
 
 
 def parse_backends(text: str) -> List[str]:
@@ -164,9 +275,10 @@ def parse_backends(text: str) -> List[str]:
 def _cuda_total() -> Optional[int]:
     try:
         import torch
+
         if torch.cuda.is_available():
             return int(torch.cuda.get_device_properties(0).total_memory)
-    except Exception:   # a broken CUDA install: plan for the CPU, as without one
+    except Exception:  # a broken CUDA install: plan for the CPU, as without one
         pass
     return None
 
@@ -181,8 +293,9 @@ def _nvme_free(dirs: List[str]) -> int:
     return free
 
 
-def make_plans(job: Job, hw: Hardware, rates: Rates, backends: List[str]
-               ) -> Tuple[List[BackendPlan], Dict[str, StepPrediction]]:
+def make_plans(
+    job: Job, hw: Hardware, rates: Rates, backends: List[str]
+) -> Tuple[List[BackendPlan], Dict[str, StepPrediction]]:
     plans = [plan_backend(b, job, hw) for b in backends]
     return plans, {p.backend: predict(p, job, hw, rates) for p in plans}
 
@@ -197,8 +310,13 @@ def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
         "steps_per_print": 1000000,
         "optimizer": {"type": "AdamW", "params": {"lr": 7e-6, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
-        "aidaptiv": {"enabled": True, "nvme_path": nvme_path, "host_memory_budget": st["host_memory_budget"],
-                     "layer_group_size": st["layer_group_size"], "prefetch_depth": st["prefetch_depth"]},
+        "aidaptiv": {
+            "enabled": True,
+            "nvme_path": nvme_path,
+            "host_memory_budget": st["host_memory_budget"],
+            "layer_group_size": st["layer_group_size"],
+            "prefetch_depth": st["prefetch_depth"],
+        },
     }
     # The activations the plan counted, as the block's policy (so the written job holds what was planned).
     activations = {"policy": job.activations} if job.activations != "keep" else {}
@@ -232,19 +350,34 @@ def _run(args) -> int:
             raise ValueError(f"--nvme {d} is not a directory: give an existing directory on the swap disk")
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else _cuda_total()
     from aidaptiv_ds.config.host import total_ram_bytes
+
     host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
-    given = {"nvme_read": args.nvme_read_bw, "nvme_write": args.nvme_write_bw, "pcie": args.pcie_bw,
-             "gpu_flops": args.gpu_flops, "cpu_flops": args.cpu_flops, "cpu_adam": args.cpu_adam,
-             "zero3_cpu": args.zero3_cpu,
-             "framework_host": args.framework_mem, "launcher_host": args.launcher_mem}
+    given = {
+        "nvme_read": args.nvme_read_bw,
+        "nvme_write": args.nvme_write_bw,
+        "pcie": args.pcie_bw,
+        "gpu_flops": args.gpu_flops,
+        "cpu_flops": args.cpu_flops,
+        "cpu_adam": args.cpu_adam,
+        "zero3_cpu": args.zero3_cpu,
+        "framework_host": args.framework_mem,
+        "launcher_host": args.launcher_mem,
+    }
     rates = Rates()
     for name, value in given.items():
         rates.set(name, value, "given")
     probe_dirs = nvme_dirs or [None]
     reads, writes = [], []
-    for d in probe_dirs:   # one probe per distinct disk; the CPU, framework and GPU ones once
-        r = machine_rates(args.dtype, d, probe=not args.no_probe, reprobe=args.reprobe,
-                          want_gpu=gpu_mem is not None and args.gpu_mem is None, given=given, log=_log)
+    for d in probe_dirs:  # one probe per distinct disk; the CPU, framework and GPU ones once
+        r = machine_rates(
+            args.dtype,
+            d,
+            probe=not args.no_probe,
+            reprobe=args.reprobe,
+            want_gpu=gpu_mem is not None and args.gpu_mem is None,
+            given=given,
+            log=_log,
+        )
         reads.append(r.nvme_read)
         writes.append(r.nvme_write)
         rates = r
@@ -252,24 +385,40 @@ def _run(args) -> int:
         rates.set("nvme_read", sum(reads), rates.source.get("nvme_read", "") + f", {len(reads)} disks")
         rates.set("nvme_write", sum(writes), rates.source.get("nvme_write", "") + f", {len(writes)} disks")
     gpu_overhead = args.gpu_overhead if args.gpu_overhead is not None else GPU_OVERHEAD_ASSUMED
-    hw = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_mem=gpu_mem, host_mem=host_mem,
-                  nvme_free=args.nvme_free if args.nvme_free is not None else (_nvme_free(nvme_dirs) if nvme_dirs else None),
-                  framework_host=int(rates.framework_host or 0),
-                  # one rank per job runs without the launcher ('aidaptiv-ds train' directly); more need it
-                  launcher_host=int(rates.launcher_host or 0) if args.gpus * args.nodes > 1 else 0,
-                  gpu_overhead=gpu_overhead if gpu_mem is not None else 0)
-    job = Job(shape, args.seq_len, args.micro_batch, args.grad_accum, args.dtype, args.activations,
-              loss_chunk_tokens=args.loss_chunk_tokens, host_budget=args.host_budget, layer_group_size=args.layer_group_size,
-              prefetch_depth=args.prefetch_depth)
+    hw = Hardware(
+        gpus=args.gpus,
+        nodes=args.nodes,
+        gpu_mem=gpu_mem,
+        host_mem=host_mem,
+        nvme_free=args.nvme_free if args.nvme_free is not None else (_nvme_free(nvme_dirs) if nvme_dirs else None),
+        framework_host=int(rates.framework_host or 0),
+        # one rank per job runs without the launcher ('aidaptiv-ds train' directly); more need it
+        launcher_host=int(rates.launcher_host or 0) if args.gpus * args.nodes > 1 else 0,
+        gpu_overhead=gpu_overhead if gpu_mem is not None else 0,
+    )
+    job = Job(
+        shape,
+        args.seq_len,
+        args.micro_batch,
+        args.grad_accum,
+        args.dtype,
+        args.activations,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+        host_budget=args.host_budget,
+        layer_group_size=args.layer_group_size,
+        prefetch_depth=args.prefetch_depth,
+    )
     plans, predictions = make_plans(job, hw, rates, backends)
     if rates.framework_host is None:
         for p in plans:
             p.notes.append("framework host memory unknown (not probed, not given): counted as 0")
     if gpu_mem is not None and args.gpu_overhead is None:
         for p in plans:
-            p.notes.append(f"GPU overhead {GPU_OVERHEAD_ASSUMED / GiB:.0f} GiB per rank is assumed, not measured "
-                           "(--gpu-overhead)")
+            p.notes.append(
+                f"GPU overhead {GPU_OVERHEAD_ASSUMED / GiB:.0f} GiB per rank is assumed, not measured (--gpu-overhead)"
+            )
     from aidaptiv_ds.planner import render
+
     if args.json:
         print(json.dumps(render.as_dict(job, hw, rates, plans, predictions), indent=1))
     else:
@@ -288,6 +437,7 @@ def _write_config(args, job: Job, plans: List[BackendPlan], nvme_dirs: List[str]
     cfg = aidaptiv_config(job, plan, nvme_dirs[0] if nvme_dirs else ".")
     from aidaptiv_ds.config import resolve as aconfig
     from aidaptiv_ds.config.ds_config import ConfigError
+
     try:
         aconfig.validate(cfg, check_paths=bool(nvme_dirs))
     except ConfigError as e:

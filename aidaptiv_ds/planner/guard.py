@@ -10,6 +10,7 @@ Only what is certain is refused: swap bytes (the swap files' sizes, for all rank
 disk), a host budget below the minimum the swapper needs, and host memory the model state or the pinned
 pool alone would exceed (framework and activations not counted, so the check never refuses a job that fits).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,25 +34,36 @@ def _existing(path: str) -> str:
     return path
 
 
-def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_world_size: int, seq_len: int,
-                    micro_batch: int, cuda: bool, ram_bytes: int,
-                    disk_free: Callable[[str], int] = lambda p: shutil.disk_usage(p).free) -> List[str]:
+def launch_problems(
+    shape: ModelShape,
+    cfg: dict,
+    *,
+    world_size: int,
+    local_world_size: int,
+    seq_len: int,
+    micro_batch: int,
+    cuda: bool,
+    ram_bytes: int,
+    disk_free: Callable[[str], int] = lambda p: shutil.disk_usage(p).free,
+) -> List[str]:
     """Problems that make the job impossible on this node, with the numbers (empty: nothing refused).
     ``cfg`` is the DeepSpeed config the job runs with; ``ram_bytes`` the memory the node's ranks may use."""
     backend = dsc.backend(cfg)
     if backend not in ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv"):
         return []
     local = max(1, local_world_size)
-    hw = Hardware(gpus=local, nodes=max(1, world_size // local), gpu_mem=_UNCHECKED if cuda else None,
-                  host_mem=ram_bytes)
+    hw = Hardware(
+        gpus=local, nodes=max(1, world_size // local), gpu_mem=_UNCHECKED if cuda else None, host_mem=ram_bytes
+    )
     job = Job(shape, seq_len, micro_batch, dtype=dsc.dtype_name(cfg))
     problems: List[str] = []
     if backend == "aidaptiv":
         from aidaptiv_ds.config.schema import block_of
         from aidaptiv_ds.config.settings import SwapSettings
+
         block = block_of(cfg) or {}
         if not block.get("enabled") or not block.get("nvme_path"):
-            return []                              # the block's own validation reports these
+            return []  # the block's own validation reports these
         settings = SwapSettings.from_block(block, ram_bytes)
         job.host_budget = settings.host_budget_bytes
         job.layer_group_size = settings.layer_group_size
@@ -73,10 +85,14 @@ def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_worl
             problems.append(
                 f"swap space: {paths[0]} has {free / GiB:.1f} GiB free but {backend} needs {need / GiB:.1f} GiB for "
                 f"{shape.name} ({shape.num_parameters / 1e9:.2f}B parameters, {job.dtype}, {local} rank(s) on this "
-                f"node: {parts}): free space, choose a larger disk, or spread the model over more nodes")
+                f"node: {parts}): free space, choose a larger disk, or spread the model over more nodes"
+            )
     # Host memory the model state and pinned buffers alone take (a lower bound: no framework, no activations).
-    certain: Dict[str, int] = {k: v for k, v in {**plan.host_pinned, **plan.host_pageable}.items()
-                               if not k.startswith(("framework", "activations", "DeepSpeed buffers"))}
+    certain: Dict[str, int] = {
+        k: v
+        for k, v in {**plan.host_pinned, **plan.host_pageable}.items()
+        if not k.startswith(("framework", "activations", "DeepSpeed buffers"))
+    }
     host = sum(certain.values()) * local
     if host > ram_bytes:
         top = max(certain, key=certain.get)
@@ -85,7 +101,8 @@ def launch_problems(shape: ModelShape, cfg: dict, *, world_size: int, local_worl
             f"host memory: {backend} needs at least {host / GiB:.1f} GiB on this node ({pinned / GiB:.1f} GiB of it "
             f"pinned; largest: {top}, {certain[top] * local / GiB:.1f} GiB) but the ranks may use "
             f"{ram_bytes / GiB:.1f} GiB (RAM, or the cgroup's limit): use a backend that keeps less in memory, a "
-            "smaller host budget, or more nodes")
+            "smaller host budget, or more nodes"
+        )
     return problems
 
 
@@ -100,6 +117,7 @@ def config_activations(cfg: dict) -> Tuple[str, Optional[int]]:
     unchunked for any other config. A block that does not validate is taken as its defaults (train's own
     validation reports it)."""
     from aidaptiv_ds.config.schema import ActivationsConfig, block_of, is_enabled
+
     if not is_enabled(cfg):
         return "keep", None
     block = block_of(cfg)
@@ -110,10 +128,24 @@ def config_activations(cfg: dict) -> Tuple[str, Optional[int]]:
     return PLANNER_ACTIVATIONS[act.policy], act.loss_chunk_tokens or None
 
 
-def predicted_oom(model: str, backend: str, *, gpus: int, nodes: int, micro_batch: int, seq_len: int,
-                  grad_accum: int, dtype: str, host_mem: int, gpu_mem: Optional[int], host_budget: Optional[int],
-                  framework_host: int = 0, launcher_host: int = 0, activations: str = "keep",
-                  loss_chunk_tokens: Optional[int] = None) -> Optional[str]:
+def predicted_oom(
+    model: str,
+    backend: str,
+    *,
+    gpus: int,
+    nodes: int,
+    micro_batch: int,
+    seq_len: int,
+    grad_accum: int,
+    dtype: str,
+    host_mem: int,
+    gpu_mem: Optional[int],
+    host_budget: Optional[int],
+    framework_host: int = 0,
+    launcher_host: int = 0,
+    activations: str = "keep",
+    loss_chunk_tokens: Optional[int] = None,
+) -> Optional[str]:
     """Why the plan says a sweep cell will run out of memory (its first problem), or None when it fits or
     the model is not one the planner can size. Unlike :func:`launch_problems`, the whole plan counts:
     framework, activations and DeepSpeed's buffers too (``activations`` and ``loss_chunk_tokens`` as
@@ -122,9 +154,23 @@ def predicted_oom(model: str, backend: str, *, gpus: int, nodes: int, micro_batc
         shape = resolve_shape(model)
     except ValueError:
         return None
-    hw = Hardware(gpus=gpus, nodes=nodes, gpu_mem=gpu_mem, host_mem=host_mem, framework_host=framework_host,
-                  launcher_host=launcher_host)
-    job = Job(shape, seq_len, micro_batch, grad_accum, dtype=dtype, activations=activations,
-              loss_chunk_tokens=loss_chunk_tokens, host_budget=host_budget)
+    hw = Hardware(
+        gpus=gpus,
+        nodes=nodes,
+        gpu_mem=gpu_mem,
+        host_mem=host_mem,
+        framework_host=framework_host,
+        launcher_host=launcher_host,
+    )
+    job = Job(
+        shape,
+        seq_len,
+        micro_batch,
+        grad_accum,
+        dtype=dtype,
+        activations=activations,
+        loss_chunk_tokens=loss_chunk_tokens,
+        host_budget=host_budget,
+    )
     plan = plan_backend(backend, job, hw)
     return plan.problems[0] if plan.problems else None

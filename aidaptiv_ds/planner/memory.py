@@ -25,6 +25,7 @@ Activations are counted per token and layer, approximately (:func:`activation_by
 host memory (torch, DeepSpeed, transformers, the process group) is measured once (:mod:`.rates`).
 All figures are bytes per rank unless a name says per node. Nothing here imports torch or DeepSpeed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,13 +44,13 @@ ACTIVATION_POLICIES = ("keep", "recompute", "nvme")
 NVME_ACTIVATIONS_IN_FLIGHT = 3
 
 # DeepSpeed's defaults and our shipped ds_configs/ (zero_infinity.json), which the plan assumes.
-REDUCE_BUCKET_SIZE = 500_000_000      # reduce_bucket_size (elements), not set by the shipped configs
-SUB_GROUP_SIZE = 1_000_000_000        # sub_group_size: DeepSpeed's default (zero3, zero3_cpu_offload)
+REDUCE_BUCKET_SIZE = 500_000_000  # reduce_bucket_size (elements), not set by the shipped configs
+SUB_GROUP_SIZE = 1_000_000_000  # sub_group_size: DeepSpeed's default (zero3, zero3_cpu_offload)
 ZI_PARAM_BUFFER_COUNT = 5
 ZI_PARAM_BUFFER_SIZE = 20_000_000
 ZI_OPT_BUFFER_COUNT = 4
 ZI_SUB_GROUP_SIZE = 100_000_000
-ADDITIONAL_BUFFER_FACTOR = 1.5        # estimate_zero3_model_states_mem_needs's default
+ADDITIONAL_BUFFER_FACTOR = 1.5  # estimate_zero3_model_states_mem_needs's default
 # The transient above the steady state in a DeepSpeed backend's first steps on CPU, in host bytes per parameter
 # of the whole (unpartitioned) model: every rank computes the gradients of the gathered layers, and the
 # optimizer's first step allocates its work buffers. Measured, not fitted: a 1-rank run of the tiny preset
@@ -78,12 +79,19 @@ AIDAPTIV_STEP_TRANSIENT_PER_PARAM = 7.5
 # below glibc's largest dynamic mmap threshold (32 MiB), so they come from the heap, and the heap keeps what they
 # took after their release (the peak RSS of that run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_
 # fixed at 128 KiB; 1 rank: 2517 to 2210): at the peak they are resident whether or not still in use.
-STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000   # DeepSpeed's default; the shipped configs do not set it
+STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's default; the shipped configs do not set it
 
 
-def deepspeed_estimate(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
-                       num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
-                       zero_init: bool = True, additional_buffer_factor: float = ADDITIONAL_BUFFER_FACTOR):
+def deepspeed_estimate(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
+    additional_buffer_factor: float = ADDITIONAL_BUFFER_FACTOR,
+):
     """(cpu bytes per node, gpu bytes per GPU, largest layer bytes): DeepSpeed 0.19's
     ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, the same formula."""
     total_gpus = num_nodes * num_gpus_per_node
@@ -114,15 +122,16 @@ def deepspeed_estimate(total_params: int, largest_layer_params: int, num_gpus_pe
 @dataclass
 class Hardware:
     """What one node offers. ``gpu_mem`` None means training on the CPU (the device is host memory)."""
-    gpus: int = 1                        # ranks per node (GPUs, or processes on CPU)
+
+    gpus: int = 1  # ranks per node (GPUs, or processes on CPU)
     nodes: int = 1
-    gpu_mem: Optional[int] = None        # bytes per GPU
-    host_mem: int = 0                    # bytes per node
-    nvme_free: Optional[int] = None      # bytes free in the swap directory, per node; None: not checked
-    framework_host: int = 0              # host bytes per rank of torch/DeepSpeed/transformers themselves
-    launcher_host: int = 0               # host bytes per node of the deepspeed launcher's own processes
-                                         # (its runner and launch.py) when the job runs under it; 0: started directly
-    gpu_overhead: int = 0                # GPU bytes per rank outside tensors (CUDA context, workspaces)
+    gpu_mem: Optional[int] = None  # bytes per GPU
+    host_mem: int = 0  # bytes per node
+    nvme_free: Optional[int] = None  # bytes free in the swap directory, per node; None: not checked
+    framework_host: int = 0  # host bytes per rank of torch/DeepSpeed/transformers themselves
+    launcher_host: int = 0  # host bytes per node of the deepspeed launcher's own processes
+    # (its runner and launch.py) when the job runs under it; 0: started directly
+    gpu_overhead: int = 0  # GPU bytes per rank outside tensors (CUDA context, workspaces)
 
     @property
     def world(self) -> int:
@@ -142,10 +151,10 @@ class Job:
     loss_chunk_tokens: Optional[int] = None
     """Tokens per chunk of the LM head and loss (aidaptiv.activations.loss_chunk_tokens); None: unchunked."""
     # aidaptiv: None chooses the largest budget host memory allows
-    host_budget: Optional[int] = None    # bytes per rank
+    host_budget: Optional[int] = None  # bytes per rank
     layer_group_size: int = 4
     prefetch_depth: int = 1
-    chunk_numel: Optional[int] = None    # None: 'auto' (sized from the budget, as the block does)
+    chunk_numel: Optional[int] = None  # None: 'auto' (sized from the budget, as the block does)
     cache_optimizer_state: bool = True
 
     @property
@@ -161,15 +170,15 @@ class Job:
 @dataclass
 class BackendPlan:
     backend: str
-    gpu: Dict[str, int] = field(default_factory=dict)            # per rank (empty when training on CPU)
-    host_pinned: Dict[str, int] = field(default_factory=dict)    # per rank
+    gpu: Dict[str, int] = field(default_factory=dict)  # per rank (empty when training on CPU)
+    host_pinned: Dict[str, int] = field(default_factory=dict)  # per rank
     host_pageable: Dict[str, int] = field(default_factory=dict)  # per rank
-    nvme: Dict[str, int] = field(default_factory=dict)           # per rank
-    problems: List[str] = field(default_factory=list)            # why it does not fit (empty: it fits)
+    nvme: Dict[str, int] = field(default_factory=dict)  # per rank
+    problems: List[str] = field(default_factory=list)  # why it does not fit (empty: it fits)
     notes: List[str] = field(default_factory=list)
-    settings: Dict[str, object] = field(default_factory=dict)    # aidaptiv: the block that makes it fit
+    settings: Dict[str, object] = field(default_factory=dict)  # aidaptiv: the block that makes it fit
     split: Optional[BudgetSplit] = None
-    sub_group_numels: List[int] = field(default_factory=list)   # aidaptiv: this rank's optimizer sub-groups
+    sub_group_numels: List[int] = field(default_factory=list)  # aidaptiv: this rank's optimizer sub-groups
     deepspeed_estimate: Optional[Dict[str, int]] = None
 
     @property
@@ -210,17 +219,27 @@ def activation_bytes(job: Job) -> Dict[str, int]:
     rows = min(t, job.loss_chunk_tokens) if job.loss_chunk_tokens else t
     logits = rows * s.vocab * (e + 4 + 4)
     if job.activations == "recompute":
-        return {"layer inputs (checkpointed)": s.layers * t * s.hidden * e, "one layer recomputed": per_layer,
-                "logits and loss": logits}
+        return {
+            "layer inputs (checkpointed)": s.layers * t * s.hidden * e,
+            "one layer recomputed": per_layer,
+            "logits and loss": logits,
+        }
     if job.activations == "nvme":
-        return {"layer inputs (on NVMe, read ahead)": min(s.layers, NVME_ACTIVATIONS_IN_FLIGHT) * t * s.hidden * e,
-                "one layer recomputed": per_layer, "logits and loss": logits}
+        return {
+            "layer inputs (on NVMe, read ahead)": min(s.layers, NVME_ACTIVATIONS_IN_FLIGHT) * t * s.hidden * e,
+            "one layer recomputed": per_layer,
+            "logits and loss": logits,
+        }
     return {"layers": s.layers * per_layer, "logits and loss": logits}
 
 
 def _state(pr: int, e: int) -> Dict[str, int]:
-    return {"weights": e * pr, "gradients (fp32)": 4 * pr, "optimizer: fp32 master": 4 * pr,
-            "optimizer: Adam moments": 8 * pr}
+    return {
+        "weights": e * pr,
+        "gradients (fp32)": 4 * pr,
+        "optimizer: fp32 master": 4 * pr,
+        "optimizer: Adam moments": 8 * pr,
+    }
 
 
 def _device(plan: BackendPlan, hw: Hardware, items: Dict[str, int]) -> None:
@@ -242,15 +261,16 @@ def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
     s, e = job.shape, job.elsize
     pr = sum(partition_numels(s, hw.world))
     plan = BackendPlan(backend)
-    gathered = 4 * s.largest_layer_params   # the estimator's largest_layer_memory
+    gathered = 4 * s.largest_layer_params  # the estimator's largest_layer_memory
     gathered_key = "gathered largest layer"
     if hw.gpu_mem is None and hw.world > 1:
         # every rank's all-gather outputs of the whole model at once (:data:`STAGE3_MAX_LIVE_PARAMETERS`)
         gathered = e * min(s.num_parameters, STAGE3_MAX_LIVE_PARAMETERS)
         gathered_key = "gathered parameters (all-gather outputs of the whole model, held by the heap)"
     offload = backend != "zero3"
-    cpu, gpu, _ = deepspeed_estimate(s.num_parameters, s.largest_layer_params, hw.gpus, hw.nodes,
-                                     cpu_offload=offload, cpu_offload_params=offload)
+    cpu, gpu, _ = deepspeed_estimate(
+        s.num_parameters, s.largest_layer_params, hw.gpus, hw.nodes, cpu_offload=offload, cpu_offload_params=offload
+    )
     plan.deepspeed_estimate = {"cpu_per_node": cpu, "gpu_per_gpu": gpu}
     # The reduce bucket: on a GPU allocated whole; on CPU only what the gradients passing through touch.
     bucket = REDUCE_BUCKET_SIZE if hw.gpu_mem is not None else min(REDUCE_BUCKET_SIZE, s.num_parameters)
@@ -258,16 +278,23 @@ def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
     if backend == "zero3":
         _device(plan, hw, {**_state(pr, e), gathered_key: gathered, **buffers})
         # zero.Init builds one layer at a time in host memory before partitioning it (the estimator's cpu_mem)
-        plan.host_pageable["model build: largest layer x 1.5"] = int(4 * s.largest_layer_params
-                                                                      * ADDITIONAL_BUFFER_FACTOR)
+        plan.host_pageable["model build: largest layer x 1.5"] = int(
+            4 * s.largest_layer_params * ADDITIONAL_BUFFER_FACTOR
+        )
     elif backend == "zero3_cpu_offload":
         _device(plan, hw, {gathered_key: gathered, **buffers})
         plan.host_pinned.update(_state(pr, e))
         plan.host_pinned["sub-group gradient buffers (fp32)"] = 4 * pr
     else:
         _device(plan, hw, {gathered_key: gathered, **buffers})
-        plan.nvme.update({"weights": e * pr, "optimizer: fp32 master": 4 * pr, "optimizer: Adam moments": 8 * pr,
-                          "gradients (fp32, swapped with the optimizer)": 4 * pr})
+        plan.nvme.update(
+            {
+                "weights": e * pr,
+                "optimizer: fp32 master": 4 * pr,
+                "optimizer: Adam moments": 8 * pr,
+                "gradients (fp32, swapped with the optimizer)": 4 * pr,
+            }
+        )
         plan.host_pinned["parameter swap buffers"] = ZI_PARAM_BUFFER_COUNT * ZI_PARAM_BUFFER_SIZE * e
         largest_sub = max(_sub_groups(partition_numels(s, hw.world), ZI_SUB_GROUP_SIZE))
         plan.host_pinned["optimizer swap buffers"] = ZI_OPT_BUFFER_COUNT * largest_sub * 4
@@ -276,7 +303,8 @@ def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
     _common(plan, job, hw)
     if hw.gpu_mem is None:
         plan.host_pageable["first-step transient (gradients of the gathered model, optimizer buffers)"] = (
-            step_transient_bytes(job.shape.num_parameters))
+            step_transient_bytes(job.shape.num_parameters)
+        )
     return plan
 
 
@@ -310,7 +338,7 @@ def _layer_group_bytes(shape: ModelShape, world: int, elsize: int, layer_group_s
     layers = groups[1:-1]
     out = [ext(groups[0][1])]
     for i in range(0, len(layers), layer_group_size):
-        out.append(sum(ext(numels) for _, numels in layers[i:i + layer_group_size]))
+        out.append(sum(ext(numels) for _, numels in layers[i : i + layer_group_size]))
     return out + [ext(groups[-1][1])]
 
 
@@ -319,7 +347,7 @@ def gathered_groups_bytes(shape: ModelShape, elsize: int, layer_group_size: int,
     embeddings, ``layer_group_size`` layers at a time, what follows the layers), the largest such run."""
     groups = _layer_group_bytes(shape, 1, elsize, layer_group_size)
     n = min(len(groups), 1 + prefetch_depth)
-    return max(sum(groups[i:i + n]) for i in range(len(groups) - n + 1))
+    return max(sum(groups[i : i + n]) for i in range(len(groups) - n + 1))
 
 
 def aidaptiv_split(job: Job, hw: Hardware, budget: int):
@@ -327,12 +355,17 @@ def aidaptiv_split(job: Job, hw: Hardware, budget: int):
     zero3/plan.py's plan_run computes them for the built model."""
     parts_n = partition_numels(job.shape, hw.world)
     chunk = job.chunk_numel or auto_chunk(budget)
-    subs = _sub_groups(parts_n, chunk)   # our config sets DeepSpeed's sub_group_size to the chunk
-    size, group_bytes = shrink_layer_groups(job.layer_group_size, job.prefetch_depth, budget,
-                                            lambda n: _layer_group_bytes(job.shape, hw.world, job.elsize, n))
-    parts = 2 if job.dtype == "fp32" else 3   # chunk image parts (fp32: the parameter is the master)
-    split = split_budget(budget, group_bytes, subs, chunk, job.elsize, parts, job.prefetch_depth,
-                         job.cache_optimizer_state)
+    subs = _sub_groups(parts_n, chunk)  # our config sets DeepSpeed's sub_group_size to the chunk
+    size, group_bytes = shrink_layer_groups(
+        job.layer_group_size,
+        job.prefetch_depth,
+        budget,
+        lambda n: _layer_group_bytes(job.shape, hw.world, job.elsize, n),
+    )
+    parts = 2 if job.dtype == "fp32" else 3  # chunk image parts (fp32: the parameter is the master)
+    split = split_budget(
+        budget, group_bytes, subs, chunk, job.elsize, parts, job.prefetch_depth, job.cache_optimizer_state
+    )
     return split, size, group_bytes, subs, chunk
 
 
@@ -340,6 +373,7 @@ def aidaptiv_reduce_bucket(budget: int, on_host: bool) -> int:
     """Elements of DeepSpeed's reduce bucket under aidaptiv: what config.to_deepspeed_config makes of the shipped
     configs' default (a test compares the two)."""
     from aidaptiv_ds.config.translate import reduce_bucket_cap
+
     return min(REDUCE_BUCKET_SIZE, reduce_bucket_cap(budget, on_host))
 
 
@@ -352,17 +386,31 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
         # 2-rank run of the tiny preset these, from the heap, took the transient above its 1-rank figure by
         # 190 MiB (1305 MiB peak against 602 after start-up, 138 MiB pool), and the gathered parameters live
         # at the start of the backward were whole tensors outside the pool (gc).
-        _device(plan, hw, {"gathered layer groups (all-gather outputs, current and prefetched)":
-                           gathered_groups_bytes(s, e, job.layer_group_size, job.prefetch_depth)})
+        _device(
+            plan,
+            hw,
+            {
+                "gathered layer groups (all-gather outputs, current and prefetched)": gathered_groups_bytes(
+                    s, e, job.layer_group_size, job.prefetch_depth
+                )
+            },
+        )
     else:
         _device(plan, hw, {"gathered largest layer": 4 * s.largest_layer_params})
     _common(plan, job, hw)
     if hw.gpu_mem is None:
-        plan.host_pageable["step transient (gradients of the gathered layer groups)"] = (
-            step_transient_bytes(s.num_parameters, "aidaptiv"))
+        plan.host_pageable["step transient (gradients of the gathered layer groups)"] = step_transient_bytes(
+            s.num_parameters, "aidaptiv"
+        )
     # DeepSpeed's reduce bucket, capped by the budget (on CPU only what the gradients touch, in host memory).
-    bucket_bytes = lambda b: (aidaptiv_reduce_bucket(b, False) if hw.gpu_mem is not None
-                              else min(aidaptiv_reduce_bucket(b, True), s.num_parameters)) * e
+    bucket_bytes = lambda b: (
+        (
+            aidaptiv_reduce_bucket(b, False)
+            if hw.gpu_mem is not None
+            else min(aidaptiv_reduce_bucket(b, True), s.num_parameters)
+        )
+        * e
+    )
     local = hw.gpus
     pageable = sum(plan.host_pageable.values())
     available = (hw.host_mem - hw.launcher_host) // local - pageable
@@ -371,32 +419,45 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
         # The largest budget host memory allows, but no more than the run can use (everything resident).
         on_host = lambda b: b + (bucket_bytes(b) if hw.gpu_mem is None else 0)
         budget = max(available, 1)
-        for _ in range(3):    # the 'auto' chunk depends on the budget, and what the run can use on the chunk
+        for _ in range(3):  # the 'auto' chunk depends on the budget, and what the run can use on the chunk
             split = aidaptiv_split(job, hw, max(budget, 1))[0]
             if not split.fits:
                 break
             budget = min(budget, split.pool)
         while budget > 1 and on_host(budget) > available:
             budget = max(1, available - (on_host(budget) - budget))
-        plan.notes.append("host_memory_budget chosen: the host memory left after the framework"
-                          + (" and activations" if hw.gpu_mem is None else "") + ", at most what the model can use")
+        plan.notes.append(
+            "host_memory_budget chosen: the host memory left after the framework"
+            + (" and activations" if hw.gpu_mem is None else "")
+            + ", at most what the model can use"
+        )
     split, size, group_bytes, subs, chunk = aidaptiv_split(job, hw, budget)
     plan.split = split
     plan.sub_group_numels = subs
     _device(plan, hw, {"reduce bucket": bucket_bytes(budget)})
     parts = 2 if job.dtype == "fp32" else 3
     pr = sum(partition_numels(s, hw.world))
-    plan.nvme.update({
-        "weights (4 KiB-aligned partitions)": sum(group_bytes),
-        "optimizer images" + (" (moments)" if parts == 2 else " (master, moments)"): parts * 4 * pr,
-        "gradients (fp32)": 4 * pr})
+    plan.nvme.update(
+        {
+            "weights (4 KiB-aligned partitions)": sum(group_bytes),
+            "optimizer images" + (" (moments)" if parts == 2 else " (master, moments)"): parts * 4 * pr,
+            "gradients (fp32)": 4 * pr,
+        }
+    )
     plan.host_pinned["pinned pool (layer-group slots, resident optimizer state, staging)"] = (
-        split.pool if split.fits else split.minimum)
-    plan.settings = {"host_memory_budget": int(budget), "layer_group_size": size,
-                     "prefetch_depth": job.prefetch_depth, "optimizer_chunk_numel": int(chunk),
-                     "resident_sub_groups": len(split.resident), "sub_groups": len(subs),
-                     "layer_group_slots": split.slots, "layer_groups": len(group_bytes),
-                     "activations": job.activations}
+        split.pool if split.fits else split.minimum
+    )
+    plan.settings = {
+        "host_memory_budget": int(budget),
+        "layer_group_size": size,
+        "prefetch_depth": job.prefetch_depth,
+        "optimizer_chunk_numel": int(chunk),
+        "resident_sub_groups": len(split.resident),
+        "sub_groups": len(subs),
+        "layer_group_slots": split.slots,
+        "layer_groups": len(group_bytes),
+        "activations": job.activations,
+    }
     if not split.fits:
         if job.host_budget is None:
             left = "the framework" + (" and activations" if hw.gpu_mem is None else "")
@@ -405,7 +466,8 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
                 f"{left}, but the swapper needs at least {split.minimum / GiB:.1f} GiB ({split.min_slots} layer-group "
                 f"slots of {split.slot / GiB:.2f} GiB, {split.general / GiB:.2f} GiB for a gradient and optimizer "
                 "chunks): more host memory, more ranks (smaller partitions), or a smaller --layer-group-size or "
-                "--prefetch-depth")
+                "--prefetch-depth"
+            )
         else:
             plan.problems.append(split.shortfall())
     return plan
@@ -416,23 +478,29 @@ def check(plan: BackendPlan, hw: Hardware) -> BackendPlan:
     local = hw.gpus
     if hw.gpu_mem is not None and plan.gpu_bytes > hw.gpu_mem:
         top = max(plan.gpu, key=plan.gpu.get)
-        plan.problems.append(f"GPU memory: needs {plan.gpu_bytes / GiB:.1f} GiB per GPU but has "
-                             f"{hw.gpu_mem / GiB:.1f} GiB (largest: {top}, {plan.gpu[top] / GiB:.1f} GiB)")
+        plan.problems.append(
+            f"GPU memory: needs {plan.gpu_bytes / GiB:.1f} GiB per GPU but has "
+            f"{hw.gpu_mem / GiB:.1f} GiB (largest: {top}, {plan.gpu[top] / GiB:.1f} GiB)"
+        )
     host = plan.host_bytes * local + hw.launcher_host
     if host > hw.host_mem:
         items = {**plan.host_pinned, **plan.host_pageable}
         top = max(items, key=items.get)
         launcher = f" + {hw.launcher_host / GiB:.1f} GiB for the launcher" if hw.launcher_host else ""
-        plan.problems.append(f"host memory: needs {host / GiB:.1f} GiB per node ({local} rank(s) x "
-                             f"{plan.host_bytes / GiB:.1f} GiB{launcher}) but has {hw.host_mem / GiB:.1f} GiB (largest: {top}, "
-                             f"{items[top] / GiB:.1f} GiB per rank)")
+        plan.problems.append(
+            f"host memory: needs {host / GiB:.1f} GiB per node ({local} rank(s) x "
+            f"{plan.host_bytes / GiB:.1f} GiB{launcher}) but has {hw.host_mem / GiB:.1f} GiB (largest: {top}, "
+            f"{items[top] / GiB:.1f} GiB per rank)"
+        )
     if plan.nvme:
         nvme = plan.nvme_bytes * local
         if hw.nvme_free is None:
             plan.notes.append("NVMe space not checked: give --nvme DIR (or --nvme-free SIZE)")
         elif nvme > hw.nvme_free:
-            plan.problems.append(f"NVMe space: needs {nvme / GiB:.1f} GiB per node but the swap directory has "
-                                 f"{hw.nvme_free / GiB:.1f} GiB free")
+            plan.problems.append(
+                f"NVMe space: needs {nvme / GiB:.1f} GiB per node but the swap directory has "
+                f"{hw.nvme_free / GiB:.1f} GiB free"
+            )
     return plan
 
 

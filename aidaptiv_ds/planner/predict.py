@@ -29,6 +29,7 @@ NVMe bytes per parameter of a rank's partition per step (e = bytes of the traini
   forward/backward turn and at the step boundary; non-resident optimizer sub-groups read and write their
   images and gradients; the updated weights are written once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,9 +50,9 @@ class StepPrediction:
     step_s: Optional[float]
     tokens_per_s: Optional[float]
     bound: Optional[str]
-    times: Dict[str, float] = field(default_factory=dict)       # seconds per bound
-    bytes: Dict[str, int] = field(default_factory=dict)         # per node per step
-    missing: List[str] = field(default_factory=list)            # rates that were needed but unknown
+    times: Dict[str, float] = field(default_factory=dict)  # seconds per bound
+    bytes: Dict[str, int] = field(default_factory=dict)  # per node per step
+    missing: List[str] = field(default_factory=list)  # rates that were needed but unknown
 
 
 def nvme_bytes(plan: BackendPlan, job: Job, hw: Hardware) -> Dict[str, float]:
@@ -66,7 +67,7 @@ def nvme_bytes(plan: BackendPlan, job: Job, hw: Hardware) -> Dict[str, float]:
     cached = min(1.0, st["layer_group_slots"] / max(1, st["layer_groups"]))
     subs = plan.sub_group_numels
     resident = sum(subs[i] for i in plan.split.resident)
-    streamed = 1.0 - (resident / sum(subs) if subs else 0.0)   # share of the elements not resident
+    streamed = 1.0 - (resident / sum(subs) if subs else 0.0)  # share of the elements not resident
     parts = 2 if job.dtype == "fp32" else 3
     # The slots' groups stay cached at both turns: the last ones of forward serve the start of backward, the
     # last ones of backward (the first layers) the start of the next forward.
@@ -104,7 +105,7 @@ def predict(plan: BackendPlan, job: Job, hw: Hardware, rates: Rates) -> StepPred
         else:
             missing.append("nvme_read/nvme_write")
     if on_gpu and plan.backend != "zero3":
-        node_bytes["pcie"] = int(3 * job.elsize * pr)   # per GPU: each GPU has its own link
+        node_bytes["pcie"] = int(3 * job.elsize * pr)  # per GPU: each GPU has its own link
         if rates.pcie:
             times["pcie"] = node_bytes["pcie"] / rates.pcie
         else:

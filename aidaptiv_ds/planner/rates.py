@@ -21,6 +21,7 @@ The cache is ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default
 replaces the folder). Every figure records how it was obtained ("measured <date>", "given"); figures that are
 neither are left out, never guessed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,25 +43,43 @@ from aidaptiv_ds.engine.machine_cache import (  # noqa: F401
     save_cache,
 )
 
-RATE_NAMES = ("nvme_read", "nvme_write", "cpu_flops", "cpu_adam", "zero3_cpu", "framework_host", "launcher_host",
-              "pcie", "gpu_flops")
-UNITS = {"nvme_read": "B/s", "nvme_write": "B/s", "cpu_flops": "FLOP/s", "cpu_adam": "params/s", "zero3_cpu": "params/s",
-         "framework_host": "B", "launcher_host": "B", "pcie": "B/s", "gpu_flops": "FLOP/s"}
+RATE_NAMES = (
+    "nvme_read",
+    "nvme_write",
+    "cpu_flops",
+    "cpu_adam",
+    "zero3_cpu",
+    "framework_host",
+    "launcher_host",
+    "pcie",
+    "gpu_flops",
+)
+UNITS = {
+    "nvme_read": "B/s",
+    "nvme_write": "B/s",
+    "cpu_flops": "FLOP/s",
+    "cpu_adam": "params/s",
+    "zero3_cpu": "params/s",
+    "framework_host": "B",
+    "launcher_host": "B",
+    "pcie": "B/s",
+    "gpu_flops": "FLOP/s",
+}
 NVME_PROBE_BYTES = 256 * MiB
 NVME_PROBE_REPEATS = 3
 
 
 @dataclass
 class Rates:
-    nvme_read: Optional[float] = None      # bytes/s of one node's swap disk
+    nvme_read: Optional[float] = None  # bytes/s of one node's swap disk
     nvme_write: Optional[float] = None
-    cpu_flops: Optional[float] = None      # FLOP/s of one node's CPUs (all threads) in the training dtype
-    cpu_adam: Optional[float] = None       # parameters/s of one node's CPUs
-    zero3_cpu: Optional[float] = None      # parameters/s of ZeRO-3's per-step work (gather, release, partition) on CPU
+    cpu_flops: Optional[float] = None  # FLOP/s of one node's CPUs (all threads) in the training dtype
+    cpu_adam: Optional[float] = None  # parameters/s of one node's CPUs
+    zero3_cpu: Optional[float] = None  # parameters/s of ZeRO-3's per-step work (gather, release, partition) on CPU
     framework_host: Optional[float] = None  # host bytes per rank before any model state
-    launcher_host: Optional[float] = None   # host bytes per node of the deepspeed launcher's processes
-    pcie: Optional[float] = None           # host->GPU bytes/s per GPU
-    gpu_flops: Optional[float] = None      # FLOP/s per GPU
+    launcher_host: Optional[float] = None  # host bytes per node of the deepspeed launcher's processes
+    pcie: Optional[float] = None  # host->GPU bytes/s per GPU
+    gpu_flops: Optional[float] = None  # FLOP/s per GPU
     source: Dict[str, str] = field(default_factory=dict)
     # The I/O settings the NVMe probe chose for the swap disk (aidaptiv_ds.engine.tuning): block_size,
     # queue_depth, when; empty when the disk was not probed (or was, before tuning existed).
@@ -72,8 +91,11 @@ class Rates:
             self.source[name] = how
 
     def as_dict(self) -> dict:
-        return {n: {"value": getattr(self, n), "unit": UNITS[n], "source": self.source.get(n)}
-                for n in RATE_NAMES if getattr(self, n) is not None}
+        return {
+            n: {"value": getattr(self, n), "unit": UNITS[n], "source": self.source.get(n)}
+            for n in RATE_NAMES
+            if getattr(self, n) is not None
+        }
 
 
 # ------------------------------------------------------------------------------------------------ cache
@@ -82,6 +104,7 @@ class Rates:
 
 def cpu_key(dtype: str) -> str:
     import platform
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -100,8 +123,10 @@ def _stamp() -> str:
 
 # ------------------------------------------------------------------------------------------------ probes
 
-def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NVME_PROBE_REPEATS,
-               tune: bool = True) -> Dict[str, object]:
+
+def probe_nvme(
+    directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NVME_PROBE_REPEATS, tune: bool = True
+) -> Dict[str, object]:
     """Median O_DIRECT write and read bandwidth (bytes/s) of a fresh file in ``directory`` through our engine.
     With ``tune``, first the block size x queue depth sweep of :mod:`aidaptiv_ds.engine.tuning` (files of at most
     ``nbytes``): the bandwidths are then measured with its choice, which is returned with the whole table
@@ -112,6 +137,7 @@ def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NV
     from aidaptiv_ds.engine import tuning as io_tuning
     from aidaptiv_ds.engine.disk import BenchError, check_dir
     from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+
     with open("/proc/self/mounts") as f:
         mounts = f.read()
     try:
@@ -137,6 +163,7 @@ def probe_nvme(directory: str, nbytes: int = NVME_PROBE_BYTES, repeats: int = NV
 def probe_cpu(dtype: str = "bf16") -> Dict[str, float]:
     """CPU matmul FLOP/s in ``dtype`` (a 1024-square product, all threads) and foreach-AdamW parameters/s."""
     import torch
+
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     n = 1024
     a, b = torch.randn(n, n).to(tdtype), torch.randn(n, n).to(tdtype)
@@ -145,7 +172,7 @@ def probe_cpu(dtype: str = "bf16") -> Dict[str, float]:
     while reps < 3 or time.perf_counter() - t0 < 0.5:
         torch.matmul(a, b)
         reps += 1
-    flops = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    flops = 2 * n**3 * reps / (time.perf_counter() - t0)
     numel = 4 * 1024 * 1024
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.randn(numel)
@@ -160,36 +187,69 @@ def probe_cpu(dtype: str = "bf16") -> Dict[str, float]:
 
 
 # The framework probe: a real 1-rank ZeRO-3 run of the micro preset (ds_configs/zero3.json's settings, fp32).
-_PROBE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000000,
-                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
-                 "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}}
+_PROBE_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "steps_per_print": 1000000,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
+}
 _PROBE_SEQ = 16
 
 
-def _probe_train(what: str, model: str, seq_len: int, micro_batch: int, steps: int, warmup: int,
-                 timeout: int) -> dict:
+def _probe_train(what: str, model: str, seq_len: int, micro_batch: int, steps: int, warmup: int, timeout: int) -> dict:
     """The metrics of a real 1-rank ``aidaptiv-ds train`` run under ZeRO-3 in memory (:data:`_PROBE_CONFIG`,
     fp32) in a fresh temporary folder, with no rank variables inherited; RuntimeError naming ``what`` when it
     fails or writes no metrics."""
     import tempfile
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")
+    }
     with tempfile.TemporaryDirectory(prefix="aidaptiv-plan-probe-") as tmp:
         cfg, metrics = os.path.join(tmp, "zero3.json"), os.path.join(tmp, "metrics.json")
         with open(cfg, "w") as f:
             json.dump(dict(_PROBE_CONFIG, train_micro_batch_size_per_gpu=micro_batch), f)
-        out = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--config", cfg, "--model", model,
-                              "--seq-len", str(seq_len), "--micro-batch", str(micro_batch), "--steps", str(steps),
-                              "--warmup", str(warmup), "--no-progress", "--metrics-out", metrics],
-                             capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aidaptiv_ds",
+                "train",
+                "--config",
+                cfg,
+                "--model",
+                model,
+                "--seq-len",
+                str(seq_len),
+                "--micro-batch",
+                str(micro_batch),
+                "--steps",
+                str(steps),
+                "--warmup",
+                str(warmup),
+                "--no-progress",
+                "--metrics-out",
+                metrics,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=tmp,
+        )
         try:
             with open(metrics) as f:
                 result = json.load(f)
         except (OSError, ValueError):
             result = None
     if out.returncode != 0 or not isinstance(result, dict):
-        raise RuntimeError(f"{what} (aidaptiv-ds train --model {model}) failed (exit {out.returncode}): "
-                           f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+        raise RuntimeError(
+            f"{what} (aidaptiv-ds train --model {model}) failed (exit {out.returncode}): "
+            f"{(out.stderr.strip().splitlines() or ['no output'])[-1]}"
+        )
     return result
 
 
@@ -199,12 +259,14 @@ def probe_framework() -> Dict[str, float]:
     ops), less what the plan counts for that run's model (its state, buffers and activations)."""
     from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
     from aidaptiv_ds.planner.shapes import resolve_shape
-    peak = _probe_train("the framework memory probe", "micro", _PROBE_SEQ, 1, steps=2, warmup=1,
-                        timeout=600).get("peak_rss_mb")
+
+    peak = _probe_train("the framework memory probe", "micro", _PROBE_SEQ, 1, steps=2, warmup=1, timeout=600).get(
+        "peak_rss_mb"
+    )
     if not peak:
         raise RuntimeError("the framework memory probe (aidaptiv-ds train --model micro) wrote no peak_rss_mb")
     job = Job(resolve_shape("micro"), _PROBE_SEQ, 1, dtype="fp32")
-    model = plan_backend("zero3", job, Hardware(gpus=1, host_mem=1 << 62)).host_bytes   # framework counted as 0
+    model = plan_backend("zero3", job, Hardware(gpus=1, host_mem=1 << 62)).host_bytes  # framework counted as 0
     return {"framework_host": float(max(0.0, peak * MiB - model))}
 
 
@@ -221,16 +283,24 @@ def probe_zero3(cpu_flops: float, cpu_adam: float) -> Dict[str, float]:
     not with the tokens (on the tiny preset the step takes about as long at 128 tokens as at 256)."""
     from aidaptiv_ds.planner.memory import Job, step_flops
     from aidaptiv_ds.planner.shapes import resolve_shape
+
     pr = _ZERO3_PROBE
-    step = _probe_train("the ZeRO-3 step probe", pr["model"], pr["seq_len"], pr["micro_batch"], steps=pr["steps"],
-                        warmup=pr["warmup"], timeout=900).get("step_s_median")
+    step = _probe_train(
+        "the ZeRO-3 step probe",
+        pr["model"],
+        pr["seq_len"],
+        pr["micro_batch"],
+        steps=pr["steps"],
+        warmup=pr["warmup"],
+        timeout=900,
+    ).get("step_s_median")
     if not step:
         raise RuntimeError(f"the ZeRO-3 step probe (aidaptiv-ds train --model {pr['model']}) wrote no step time")
     shape = resolve_shape(pr["model"])
     job = Job(shape, pr["seq_len"], pr["micro_batch"], dtype="fp32")
     rest = step - step_flops(job) / cpu_flops - shape.num_parameters / cpu_adam
     if rest <= 0:
-        return {}   # the step is all compute and Adam here: nothing to add (the rate stays unknown, not 0)
+        return {}  # the step is all compute and Adam here: nothing to add (the rate stays unknown, not 0)
     return {"zero3_cpu": shape.num_parameters / rest}
 
 
@@ -246,19 +316,23 @@ def probe_launcher() -> Dict[str, float]:
     The peak is the child's VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across fork and exec, so
     a child of a big process (``aidaptiv-ds plan`` with torch loaded) reported its parent's size (1.5 GiB
     for two launcher processes where each holds about 250 MB)."""
-    code = ("import deepspeed; "
-            "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+    code = (
+        "import deepspeed; print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines or not lines[-1].isdigit():
-        raise RuntimeError(f"the launcher memory probe (python -c 'import deepspeed') failed (exit "
-                           f"{out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+        raise RuntimeError(
+            f"the launcher memory probe (python -c 'import deepspeed') failed (exit "
+            f"{out.returncode}): {(out.stderr.strip().splitlines() or ['no output'])[-1]}"
+        )
     return {"launcher_host": float(LAUNCHER_PROCESSES * int(lines[-1]) * 1024)}
 
 
 def probe_gpu(dtype: str = "bf16") -> Dict[str, float]:
     """Pinned host->GPU copy bandwidth and GPU matmul FLOP/s (empty without CUDA)."""
     import torch
+
     if not torch.cuda.is_available():
         return {}
     nbytes = 256 * MiB
@@ -281,12 +355,13 @@ def probe_gpu(dtype: str = "bf16") -> Dict[str, float]:
     for _ in range(10):
         torch.matmul(a, b)
     torch.cuda.synchronize()
-    flops = 10 * 2 * n ** 3 / (time.perf_counter() - t0)
+    flops = 10 * 2 * n**3 / (time.perf_counter() - t0)
     return {"pcie": pcie, "gpu_flops": flops}
 
 
 def gpu_key() -> Optional[str]:
     import torch
+
     if not torch.cuda.is_available():
         return None
     return f"gpu:{torch.cuda.get_device_name(0)}"
@@ -294,9 +369,17 @@ def gpu_key() -> Optional[str]:
 
 # ------------------------------------------------------------------------------------------------ assembly
 
-def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, reprobe: bool = False,
-                  want_gpu: bool = False, given: Optional[Dict[str, float]] = None,
-                  cache_file: Optional[str] = None, log=None) -> Rates:
+
+def machine_rates(
+    dtype: str,
+    nvme_dir: Optional[str],
+    probe: bool = True,
+    reprobe: bool = False,
+    want_gpu: bool = False,
+    given: Optional[Dict[str, float]] = None,
+    cache_file: Optional[str] = None,
+    log=None,
+) -> Rates:
     """Rates for planning: ``given`` ones as they are, the rest from the cache, or measured now (``probe``)
     and cached; ``reprobe`` measures again. A rate that is neither given, cached nor probed stays None."""
     given = {k: v for k, v in (given or {}).items() if v is not None}
@@ -338,16 +421,24 @@ def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, repro
         fill(key, ("nvme_read", "nvme_write"), lambda: probe_nvme(nvme_dir))
         entry = cache.get(key) or {}
         if "block_size" in entry and "queue_depth" in entry:
-            rates.io = {"block_size": entry["block_size"], "queue_depth": entry["queue_depth"],
-                        "when": entry.get("when", "measured")}
+            rates.io = {
+                "block_size": entry["block_size"],
+                "queue_depth": entry["queue_depth"],
+                "when": entry.get("when", "measured"),
+            }
     fill(cpu_key(dtype), ("cpu_flops", "cpu_adam"), lambda: probe_cpu(dtype))
 
     def zero3_probe():
         # Against the fp32 CPU rates (the probe run trains in fp32): this plan's, or the cached ones, or new.
-        fp32 = {"cpu_flops": rates.cpu_flops, "cpu_adam": rates.cpu_adam} if dtype == "fp32" else \
-            (cache.get(cpu_key("fp32")) or probe_cpu("fp32"))
-        return probe_zero3(fp32["cpu_flops"], fp32["cpu_adam"]) if fp32.get("cpu_flops") and fp32.get("cpu_adam") \
-            else {}
+        fp32 = (
+            {"cpu_flops": rates.cpu_flops, "cpu_adam": rates.cpu_adam}
+            if dtype == "fp32"
+            else (cache.get(cpu_key("fp32")) or probe_cpu("fp32"))
+        )
+        return (
+            probe_zero3(fp32["cpu_flops"], fp32["cpu_adam"]) if fp32.get("cpu_flops") and fp32.get("cpu_adam") else {}
+        )
+
     fill(f"zero3:train-tiny:{cpu_key('fp32')}:{sys.executable}", ("zero3_cpu",), zero3_probe)
     fill(f"framework:train-micro:{sys.executable}", ("framework_host",), probe_framework)
     fill(f"launcher:deepspeed:{sys.executable}", ("launcher_host",), probe_launcher)
@@ -358,7 +449,7 @@ def machine_rates(dtype: str, nvme_dir: Optional[str], probe: bool = True, repro
     if changed:
         try:
             save_cache(cache, cache_file)
-        except OSError as e:   # a read-only home: the figures are still used, only not kept
+        except OSError as e:  # a read-only home: the figures are still used, only not kept
             if log:
                 log(f"could not write the rates cache {cache_file or cache_path()} ({e.strerror}): not cached")
     return rates

@@ -1,4 +1,5 @@
 """The plan as a table for people and as JSON for scripts."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -23,17 +24,32 @@ def _rate(name: str, value: float) -> str:
     return _gib(value)
 
 
-def as_dict(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
-            predictions: Dict[str, StepPrediction]) -> dict:
+def as_dict(
+    job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan], predictions: Dict[str, StepPrediction]
+) -> dict:
     s = job.shape
     out = {
-        "model": s.name, "parameters": s.num_parameters, "largest_layer_params": s.largest_layer_params,
-        "job": {"seq_len": job.seq_len, "micro_batch": job.micro_batch, "grad_accum": job.grad_accum,
-                "dtype": job.dtype, "activations": job.activations},
-        "hardware": {"gpus_per_node": hw.gpus, "nodes": hw.nodes, "device": "cuda" if hw.gpu_mem is not None else "cpu",
-                     "gpu_mem_bytes": hw.gpu_mem, "host_mem_bytes": hw.host_mem, "nvme_free_bytes": hw.nvme_free,
-                     "framework_host_bytes": hw.framework_host, "launcher_host_bytes": hw.launcher_host,
-                     "gpu_overhead_bytes": hw.gpu_overhead},
+        "model": s.name,
+        "parameters": s.num_parameters,
+        "largest_layer_params": s.largest_layer_params,
+        "job": {
+            "seq_len": job.seq_len,
+            "micro_batch": job.micro_batch,
+            "grad_accum": job.grad_accum,
+            "dtype": job.dtype,
+            "activations": job.activations,
+        },
+        "hardware": {
+            "gpus_per_node": hw.gpus,
+            "nodes": hw.nodes,
+            "device": "cuda" if hw.gpu_mem is not None else "cpu",
+            "gpu_mem_bytes": hw.gpu_mem,
+            "host_mem_bytes": hw.host_mem,
+            "nvme_free_bytes": hw.nvme_free,
+            "framework_host_bytes": hw.framework_host,
+            "launcher_host_bytes": hw.launcher_host,
+            "gpu_overhead_bytes": hw.gpu_overhead,
+        },
         "rates": rates.as_dict(),
         "io_tuning": rates.io or None,
         "backends": {},
@@ -41,22 +57,39 @@ def as_dict(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
     for p in plans:
         pred = predictions.get(p.backend)
         out["backends"][p.backend] = {
-            "fits": p.fits, "problems": p.problems, "notes": p.notes,
-            "gpu_bytes_per_rank": p.gpu, "host_pinned_bytes_per_rank": p.host_pinned,
-            "host_pageable_bytes_per_rank": p.host_pageable, "nvme_bytes_per_rank": p.nvme,
-            "totals": {"gpu_per_rank": p.gpu_bytes, "host_per_rank": p.host_bytes,
-                       "host_pinned_per_rank": sum(p.host_pinned.values()),
-                       "host_per_node": p.host_bytes * hw.gpus, "nvme_per_node": p.nvme_bytes * hw.gpus},
-            "settings": p.settings or None, "deepspeed_estimate": p.deepspeed_estimate,
-            "prediction": None if pred is None else {
-                "step_s": pred.step_s, "tokens_per_s": pred.tokens_per_s, "bound": pred.bound,
-                "times_s": pred.times, "bytes_per_node": pred.bytes, "missing_rates": pred.missing},
+            "fits": p.fits,
+            "problems": p.problems,
+            "notes": p.notes,
+            "gpu_bytes_per_rank": p.gpu,
+            "host_pinned_bytes_per_rank": p.host_pinned,
+            "host_pageable_bytes_per_rank": p.host_pageable,
+            "nvme_bytes_per_rank": p.nvme,
+            "totals": {
+                "gpu_per_rank": p.gpu_bytes,
+                "host_per_rank": p.host_bytes,
+                "host_pinned_per_rank": sum(p.host_pinned.values()),
+                "host_per_node": p.host_bytes * hw.gpus,
+                "nvme_per_node": p.nvme_bytes * hw.gpus,
+            },
+            "settings": p.settings or None,
+            "deepspeed_estimate": p.deepspeed_estimate,
+            "prediction": None
+            if pred is None
+            else {
+                "step_s": pred.step_s,
+                "tokens_per_s": pred.tokens_per_s,
+                "bound": pred.bound,
+                "times_s": pred.times,
+                "bytes_per_node": pred.bytes,
+                "missing_rates": pred.missing,
+            },
         }
     return out
 
 
-def table(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
-          predictions: Dict[str, StepPrediction]) -> str:
+def table(
+    job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan], predictions: Dict[str, StepPrediction]
+) -> str:
     s = job.shape
     lines = [
         f"model {s.name}: {s.num_parameters / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}), "
@@ -67,26 +100,39 @@ def table(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
         + (f"GPU {_gib(hw.gpu_mem)} each; " if hw.gpu_mem is not None else "training on CPU; ")
         + f"host {_gib(hw.host_mem)} per node; NVMe "
         + (f"{_gib(hw.nvme_free)} free" if hw.nvme_free is not None else "not given"),
-        "rates: " + ("; ".join(f"{n} {_rate(n, v['value'])} ({v['source']})" for n, v in rates.as_dict().items())
-                     or "none"),
+        "rates: "
+        + ("; ".join(f"{n} {_rate(n, v['value'])} ({v['source']})" for n, v in rates.as_dict().items()) or "none"),
     ]
     if rates.io:
-        lines.append(f"I/O tuned for the swap disk: block_size {rates.io['block_size'] // 1024} KiB, queue_depth "
-                     f"{rates.io['queue_depth']} ({rates.io['when']}); aidaptiv uses them where its block leaves "
-                     "them 'auto'")
+        lines.append(
+            f"I/O tuned for the swap disk: block_size {rates.io['block_size'] // 1024} KiB, queue_depth "
+            f"{rates.io['queue_depth']} ({rates.io['when']}); aidaptiv uses them where its block leaves "
+            "them 'auto'"
+        )
     lines.append("")
     head = ("backend", "fits", "GPU/rank", "host/node", "pinned/node", "NVMe/node", "step s", "tokens/s", "bound")
     rows = [head]
     for p in plans:
         pred = predictions.get(p.backend)
-        rows.append((p.backend, "yes" if p.fits else "NO",
-                     _gib(p.gpu_bytes) if hw.gpu_mem is not None else "-",
-                     _gib(p.host_bytes * hw.gpus), _gib(sum(p.host_pinned.values()) * hw.gpus),
-                     _gib(p.nvme_bytes * hw.gpus) if p.nvme else "-",
-                     f"{pred.step_s:.3g}" if p.fits and pred and pred.step_s else "-",
-                     f"{pred.tokens_per_s:,.0f}" if p.fits and pred and pred.tokens_per_s else "-",
-                     ("-" if not p.fits else pred.bound if pred and pred.bound else
-                      ("rates unknown: " + ", ".join(pred.missing) if pred and pred.missing else "-"))))
+        rows.append(
+            (
+                p.backend,
+                "yes" if p.fits else "NO",
+                _gib(p.gpu_bytes) if hw.gpu_mem is not None else "-",
+                _gib(p.host_bytes * hw.gpus),
+                _gib(sum(p.host_pinned.values()) * hw.gpus),
+                _gib(p.nvme_bytes * hw.gpus) if p.nvme else "-",
+                f"{pred.step_s:.3g}" if p.fits and pred and pred.step_s else "-",
+                f"{pred.tokens_per_s:,.0f}" if p.fits and pred and pred.tokens_per_s else "-",
+                (
+                    "-"
+                    if not p.fits
+                    else pred.bound
+                    if pred and pred.bound
+                    else ("rates unknown: " + ", ".join(pred.missing) if pred and pred.missing else "-")
+                ),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i in (0, 1, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
@@ -95,18 +141,26 @@ def table(job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan],
         lines.append(f"{p.backend}:")
         for problem in p.problems:
             lines.append(f"  does not fit: {problem}")
-        for where, items in (("GPU", p.gpu), ("host pinned", p.host_pinned), ("host pageable", p.host_pageable),
-                             ("NVMe", p.nvme)):
+        for where, items in (
+            ("GPU", p.gpu),
+            ("host pinned", p.host_pinned),
+            ("host pageable", p.host_pageable),
+            ("NVMe", p.nvme),
+        ):
             if items:
                 lines.append(f"  {where} per rank: " + ", ".join(f"{k} {_gib(v)}" for k, v in items.items()))
         if p.settings:
-            lines.append("  settings: " + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
-                                                    for k, v in p.settings.items()))
+            lines.append(
+                "  settings: "
+                + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in p.settings.items())
+            )
         for note in p.notes:
             lines.append(f"  note: {note}")
     lines.append("")
-    lines.append("Step time: max(compute, NVMe, PCIe, CPU Adam) with this machine's (or the given) rates, a lower "
-                 "bound; on CPU the measured ZeRO-3 work per step is added to compute and Adam, which makes it an "
-                 "estimate (how close it comes: bench/results/plan_accuracy/summary.md). Collectives "
-                 "and other framework overheads are not modelled.")
+    lines.append(
+        "Step time: max(compute, NVMe, PCIe, CPU Adam) with this machine's (or the given) rates, a lower "
+        "bound; on CPU the measured ZeRO-3 work per step is added to compute and Adam, which makes it an "
+        "estimate (how close it comes: bench/results/plan_accuracy/summary.md). Collectives "
+        "and other framework overheads are not modelled."
+    )
     return "\n".join(lines)

@@ -9,6 +9,7 @@ DeepSpeed forms optimizer sub-groups and our swapper forms layer groups in that 
 does too. tests/unit/test_planner_shapes.py checks every count against transformers models built on the
 meta device.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,42 +85,58 @@ class ModelShape:
 def _from_dict(name: str, c: dict) -> ModelShape:
     model_type = c.get("model_type") or c.get("family")
     if model_type not in LLAMA_LIKE:
-        raise ValueError(f"model {name}: model_type {model_type!r} is not one the planner can size: it knows "
-                         f"{', '.join(LLAMA_LIKE)} (Llama-shaped decoders)")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if k not in c]
+        raise ValueError(
+            f"model {name}: model_type {model_type!r} is not one the planner can size: it knows "
+            f"{', '.join(LLAMA_LIKE)} (Llama-shaped decoders)"
+        )
+    missing = [
+        k
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        if k not in c
+    ]
     if missing:
         raise ValueError(f"model {name}: config lacks {', '.join(missing)}: give a complete config.json")
     h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
     attention_bias = bool(c.get("attention_bias", False))
     return ModelShape(
-        name=name, model_type=model_type, hidden=h, layers=int(c["num_hidden_layers"]), heads=heads,
-        kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=int(c.get("head_dim") or h // heads),
-        intermediate=int(c["intermediate_size"]), vocab=int(c["vocab_size"]),
+        name=name,
+        model_type=model_type,
+        hidden=h,
+        layers=int(c["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or h // heads),
+        intermediate=int(c["intermediate_size"]),
+        vocab=int(c["vocab_size"]),
         tied=bool(c.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Mistral follow attention_bias.
-        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "qwen2",
-        mlp_bias=bool(c.get("mlp_bias", False)))
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=attention_bias and model_type != "qwen2",
+        mlp_bias=bool(c.get("mlp_bias", False)),
+    )
 
 
 def resolve_shape(model: str) -> ModelShape:
     """A preset name or a local Hugging Face directory (its config.json); errors say what is accepted."""
     from aidaptiv_ds.models.presets import PRESETS
+
     if model in PRESETS:
         return _from_dict(model, PRESETS[model])
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
-            raise ValueError(f"--model {model} is a directory without config.json: give a Hugging Face model "
-                             "directory or a preset")
+            raise ValueError(
+                f"--model {model} is a directory without config.json: give a Hugging Face model directory or a preset"
+            )
         with open(path, encoding="utf-8") as f:
             try:
                 config = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(f"--model {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
         return _from_dict(os.path.basename(os.path.normpath(model)), config)
-    raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory "
-                     "with a config.json")
+    raise ValueError(
+        f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory with a config.json"
+    )
 
 
 def shape_of_config(name: str, config) -> ModelShape:

@@ -7,6 +7,7 @@ Inputs are plain numbers: the bytes of each layer group (4 KiB-aligned partition
 elements of each optimizer sub-group, the chunk size, the element size, and the parts of a chunk image.
 This module imports nothing but :mod:`aidaptiv_ds.common.sizes` (no torch, no DeepSpeed).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ def fp32_part(numel: int) -> int:
     return align_up(numel * 4)
 
 
-def shrink_layer_groups(layer_group_size: int, prefetch_depth: int, budget: int,
-                        group_bytes_for: Callable[[int], List[int]]) -> Tuple[int, List[int]]:
+def shrink_layer_groups(
+    layer_group_size: int, prefetch_depth: int, budget: int, group_bytes_for: Callable[[int], List[int]]
+) -> Tuple[int, List[int]]:
     """(layer groups' size, their bytes): the configured size is an upper bound, lowered until the group
     computing, the ``prefetch_depth`` being prefetched and one kept across the forward/backward turn fit
     in half the budget, or prefetch could never run ahead (and every group would be read on demand).
@@ -42,12 +44,13 @@ def shrink_layer_groups(layer_group_size: int, prefetch_depth: int, budget: int,
 class BudgetSplit:
     """What the budget holds: ``minimum`` (slots for prefetch and the room ``general`` for a gradient
     buffer and optimizer chunks in flight) must fit; the pool is what the run pins."""
+
     budget: int
     prefetch_depth: int
-    slot: int                 # bytes of one layer-group slot (the largest group's, aligned)
+    slot: int  # bytes of one layer-group slot (the largest group's, aligned)
     min_slots: int
-    general: int              # gradient of the largest sub-group + optimizer chunk sets in flight
-    chunk_set: int            # one chunk's image and its converted parameters
+    general: int  # gradient of the largest sub-group + optimizer chunk sets in flight
+    chunk_set: int  # one chunk's image and its converted parameters
     largest_sub_grad: int
     minimum: int
     pool: int = 0
@@ -55,7 +58,7 @@ class BudgetSplit:
     resident: Set[int] = field(default_factory=set)
     resident_bytes: int = 0
     retained_groups: int = 0  # the last layer groups of the forward kept until the backward uses them
-    retained_bytes: int = 0   # their bytes (each takes one slot)
+    retained_bytes: int = 0  # their bytes (each takes one slot)
 
     @property
     def fits(self) -> bool:
@@ -67,12 +70,14 @@ class BudgetSplit:
         # read "24.0 MiB but needs at least 24.0 MiB".
         need = math.ceil(self.minimum / MiB * 10) / 10
         have = math.floor(self.budget / MiB * 10) / 10
-        return (f"aidaptiv.host_memory_budget is {have:.1f} MiB ({self.budget:,} bytes) but the run needs at "
-                f"least {need:.1f} MiB ({self.minimum:,} bytes) of host memory ({self.min_slots} layer-group slots of "
-                f"{self.slot / MiB:.1f} MiB for prefetch depth {self.prefetch_depth}, the gradient of the largest "
-                f"optimizer sub-group {self.largest_sub_grad / MiB:.1f} MiB, optimizer chunks of "
-                f"{self.chunk_set / MiB:.1f} MiB): raise the budget, or lower aidaptiv.layer_group_size, "
-                "prefetch_depth or optimizer_chunk_numel")
+        return (
+            f"aidaptiv.host_memory_budget is {have:.1f} MiB ({self.budget:,} bytes) but the run needs at "
+            f"least {need:.1f} MiB ({self.minimum:,} bytes) of host memory ({self.min_slots} layer-group slots of "
+            f"{self.slot / MiB:.1f} MiB for prefetch depth {self.prefetch_depth}, the gradient of the largest "
+            f"optimizer sub-group {self.largest_sub_grad / MiB:.1f} MiB, optimizer chunks of "
+            f"{self.chunk_set / MiB:.1f} MiB): raise the budget, or lower aidaptiv.layer_group_size, "
+            "prefetch_depth or optimizer_chunk_numel"
+        )
 
 
 def retention_slots(budget: int, minimum: int, general: int, slot: int, groups: int) -> int:
@@ -83,9 +88,17 @@ def retention_slots(budget: int, minimum: int, general: int, slot: int, groups: 
     return max(0, min(groups, (budget - minimum - general) // slot)) if slot > 0 else 0
 
 
-def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequence[int], chunk_numel: int,
-                 elsize: int, parts: int, prefetch_depth: int, cache_optimizer_state: bool,
-                 retain_groups: int = 0) -> BudgetSplit:
+def split_budget(
+    budget: int,
+    group_bytes: Sequence[int],
+    sub_group_numels: Sequence[int],
+    chunk_numel: int,
+    elsize: int,
+    parts: int,
+    prefetch_depth: int,
+    cache_optimizer_state: bool,
+    retain_groups: int = 0,
+) -> BudgetSplit:
     """Split ``budget`` (bytes of this rank) between layer-group slots, resident optimizer sub-groups and
     the elastic rest. ``parts``: fp32 vectors per chunk image (3 with a separate master, 2 for fp32
     models). ``retain_groups``: slots set aside, before anything else beyond the minimum, for the last
@@ -110,8 +123,10 @@ def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequ
         return split
     retain_groups = min(retain_groups, len(group_bytes))
     if retain_groups > retention_slots(budget, minimum, general, slot, len(group_bytes)):
-        raise ValueError(f"{retain_groups} retained layer groups of {slot} bytes do not fit the {budget} bytes "
-                         f"left beyond the minimum {minimum}: ask retention_slots how many do")
+        raise ValueError(
+            f"{retain_groups} retained layer groups of {slot} bytes do not fit the {budget} bytes "
+            f"left beyond the minimum {minimum}: ask retention_slots how many do"
+        )
     resident_cost = lambda n: parts * fp32_part(n) + fp32_part(n)  # chunk images and gradient, in host memory
     everything = len(group_bytes) * slot + sum(resident_cost(n) for n in sub_group_numels) + general
     pool = min(budget, everything)
@@ -130,7 +145,7 @@ def split_budget(budget: int, group_bytes: Sequence[int], sub_group_numels: Sequ
     split.pool = pool
     split.slots = min(len(group_bytes), min_slots + retain_groups + max(0, leftover) // slot)
     split.retained_groups = retain_groups
-    split.retained_bytes = sum(group_bytes[len(group_bytes) - retain_groups:])
+    split.retained_bytes = sum(group_bytes[len(group_bytes) - retain_groups :])
     split.resident = resident
     split.resident_bytes = sum(resident_cost(sub_group_numels[i]) for i in resident)
     return split

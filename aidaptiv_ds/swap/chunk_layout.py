@@ -14,6 +14,7 @@ parameter's bytes, so every piece of a parameter written back is O_DIRECT-aligne
 The records also carry what the streamed step and the gradient buffers track about each chunk and
 sub-group (buffers, tickets, state keys, pins); this module only lays them out and does no I/O.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ FP32 = torch.float32
 FP32_BYTES = 4
 # Full-size state tensors per parameter the layout has room for (Adam: exp_avg, exp_avg_sq).
 STATE_SLOTS = 2
-PARTS = 1 + STATE_SLOTS          # image parts per chunk when the master is kept separately
+PARTS = 1 + STATE_SLOTS  # image parts per chunk when the master is kept separately
 
 
 def image_parts(master_is_parameter: bool) -> int:
@@ -43,23 +44,23 @@ def image_parts(master_is_parameter: bool) -> int:
 class Piece:
     """Part of one parameter partition covered by a chunk: elements [start, start+numel) of ``record``."""
 
-    record: object      # partition_layout.ParamRecord (numel, dtype, extent)
+    record: object  # partition_layout.ParamRecord (numel, dtype, extent)
     start: int
     numel: int
-    flat: int           # offset of the piece in the chunk (elements)
+    flat: int  # offset of the piece in the chunk (elements)
 
 
 @dataclass(eq=False)
 class Chunk:
-    start: int          # first element within the sub-group
+    start: int  # first element within the sub-group
     numel: int
-    offset: int         # file offset of its image
+    offset: int  # file offset of its image
     pieces: List[Piece]
-    parts: int          # image parts: master (unless the parameter is the master) and state slots
-    buffer: Optional[torch.Tensor] = None   # uint8 image (+ the gradient slice, when read with it)
+    parts: int  # image parts: master (unless the parameter is the master) and state slots
+    buffer: Optional[torch.Tensor] = None  # uint8 image (+ the gradient slice, when read with it)
     read: Optional["Ticket"] = None
     grad_view: Optional[torch.Tensor] = None  # this chunk's gradient, read from disk with the image
-    runs: Optional[list] = None          # fp32 model: MasterRuns holding the pieces' parameters
+    runs: Optional[list] = None  # fp32 model: MasterRuns holding the pieces' parameters
 
     @property
     def part(self) -> int:
@@ -77,7 +78,7 @@ class Chunk:
 
     def slot(self, k: int) -> torch.Tensor:
         """Part ``k`` of the image in host memory, as fp32."""
-        return self.buffer[k * self.part:k * self.part + self.numel * FP32_BYTES].view(FP32)
+        return self.buffer[k * self.part : k * self.part + self.numel * FP32_BYTES].view(FP32)
 
     def state_slot(self, j: int) -> torch.Tensor:
         """State tensor ``j`` (0: exp_avg, 1: exp_avg_sq for Adam) of the chunk, as fp32."""
@@ -95,19 +96,19 @@ class SubGroup:
     index: int
     numel: int
     chunks: List[Chunk]
-    members: List[tuple]                # (record, flat offset, numel)
-    region: "Extent"                    # all chunk images, contiguous
+    members: List[tuple]  # (record, flat offset, numel)
+    region: "Extent"  # all chunk images, contiguous
     grad_extent: "Extent"
     resident: bool = False
-    image: Optional[torch.Tensor] = None    # resident: the region in host memory
+    image: Optional[torch.Tensor] = None  # resident: the region in host memory
     state_keys: List[str] = field(default_factory=list)
-    state_valid: bool = False           # slots hold real values (else they are zeros)
+    state_valid: bool = False  # slots hold real values (else they are zeros)
     scalars: Dict[str, object] = field(default_factory=dict)  # e.g. Adam's step count
     # gradients of the current accumulation window
-    grad: Optional[torch.Tensor] = None     # fp32 [numel] in host memory
-    grad_on_disk: bool = False          # the gradient extent holds this window's values (memory, when
-                                        # present, is newer)
-    pins: int = 0                       # > 0 while its gradients must stay where they are
+    grad: Optional[torch.Tensor] = None  # fp32 [numel] in host memory
+    grad_on_disk: bool = False  # the gradient extent holds this window's values (memory, when
+    # present, is newer)
+    pins: int = 0  # > 0 while its gradients must stay where they are
     whole: Optional[torch.Tensor] = None  # whole-sub-group copy for DeepSpeed's inspection APIs
 
     @property
@@ -121,7 +122,7 @@ class SubGroup:
         self.image = image
         base = self.region.offset
         for c in self.chunks:
-            c.buffer = image[c.offset - base:c.offset - base + c.image_bytes]
+            c.buffer = image[c.offset - base : c.offset - base + c.image_bytes]
 
 
 def cut_into_chunks(members: List[Tuple[object, int, int]], chunk_numel: int) -> List[Tuple[int, int, List[Piece]]]:
@@ -159,8 +160,14 @@ def cut_into_chunks(members: List[Tuple[object, int, int]], chunk_numel: int) ->
     return chunks
 
 
-def lay_out_sub_group(index: int, members: List[tuple], chunk_numel: int, parts: int,
-                      allocate: Callable[[int], "Extent"], resident: bool = False) -> SubGroup:
+def lay_out_sub_group(
+    index: int,
+    members: List[tuple],
+    chunk_numel: int,
+    parts: int,
+    allocate: Callable[[int], "Extent"],
+    resident: bool = False,
+) -> SubGroup:
     """Sub-group ``index`` of ``members`` (record, flat offset, numel, in flat order): its chunks, their
     images in one region of ``allocate(nbytes)`` (a swap file's allocator), and its gradient extent."""
     numel = sum(m[2] for m in members)

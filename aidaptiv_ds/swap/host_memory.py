@@ -2,6 +2,7 @@
 pool, never more than the budget, asking registered reclaimers (write-behind completions, retained layer
 groups) for memory before it gives up with :class:`HostBudgetError`; :class:`WriteBehind` keeps writes in
 flight, :class:`SlotPool` reuses fixed-size slots."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
@@ -85,14 +86,18 @@ class HostMemory:
                 amounts.append(("still referenced elsewhere", max(0, s["in_use"] - sum(a for _, a in amounts))))
                 held = ", ".join(f"{name} {amount / 2**20:.1f} MiB" for name, amount in amounts)
                 # Staging of activations in flight grows with the sequence: say which setting bounds it.
-                activations = (", or aidaptiv.activations.read_ahead (or a shorter sequence)"
-                               if any(name.startswith("activation") and amount for name, amount in amounts) else "")
+                activations = (
+                    ", or aidaptiv.activations.read_ahead (or a shorter sequence)"
+                    if any(name.startswith("activation") and amount for name, amount in amounts)
+                    else ""
+                )
                 raise HostBudgetError(
                     f"host memory budget exhausted: {what} needs {nbytes / 2**20:.1f} MiB but "
                     f"{s['in_use'] / 2**20:.1f} of {s['capacity'] / 2**20:.1f} MiB are in use ({held}; largest "
                     f"free block {s['largest_free'] / 2**20:.1f} MiB) and nothing can be reclaimed: raise "
                     "aidaptiv.host_memory_budget, or lower aidaptiv.layer_group_size, prefetch_depth or "
-                    f"optimizer_chunk_numel{activations}")
+                    f"optimizer_chunk_numel{activations}"
+                )
         return buf
 
     def stats(self) -> dict:
@@ -167,7 +172,7 @@ class SlotPool:
 
     def view(self, index: int, nbytes: int) -> torch.Tensor:
         start = index * self.slot_bytes
-        return self.region[start:start + nbytes]
+        return self.region[start : start + nbytes]
 
     def free_count(self) -> int:
         return len(self._free)
@@ -182,7 +187,7 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     parameter swapper hands out there were GPU tensors, which the engine refuses to read or write."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device="cpu")
     shift = (-raw.data_ptr()) % ALIGN
-    return raw[shift:shift + nbytes]
+    return raw[shift : shift + nbytes]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

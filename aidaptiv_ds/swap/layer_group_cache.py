@@ -23,6 +23,7 @@ Reads of a group never overlap a pending write of the same bytes: the store orde
 keeps are those of :mod:`aidaptiv_ds.swap.partition_layout`. The cache knows nothing of DeepSpeed;
 :mod:`aidaptiv_ds.zero3.param_swapper` maps DeepSpeed's calls onto it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -78,8 +79,7 @@ class LayerGroupCache:
         self._write_behind = WriteBehind(store)
 
     # ---------------------------------------------------------------- set-up
-    def plan(self, named_records: Sequence[Tuple[str, List[ParamRecord]]], memory, slots: int,
-             retain: int = 0) -> None:
+    def plan(self, named_records: Sequence[Tuple[str, List[ParamRecord]]], memory, slots: int, retain: int = 0) -> None:
         """Form one layer group of each ``(name, records)`` (in forward order), make each contiguous on
         disk, carve ``slots`` group buffers from ``memory`` (a store.HostMemory) and switch to grouped I/O.
         The last ``retain`` groups are retained across the forward/backward turn (:meth:`note_use`); the
@@ -99,7 +99,7 @@ class LayerGroupCache:
             self.slots = SlotPool(memory, slots, self.slot_bytes)
             self.retain_from = len(self.groups) - min(retain, len(self.groups))
             self.stats.retained_groups = len(self.groups) - self.retain_from
-            self.stats.retained_bytes = sum(g.nbytes for g in self.groups[self.retain_from:])
+            self.stats.retained_bytes = sum(g.nbytes for g in self.groups[self.retain_from :])
             memory.add_reclaimer("finished parameter writes", self._forget_finished_writes, cheap=True)
             memory.add_reclaimer("parameter write-behind", self._reclaim_write)
             memory.add_holder("layer-group slots", lambda: self.slots.region.numel())
@@ -118,8 +118,9 @@ class LayerGroupCache:
             moved = []
             for r in g.records:
                 buf = aligned_empty(r.extent.reserved)
-                self.store.wait(self.store.read_span(r.extent.file, r.extent.offset, buf,
-                                                     f"relocating partition {r.ds_id}"))
+                self.store.wait(
+                    self.store.read_span(r.extent.file, r.extent.offset, buf, f"relocating partition {r.ds_id}")
+                )
                 self.store.wait(self.store.write_span(f, off, buf, f"relocating {r.ds_id}"))
                 moved.append((r, Extent(f, off, r.extent.nbytes)))
                 off += r.extent.reserved
@@ -259,13 +260,17 @@ class LayerGroupCache:
             raise HostBudgetError(
                 f"host memory budget exhausted: {what} needs one of the {self.slots.count} layer-group slots "
                 f"({self.slot_bytes / 2**20:.1f} MiB each) but all are in use ({', '.join(in_use)}): raise "
-                "aidaptiv.host_memory_budget or lower aidaptiv.layer_group_size")
+                "aidaptiv.host_memory_budget or lower aidaptiv.layer_group_size"
+            )
 
     def _evict_group(self) -> bool:
         """Drop the least recently used cached group that nobody uses, no pin protects and no read is
         still filling. Its slot is free at once unless a write-through from it is in flight (a ghost)."""
-        victims = [g for g in self.groups if g.buffer is not None and g.users == 0 and g.pins == 0
-                   and (g.ticket is None or g.ticket.done())]
+        victims = [
+            g
+            for g in self.groups
+            if g.buffer is not None and g.users == 0 and g.pins == 0 and (g.ticket is None or g.ticket.done())
+        ]
         if not victims:
             return False
         for g in victims:
@@ -312,8 +317,7 @@ class LayerGroupCache:
         for p in pieces:
             if runs:
                 q = runs[-1][-1]
-                if piece_span(q[0], q[1], q[2])[1] == piece_span(p[0], p[1], p[2])[0] \
-                        and q[0].group is p[0].group:
+                if piece_span(q[0], q[1], q[2])[1] == piece_span(p[0], p[1], p[2])[0] and q[0].group is p[0].group:
                     runs[-1].append(p)
                     continue
             runs.append([p])
@@ -333,16 +337,19 @@ class LayerGroupCache:
                     # Write through: a read of the cached copy still in flight must land first, or it would
                     # bring back old values.
                     self.wait_group(r.group)
-                    r.buffer = r.group.buffer[r.lo - r.group.offset:r.hi - r.group.offset]
+                    r.buffer = r.group.buffer[r.lo - r.group.offset : r.hi - r.group.offset]
                 elif g is not None and g.ghost:
                     # Evicted while a write-through from its slot is in flight: the next read of the group
                     # takes that slot back as it is, so these bytes must land in it too. Written from the
                     # slot, the write also keeps the slot from being given away before it completes.
                     r.group = g
-                    r.buffer = self.slots.view(g.slot, g.nbytes)[r.lo - g.offset:r.hi - g.offset]
+                    r.buffer = self.slots.view(g.slot, g.nbytes)[r.lo - g.offset : r.hi - g.offset]
                 else:
-                    r.buffer = mem.take(r.hi - r.lo, "writing updated parameters") if mem is not None \
+                    r.buffer = (
+                        mem.take(r.hi - r.lo, "writing updated parameters")
+                        if mem is not None
                         else aligned_empty(r.hi - r.lo)
+                    )
                 for rec, start, numel, src in run:
                     r.view(rec, start, numel).copy_(src.reshape(-1))
                 self.store_run(r)
@@ -371,12 +378,11 @@ class LayerGroupCache:
                     g.pins -= 1
                     return None
                 r.group, r.pinned = g, True
-                r.buffer = g.buffer[r.lo - g.offset:r.hi - g.offset]
+                r.buffer = g.buffer[r.lo - g.offset : r.hi - g.offset]
                 return r
             return self._stage_run(run, r, None, blocking)
 
-    def _stage_run(self, run, r: MasterRun, home: Optional[LayerGroup], blocking: bool = True
-                   ) -> Optional[MasterRun]:
+    def _stage_run(self, run, r: MasterRun, home: Optional[LayerGroup], blocking: bool = True) -> Optional[MasterRun]:
         """Read run ``r`` into a buffer of its own (None when not blocking and the budget has no room now)."""
         with self.lock:
             mem = self.memory
@@ -384,8 +390,9 @@ class LayerGroupCache:
             if buf is None:
                 return None
             r.buffer, r.home = buf, home
-            r.ticket = self.store.read_span(run[0][0].extent.file, r.lo, buf,
-                                            f"master weights {run[0][0].ds_id}..{run[-1][0].ds_id}")
+            r.ticket = self.store.read_span(
+                run[0][0].extent.file, r.lo, buf, f"master weights {run[0][0].ds_id}..{run[-1][0].ds_id}"
+            )
             return r
 
     def wait_run(self, r: MasterRun) -> None:
@@ -404,7 +411,7 @@ class LayerGroupCache:
                 # Staged while its group had no slot, and the group was read into one since (a read-ahead):
                 # that copy was read before this write, so it gets the updated bytes here.
                 self.wait_group(g)
-                g.buffer[r.lo - g.offset:r.hi - g.offset].copy_(r.buffer[:r.hi - r.lo])
+                g.buffer[r.lo - g.offset : r.hi - g.offset].copy_(r.buffer[: r.hi - r.lo])
             t = self.store.write_span(self.params_file, r.lo, r.buffer, f"updated partitions from {r.lo}")
             # A view of a cached group frees nothing when written; a staging buffer does.
             self._write_behind.add(t, r.buffer, r.group is None)
@@ -463,7 +470,9 @@ class LayerGroupCache:
                 if g.slot is not None:
                     self.slots.give(g.slot)
                     g.slot = None
-            tickets = [self.store.read_span(self.params_file, g.offset, g.buffer, f"layer group {g.name} (reloaded)")
-                       for g in reread]
+            tickets = [
+                self.store.read_span(self.params_file, g.offset, g.buffer, f"layer group {g.name} (reloaded)")
+                for g in reread
+            ]
             for t in tickets:
                 self.store.wait(t)

@@ -10,6 +10,7 @@
 
 Records do no I/O and know nothing of DeepSpeed.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -47,13 +48,13 @@ class LayerGroup:
     index: int
     name: str
     records: List[ParamRecord]
-    offset: int = 0          # span on disk
+    offset: int = 0  # span on disk
     nbytes: int = 0
     buffer: Optional[torch.Tensor] = None
     ticket: Optional[Ticket] = None
-    users: int = 0           # partitions currently published
+    users: int = 0  # partitions currently published
     last_used: int = 0
-    pins: int = 0            # > 0 while a swap-in, the prefetch window or an update needs it: not to be evicted
+    pins: int = 0  # > 0 while a swap-in, the prefetch window or an update needs it: not to be evicted
     writes: list = field(default_factory=list)  # tickets of write-throughs from this buffer
     slot: Optional[int] = None  # index of the slot holding the buffer (or the ghost)
     # Evicted while a write-through from its slot is in flight: the slot cannot be reused before that
@@ -65,7 +66,7 @@ class LayerGroup:
 
     def view(self, rec: ParamRecord) -> torch.Tensor:
         start = rec.extent.offset - self.offset
-        return self.buffer[start:start + rec.nbytes].view(rec.dtype)
+        return self.buffer[start : start + rec.nbytes].view(rec.dtype)
 
 
 def piece_span(rec: ParamRecord, start: int, numel: int) -> Tuple[int, int]:
@@ -84,7 +85,7 @@ class MasterRun:
 
     lo: int
     hi: int
-    group: Optional[LayerGroup]      # set when the group is cached: the buffer is a view of it
+    group: Optional[LayerGroup]  # set when the group is cached: the buffer is a view of it
     buffer: Optional[torch.Tensor] = None
     ticket: Optional[Ticket] = None
     pinned: bool = False
@@ -103,4 +104,4 @@ class MasterRun:
     def view(self, rec: ParamRecord, start: int, numel: int) -> torch.Tensor:
         es = rec.nbytes // rec.numel
         a = rec.extent.offset + start * es - self.lo
-        return self.buffer[a:a + numel * es].view(rec.dtype)
+        return self.buffer[a : a + numel * es].view(rec.dtype)

@@ -7,6 +7,7 @@ layer-group slot (the largest group's size), so a budget buys whole groups, coun
 forward. Plain arithmetic on byte counts, shared by the run's plan (:mod:`aidaptiv_ds.zero3.plan`) and
 anything that predicts it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,16 +19,16 @@ from aidaptiv_ds.swap.budget_split import BudgetSplit, retention_slots
 
 @dataclass(frozen=True)
 class Retention:
-    groups: int          # the last ``groups`` layer groups of the forward are retained
-    slot_bytes: int      # host memory they take: one slot each
-    group_bytes: int     # their own bytes: what the backward no longer reads
+    groups: int  # the last ``groups`` layer groups of the forward are retained
+    slot_bytes: int  # host memory they take: one slot each
+    group_bytes: int  # their own bytes: what the backward no longer reads
 
 
 def retention_that_fits(split: BudgetSplit, group_bytes: Sequence[int]) -> Retention:
     """The most the budget of ``split`` (a split without retention) can retain: whole slots of what it
     holds beyond the swapper's minimum, at most every group."""
     n = retention_slots(split.budget, split.minimum, split.general, split.slot, len(group_bytes))
-    return Retention(n, n * split.slot, sum(group_bytes[len(group_bytes) - n:]) if n else 0)
+    return Retention(n, n * split.slot, sum(group_bytes[len(group_bytes) - n :]) if n else 0)
 
 
 def plan_retention(requested: int, split: BudgetSplit, group_bytes: Sequence[int]) -> Retention:
@@ -41,5 +42,6 @@ def plan_retention(requested: int, split: BudgetSplit, group_bytes: Sequence[int
             f"{split.slot / MiB:.1f} MiB) but the {split.budget / MiB:.1f} MiB host budget holds "
             f"{fits.slot_bytes / MiB:.1f} MiB ({fits.groups} slots) beyond the swapper's minimum of "
             f"{split.minimum / MiB:.1f} MiB and {split.general / MiB:.1f} MiB more for gradients and optimizer "
-            "chunks: lower it to at most that, or raise aidaptiv.host_memory_budget")
-    return Retention(n, n * split.slot, sum(group_bytes[len(group_bytes) - n:]) if n else 0)
+            "chunks: lower it to at most that, or raise aidaptiv.host_memory_budget"
+        )
+    return Retention(n, n * split.slot, sum(group_bytes[len(group_bytes) - n :]) if n else 0)

@@ -4,6 +4,7 @@ the life of the job (a second job on the same path fails, naming the holder), wi
 the configured path, and files removed at close unless kept; :class:`SwapFile` is one such file with a bump
 allocator of 4 KiB-aligned :class:`Extent` s, grown with ``posix_fallocate`` in :data:`GROW_STEP` steps so
 that a full disk is reported at allocation time."""
+
 from __future__ import annotations
 
 import errno
@@ -65,8 +66,10 @@ def _holder_line() -> str:
             command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         command = "?"
-    return (f"pid {os.getpid()} on host {socket.gethostname()}, started {time.strftime('%Y-%m-%dT%H:%M:%S')}, "
-            f"command: {command[:300]}")
+    return (
+        f"pid {os.getpid()} on host {socket.gethostname()}, started {time.strftime('%Y-%m-%dT%H:%M:%S')}, "
+        f"command: {command[:300]}"
+    )
 
 
 class _RankLock:
@@ -111,8 +114,12 @@ class _RankLock:
             st = os.fstat(fd)
             if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
                 os.close(fd)
-                raise PermissionError(errno.EPERM, f"swap lock {path} is not a regular file of yours (uid "
-                                      f"{st.st_uid}): remove it or choose another nvme_path", path)
+                raise PermissionError(
+                    errno.EPERM,
+                    f"swap lock {path} is not a regular file of yours (uid "
+                    f"{st.st_uid}): remove it or choose another nvme_path",
+                    path,
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -122,8 +129,11 @@ class _RankLock:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "holder not yet recorded"
                 os.close(fd)
                 raise SwapSpaceInUseError(
-                    errno.EBUSY, f"swap folder {folder} is in use by another job ({holder}): give each job its own "
-                    "aidaptiv.nvme_path (a folder per run), or wait for that job to end", folder) from None
+                    errno.EBUSY,
+                    f"swap folder {folder} is in use by another job ({holder}): give each job its own "
+                    "aidaptiv.nvme_path (a folder per run), or wait for that job to end",
+                    folder,
+                ) from None
             # Locked; but the previous holder may have removed this file between our open and our lock, in
             # which case a third job could lock a new file of the same name: hold the one the name leads to.
             try:
@@ -135,8 +145,12 @@ class _RankLock:
                 os.pwrite(fd, (_holder_line() + "\n").encode(), 0)
                 return fd
             os.close(fd)
-        raise OSError(errno.EAGAIN, f"could not lock swap folder {folder}: its lock file kept being removed "
-                                    "under us; check that no clean-up script works in aidaptiv.nvme_path", folder)
+        raise OSError(
+            errno.EAGAIN,
+            f"could not lock swap folder {folder}: its lock file kept being removed "
+            "under us; check that no clean-up script works in aidaptiv.nvme_path",
+            folder,
+        )
 
     def _reclaim(self) -> None:
         """Remove what jobs that ended left in the folder (a crash, kept swap files): nobody holds the lock,
@@ -147,12 +161,16 @@ class _RankLock:
             path = os.path.join(self.folder, name)
             st = os.lstat(path)
             if st.st_uid != os.geteuid():
-                raise PermissionError(errno.EPERM, f"swap folder {self.folder} holds {name}, which belongs to uid "
-                                      f"{st.st_uid}: aidaptiv never removes another user's files; remove it or "
-                                      "choose another nvme_path", path)
+                raise PermissionError(
+                    errno.EPERM,
+                    f"swap folder {self.folder} holds {name}, which belongs to uid "
+                    f"{st.st_uid}: aidaptiv never removes another user's files; remove it or "
+                    "choose another nvme_path",
+                    path,
+                )
             log.info("removing %s, left in the swap space by a job that has ended", path)
             if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(path)   # does not follow symbolic links inside
+                shutil.rmtree(path)  # does not follow symbolic links inside
             else:
                 os.unlink(path)
 
@@ -225,15 +243,25 @@ class SwapSpace:
         except FileExistsError:
             st = os.lstat(path)
             if stat.S_ISLNK(st.st_mode):
-                raise PermissionError(errno.ELOOP, f"swap directory {path} is a symbolic link: aidaptiv does not "
-                                      "follow links in its swap space; remove the link or choose another nvme_path",
-                                      path) from None
+                raise PermissionError(
+                    errno.ELOOP,
+                    f"swap directory {path} is a symbolic link: aidaptiv does not "
+                    "follow links in its swap space; remove the link or choose another nvme_path",
+                    path,
+                ) from None
             if not stat.S_ISDIR(st.st_mode):
-                raise NotADirectoryError(errno.ENOTDIR, f"swap directory {path} exists and is not a directory: "
-                                         "remove it or choose another nvme_path", path) from None
+                raise NotADirectoryError(
+                    errno.ENOTDIR,
+                    f"swap directory {path} exists and is not a directory: remove it or choose another nvme_path",
+                    path,
+                ) from None
             if st.st_uid != os.geteuid():
-                raise PermissionError(errno.EPERM, f"swap directory {path} belongs to uid {st.st_uid}, not to you "
-                                      f"(uid {os.geteuid()}): choose an nvme_path of your own", path) from None
+                raise PermissionError(
+                    errno.EPERM,
+                    f"swap directory {path} belongs to uid {st.st_uid}, not to you "
+                    f"(uid {os.geteuid()}): choose an nvme_path of your own",
+                    path,
+                ) from None
             if stat.S_IMODE(st.st_mode) & 0o077:
                 os.chmod(path, 0o700)
 
@@ -247,9 +275,12 @@ class SwapSpace:
         if st is not None:
             # The folder was made empty by this space: something else put this here.
             owner = "" if st.st_uid == os.geteuid() else f", belongs to uid {st.st_uid}"
-            raise PermissionError(errno.EPERM, f"swap file {path} already exists{owner}: aidaptiv never reuses "
-                                  "files it did not create; remove it, and keep other programs out of nvme_path",
-                                  path)
+            raise PermissionError(
+                errno.EPERM,
+                f"swap file {path} already exists{owner}: aidaptiv never reuses "
+                "files it did not create; remove it, and keep other programs out of nvme_path",
+                path,
+            )
         handle = engine.open(path, create=True, exclusive=True)
         try:
             f = SwapFile(path, handle, engine)
@@ -294,8 +325,8 @@ class SwapFile:
         self.path = path
         self.handle = handle
         self.engine = engine
-        self.allocated = 0   # bytes handed out (high-water of the bump pointer)
-        self.size = 0        # bytes preallocated on disk
+        self.allocated = 0  # bytes handed out (high-water of the bump pointer)
+        self.size = 0  # bytes preallocated on disk
         self._free: List[Tuple[int, int]] = []  # (offset, reserved) of released extents
         self._lock = threading.Lock()
         # Opened by path right after the engine created the file with O_EXCL in a folder of ours (0700).
@@ -310,9 +341,13 @@ class SwapFile:
             now = None
         if now != self.identity:
             what = "was deleted" if now is None else "was replaced by another file"
-            raise OSError(errno.ESTALE, f"swap file {self.path} {what} while this job ran: something else works in "
-                                        "aidaptiv.nvme_path (another job, a clean-up script); keep it out and resume "
-                                        "from the last checkpoint", self.path)
+            raise OSError(
+                errno.ESTALE,
+                f"swap file {self.path} {what} while this job ran: something else works in "
+                "aidaptiv.nvme_path (another job, a clean-up script); keep it out and resume "
+                "from the last checkpoint",
+                self.path,
+            )
 
     def check_size(self, offset: int, nbytes: int, is_write: bool) -> None:
         """Raise when the file is shorter than what was preallocated: something truncated it under the job,
@@ -322,11 +357,14 @@ class SwapFile:
         now = os.fstat(self._fd).st_size
         if now < self.size:
             what = "write to" if is_write else "read from"
-            raise OSError(errno.ENODATA, f"{what} swap file {self.path} at offset {offset} ({nbytes} bytes) refused: "
-                                         f"the file is {now} bytes but this job preallocated {self.size}, so it was "
-                                         "truncated under the job (ENODATA) and its bytes are gone; keep other "
-                                         "programs out of aidaptiv.nvme_path and resume from the last checkpoint",
-                          self.path)
+            raise OSError(
+                errno.ENODATA,
+                f"{what} swap file {self.path} at offset {offset} ({nbytes} bytes) refused: "
+                f"the file is {now} bytes but this job preallocated {self.size}, so it was "
+                "truncated under the job (ENODATA) and its bytes are gone; keep other "
+                "programs out of aidaptiv.nvme_path and resume from the last checkpoint",
+                self.path,
+            )
 
     def reopen(self, engine: IOEngine) -> None:
         """Move this file onto ``engine``: opened by path, accepted only if the path still leads to this file."""
@@ -357,10 +395,13 @@ class SwapFile:
         except OSError as e:
             need = target - self.size
             free = os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize
-            raise OSError(e.errno, f"cannot grow swap file {self.path} by {need / 2**30:.2f} GiB (to "
-                                   f"{target / 2**30:.2f} GiB): {os.strerror(e.errno)}; the filesystem has "
-                                   f"{free / 2**30:.2f} GiB free: free space or choose a larger nvme_path",
-                          self.path) from None
+            raise OSError(
+                e.errno,
+                f"cannot grow swap file {self.path} by {need / 2**30:.2f} GiB (to "
+                f"{target / 2**30:.2f} GiB): {os.strerror(e.errno)}; the filesystem has "
+                f"{free / 2**30:.2f} GiB free: free space or choose a larger nvme_path",
+                self.path,
+            ) from None
         self.size = target
 
     def allocate(self, nbytes: int) -> Extent:

@@ -20,6 +20,7 @@ stages or caches their contents. :class:`SwapSpace` and :class:`SwapFile` live i
 Nothing here knows about DeepSpeed or its layouts; :mod:`aidaptiv_ds.zero3` decides what goes where (and asks
 for any folder DeepSpeed needs with :meth:`SwapSpace.make_subdir`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -87,9 +88,11 @@ class SwapStore:
             raise ValueError(f"span offset {offset} in {file.path} is not 4096-aligned")
         if buf.device.type != "cpu":
             # The engine refuses it too, but without saying whose buffer it was (no traceback is kept).
-            raise ValueError(f"{'write' if is_write else 'read'} of {what or 'a span'} in {file.path}: the buffer is on "
-                             f"{buf.device}, but spans move host buffers only (stage device tensors through the "
-                             "host budget)")
+            raise ValueError(
+                f"{'write' if is_write else 'read'} of {what or 'a span'} in {file.path}: the buffer is on "
+                f"{buf.device}, but spans move host buffers only (stage device tensors through the "
+                "host budget)"
+            )
         end = offset + buf.numel()
         with self._lock:
             blockers = self._conflicts(file, offset, end, is_write)

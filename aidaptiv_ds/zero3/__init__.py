@@ -1,4 +1,5 @@
 """The ZeRO-3 binding: everything that reaches into DeepSpeed lives here (tests/unit/test_package_seams.py)."""
+
 from aidaptiv_ds.config import translate as _config
 from aidaptiv_ds.zero3 import compat as _compat
 

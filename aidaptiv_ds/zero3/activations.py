@@ -9,6 +9,7 @@ host budget. The ``auto`` plan weighs the swap disk's bandwidth (:func:`nvme_ban
 the rank's host budget as its default activation budget. What was done, auto's plan and what the store
 measured join ``engine.aidaptiv_stats()`` under ``"activations"``.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,15 +29,19 @@ def nvme_bandwidth(runtime, store: ActivationStore):
     cached for this disk, or else a write and read-back of up to :data:`PROBE_BYTES` through this rank's
     engine into the activation file (O_DIRECT, so the disk's, not the page cache's)."""
     from aidaptiv_ds.engine.machine_cache import disk_key, load_cache
+
     try:
         entry = load_cache().get(disk_key(runtime.cfg.nvme_path)) or {}
     except OSError:
         entry = {}
     if entry.get("nvme_read") and entry.get("nvme_write"):
-        return (float(entry["nvme_read"]), float(entry["nvme_write"]),
-                f"the rates cache ({entry.get('when', 'measured')})")
+        return (
+            float(entry["nvme_read"]),
+            float(entry["nvme_write"]),
+            f"the rates cache ({entry.get('when', 'measured')})",
+        )
     nbytes = max(ALIGN, min(PROBE_BYTES, runtime.memory.capacity // 8) // ALIGN * ALIGN)
-    buf = runtime.memory.take(nbytes, "activation bandwidth probe")     # back to the pool when dropped
+    buf = runtime.memory.take(nbytes, "activation bandwidth probe")  # back to the pool when dropped
     extent = store.file.allocate(nbytes)
     try:
         t0 = time.perf_counter()
@@ -56,18 +61,25 @@ def apply_to_engine(engine, runtime, settings) -> dict:
 
     def make_store() -> ActivationStore:
         if runtime.memory is None:
-            raise ValueError(f"aidaptiv.activations.policy \"{settings.activations.policy}\" stages activations "
-                             "in the host budget, which is set up when DeepSpeed builds the optimizer: configure "
-                             "an optimizer, or choose \"recompute\"")
+            raise ValueError(
+                f'aidaptiv.activations.policy "{settings.activations.policy}" stages activations '
+                "in the host budget, which is set up when DeepSpeed builds the optimizer: configure "
+                'an optimizer, or choose "recompute"'
+            )
         file = runtime.space.create_file(ACTIVATION_FILE, runtime.engine)
         a = settings.activations
         store = ActivationStore(runtime.store, file, runtime.memory, read_ahead=a.read_ahead, min_bytes=a.min_bytes)
         stores.append(store)
         return store
 
-    plan = activation_policy.apply(engine.module, settings.activations, make_store, rank=runtime.rank,
-                                   bandwidth=lambda: nvme_bandwidth(runtime, stores[0]),
-                                   host_budget=settings.host_budget_bytes)
+    plan = activation_policy.apply(
+        engine.module,
+        settings.activations,
+        make_store,
+        rank=runtime.rank,
+        bandwidth=lambda: nvme_bandwidth(runtime, stores[0]),
+        host_budget=settings.host_budget_bytes,
+    )
     stats = engine.aidaptiv_stats
 
     def aidaptiv_stats() -> dict:

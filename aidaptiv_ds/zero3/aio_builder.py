@@ -6,6 +6,7 @@ install() rebinds the name in those three to AidaptivAsyncIOBuilder, whose load(
 object with ``aio_handle = AioHandle``; uninstall() puts DeepSpeed's back. Call install() before the DeepSpeed
 engine is created (the swappers make their handles in their constructors).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -53,8 +54,10 @@ def install() -> None:
         modules = [importlib.import_module(name) for name in SWAP_MODULES_BINDING_ASYNC_IO]
         for module in modules:
             if not hasattr(module, ASYNC_IO_BUILDER):
-                raise RuntimeError(f"{module.__name__} no longer binds {ASYNC_IO_BUILDER}: this DeepSpeed's swapper "
-                                   "layout is not supported; pin deepspeed to a supported version")
+                raise RuntimeError(
+                    f"{module.__name__} no longer binds {ASYNC_IO_BUILDER}: this DeepSpeed's swapper "
+                    "layout is not supported; pin deepspeed to a supported version"
+                )
         for module in modules:
             _saved[module.__name__] = getattr(module, ASYNC_IO_BUILDER)
             setattr(module, ASYNC_IO_BUILDER, AidaptivAsyncIOBuilder)
@@ -70,4 +73,3 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return bool(_saved)
-

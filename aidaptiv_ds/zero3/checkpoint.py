@@ -27,6 +27,7 @@ folder is written inside a staging tag, fsync'd here, and published with the res
 rename. Data moves through the pinned pool with the engine (O_DIRECT where the checkpoint filesystem allows
 it); re-chunking reads pieces that are not 4 KiB aligned through the page cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -121,8 +122,12 @@ def _pread_into(fd: int, path: str, offset: int, view: torch.Tensor) -> None:
     while done < len(mv):
         n = os.preadv(fd, [mv[done:]], offset + done)
         if n == 0:
-            raise OSError(5, f"checkpoint file {path} is truncated: wanted {len(mv)} bytes at offset {offset}, "
-                             f"got {done}: the checkpoint is damaged, resume from another one", path)
+            raise OSError(
+                5,
+                f"checkpoint file {path} is truncated: wanted {len(mv)} bytes at offset {offset}, "
+                f"got {done}: the checkpoint is damaged, resume from another one",
+                path,
+            )
         done += n
 
 
@@ -185,7 +190,8 @@ def parameter_names(module, records) -> Dict[int, tuple]:
     if missing:
         raise CheckpointMismatchError(
             f"{len(missing)} parameter partitions of this rank's swap space belong to no parameter of the model "
-            "DeepSpeed wraps, so they cannot be saved by name: build one model per zero.Init / deepspeed.initialize")
+            "DeepSpeed wraps, so they cannot be saved by name: build one model per zero.Init / deepspeed.initialize"
+        )
     return out
 
 
@@ -195,10 +201,23 @@ def _layout(osw, names) -> List[dict]:
     for sg in osw.by_index:
         chunks = []
         for c in sg.chunks:
-            chunks.append({"offset": base + c.offset - sg.region.offset, "numel": c.numel, "part": c.part,
-                           "pieces": [[names[p.record.ds_id][0], p.start, p.numel, p.flat] for p in c.pieces]})
-        groups.append({"numel": sg.numel, "offset": base, "bytes": sg.region.reserved, "chunks": chunks,
-                       "members": [names[rec.ds_id][0] for rec, _, _ in sg.members]})
+            chunks.append(
+                {
+                    "offset": base + c.offset - sg.region.offset,
+                    "numel": c.numel,
+                    "part": c.part,
+                    "pieces": [[names[p.record.ds_id][0], p.start, p.numel, p.flat] for p in c.pieces],
+                }
+            )
+        groups.append(
+            {
+                "numel": sg.numel,
+                "offset": base,
+                "bytes": sg.region.reserved,
+                "chunks": chunks,
+                "members": [names[rec.ds_id][0] for rec, _, _ in sg.members],
+            }
+        )
         base += sg.region.reserved
     return groups
 
@@ -232,20 +251,22 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
             for sg, entry in zip(osw.by_index, sub_groups):
                 offset = entry["offset"]
                 if sg.resident:
-                    _write(runtime, of, offset, sg.image[:sg.region.reserved])
+                    _write(runtime, of, offset, sg.image[: sg.region.reserved])
                     durable.crash_point(f"resident sub-group {sg.index} written")
                 else:
                     mover.copy(osw.file.handle, sg.region.offset, of, offset, sg.region.reserved)
-                entry.update(state_keys=sg.state_keys, state_valid=sg.state_valid,
-                             scalars={k: _scalar_to_json(v) for k, v in sg.scalars.items()})
+                entry.update(
+                    state_keys=sg.state_keys,
+                    state_valid=sg.state_valid,
+                    scalars={k: _scalar_to_json(v) for k, v in sg.scalars.items()},
+                )
         finally:
             _close(runtime, of)
         durable.crash_point("optim.bin written")
         parameters = []
         for rec in sorted(ps.records.values(), key=lambda r: r.extent.offset):
             name, shape = names[rec.ds_id]
-            parameters.append({"name": name, "shape": shape, "partition_numel": rec.numel,
-                               "offset": rec.extent.offset})
+            parameters.append({"name": name, "shape": shape, "partition_numel": rec.numel, "offset": rec.extent.offset})
         manifest = {
             "format": FORMAT,
             "rank": runtime.rank,
@@ -271,6 +292,7 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
 
 def _world_size() -> int:
     import torch.distributed as dist
+
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -281,34 +303,42 @@ def read_manifest(load_dir: str, tag: str, rank: int) -> tuple:
     if not os.path.isdir(os.path.join(load_dir, tag)):
         raise CheckpointMismatchError(
             f"checkpoint {os.path.join(load_dir, tag)} does not exist: give the tag of a completed save (the one "
-            f"'latest' in {load_dir} names, or one of its folders)")
+            f"'latest' in {load_dir} names, or one of its folders)"
+        )
     if not os.path.exists(path):
         raise CheckpointMismatchError(
             f"checkpoint {os.path.join(load_dir, tag)} has no aidaptiv state for rank {rank} ({path} is "
             "missing): it was not saved by an aidaptiv run with this many ranks; resume it with the config "
-            "and world size that saved it")
+            "and world size that saved it"
+        )
     with open(path, encoding="utf-8") as f:
         manifest = json.load(f)
     fmt = manifest.get("format")
     if fmt != FORMAT:
-        old = " (keyed by DeepSpeed's process-wide parameter ids, tied to the process and budget that " \
-              "saved it)" if fmt == 1 else ""
+        old = (
+            " (keyed by DeepSpeed's process-wide parameter ids, tied to the process and budget that saved it)"
+            if fmt == 1
+            else ""
+        )
         raise CheckpointMismatchError(
             f"checkpoint {folder} has aidaptiv format {fmt}{old}; this version reads format {FORMAT}: resume it "
-            "with the aidaptiv-ds version that saved it, or start again from another checkpoint")
+            "with the aidaptiv-ds version that saved it, or start again from another checkpoint"
+        )
     world = _world_size()
     if manifest.get("world_size") != world:
         raise CheckpointMismatchError(
             f"checkpoint {folder} was saved by {manifest.get('world_size')} ranks and this run has {world}: "
             "each rank's partition of every parameter is saved as DeepSpeed cut it, so resume with "
-            f"{manifest.get('world_size')} ranks (any host budget, chunk size or node)")
+            f"{manifest.get('world_size')} ranks (any host budget, chunk size or node)"
+        )
     for name, key in (("params.bin", "params_bytes"), ("optim.bin", "optim_bytes")):
         p = os.path.join(folder, name)
         size = os.path.getsize(p) if os.path.exists(p) else -1
         if size < manifest[key]:
             raise CheckpointMismatchError(
                 f"checkpoint file {p} has {max(size, 0)} bytes, its manifest says {manifest[key]}: the checkpoint "
-                "is damaged (not written by a completed save); resume from another one")
+                "is damaged (not written by a completed save); resume from another one"
+            )
     return folder, manifest
 
 
@@ -328,8 +358,9 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
     runtime.store.drain()
     ps.cache.drop_cache()
     layout = _layout(osw, names)
-    same = [[(c["numel"], c["pieces"]) for c in g["chunks"]] for g in layout] == \
-           [[(c["numel"], c["pieces"]) for c in g["chunks"]] for g in manifest["sub_groups"]]
+    same = [[(c["numel"], c["pieces"]) for c in g["chunks"]] for g in layout] == [
+        [(c["numel"], c["pieces"]) for c in g["chunks"]] for g in manifest["sub_groups"]
+    ]
     mover = _Mover(runtime)
     try:
         _load_params(runtime, ps, mover, folder, manifest, saved_params, names)
@@ -340,8 +371,12 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
         del mover
     if not same:  # after the transfer buffer is gone: chunk images need the room
         _rechunk_images(runtime, osw, folder, manifest, names)
-        log.info("aidaptiv: re-chunked optimizer state of %s (%d saved sub-groups, %d now)", folder,
-                 len(manifest["sub_groups"]), len(osw.by_index))
+        log.info(
+            "aidaptiv: re-chunked optimizer state of %s (%d saved sub-groups, %d now)",
+            folder,
+            len(manifest["sub_groups"]),
+            len(osw.by_index),
+        )
     _restore_step_state(osw, manifest, names, load_optimizer_states)
     if load_optimizer_states:
         for group, saved in zip(osw.optimizer.param_groups, manifest["hyperparameters"]):
@@ -353,13 +388,20 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
 def _load_params(runtime, ps, mover, folder, manifest, saved_params, names) -> None:
     pf = mover.open(os.path.join(folder, "params.bin"), create=False)
     try:
-        if all(saved_params[names[r.ds_id][0]]["offset"] == r.extent.offset for r in ps.records.values()) \
-                and manifest["params_bytes"] <= runtime.params_file.allocated:
+        if (
+            all(saved_params[names[r.ds_id][0]]["offset"] == r.extent.offset for r in ps.records.values())
+            and manifest["params_bytes"] <= runtime.params_file.allocated
+        ):
             mover.copy(pf, 0, runtime.params_file.handle, 0, manifest["params_bytes"])
         else:  # same partitions, other layout (other layer groups, another model built first): one at a time
             for r in ps.records.values():
-                mover.copy(pf, saved_params[names[r.ds_id][0]]["offset"], runtime.params_file.handle,
-                           r.extent.offset, r.extent.reserved)
+                mover.copy(
+                    pf,
+                    saved_params[names[r.ds_id][0]]["offset"],
+                    runtime.params_file.handle,
+                    r.extent.offset,
+                    r.extent.reserved,
+                )
     finally:
         _close(runtime, pf)
 
@@ -371,7 +413,7 @@ def _load_images(runtime, osw, mover, folder, manifest) -> None:
         for sg, saved in zip(osw.by_index, manifest["sub_groups"]):
             src = saved["offset"]
             if sg.resident:
-                _read(runtime, of, src, sg.image[:saved["bytes"]])
+                _read(runtime, of, src, sg.image[: saved["bytes"]])
             else:
                 mover.copy(of, src, osw.file.handle, sg.region.offset, saved["bytes"])
     finally:
@@ -393,7 +435,7 @@ def _rechunk_images(runtime, osw, folder, manifest, names) -> None:
         for sg in osw.by_index:
             for c in sg.chunks:
                 buf = c.buffer if sg.resident else runtime.memory.take(c.image_bytes, "re-chunked optimizer state")
-                buf[:c.image_bytes].zero_()
+                buf[: c.image_bytes].zero_()
                 for p in c.pieces:
                     name = names[p.record.ds_id][0]
                     for start, numel, off, part, flat in saved_pieces[name]:
@@ -403,9 +445,9 @@ def _rechunk_images(runtime, osw, folder, manifest, names) -> None:
                         for k in range(c.parts):
                             src = off + k * part + (flat + lo - start) * 4
                             dst = k * c.part + (p.flat + lo - p.start) * 4
-                            _pread_into(fd, path, src, buf[dst:dst + (hi - lo) * 4])
+                            _pread_into(fd, path, src, buf[dst : dst + (hi - lo) * 4])
                 if not sg.resident:
-                    runtime.engine.write(buf[:c.image_bytes], osw.file.handle, c.offset)
+                    runtime.engine.write(buf[: c.image_bytes], osw.file.handle, c.offset)
                     del buf
     finally:
         os.close(fd)
@@ -421,13 +463,15 @@ def _restore_step_state(osw, manifest, names, load_optimizer_states) -> None:
     for sg in osw.by_index:
         if load_optimizer_states:
             sources = {id(by_name[names[rec.ds_id][0]]): by_name[names[rec.ds_id][0]] for rec, _, _ in sg.members}
-            states = {json.dumps([g["state_keys"], g["state_valid"], g["scalars"]], sort_keys=True)
-                      for g in sources.values()}
+            states = {
+                json.dumps([g["state_keys"], g["state_valid"], g["scalars"]], sort_keys=True) for g in sources.values()
+            }
             if len(states) > 1:
                 raise CheckpointMismatchError(
                     f"optimizer sub-group {sg.index} of this run gathers parameters whose saved optimizer state "
                     f"differs in its step count or keys ({len(states)} variants): this checkpoint cannot be "
-                    "re-chunked; resume with the optimizer_chunk_numel and host_memory_budget it was saved with")
+                    "re-chunked; resume with the optimizer_chunk_numel and host_memory_budget it was saved with"
+                )
             g = next(iter(sources.values()))
             sg.state_keys = list(g["state_keys"])
             sg.state_valid = bool(g["state_valid"])
@@ -436,7 +480,7 @@ def _restore_step_state(osw, manifest, names, load_optimizer_states) -> None:
             sg.state_keys, sg.state_valid, sg.scalars = [], False, {}
             if sg.resident:
                 for c in sg.chunks:
-                    c.buffer[c.state_start:c.image_bytes].zero_()
+                    c.buffer[c.state_start : c.image_bytes].zero_()
         osw.gradients.reset(sg)
 
 
@@ -454,13 +498,21 @@ def _check_compatible(manifest, runtime, ps, osw, names, folder) -> Dict[str, di
         problems.append(f"{len(missing)} parameters of this model are not in it (e.g. {', '.join(missing[:3])})")
     if extra:
         problems.append(f"{len(extra)} saved parameters are not in this model (e.g. {', '.join(extra[:3])})")
-    other = [n for n in sorted(set(ours) & set(saved))
-             if (saved[n]["shape"], saved[n]["partition_numel"]) != (ours[n][0], ours[n][1])]
+    other = [
+        n
+        for n in sorted(set(ours) & set(saved))
+        if (saved[n]["shape"], saved[n]["partition_numel"]) != (ours[n][0], ours[n][1])
+    ]
     if other:
         n = other[0]
-        problems.append(f"{len(other)} parameters have another shape or partition (e.g. {n}: saved "
-                        f"{saved[n]['shape']} / {saved[n]['partition_numel']}, this run {ours[n][0]} / {ours[n][1]})")
+        problems.append(
+            f"{len(other)} parameters have another shape or partition (e.g. {n}: saved "
+            f"{saved[n]['shape']} / {saved[n]['partition_numel']}, this run {ours[n][0]} / {ours[n][1]})"
+        )
     if problems:
-        raise CheckpointMismatchError(f"checkpoint {folder} does not fit this run: " + "; ".join(problems) +
-                                      ": resume with the model, dtype and world size it was saved with")
+        raise CheckpointMismatchError(
+            f"checkpoint {folder} does not fit this run: "
+            + "; ".join(problems)
+            + ": resume with the model, dtype and world size it was saved with"
+        )
     return saved

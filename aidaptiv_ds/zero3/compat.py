@@ -8,6 +8,7 @@ DeepSpeed releases, so we refuse versions we have not tested (:func:`check_deeps
 failing somewhere in the middle of a run. The modules that use these names sit beside this one in
 ``aidaptiv_ds/zero3/``, which also implement DeepSpeed's swapper and optimizer interfaces under the names those interfaces have.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,6 +51,7 @@ MONITOR_WANDB = "wandb_monitor"
 MONITORS_WITH_OWN_STEPS = ("tb_monitor", "csv_monitor", "comet_monitor")
 ENGINE_SAMPLES = "global_samples"
 
+
 class UnsupportedDeepSpeedError(RuntimeError):
     pass
 
@@ -63,6 +65,7 @@ UNTESTED_ENV = "AIDAPTIV_DS_UNTESTED_DEEPSPEED"
 def check_deepspeed_version() -> str:
     import deepspeed
     from packaging.version import Version
+
     found = Version(deepspeed.__version__.split("+")[0])
     if str(found) in TESTED_VERSIONS:
         return str(found)
@@ -70,33 +73,42 @@ def check_deepspeed_version() -> str:
     if not Version(SUPPORTED_MIN) <= found < Version(SUPPORTED_BELOW):
         raise UnsupportedDeepSpeedError(
             f"aidaptiv-ds supports DeepSpeed {', '.join(TESTED_VERSIONS)} (it replaces ZeRO-3 internals that change "
-            f"between releases) but found {deepspeed.__version__}: install a supported one with {install}")
+            f"between releases) but found {deepspeed.__version__}: install a supported one with {install}"
+        )
     if os.environ.get(UNTESTED_ENV) != "1":
         raise UnsupportedDeepSpeedError(
             f"aidaptiv-ds is tested with DeepSpeed {', '.join(TESTED_VERSIONS)} but found {deepspeed.__version__}: "
-            f"install a tested one with {install}, or set {UNTESTED_ENV}=1 to run this 0.19 release untested")
+            f"install a tested one with {install}, or set {UNTESTED_ENV}=1 to run this 0.19 release untested"
+        )
     import warnings
-    warnings.warn(f"aidaptiv-ds runs on untested DeepSpeed {deepspeed.__version__} ({UNTESTED_ENV}=1); tested: "
-                  f"{', '.join(TESTED_VERSIONS)}")
+
+    warnings.warn(
+        f"aidaptiv-ds runs on untested DeepSpeed {deepspeed.__version__} ({UNTESTED_ENV}=1); tested: "
+        f"{', '.join(TESTED_VERSIONS)}"
+    )
     return str(found)
 
 
 def training_on_host() -> bool:
     """Whether DeepSpeed's accelerator is the CPU, so that its device buffers are host memory."""
     from deepspeed.accelerator import get_accelerator
+
     return get_accelerator().device_name() == "cpu"
 
 
 def disable_deepspeed_nvme_prefetch(coordinator) -> None:
     if not hasattr(coordinator, COORDINATOR_PREFETCH_NVME):
-        raise UnsupportedDeepSpeedError("DeepSpeed's parameter coordinator has no NVMe prefetch flag where 0.19 "
-                                        "keeps it: this DeepSpeed is not supported")
+        raise UnsupportedDeepSpeedError(
+            "DeepSpeed's parameter coordinator has no NVMe prefetch flag where 0.19 "
+            "keeps it: this DeepSpeed is not supported"
+        )
     setattr(coordinator, COORDINATOR_PREFETCH_NVME, False)
 
 
 def set_deepspeed_log_level(level: int) -> None:
     """Level of DeepSpeed's own logger (``deepspeed.utils.logger``), which it sets to INFO at import."""
     from deepspeed.utils import logger
+
     logger.setLevel(level)
 
 

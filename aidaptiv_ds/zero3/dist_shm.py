@@ -11,6 +11,7 @@ Each rank maps every rank's segment while the process group starts, so once all 
 after that, a rank may unlink its own name: the mappings stay valid until the processes exit, and nothing is
 left behind even if a run is later killed.
 """
+
 from __future__ import annotations
 
 import glob
@@ -26,8 +27,9 @@ SHM_DIR = "/dev/shm"
 def own_segment(rank: int, env=None, shm_dir: str = SHM_DIR) -> str:
     """Path of the segment DeepSpeed created for ``rank`` of this job (named as its shm.cpp names it)."""
     env = os.environ if env is None else env
-    name = SHM_ALLREDUCE_SEGMENT.format(uid=os.getuid(), master_addr=env.get("MASTER_ADDR", ""),
-                                        master_port=env.get("MASTER_PORT", ""), rank=rank)
+    name = SHM_ALLREDUCE_SEGMENT.format(
+        uid=os.getuid(), master_addr=env.get("MASTER_ADDR", ""), master_port=env.get("MASTER_PORT", ""), rank=rank
+    )
     return os.path.join(shm_dir, name)
 
 
@@ -38,12 +40,15 @@ def release_own_segment(rank: int, env=None, shm_dir: str = SHM_DIR) -> bool:
     try:
         os.unlink(path)
         return True
-    except FileNotFoundError:   # the communicator was not built or not used (CUDA, torchrun, no launcher)
+    except FileNotFoundError:  # the communicator was not built or not used (CUDA, torchrun, no launcher)
         return False
-    except OSError as e:        # a leak is no reason to stop a training run: say so and go on
-        warnings.warn(f"could not remove DeepSpeed's shared-memory segment {path}: {e.strerror} (errno {e.errno}); "
-                      "it holds RAM until removed: delete it once the run has ended",
-                      RuntimeWarning, stacklevel=2)
+    except OSError as e:  # a leak is no reason to stop a training run: say so and go on
+        warnings.warn(
+            f"could not remove DeepSpeed's shared-memory segment {path}: {e.strerror} (errno {e.errno}); "
+            "it holds RAM until removed: delete it once the run has ended",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False
 
 
@@ -54,6 +59,7 @@ def release_after_barrier() -> bool:
     CUDA, where DeepSpeed uses NCCL and makes none."""
     import torch
     import torch.distributed as dist
+
     if not dist.is_initialized() or torch.cuda.is_available():
         return False
     if dist.get_world_size() > 1:
@@ -72,7 +78,7 @@ def _mapped_paths(proc: str = "/proc") -> set[str]:
                     if len(fields) == 6:
                         mapped.add(fields[5].strip())
         except OSError:
-            continue   # the process exited meanwhile, or is not ours to read
+            continue  # the process exited meanwhile, or is not ours to read
     return mapped
 
 
@@ -107,5 +113,7 @@ def remove_stale_segments(min_age_s: float = 600, shm_dir: str = SHM_DIR, proc: 
 
 
 def describe_removed(count: int, freed: int) -> str:
-    return (f"removed {count} shared-memory segment(s) ({freed / 2**20:.0f} MiB of RAM in {SHM_DIR}) that earlier "
-            "DeepSpeed runs on CPU left behind")
+    return (
+        f"removed {count} shared-memory segment(s) ({freed / 2**20:.0f} MiB of RAM in {SHM_DIR}) that earlier "
+        "DeepSpeed runs on CPU left behind"
+    )

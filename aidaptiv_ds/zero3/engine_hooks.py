@@ -10,6 +10,7 @@ and a clean close of the swap space.
   atomically by us rather than rewritten in place by DeepSpeed (:mod:`aidaptiv_ds.common.durable`).
 - ``engine.destroy()``: DeepSpeed's, then the swap files are closed and removed (unless kept).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,9 +33,11 @@ def attach(engine, runtime) -> None:
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         if compat.checkpoint_engine_is_decoupled(engine):
-            raise ValueError("aidaptiv publishes a checkpoint once all its files are written, which a decoupled "
-                             "(asynchronous) DeepSpeed checkpoint engine does not allow: remove the "
-                             "\"checkpoint\" engine setting that selects it")
+            raise ValueError(
+                "aidaptiv publishes a checkpoint once all its files are written, which a decoupled "
+                "(asynchronous) DeepSpeed checkpoint engine does not allow: remove the "
+                '"checkpoint" engine setting that selects it'
+            )
         tag = str(tag) if tag is not None else compat.default_checkpoint_tag(engine)
         committer = compat.checkpoint_writer_rank(engine) == 0
         if committer:
@@ -47,8 +50,13 @@ def attach(engine, runtime) -> None:
         with runtime.writing():
             checkpoint.save(engine, runtime, save_dir, staging)
             with compat.checkpoint_file_hooks(engine, durable.crash_point, durable.hooks_active()):
-                ds_save(save_dir, tag=staging, client_state=client_state if client_state is not None else {},
-                        save_latest=False, **kwargs)  # returns once every rank has written its files
+                ds_save(
+                    save_dir,
+                    tag=staging,
+                    client_state=client_state if client_state is not None else {},
+                    save_latest=False,
+                    **kwargs,
+                )  # returns once every rank has written its files
         if committer:
             durable.publish(save_dir, tag, save_latest)
         dist.barrier()
@@ -63,9 +71,14 @@ def attach(engine, runtime) -> None:
                 checkpoint.read_manifest(load_dir, resolved, runtime.rank)  # refuse before DeepSpeed changes anything
         load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)
         if load_path is not None:
-            checkpoint.load(engine, runtime, load_dir, resolved,
-                            load_optimizer_states=kwargs.get("load_optimizer_states", True)
-                            and not kwargs.get("load_module_only", False))
+            checkpoint.load(
+                engine,
+                runtime,
+                load_dir,
+                resolved,
+                load_optimizer_states=kwargs.get("load_optimizer_states", True)
+                and not kwargs.get("load_module_only", False),
+            )
         return load_path, client_state
 
     @functools.wraps(ds_destroy)

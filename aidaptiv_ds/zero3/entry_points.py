@@ -15,6 +15,7 @@ every config (ours and the baselines alike): see :func:`honour_explicit_dtype`.
 :mod:`aidaptiv_ds.autoload` calls it right after ``import deepspeed``. DeepSpeed's own functions stay
 reachable through :mod:`aidaptiv_ds.zero3.originals`, which is what our initialize calls.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,6 +26,7 @@ from aidaptiv_ds.zero3.originals import WRAPPED, is_wrapped, original_zero_init
 
 def _config_of(args, kwargs):
     from aidaptiv_ds.config.ds_config import load as load_config
+
     source = kwargs.get("config") if kwargs.get("config") is not None else kwargs.get("config_params")
     if source is None and args is not None and getattr(args, "deepspeed_config", None):
         source = args.deepspeed_config
@@ -49,7 +51,8 @@ def honour_explicit_dtype(deepspeed) -> None:
     if original is None:
         raise compat.UnsupportedDeepSpeedError(
             f"deepspeed.zero.Init has no {compat.ZERO_INIT_SET_DTYPE} where DeepSpeed 0.19 keeps it: this DeepSpeed "
-            "is not supported")
+            "is not supported"
+        )
     if is_wrapped(original):
         return
 
@@ -80,6 +83,7 @@ def patch_deepspeed(deepspeed) -> None:
         if cfg is None or not is_enabled(cfg):
             return original_initialize(args, model, *rest, **kwargs)
         from aidaptiv_ds.zero3.initialize import initialize as aidaptiv_initialize
+
         return aidaptiv_initialize(args, model, *rest, **kwargs)
 
     setattr(initialize, WRAPPED, True)
@@ -95,6 +99,7 @@ def patch_deepspeed(deepspeed) -> None:
             if source is not None:
                 from aidaptiv_ds.config.ds_config import load as load_config
                 from aidaptiv_ds.zero3.initialize import _world_size, prepare
+
                 try:
                     cfg = load_config(source)
                 except (OSError, ValueError):
@@ -111,4 +116,3 @@ def patch_deepspeed(deepspeed) -> None:
     Init.__name__ = Init.__qualname__ = original_init.__name__
     Init.__module__ = original_init.__module__
     deepspeed.zero.Init = Init
-

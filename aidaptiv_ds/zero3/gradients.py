@@ -7,6 +7,7 @@ views of :class:`SubGroupGradients`' buffers instead; under memory pressure a bu
 sub-group's gradient extent (the sub-groups the step reaches last go first) and read back, a chunk's slice
 at a time, with that chunk. Resident sub-groups keep their gradient in host memory.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -67,12 +68,18 @@ class SubGroupGradients:
                 buf = self.memory.take(sg.part, f"gradients of sub-group {sg.index}")
             finally:
                 sg.pins -= 1
-            grad = buf[:sg.numel * 4].view(FP32)
+            grad = buf[: sg.numel * 4].view(FP32)
             if sg.grad_on_disk:
                 # Written out under memory pressure (earlier in this backward, or in earlier micro-steps):
                 # continue from those values.
-                self.store.wait(self.store.read_span(
-                    self.file, sg.grad_extent.offset, buf[:sg.grad_extent.reserved], f"gradients of sub-group {sg.index}"))
+                self.store.wait(
+                    self.store.read_span(
+                        self.file,
+                        sg.grad_extent.offset,
+                        buf[: sg.grad_extent.reserved],
+                        f"gradients of sub-group {sg.index}",
+                    )
+                )
             else:
                 grad.zero_()  # first gradient of this window
             sg.grad = grad
@@ -106,19 +113,25 @@ class SubGroupGradients:
                             self._write_out(sg)
                     todo = bucket
                     names = ", ".join(str(sg.index) for sg in todo)
-                    buf = self.memory.take(sum(sg.part for sg in todo),
-                                           f"gradients of sub-groups {names} (one reduce bucket, one block)")
+                    buf = self.memory.take(
+                        sum(sg.part for sg in todo), f"gradients of sub-groups {names} (one reduce bucket, one block)"
+                    )
                 offset, reads = 0, []
                 for sg in todo:
-                    part = buf[offset:offset + sg.part]
+                    part = buf[offset : offset + sg.part]
                     offset += sg.part
                     if sg.grad_on_disk:
-                        reads.append(self.store.read_span(self.file, sg.grad_extent.offset,
-                                                          part[:sg.grad_extent.reserved],
-                                                          f"gradients of sub-group {sg.index}"))
+                        reads.append(
+                            self.store.read_span(
+                                self.file,
+                                sg.grad_extent.offset,
+                                part[: sg.grad_extent.reserved],
+                                f"gradients of sub-group {sg.index}",
+                            )
+                        )
                     else:
                         part.zero_()
-                    sg.grad = part[:sg.numel * 4].view(FP32)
+                    sg.grad = part[: sg.numel * 4].view(FP32)
                 for t in reads:
                     self.store.wait(t)
             finally:
@@ -136,7 +149,7 @@ class SubGroupGradients:
         """The gradient of chunk ``c``: a slice of the sub-group's buffer in host memory, or the part of
         the chunk's buffer it was read into, or zeros when no gradient arrived this window."""
         if sg.grad is not None:
-            return sg.grad[c.start:c.start + c.numel]
+            return sg.grad[c.start : c.start + c.numel]
         if c.grad_view is not None:
             return c.grad_view
         if sg.grad_on_disk:  # written out after the chunk was loaded: read this chunk's slice now
@@ -146,9 +159,12 @@ class SubGroupGradients:
     def _read_chunk_slice(self, sg: SubGroup, c: Chunk) -> torch.Tensor:
         glo, ghi, gshift = c.grad_cover()
         buf = self.memory.take(ghi - glo, f"gradients of optimizer sub-group {sg.index}")
-        self.store.wait(self.store.read_span(self.file, sg.grad_extent.offset + glo, buf,
-                                             f"gradients of optimizer sub-group {sg.index}"))
-        return buf[gshift:gshift + c.numel * 4].view(FP32)
+        self.store.wait(
+            self.store.read_span(
+                self.file, sg.grad_extent.offset + glo, buf, f"gradients of optimizer sub-group {sg.index}"
+            )
+        )
+        return buf[gshift : gshift + c.numel * 4].view(FP32)
 
     def reclaim(self) -> bool:
         """Write out the gradient buffer of the sub-group the step will reach last, and free it (a

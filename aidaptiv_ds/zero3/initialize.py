@@ -7,6 +7,7 @@ per config even when both are called with it, rewritten so ZeRO-3 takes its NVMe
 installed, and the engine returned by ``initialize`` gains
 ``aidaptiv_stats()`` and checkpoints that carry every byte of the swapped state.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,13 +44,14 @@ def _swap_bytes_written(ds_config: Dict[str, Any]) -> int:
         for name in files:
             try:
                 total += os.lstat(os.path.join(folder, name)).st_blocks * 512
-            except OSError:   # a file another rank removes meanwhile
+            except OSError:  # a file another rank removes meanwhile
                 continue
     return total
 
 
-def needed_swap_bytes(model, ds_config: Dict[str, Any], world_size: int, local_ranks: Optional[int] = None
-                      ) -> Optional[int]:
+def needed_swap_bytes(
+    model, ds_config: Dict[str, Any], world_size: int, local_ranks: Optional[int] = None
+) -> Optional[int]:
     """NVMe bytes the model state of this node's ranks still needs (None when the model is unknown): every rank
     on the node (``local_ranks``, from the launcher's environment when None) swaps to the same filesystem, so
     the free space must hold all their shares, less what their swap folders already take."""
@@ -61,14 +63,18 @@ def needed_swap_bytes(model, ds_config: Dict[str, Any], world_size: int, local_r
     return max(0, per_rank * local - _swap_bytes_written(ds_config))
 
 
-def prepare(ds_config: Dict[str, Any], model=None, world_size: int = 1
-            ) -> Tuple[Dict[str, Any], Optional[config_settings.SwapSettings]]:
+def prepare(
+    ds_config: Dict[str, Any], model=None, world_size: int = 1
+) -> Tuple[Dict[str, Any], Optional[config_settings.SwapSettings]]:
     """Validate, resolve and translate (once per config: see :func:`aidaptiv_ds.config.resolve.resolve`) and install
     our swappers; returns (config for DeepSpeed, resolved settings or None)."""
-    translated, settings = config_resolve.resolve(ds_config, needed_bytes=needed_swap_bytes(model, ds_config, world_size))
+    translated, settings = config_resolve.resolve(
+        ds_config, needed_bytes=needed_swap_bytes(model, ds_config, world_size)
+    )
     if settings is None:
         return ds_config, None
     from aidaptiv_ds.zero3.install import install
+
     install()
     return translated, settings
 
@@ -79,6 +85,7 @@ def _return_freed_heap() -> None:
     against a cgroup's memory limit) until trimmed. Best effort: nothing happens without glibc."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -87,6 +94,7 @@ def _return_freed_heap() -> None:
 def _world_size() -> int:
     try:
         import torch.distributed as tdist
+
         if tdist.is_available() and tdist.is_initialized():
             return tdist.get_world_size()
     except Exception:
@@ -100,17 +108,28 @@ def zero_init(config, **kwargs):
     import deepspeed
 
     from aidaptiv_ds.zero3.originals import original_zero_init
+
     ds_config = load_config(config)
     translated, _ = prepare(ds_config, None, _world_size())
     return original_zero_init(deepspeed)(config_dict_or_path=translated, **kwargs)
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, config=None, config_params=None, **kwargs):
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    config=None,
+    config_params=None,
+    **kwargs,
+):
     """Same signature and returns as ``deepspeed.initialize``."""
     import deepspeed
 
     from aidaptiv_ds.zero3.originals import original_initialize
+
     source = config if config is not None else config_params
     if source is None and args is not None and getattr(args, "deepspeed_config", None):
         source = args.deepspeed_config
@@ -119,20 +138,32 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ds_config = load_config(source)
     translated, settings = (ds_config, None) if ds_config is None else prepare(ds_config, model, _world_size())
     engine, opt, loader, sched = original_initialize(deepspeed)(
-        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-        training_data=training_data, lr_scheduler=lr_scheduler, config=translated, **kwargs)
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        config=translated,
+        **kwargs,
+    )
     from aidaptiv_ds.zero3 import (
         dist_shm,  # DeepSpeed's CPU communicator would leak its /dev/shm segments
     )
+
     dist_shm.release_after_barrier()
     if settings is not None:
         runtime = getattr(engine.optimizer, "_aidaptiv", None)
         if runtime is None:
-            raise RuntimeError("aidaptiv is enabled but DeepSpeed did not build the aidaptiv ZeRO-3 optimizer: "
-                               "is zero_optimization.stage 3 and an optimizer configured?")
+            raise RuntimeError(
+                "aidaptiv is enabled but DeepSpeed did not build the aidaptiv ZeRO-3 optimizer: "
+                "is zero_optimization.stage 3 and an optimizer configured?"
+            )
         from aidaptiv_ds.zero3.engine_hooks import attach
+
         attach(engine, runtime)
         from aidaptiv_ds.zero3.activations import apply_to_engine
+
         apply_to_engine(engine, runtime, settings)
         _return_freed_heap()
     return engine, opt, loader, sched

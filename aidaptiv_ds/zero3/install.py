@@ -6,6 +6,7 @@ unchanged unless the config has an enabled ``"aidaptiv"`` block. Installing twic
 we replace in DeepSpeed are replaced elsewhere in zero3: ``AsyncIOBuilder`` in its swap modules by
 :mod:`.aio_builder`, ``deepspeed.initialize`` and ``deepspeed.zero.Init`` by :mod:`.entry_points`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -61,6 +62,7 @@ def install() -> None:
 
     partition_parameters.AsyncPartitionedParameterSwapper = parameter_swapper
     from aidaptiv_ds.zero3.optimizer import AidaptivZeroOptimizer
+
     stage3.DeepSpeedZeroOptimizer_Stage3 = AidaptivZeroOptimizer
     atexit.register(_close_all_at_exit)
     _installed = True

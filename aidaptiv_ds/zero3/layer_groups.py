@@ -6,6 +6,7 @@ the blocks (embeddings) form one group and those after them (final norm, LM head
 matches a contiguous stretch of the forward pass. Models without such a list are cut by size instead.
 Parameters are taken in ``named_parameters`` order, which for these models is the order they run in.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple

@@ -7,6 +7,7 @@ samples seen so far; ours at the optimizer step would be behind it and W&B would
 ("Steps must be monotonically increasing"). So W&B gets ours in one row at DeepSpeed's step, with the
 optimizer step as their own x-axis (``aidaptiv/step``, declared with ``wandb.define_metric``).
 """
+
 from __future__ import annotations
 
 from aidaptiv_ds.common.metrics import MONITOR_PREFIX
@@ -17,7 +18,7 @@ from aidaptiv_ds.zero3.compat import (
 )
 
 STEP_METRIC = MONITOR_PREFIX + "step"
-_axis_declared: set = set()   # ids of the W&B runs whose x-axis is declared
+_axis_declared: set = set()  # ids of the W&B runs whose x-axis is declared
 
 
 def write_events(monitor, events: list, engine) -> None:
@@ -31,7 +32,8 @@ def write_events(monitor, events: list, engine) -> None:
         if m is not None:
             m.write_events(events)
     import wandb
-    if wandb.run is None:   # DeepSpeed only starts the run on rank 0
+
+    if wandb.run is None:  # DeepSpeed only starts the run on rank 0
         return
     if wandb.run.id not in _axis_declared:
         wandb.define_metric(STEP_METRIC)

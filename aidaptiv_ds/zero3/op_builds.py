@@ -6,6 +6,7 @@ Run as its own process (as :mod:`aidaptiv_ds.harness.prebuild` does): a compile 
 should count against no one's run. The builder names are DeepSpeed's class names; the accelerator picks
 its own builder for each (CPU or CUDA), and some names mean nothing to some accelerators.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,6 +16,7 @@ def build_ops(names) -> list[str]:
     """``"<name>: ready"``, ``"...: not used by this accelerator"``, ``"...: not compatible here ..."`` or
     ``"...: build failed: <last line>"`` for each name; never raises for a failed build."""
     from deepspeed.accelerator import get_accelerator
+
     lines = []
     for name in names:
         builder = get_accelerator().get_op_builder(name)

@@ -15,6 +15,7 @@ every override defers to DeepSpeed unchanged. When it has one:
   one rank ``__avg_scatter_grads`` hands the gradients over instead of reduce-scattering them to itself;
 - ``step`` and the backward hooks record where the time goes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,6 @@ from aidaptiv_ds.zero3.prefetch import LayerGroupPrefetcher
 log = logging.getLogger(__name__)
 
 
-
 def _runtime_of(module):
     for p in module.parameters():
         swapper = getattr(p, "nvme_swapper", None)
@@ -46,7 +46,6 @@ def _runtime_of(module):
 
 
 class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
-
     def __init__(self, module, init_optimizer, param_names, *args, ds_config=None, **kwargs):
         # Whether our swappers run; the runtime itself is found in _configure_tensor_swapping, after
         # DeepSpeed has partitioned a model that was not built under zero.Init.
@@ -62,8 +61,9 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if runtime is None:
             raise RuntimeError(
                 "the config enables aidaptiv but the model's parameters were partitioned without our swapper "
-                "(by a zero.Init that did not see the \"aidaptiv\" block): build the model under "
-                "aidaptiv_ds.zero_init(config), or plainly and let deepspeed.initialize partition it")
+                '(by a zero.Init that did not see the "aidaptiv" block): build the model under '
+                "aidaptiv_ds.zero_init(config), or plainly and let deepspeed.initialize partition it"
+            )
         self._aidaptiv = runtime
         sub_group_numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
         plan = plan_run(runtime, self.module, sub_group_numels)
@@ -107,10 +107,15 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         dist.barrier()
         if self.contiguous_gradients:
             for dtype, bucket in self.ipg_buckets.items():
-                bucket.buffer = torch.empty(self.reduce_bucket_size, dtype=dtype,
-                                            device=get_accelerator().current_device_name())
+                bucket.buffer = torch.empty(
+                    self.reduce_bucket_size, dtype=dtype, device=get_accelerator().current_device_name()
+                )
         self.grad_partitions_flat_buffer = None
-        setattr(self, compat.STAGE3_GRAD_PARTITIONS, GradientPartitions(self.optimizer_swapper.gradients, self._aidaptiv_positions))
+        setattr(
+            self,
+            compat.STAGE3_GRAD_PARTITIONS,
+            GradientPartitions(self.optimizer_swapper.gradients, self._aidaptiv_positions),
+        )
 
     def initialize_optimizer_states(self):
         if self._aidaptiv is None:
@@ -131,10 +136,10 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             return super().unscale_and_clip_grads(sub_group_id, total_norm)
         # Gradient clipping as ZeRO-3 defines it, applied chunk by chunk in _optimizer_step.
         combined_scale = self.loss_scale
-        if self.clip_grad > 0.:
+        if self.clip_grad > 0.0:
             clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad  # the norm includes the loss scale
             combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
-        self._aidaptiv_grad_scale = 1. / combined_scale
+        self._aidaptiv_grad_scale = 1.0 / combined_scale
 
     def _optimizer_step(self, sub_group_id):
         runtime = self._aidaptiv
@@ -148,14 +153,20 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         def write_params(pieces, master):
             runtime.param_swapper.cache.write_pieces(
-                [(p.record, p.start, p.numel, master[p.flat:p.flat + p.numel]) for p in pieces])
+                [(p.record, p.start, p.numel, master[p.flat : p.flat + p.numel]) for p in pieces]
+            )
 
         swapper = runtime.optimizer_swapper
         hyperparameters = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        swapper.streamed_step.begin(self.fp32_partitioned_groups_flat, scale,
-                                    lambda i: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, i), write_params,
-                                    hyperparameters, self.optimizer.param_groups,
-                                    defer=swapper.master_is_parameter and runtime.cfg.deferred_update)
+        swapper.streamed_step.begin(
+            self.fp32_partitioned_groups_flat,
+            scale,
+            lambda i: DeepSpeedZeroOptimizer_Stage3._optimizer_step(self, i),
+            write_params,
+            hyperparameters,
+            self.optimizer.param_groups,
+            defer=swapper.master_is_parameter and runtime.cfg.deferred_update,
+        )
 
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
         if self._aidaptiv is None:
@@ -178,7 +189,7 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # gradient buffers are about to be filled again.
             self._aidaptiv.optimizer_swapper.streamed_step.flush()
             self._aidaptiv.phase = "backward"
-            self._aidaptiv.release_heap()   # what the forward freed, before the backward's peak
+            self._aidaptiv.release_heap()  # what the forward freed, before the backward's peak
         return super().backward_prologue()
 
     def backward_epilogue(self):
@@ -195,16 +206,19 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         one rank the partitions are the gradients themselves, so they are handed over as they are (the same
         dtype conversions and scalings as DeepSpeed's, which are identities here but for dtype)."""
         group = self._get_param_partition_group(params_to_reduce[0]) if params_to_reduce else None
-        if (self._aidaptiv is None or not params_to_reduce or dist.get_world_size(group=group) != 1
-                or self.all2all_process_group is not None):
-            return super()._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(params_to_reduce,
-                                                                              communication_data_type)
+        if (
+            self._aidaptiv is None
+            or not params_to_reduce
+            or dist.get_world_size(group=group) != 1
+            or self.all2all_process_group is not None
+        ):
+            return super()._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(params_to_reduce, communication_data_type)
         self._assert_same_partition_group(params_to_reduce)
         grads = [p.grad.view(-1) for p in params_to_reduce]
         if communication_data_type != self.dtype:
             grads = [g.to(communication_data_type) for g in grads]
         factor = self.gradient_predivide_factor
-        if self.postscale_gradients and factor != 1.0:   # divided, then multiplied back (as DeepSpeed rounds)
+        if self.postscale_gradients and factor != 1.0:  # divided, then multiplied back (as DeepSpeed rounds)
             grads = [g.div(factor).mul(factor) for g in grads]
         averaging = self._gradient_averaging_world_size(params_to_reduce, 1)
         if averaging != 1:
@@ -227,8 +241,12 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # Parameters whose partition on this rank is empty are skipped by ZeRO-3 as by us.
             positions = self._aidaptiv_positions
             runtime.optimizer_swapper.gradients.open_bucket(
-                [positions[p.ds_id][0] for p in params_to_release if p.ds_id in positions
-                 and p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel])
+                [
+                    positions[p.ds_id][0]
+                    for p in params_to_release
+                    if p.ds_id in positions and p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
+                ]
+            )
         return super().partition_grads(params_to_release, grad_partitions)
 
     def step(self, closure=None):

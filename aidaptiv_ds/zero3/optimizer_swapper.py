@@ -19,6 +19,7 @@ owns the lock and the write-behind queue the step and the gradient buffers share
 *resident* (the RAM cache tier) keep their chunk images and gradient in host memory for the run; they reach
 the disk only through checkpoints.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,20 +70,36 @@ class AidaptivOptimizerSwapper:
         self._writes = WriteBehind(runtime.store)  # optimizer images and gradients being written
         self._lock = threading.RLock()
         mem = runtime.memory
-        self.gradients = SubGroupGradients(runtime.store, mem, self.file, self.by_index, self._writes, self._lock,
-                                           current_stream)
-        self.streamed_step = StreamedStep(optimizer, runtime.store, mem, self.file, self.by_index, self.gradients,
-                                          runtime.param_swapper.cache, self._writes, self._lock, runtime.stats,
-                                          self.master_is_parameter)
+        self.gradients = SubGroupGradients(
+            runtime.store, mem, self.file, self.by_index, self._writes, self._lock, current_stream
+        )
+        self.streamed_step = StreamedStep(
+            optimizer,
+            runtime.store,
+            mem,
+            self.file,
+            self.by_index,
+            self.gradients,
+            runtime.param_swapper.cache,
+            self._writes,
+            self._lock,
+            runtime.stats,
+            self.master_is_parameter,
+        )
         mem.add_reclaimer("finished optimizer writes", self._forget_finished_writes, cheap=True)
         mem.add_reclaimer("optimizer write-behind", self._reclaim_write)
         mem.add_reclaimer("gradients in host memory", self.gradients.reclaim)
-        mem.add_holder("resident optimizer state", lambda: sum(
-            sg.region.reserved for sg in self.by_index if sg.resident))
+        mem.add_holder(
+            "resident optimizer state", lambda: sum(sg.region.reserved for sg in self.by_index if sg.resident)
+        )
         mem.add_holder("gradients", self.gradients.held_bytes)
         mem.add_holder("optimizer writes", self._writes.held_bytes)
-        mem.add_holder("optimizer chunks", lambda: sum(
-            c.image_bytes for sg in self.by_index if not sg.resident for c in sg.chunks if c.buffer is not None))
+        mem.add_holder(
+            "optimizer chunks",
+            lambda: sum(
+                c.image_bytes for sg in self.by_index if not sg.resident for c in sg.chunks if c.buffer is not None
+            ),
+        )
 
     # ------------------------------------------------------------------ registration
     def register(self, index: int, key: str, members: List[tuple], resident: bool) -> SubGroup:
@@ -130,10 +147,10 @@ class AidaptivOptimizerSwapper:
             flat = src.reshape(-1)
             for c in sg.chunks:
                 if sg.resident:
-                    c.slot(0).copy_(flat[c.start:c.start + c.numel])
+                    c.slot(0).copy_(flat[c.start : c.start + c.numel])
                     continue
                 buf = self.runtime.memory.take(c.part, f"initial master weights of sub-group {sg.index}")
-                buf[:c.numel * 4].view(FP32).copy_(flat[c.start:c.start + c.numel])
+                buf[: c.numel * 4].view(FP32).copy_(flat[c.start : c.start + c.numel])
                 t = self.runtime.store.write_span(self.file, c.offset, buf, f"master of sub-group {sg.index}")
                 self._writes.add(t, buf, True)
 
@@ -164,13 +181,13 @@ class AidaptivOptimizerSwapper:
                 step.wait_chunk(c)
                 if self.master_is_parameter:
                     for p in c.pieces:
-                        whole[c.start + p.flat:c.start + p.flat + p.numel].copy_(step.master_view(c, p))
+                        whole[c.start + p.flat : c.start + p.flat + p.numel].copy_(step.master_view(c, p))
                 else:
-                    whole[c.start:c.start + c.numel].copy_(c.slot(0))
+                    whole[c.start : c.start + c.numel].copy_(c.slot(0))
                 for k in range(STATE_SLOTS):
-                    whole[(1 + k) * n + c.start:(1 + k) * n + c.start + c.numel].copy_(c.state_slot(k))
+                    whole[(1 + k) * n + c.start : (1 + k) * n + c.start + c.numel].copy_(c.state_slot(k))
                 step.release_chunk(sg, c)
-            grad = whole[PARTS * n:]
+            grad = whole[PARTS * n :]
             g = self.gradients.tensor(sg)
             grad.copy_(g) if g is not None else grad.zero_()
             sg.whole = whole
@@ -180,7 +197,7 @@ class AidaptivOptimizerSwapper:
             state.clear()
             state.update(sg.scalars)
             for k, key in enumerate(sg.state_keys or (ADAM_KEYS if step.prefill_adam else [])):
-                state[key] = whole[(1 + k) * n:(2 + k) * n]
+                state[key] = whole[(1 + k) * n : (2 + k) * n]
 
     def swap_out_optimizer_state(self, parameter, async_swap=False):
         self.writeback_optimizer_state_and_gradients(parameter, write_opt_state=True, write_gradients=False)
@@ -206,20 +223,21 @@ class AidaptivOptimizerSwapper:
                 keys = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == n]
                 if self.master_is_parameter:
                     self.runtime.param_swapper.cache.write_pieces(
-                        [(rec, 0, cnt, whole[off:off + cnt]) for rec, off, cnt in sg.members])
+                        [(rec, 0, cnt, whole[off : off + cnt]) for rec, off, cnt in sg.members]
+                    )
                 for c in sg.chunks:
                     step.load_chunk(sg, c, blocking=True, with_master=False)
                     step.wait_chunk(c)
                     if not self.master_is_parameter:
-                        c.slot(0).copy_(whole[c.start:c.start + c.numel])
+                        c.slot(0).copy_(whole[c.start : c.start + c.numel])
                     for k, key in enumerate(keys):
-                        c.state_slot(k).copy_(state[key][c.start:c.start + c.numel])
+                        c.state_slot(k).copy_(state[key][c.start : c.start + c.numel])
                     step.store_chunk(sg, c)
                 sg.state_keys = keys or sg.state_keys
                 sg.scalars = {k: v for k, v in state.items() if k not in keys}
                 sg.state_valid = sg.state_valid or bool(keys)
             if write_gradients:
-                self.gradients.open(sg).copy_(whole[PARTS * n:])
+                self.gradients.open(sg).copy_(whole[PARTS * n :])
             self.release_swap_buffers(parameter)
 
     # ------------------------------------------------------------------ write-behind

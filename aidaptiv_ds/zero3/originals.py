@@ -4,9 +4,10 @@ wrapped them, and the mark its wrappers carry.
 This sits below both the wrappers and :mod:`aidaptiv_ds.zero3.initialize`: the wrappers call our initialize,
 which calls DeepSpeed's originals from here, so no import leads back to the wrappers.
 """
+
 from __future__ import annotations
 
-WRAPPED = "__aidaptiv_wrapped__"   # set to True on our wrapper function and our Init subclass
+WRAPPED = "__aidaptiv_wrapped__"  # set to True on our wrapper function and our Init subclass
 
 
 def is_wrapped(obj) -> bool:

@@ -20,6 +20,7 @@ Differences from DeepSpeed's swapper, and why:
 Before :meth:`AidaptivParamSwapper.plan` (while the model is being built and DeepSpeed sets up its
 optimizer) there are no groups: each partition moves alone through an ordinary aligned buffer.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -88,7 +89,7 @@ class AidaptivParamSwapper:
                 self.records[param.ds_id] = rec
             buf = aligned_empty(rec.extent.reserved)
             self._init_buffers[param.ds_id] = buf
-            return buf[:rec.nbytes].view(rec.dtype)
+            return buf[: rec.nbytes].view(rec.dtype)
 
     def swap_out_and_release(self, params, async_op=False, force_buffer_release=False):
         """Write partitions that DeepSpeed filled through :meth:`get_buffer`, then release them."""
@@ -99,9 +100,13 @@ class AidaptivParamSwapper:
                 buf = self._init_buffers.pop(p.ds_id, None)
                 if buf is None:  # a published partition being swapped out: write its current values
                     buf = aligned_empty(rec.extent.reserved)
-                    as_bytes(buf[:rec.nbytes]).copy_(as_bytes(p.ds_tensor.data))
-                tickets.append((self.runtime.store.write_span(rec.extent.file, rec.extent.offset, buf,
-                                                              f"partition {p.ds_id}"), buf))
+                    as_bytes(buf[: rec.nbytes]).copy_(as_bytes(p.ds_tensor.data))
+                tickets.append(
+                    (
+                        self.runtime.store.write_span(rec.extent.file, rec.extent.offset, buf, f"partition {p.ds_id}"),
+                        buf,
+                    )
+                )
         for t, _ in tickets:
             self.runtime.store.wait(t)
         self.remove_partition_and_release_buffers(params)
@@ -176,8 +181,12 @@ class AidaptivParamSwapper:
 
     def swap_out_partitioned_params(self, dst_fp16_params, src_fp32_params):
         """Write whole updated partitions (DeepSpeed's interface; the streamed step writes pieces)."""
-        self.cache.write_pieces([(self.records[p.ds_id], 0, self.records[p.ds_id].numel, src)
-                                 for p, src in zip(dst_fp16_params, src_fp32_params)])
+        self.cache.write_pieces(
+            [
+                (self.records[p.ds_id], 0, self.records[p.ds_id].numel, src)
+                for p, src in zip(dst_fp16_params, src_fp32_params)
+            ]
+        )
 
     # ---------------------------------------------------------------- layer groups
     def plan(self, module, layer_group_size: int, slots: int, retain: int = 0) -> None:
@@ -185,6 +194,7 @@ class AidaptivParamSwapper:
         buffers of the runtime's host memory, the last ``retain`` groups retained across the
         forward/backward turn. Called once the runtime has its pinned pool."""
         from aidaptiv_ds.zero3.layer_groups import partition_into_groups
+
         with self._lock:
             named = []
             seen = set()
@@ -229,6 +239,7 @@ class AidaptivParamSwapper:
 
     def _read_alone(self, rec: ParamRecord) -> torch.Tensor:
         buf = aligned_empty(rec.extent.reserved)
-        self.runtime.store.wait(self.runtime.store.read_span(rec.extent.file, rec.extent.offset, buf,
-                                                             f"partition {rec.ds_id}"))
-        return buf[:rec.nbytes].view(rec.dtype)
+        self.runtime.store.wait(
+            self.runtime.store.read_span(rec.extent.file, rec.extent.offset, buf, f"partition {rec.ds_id}")
+        )
+        return buf[: rec.nbytes].view(rec.dtype)

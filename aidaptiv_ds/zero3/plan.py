@@ -10,6 +10,7 @@ reading and writing 12-16 bytes per parameter every step, which is on the step's
 parameter reads overlap compute. Whatever is not resident is cached elastically (least recently used
 layer groups, gradients) and given back on demand.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,20 +41,25 @@ class RunPlan:
     resident_sub_groups: Set[int] = field(default_factory=set)
     group_slots: int = 0
     resident_bytes: int = 0
-    retained_groups: int = 0     # the last layer groups of the forward, kept until the backward uses them
+    retained_groups: int = 0  # the last layer groups of the forward, kept until the backward uses them
     retained_bytes: int = 0
 
     def describe(self) -> str:
         res = self.resident_bytes
-        kept = (f", last {self.retained_groups} layer groups retained ({self.retained_bytes / MiB:.1f} MiB)"
-                if self.retained_groups else "")
-        return (f"{len(self.group_bytes)} layer groups of up to {self.layer_group_size} layers (largest "
-                f"{max(self.group_bytes) / MiB:.1f} MiB), "
-                f"{len(self.sub_group_numels)} optimizer sub-groups ({len(self.resident_sub_groups)} resident, "
-                f"streamed in chunks of {self.chunk_numel:,} elements; "
-                f"{res / MiB:.1f} MiB), pinned pool {self.pool_bytes / MiB:.1f} MiB of a "
-                f"{self.budget_bytes / MiB:.1f} MiB budget, {self.group_slots} layer-group slots{kept}, minimum "
-                f"{self.staging_bytes / MiB:.1f} MiB")
+        kept = (
+            f", last {self.retained_groups} layer groups retained ({self.retained_bytes / MiB:.1f} MiB)"
+            if self.retained_groups
+            else ""
+        )
+        return (
+            f"{len(self.group_bytes)} layer groups of up to {self.layer_group_size} layers (largest "
+            f"{max(self.group_bytes) / MiB:.1f} MiB), "
+            f"{len(self.sub_group_numels)} optimizer sub-groups ({len(self.resident_sub_groups)} resident, "
+            f"streamed in chunks of {self.chunk_numel:,} elements; "
+            f"{res / MiB:.1f} MiB), pinned pool {self.pool_bytes / MiB:.1f} MiB of a "
+            f"{self.budget_bytes / MiB:.1f} MiB budget, {self.group_slots} layer-group slots{kept}, minimum "
+            f"{self.staging_bytes / MiB:.1f} MiB"
+        )
 
 
 def _group_bytes(records, module, layer_group_size: int) -> List[int]:
@@ -77,13 +83,28 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
     records = runtime.param_swapper.records
     # The configured layer_group_size is an upper bound (see budget_split.shrink_layer_groups).
     layer_group_size, group_bytes = shrink_layer_groups(
-        cfg.layer_group_size, cfg.prefetch_depth, budget, lambda size: _group_bytes(records, module, size))
+        cfg.layer_group_size, cfg.prefetch_depth, budget, lambda size: _group_bytes(records, module, size)
+    )
     if layer_group_size != cfg.layer_group_size:
-        log.info("aidaptiv: layer groups of %d layers instead of %d, so that prefetching %d ahead fits the "
-                 "%.1f MiB host budget", layer_group_size, cfg.layer_group_size, cfg.prefetch_depth, budget / MiB)
+        log.info(
+            "aidaptiv: layer groups of %d layers instead of %d, so that prefetching %d ahead fits the "
+            "%.1f MiB host budget",
+            layer_group_size,
+            cfg.layer_group_size,
+            cfg.prefetch_depth,
+            budget / MiB,
+        )
     parts = 2 if runtime.model_dtype == torch.float32 else PARTS  # chunk image parts (fp32: no master)
-    args = (budget, group_bytes, sub_group_numels, cfg.optimizer_chunk_numel, dtype_bytes(runtime.model_dtype), parts,
-            cfg.prefetch_depth, cfg.cache_optimizer_state)
+    args = (
+        budget,
+        group_bytes,
+        sub_group_numels,
+        cfg.optimizer_chunk_numel,
+        dtype_bytes(runtime.model_dtype),
+        parts,
+        cfg.prefetch_depth,
+        cfg.cache_optimizer_state,
+    )
     split = split_budget(*args)
     if not split.fits:
         raise ConfigError([split.shortfall()])
@@ -93,6 +114,17 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
         except ValueError as err:
             raise ConfigError([str(err)]) from None
         split = split_budget(*args, retain_groups=retention.groups)
-    return RunPlan(budget, split.pool, split.minimum, group_bytes, list(sub_group_numels), cfg.optimizer_chunk_numel,
-                   layer_group_size, split.resident, split.slots, split.resident_bytes, split.retained_groups,
-                   split.retained_bytes)
+    return RunPlan(
+        budget,
+        split.pool,
+        split.minimum,
+        group_bytes,
+        list(sub_group_numels),
+        cfg.optimizer_chunk_numel,
+        layer_group_size,
+        split.resident,
+        split.slots,
+        split.resident_bytes,
+        split.retained_groups,
+        split.retained_bytes,
+    )

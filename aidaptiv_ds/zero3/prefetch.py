@@ -6,6 +6,7 @@ group tells where the pass is, and the pass direction (forward, or backward betw
 prologue and epilogue) tells which groups come next. DeepSpeed's own NVMe prefetch, which queues single
 partitions and can queue one twice, is switched off.
 """
+
 from __future__ import annotations
 
 from aidaptiv_ds.zero3 import compat
@@ -16,7 +17,7 @@ class LayerGroupPrefetcher:
         self.runtime = runtime
         self.cache = runtime.param_swapper.cache
         self.depth = runtime.cfg.prefetch_depth
-        self.current = None   # the layer group of the last module fetched
+        self.current = None  # the layer group of the last module fetched
         records = runtime.param_swapper.records
         self.module_group = {}
         for m in module.modules():
@@ -55,4 +56,4 @@ class LayerGroupPrefetcher:
     def start_of_pass(self) -> None:
         """After the optimizer step: start reading the first groups of the next forward."""
         if self.cache.planned and self.cache.groups:
-            self.cache.prefetch(self.cache.groups[:self.depth + 1])
+            self.cache.prefetch(self.cache.groups[: self.depth + 1])

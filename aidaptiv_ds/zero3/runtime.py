@@ -7,6 +7,7 @@ sub-groups are known; :meth:`SwapRuntime.start_training` then sizes the one pinn
 (bounded by the host budget), reopens the files on an engine that registers that pool with io_uring, and
 the swappers switch to group-granular, prefetched, pooled I/O.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,24 +33,24 @@ class SwapStats:
 
     def __init__(self):
         self.peak_pinned_bytes = 0
-        self.io_wait_steps = []        # I/O wait of each optimizer step (forward + backward + step), seconds
-        self.apply_steps = []          # time applying optimizer updates during each step (incl. deferred)
+        self.io_wait_steps = []  # I/O wait of each optimizer step (forward + backward + step), seconds
+        self.apply_steps = []  # time applying optimizer updates during each step (incl. deferred)
         self.optimizer_s = 0.0
-        self.optimizer_apply_s = 0.0   # time spent applying optimizer updates (in step() or deferred)
+        self.optimizer_apply_s = 0.0  # time spent applying optimizer updates (in step() or deferred)
         self.optimizer_apply_deferred_s = 0.0  # the part of it outside step(): in the next forward (or the
-                                               # backward's flush of updates no forward fetched)
+        # backward's flush of updates no forward fetched)
         self.deferred_apply_steps = []  # that part, for each step (applied in the forward after it)
         self.optimizer_io_wait_s = 0.0
-        self.sync_param_reads = 0      # parameter fetches DeepSpeed asked for before our prefetch finished
+        self.sync_param_reads = 0  # parameter fetches DeepSpeed asked for before our prefetch finished
         self.prefetched_groups = 0
         self.group_reads = 0
-        self.group_hits = 0            # group needed and already in host memory
-        self.group_read_bytes = 0      # bytes of layer groups read from NVMe
-        self.retained_groups = 0       # the last layer groups of the forward, kept for the backward
-        self.retained_bytes = 0        # their bytes
-        self.retention_hits = 0        # backward uses of a retained group found in memory
+        self.group_hits = 0  # group needed and already in host memory
+        self.group_read_bytes = 0  # bytes of layer groups read from NVMe
+        self.retained_groups = 0  # the last layer groups of the forward, kept for the backward
+        self.retained_bytes = 0  # their bytes
+        self.retention_hits = 0  # backward uses of a retained group found in memory
         self.retention_avoided_read_bytes = 0  # the bytes of those groups: reads the retention saved
-        self.heap_trims = 0            # malloc_trim calls (trim_heap) and the time they took
+        self.heap_trims = 0  # malloc_trim calls (trim_heap) and the time they took
         self.heap_trim_s = 0.0
 
 
@@ -87,11 +88,11 @@ class SwapRuntime:
         self.memory: Optional[HostMemory] = None
         self.training = False
         self.closed = False
-        self.param_swapper = None      # set by AidaptivParamSwapper
+        self.param_swapper = None  # set by AidaptivParamSwapper
         self.optimizer_swapper = None  # set by AidaptivOptimizerSwapper
-        self.prefetcher = None         # set when the optimizer is built
+        self.prefetcher = None  # set when the optimizer is built
         self.plan = None
-        self.phase = "forward"         # "backward" between ZeRO-3's backward prologue and epilogue
+        self.phase = "forward"  # "backward" between ZeRO-3's backward prologue and epilogue
         self._retired_stats = {"bytes_read": 0, "bytes_written": 0}
 
     def _make_engine(self, pool):
@@ -99,8 +100,14 @@ class SwapRuntime:
         # The engine's threads start with SIGXFSZ blocked: a write past ulimit -f fails with EFBIG, named,
         # instead of killing the process, and the user's program keeps its own SIGXFSZ (file_size_limit).
         with efbig_not_sigxfsz():
-            return IOEngine(backend=c.backend, block_size=c.block_size, queue_depth=c.queue_depth,
-                            threads=c.io_threads, pool=pool if c.register_buffers else None, sqpoll=c.sqpoll)
+            return IOEngine(
+                backend=c.backend,
+                block_size=c.block_size,
+                queue_depth=c.queue_depth,
+                threads=c.io_threads,
+                pool=pool if c.register_buffers else None,
+                sqpoll=c.sqpoll,
+            )
 
     def writing(self):
         """A block in which this thread's writes through the engine (a checkpoint save) fail with EFBIG past
@@ -131,11 +138,19 @@ class SwapRuntime:
         self.training = True
         if self.rank == 0:
             s = self.pool.stats()
-            log.info("aidaptiv: pinned pool %.1f MiB (%s), engine %s%s, block_size %d KiB (%s), queue_depth %d (%s), "
-                     "ready in %.2fs", pool_bytes / 2**20, s["lock_method"], engine.backend.value,
-                     " with fixed buffers" if engine.fixed_buffers else "", self.cfg.block_size // 1024,
-                     self.cfg.block_size_source, self.cfg.queue_depth, self.cfg.queue_depth_source,
-                     time.perf_counter() - t0)
+            log.info(
+                "aidaptiv: pinned pool %.1f MiB (%s), engine %s%s, block_size %d KiB (%s), queue_depth %d (%s), "
+                "ready in %.2fs",
+                pool_bytes / 2**20,
+                s["lock_method"],
+                engine.backend.value,
+                " with fixed buffers" if engine.fixed_buffers else "",
+                self.cfg.block_size // 1024,
+                self.cfg.block_size_source,
+                self.cfg.queue_depth,
+                self.cfg.queue_depth_source,
+                time.perf_counter() - t0,
+            )
 
     def create_optimizer_file(self):
         if self.optim_file is None:

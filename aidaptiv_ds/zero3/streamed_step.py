@@ -14,6 +14,7 @@ only when the parameters it holds are next needed (:meth:`StreamedStep.apply_pen
 forward fetches them) and everything else by :meth:`StreamedStep.flush`, so the forward's read of a layer
 group is the optimizer's read of its masters and the optimizer's I/O overlaps the forward's compute.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,8 +57,20 @@ class StreamedStep:
     optimizer swapper's write-behind and ``lock`` its lock; ``param_cache`` is the layer-group cache that
     holds the masters when ``master_is_parameter``."""
 
-    def __init__(self, optimizer, store, memory, file, sub_groups: List[SubGroup], gradients, param_cache,
-                 writes, lock, stats, master_is_parameter: bool):
+    def __init__(
+        self,
+        optimizer,
+        store,
+        memory,
+        file,
+        sub_groups: List[SubGroup],
+        gradients,
+        param_cache,
+        writes,
+        lock,
+        stats,
+        master_is_parameter: bool,
+    ):
         self.optimizer = optimizer
         self.store = store
         self.memory = memory
@@ -71,16 +84,23 @@ class StreamedStep:
         self.master_is_parameter = master_is_parameter
         # DeepSpeed's CPU Adam keeps no state of its own before the first step: hand it zeroed slots.
         self.prefill_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
-        self._pending: List[tuple] = []        # (sub-group, chunk) of the step being applied, in order
-        self._cursor = 0                       # chunks of _pending already updated
+        self._pending: List[tuple] = []  # (sub-group, chunk) of the step being applied, in order
+        self._cursor = 0  # chunks of _pending already updated
         self._ctx: dict = {}
         self._last_chunk_of = {}
-        self._in_step = False                  # inside begin(), i.e. inside the optimizer's step()
+        self._in_step = False  # inside begin(), i.e. inside the optimizer's step()
 
     # ------------------------------------------------------------------ the step
-    def begin(self, parameters: List[torch.Tensor], grad_scale, run_optimizer: Callable[[int], None],
-              write_params: Callable[[list, torch.Tensor], None], hyperparameters: List[dict],
-              param_groups: List[dict], defer: bool) -> None:
+    def begin(
+        self,
+        parameters: List[torch.Tensor],
+        grad_scale,
+        run_optimizer: Callable[[int], None],
+        write_params: Callable[[list, torch.Tensor], None],
+        hyperparameters: List[dict],
+        param_groups: List[dict],
+        defer: bool,
+    ) -> None:
         """Start the optimizer step of every sub-group; with ``defer``, apply it only as its parameters are
         needed (see the module docstring), otherwise now.
 
@@ -94,8 +114,7 @@ class StreamedStep:
         with self.lock:
             self._in_step = True
             try:
-                self._begin(parameters, grad_scale, run_optimizer, write_params, hyperparameters, param_groups,
-                            defer)
+                self._begin(parameters, grad_scale, run_optimizer, write_params, hyperparameters, param_groups, defer)
             finally:
                 self._in_step = False
 
@@ -103,11 +122,16 @@ class StreamedStep:
         self.flush()  # a previous step not yet applied everywhere
         self._pending = [(sg, c) for sg in self.sub_groups for c in sg.chunks]
         self._cursor = 0
-        self._ctx = dict(parameters=parameters, grad_scale=grad_scale, run_optimizer=run_optimizer,
-                         write_params=write_params, hyperparameters=hyperparameters,
-                         param_groups=param_groups,
-                         remaining={sg.index: len(sg.chunks) for sg in self.sub_groups},
-                         progress={})
+        self._ctx = dict(
+            parameters=parameters,
+            grad_scale=grad_scale,
+            run_optimizer=run_optimizer,
+            write_params=write_params,
+            hyperparameters=hyperparameters,
+            param_groups=param_groups,
+            remaining={sg.index: len(sg.chunks) for sg in self.sub_groups},
+            progress={},
+        )
         self._last_chunk_of = {}
         for k, (sg, c) in enumerate(self._pending):
             for p in c.pieces:
@@ -132,7 +156,7 @@ class StreamedStep:
     def discard_pending(self) -> None:
         """Forget a pending step (its state was replaced, e.g. by a checkpoint load)."""
         with self.lock:
-            for sg, c in self._pending[self._cursor:]:
+            for sg, c in self._pending[self._cursor :]:
                 if c.buffer is not None or c.runs is not None:
                     self.release_chunk(sg, c)
             self._pending, self._cursor = [], 0
@@ -146,7 +170,7 @@ class StreamedStep:
                     k = self._cursor
                     sg, c = order[k]
                     self.load_chunk(sg, c, blocking=True)
-                    for other, ahead in order[k + 1:k + 1 + MAX_AHEAD]:
+                    for other, ahead in order[k + 1 : k + 1 + MAX_AHEAD]:
                         if not self.load_chunk(other, ahead, blocking=False):
                             break
                     self._update_chunk(sg, c, ctx)
@@ -170,18 +194,21 @@ class StreamedStep:
         grad = self.gradients.of_chunk(sg, c)
         if ctx["grad_scale"] is not None:
             grad.mul_(ctx["grad_scale"])
-        units = [(self.master_view(c, p), p.flat, p.numel) for p in c.pieces] if self.master_is_parameter \
+        units = (
+            [(self.master_view(c, p), p.flat, p.numel) for p in c.pieces]
+            if self.master_is_parameter
             else [(c.slot(0), 0, c.numel)]
+        )
         try:
             for master, lo, n in units:
                 parameter.data = master
-                parameter.grad = grad[lo:lo + n]
+                parameter.grad = grad[lo : lo + n]
                 state = self.optimizer.state.setdefault(parameter, {})
                 state.clear()
                 state.update({key: (v.clone() if torch.is_tensor(v) else v) for key, v in before.items()})
                 if sg.state_valid or self.prefill_adam:
                     for j, key in enumerate(keys):
-                        state[key] = c.state_slot(j)[lo:lo + n]
+                        state[key] = c.state_slot(j)[lo : lo + n]
                     if self.prefill_adam:
                         state.setdefault("step", 0)
                 ctx["run_optimizer"](sg.index)
@@ -210,12 +237,13 @@ class StreamedStep:
         if len(tensors) > STATE_SLOTS:
             raise UnsupportedOptimizerError(
                 f"{type(self.optimizer).__name__} keeps {len(tensors)} full-size state tensors per parameter "
-                f"({', '.join(tensors)}); aidaptiv has room for {STATE_SLOTS} (the Adam family): use Adam/AdamW")
+                f"({', '.join(tensors)}); aidaptiv has room for {STATE_SLOTS} (the Adam family): use Adam/AdamW"
+            )
         if keys and tensors and sorted(tensors) != sorted(keys):
             raise UnsupportedOptimizerError(f"optimizer state keys changed from {keys} to {tensors}")
         keys = keys or tensors
         for j, key in enumerate(keys):
-            slot, value = c.state_slot(j)[lo:lo + n], state[key].reshape(-1)
+            slot, value = c.state_slot(j)[lo : lo + n], state[key].reshape(-1)
             if value.data_ptr() != slot.data_ptr():
                 slot.copy_(value)  # the optimizer made its own tensor (first step): adopt it
         return {k: v for k, v in state.items() if k not in keys}, keys
@@ -254,13 +282,14 @@ class StreamedStep:
             if sg.state_valid:
                 requests += store.read_span(self.file, c.offset, buf[:image], what).requests
             else:  # the slots are zeros until the first step; a separate master is read alone
-                buf[c.state_start:image].zero_()
+                buf[c.state_start : image].zero_()
                 if not master_is_param:
-                    requests += store.read_span(self.file, c.offset, buf[:c.part], what).requests
+                    requests += store.read_span(self.file, c.offset, buf[: c.part], what).requests
             if with_grad:
-                requests += store.read_span(self.file, sg.grad_extent.offset + glo, buf[image:],
-                                            f"gradients of {what}").requests
-                c.grad_view = buf[image + gshift:image + gshift + c.numel * 4].view(FP32)
+                requests += store.read_span(
+                    self.file, sg.grad_extent.offset + glo, buf[image:], f"gradients of {what}"
+                ).requests
+                c.grad_view = buf[image + gshift : image + gshift + c.numel * 4].view(FP32)
             c.read = Ticket(requests, what)
         if master_is_param and with_master and c.runs is None:
             cache = self.param_cache
@@ -286,8 +315,9 @@ class StreamedStep:
         """Write a chunk's image behind and let its buffer go (resident chunks stay)."""
         if sg.resident:
             return
-        t = self.store.write_span(self.file, c.offset, c.buffer[:c.image_bytes],
-                                  f"optimizer state of sub-group {sg.index}")
+        t = self.store.write_span(
+            self.file, c.offset, c.buffer[: c.image_bytes], f"optimizer state of sub-group {sg.index}"
+        )
         self.writes.add(t, c.buffer, True)
         c.buffer = None
         c.grad_view = None

@@ -8,6 +8,7 @@ c10/cuda/impl/cuda_cmake_macros.h, for which an empty stand-in is enough to comp
 define changes is compiled to object code with the flags setup.py gives the C++ compiler; nothing is linked
 or run. Skipped where no CUDA toolkit is installed.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,15 +64,28 @@ def test_cuda_sources_compile_with_aidaptiv_with_cuda(tmp_path):
 
     stand_in = tmp_path / "include" / "c10" / "cuda" / "impl"
     stand_in.mkdir(parents=True)
-    (stand_in / "cuda_cmake_macros.h").write_text("#pragma once\n// stand-in for the header CUDA builds of "
-                                                  "torch generate\n")
+    (stand_in / "cuda_cmake_macros.h").write_text(
+        "#pragma once\n// stand-in for the header CUDA builds of torch generate\n"
+    )
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
-    flags = ["-c", "-fPIC", "-O0", "-std=c++20", "-Wall", "-Wextra", "-Wno-unused-parameter",
-             "-DAIDAPTIV_WITH_CUDA=1", "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
-             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-             f"-I{CSRC / 'include'}", f"-I{tmp_path / 'include'}",
-             *[f"-I{p}" for p in cpp_extension.include_paths()],
-             f"-I{cuda_home() / 'include'}", f"-I{sysconfig.get_paths()['include']}"]
+    flags = [
+        "-c",
+        "-fPIC",
+        "-O0",
+        "-std=c++20",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unused-parameter",
+        "-DAIDAPTIV_WITH_CUDA=1",
+        "-DTORCH_EXTENSION_NAME=_C",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{CSRC / 'include'}",
+        f"-I{tmp_path / 'include'}",
+        *[f"-I{p}" for p in cpp_extension.include_paths()],
+        f"-I{cuda_home() / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}",
+    ]
     compiler = os.environ.get("CXX", "c++")
 
     def compile_one(src: Path):
@@ -86,6 +100,5 @@ def test_cuda_sources_compile_with_aidaptiv_with_cuda(tmp_path):
     for src, obj, _ in results:
         assert obj.stat().st_size > 0, f"{src} produced an empty object file"
     # The pipeline really was compiled in, not skipped by the preprocessor.
-    symbols = subprocess.run(["nm", "-C", str(tmp_path / "device_copy.o")], capture_output=True,
-                             text=True).stdout
+    symbols = subprocess.run(["nm", "-C", str(tmp_path / "device_copy.o")], capture_output=True, text=True).stdout
     assert "read_to_device" in symbols and "write_from_device" in symbols, symbols[:2000]

@@ -6,6 +6,7 @@ falls back to a table. This machine's glibc is newer, so the test makes the old 
 with AIDAPTIV_NO_STRERRORNAME_NP (the fallback branch) and with strerrorname_np renamed to a symbol that no
 library defines, so a build that still calls it fails to link, as it would on glibc 2.31. The program is
 then run and its names compared with this glibc's own strerrorname_np. Needs only a C++ compiler."""
+
 from __future__ import annotations
 
 import ctypes
@@ -52,9 +53,21 @@ def test_error_cpp_builds_and_names_errnos_without_strerrorname_np(tmp_path):
     main = tmp_path / "main.cpp"
     main.write_text(MAIN)
     exe = tmp_path / "errno_names"
-    cmd = [compiler(), "-std=c++20", "-O0", "-Wall", "-Wextra", "-Werror", f"-I{CSRC / 'include'}",
-           "-DAIDAPTIV_NO_STRERRORNAME_NP", "-Dstrerrorname_np=strerrorname_np_needs_glibc_2_32",
-           str(CSRC / "src" / "error.cpp"), str(main), "-o", str(exe)]
+    cmd = [
+        compiler(),
+        "-std=c++20",
+        "-O0",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        f"-I{CSRC / 'include'}",
+        "-DAIDAPTIV_NO_STRERRORNAME_NP",
+        "-Dstrerrorname_np=strerrorname_np_needs_glibc_2_32",
+        str(CSRC / "src" / "error.cpp"),
+        str(main),
+        "-o",
+        str(exe),
+    ]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, f"error.cpp does not build without strerrorname_np:\n{build.stderr[-3000:]}"
     run = subprocess.run([str(exe)] + [str(c) for c in CODES], capture_output=True, text=True, timeout=60)
@@ -63,8 +76,26 @@ def test_error_cpp_builds_and_names_errnos_without_strerrorname_np(tmp_path):
     assert len(lines) == len(CODES)
     texts = dict(zip(CODES, lines))
     # The codes the engine's errors name, by name, with the C library's text.
-    for name in ("ENOENT", "EACCES", "EIO", "EINVAL", "ENOSPC", "EFBIG", "EDQUOT", "ENOMEM", "EAGAIN", "EBADF",
-                 "ENODATA", "ELOOP", "EPERM", "ENOSYS", "EROFS", "EMFILE", "EOPNOTSUPP", "ECANCELED"):
+    for name in (
+        "ENOENT",
+        "EACCES",
+        "EIO",
+        "EINVAL",
+        "ENOSPC",
+        "EFBIG",
+        "EDQUOT",
+        "ENOMEM",
+        "EAGAIN",
+        "EBADF",
+        "ENODATA",
+        "ELOOP",
+        "EPERM",
+        "ENOSYS",
+        "EROFS",
+        "EMFILE",
+        "EOPNOTSUPP",
+        "ECANCELED",
+    ):
         code = getattr(errno, name)
         assert texts[code] == f"{name} ({os.strerror(code)})", texts[code]
     # Every other code is either named as this glibc names it, or given by number; never a wrong name.

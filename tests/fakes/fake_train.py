@@ -14,6 +14,7 @@ chosen per micro-batch by FAKE_TRAIN_PLAN, a JSON object {"<micro_batch>": behav
   segv          kill itself with SIGSEGV
   ok_then_fail  write ok metrics, then exit 1
 """
+
 import argparse
 import json
 import os
@@ -29,7 +30,7 @@ def parse():
     for flag in ("--seq-len", "--micro-batch", "--grad-accum", "--steps", "--warmup"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--gpu-mem-cap-gb", type=float)
-    p.add_argument("--host-budget", type=int)   # the sweep gives aidaptiv cells their budget
+    p.add_argument("--host-budget", type=int)  # the sweep gives aidaptiv cells their budget
     p.add_argument("--create-nvme-path", action="store_true")
     args = p.parse_args()
     if args.create_nvme_path:
@@ -42,19 +43,30 @@ def write_metrics(args, status, error=None, steps=None):
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     step_s = steps or [0.1] * args.steps
-    timed = step_s[args.warmup:]
+    timed = step_s[args.warmup :]
     med = sorted(timed)[len(timed) // 2] if timed else None
     tokens = args.micro_batch * args.seq_len * args.grad_accum * world
     m = {
-        "status": status, "error": error,
+        "status": status,
+        "error": error,
         "tokens_per_s": tokens / med if (med and status == "ok") else None,
         "step_s_median": med if status == "ok" else None,
-        "step_s": step_s, "losses": [10.0 - 0.1 * i for i in range(len(step_s))],
-        "peak_rss_mb": 123.0, "peak_pinned_mb": 4.0, "peak_gpu_mb": None,
-        "nvme_read_bytes": 3_000_000 * len(timed), "nvme_write_bytes": 1_000_000 * len(timed),
+        "step_s": step_s,
+        "losses": [10.0 - 0.1 * i for i in range(len(step_s))],
+        "peak_rss_mb": 123.0,
+        "peak_pinned_mb": 4.0,
+        "peak_gpu_mb": None,
+        "nvme_read_bytes": 3_000_000 * len(timed),
+        "nvme_write_bytes": 1_000_000 * len(timed),
         "phases_s": {"forward": 0.03, "backward": 0.05, "optimizer": 0.02, "io_wait": 0.01},
-        "params": 1234567, "model": args.model, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-        "grad_accum": args.grad_accum, "world_size": world, "steps": args.steps, "warmup": args.warmup,
+        "params": 1234567,
+        "model": args.model,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "grad_accum": args.grad_accum,
+        "world_size": world,
+        "steps": args.steps,
+        "warmup": args.warmup,
         "backend": os.path.splitext(os.path.basename(args.config))[0],
         "argv": sys.argv[1:],
     }

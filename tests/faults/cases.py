@@ -10,6 +10,7 @@ processes, each with one fault (tests/faults/fault_job.py), each judged the same
 ``data_lost`` is true when any of that fails for the bytes: a resume that does not load or drifts. Used by
 the tests beside this file and by bench/faults.py, which runs every case N times for the README's table.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,16 +26,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 CONFIGS = os.path.join(REPO, "ds_configs")
 
-STEPS, SAVE_EVERY, FAULT_STEP = 6, 2, 3      # a checkpoint at step 2; the fault in the 4th step
+STEPS, SAVE_EVERY, FAULT_STEP = 6, 2, 3  # a checkpoint at step 2; the fault in the 4th step
 COMMON = ["--model", "micro", "--seq-len", "64", "--micro-batch", "2", "--warmup", "0", "--no-progress"]
-BUDGET = "40MiB"                             # well below the micro model's 94 MiB of state: it moves every step
+BUDGET = "40MiB"  # well below the micro model's 94 MiB of state: it moves every step
 JOB_TIMEOUT = 300
 REL = 1e-6
 
 
 def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    }
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".torch_extensions"))
     env.setdefault("OMP_NUM_THREADS", "2")
@@ -59,18 +63,38 @@ def write_config(folder: str, backend: str = "auto") -> str:
 class Job:
     """One training job in a child process, with or without a fault."""
 
-    def __init__(self, folder: str, config: str, name: str, fault: str = "none", step: int = FAULT_STEP,
-                 delay: float = 0.0, resume: bool = False):
+    def __init__(
+        self,
+        folder: str,
+        config: str,
+        name: str,
+        fault: str = "none",
+        step: int = FAULT_STEP,
+        delay: float = 0.0,
+        resume: bool = False,
+    ):
         self.metrics = os.path.join(folder, f"{name}.json")
         self.save = os.path.join(folder, "ckpt")
-        args = ["--config", config, *COMMON, "--steps", str(STEPS), "--metrics-out", self.metrics,
-                "--save-dir", self.save, "--save-every", str(SAVE_EVERY)]
+        args = [
+            "--config",
+            config,
+            *COMMON,
+            "--steps",
+            str(STEPS),
+            "--metrics-out",
+            self.metrics,
+            "--save-dir",
+            self.save,
+            "--save-every",
+            str(SAVE_EVERY),
+        ]
         if resume:
             args += ["--resume-from", self.save]
         cmd = [sys.executable, os.path.join(HERE, "fault_job.py"), fault, str(step), str(delay), "--", *args]
         self.t0 = time.time()
-        self.proc = subprocess.Popen(cmd, cwd=folder, env=child_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=folder, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.rc: Optional[int] = None
         self.log = ""
         self.hang = False
@@ -107,8 +131,11 @@ class Job:
 
 
 def same(ours, reference) -> bool:
-    return ours is not None and len(ours) == len(reference) and \
-        all(abs(a - b) <= REL * abs(b) for a, b in zip(ours, reference))
+    return (
+        ours is not None
+        and len(ours) == len(reference)
+        and all(abs(a - b) <= REL * abs(b) for a, b in zip(ours, reference))
+    )
 
 
 def error_is_clear(status: str, errno_words, names_offset: bool = True) -> bool:
@@ -132,8 +159,11 @@ def second_job(folder: str, first: Job) -> Job:
     """While ``first`` (started with fault "hold" in ``folder``) surely holds its swap space, run a second job on
     the same nvme_path to its end; then let the first go on."""
     t0 = time.time()
-    while not os.path.exists(os.path.join(folder, "holding")) and first.proc.poll() is None \
-            and time.time() - t0 < JOB_TIMEOUT:
+    while (
+        not os.path.exists(os.path.join(folder, "holding"))
+        and first.proc.poll() is None
+        and time.time() - t0 < JOB_TIMEOUT
+    ):
         time.sleep(0.1)
     os.makedirs(os.path.join(folder, "second"), exist_ok=True)
     try:
@@ -153,41 +183,60 @@ def run_case(name: str, folder: str, ref_losses: List[float], seed: int = 0) -> 
 
 def _failing(fault: str, errno_words, backend: str = "auto", names_offset: bool = True, crash_rc=(1,)):
     """A fault that must stop the job with a clear error, leaving the last checkpoint to resume from."""
+
     def run(folder, ref_losses, rng):
         config = write_config(folder, backend)
         # Within the step: a micro step takes 0.15-0.3 s here (a kill during the save after it is
         # tests/faults/test_checkpoint_crash.py's).
         delay = rng.uniform(0.0, 0.15) if fault == "kill9-step" else 0.0
         job = Job(folder, config, "faulty", fault, delay=delay).finish()
-        row = {"rc": job.rc, "hang": job.hang, "crash": job.rc not in crash_rc, "seconds": round(job.seconds, 1),
-               "status": job.status[-400:], "latest": job.latest()}
+        row = {
+            "rc": job.rc,
+            "hang": job.hang,
+            "crash": job.rc not in crash_rc,
+            "seconds": round(job.seconds, 1),
+            "status": job.status[-400:],
+            "latest": job.latest(),
+        }
         row["clear_error"] = fault == "kill9-step" or error_is_clear(job.status, errno_words, names_offset)
         if job.hang or row["latest"] is None:
             row["intact"] = False
             return row
         resumed = Job(folder, config, "resumed", resume=True).finish()
-        done = int(row["latest"][len("step"):])
+        done = int(row["latest"][len("step") :])
         losses = resumed.losses()
         row["resume_rc"] = resumed.rc
-        row["intact"] = resumed.rc == 0 and losses is not None and same(losses[done:], ref_losses[done:]) \
+        row["intact"] = (
+            resumed.rc == 0
+            and losses is not None
+            and same(losses[done:], ref_losses[done:])
             and same(losses[:done], ref_losses[:done])
+        )
         if not row["intact"]:
             row["resume_log"] = resumed.log[-1500:]
         return row
+
     return run
 
 
 def _surviving(fault: str, log_words):
     """A fault the job must ride through: it ends well, with the uninterrupted losses, and says what fell back."""
+
     def run(folder, ref_losses, rng):
         job = Job(folder, write_config(folder), "faulty", fault).finish()
-        row = {"rc": job.rc, "hang": job.hang, "crash": job.rc not in (0, 1), "seconds": round(job.seconds, 1),
-               "status": job.status[-400:]}
+        row = {
+            "rc": job.rc,
+            "hang": job.hang,
+            "crash": job.rc not in (0, 1),
+            "seconds": round(job.seconds, 1),
+            "status": job.status[-400:],
+        }
         row["clear_error"] = all(w in job.log for w in log_words)
         row["intact"] = job.rc == 0 and same(job.losses(), ref_losses)
         if not row["intact"]:
             row["log"] = job.log[-1500:]
         return row
+
     return run
 
 
@@ -197,36 +246,62 @@ def _two_jobs(folder, ref_losses, rng):
     first = reference(folder, "hold")
     second = second_job(folder, first)
     first.finish()
-    row = {"rc": second.rc, "hang": first.hang or second.hang, "crash": second.rc != 1 or first.rc != 0,
-           "seconds": round(first.seconds, 1), "status": second.status[-400:]}
-    row["clear_error"] = f"in use by another job (pid {first.proc.pid} " in second.status and "nvme_path" in second.status
+    row = {
+        "rc": second.rc,
+        "hang": first.hang or second.hang,
+        "crash": second.rc != 1 or first.rc != 0,
+        "seconds": round(first.seconds, 1),
+        "status": second.status[-400:],
+    }
+    row["clear_error"] = (
+        f"in use by another job (pid {first.proc.pid} " in second.status and "nvme_path" in second.status
+    )
     row["intact"] = first.rc == 0 and same(first.losses(), ref_losses)
     return row
 
 
 CASES: Dict[str, Dict[str, Callable]] = {
-    "eio-read": {"fault": "EIO on every read from step 4 (posix backend, seccomp)",
-                 "run": _failing("eio-read", ("EIO", "Input/output error"), backend="posix")},
-    "eio-write": {"fault": "EIO on every write from step 4's optimizer step (posix backend, seccomp)",
-                  "run": _failing("eio-write", ("EIO", "Input/output error"), backend="posix")},
-    "disk-full-step": {"fault": "file-size limit (ulimit -f 1 MiB) reached in step 4's optimizer step",
-                       "run": _failing("fsize-step", ("EFBIG", "File too large"))},
-    "disk-full-save": {"fault": "file-size limit (ulimit -f 64 KiB) reached while saving step 4",
-                       "run": _failing("fsize-save", ("EFBIG", "File too large"), names_offset=False)},
-    "kill9-step": {"fault": "SIGKILL at a random point (0-0.15 s) into step 4",
-                   "run": _failing("kill9-step", (), crash_rc=(-9,))},
-    "truncated-swap": {"fault": "parameter swap file truncated to 0 bytes before step 4",
-                       "run": _failing("truncate-swap", ("ENODATA", "end of file", "truncated"))},
-    "deleted-swap": {"fault": "swap files unlinked before step 4 (open files live on)",
-                     "run": _surviving("delete-swap", ())},
-    "memlock-refused": {"fault": "mlock and io_uring buffer registration refused (ENOMEM) from the start",
-                        "run": _surviving("no-memlock", ("page-locking the pinned pool",))},
-    "io_uring-refused": {"fault": "io_uring_setup refused (EPERM) from the start: posix fallback",
-                         "run": _surviving("no-uring", ("posix",))},
-    "both-refused": {"fault": "mlock, io_uring buffer registration and io_uring_setup all refused from the start",
-                     "run": _surviving("no-memlock+no-uring", ("page-locking the pinned pool", "posix"))},
-    "two-jobs": {"fault": "a second job on the same nvme_path and rank while the first runs",
-                 "run": _two_jobs},
+    "eio-read": {
+        "fault": "EIO on every read from step 4 (posix backend, seccomp)",
+        "run": _failing("eio-read", ("EIO", "Input/output error"), backend="posix"),
+    },
+    "eio-write": {
+        "fault": "EIO on every write from step 4's optimizer step (posix backend, seccomp)",
+        "run": _failing("eio-write", ("EIO", "Input/output error"), backend="posix"),
+    },
+    "disk-full-step": {
+        "fault": "file-size limit (ulimit -f 1 MiB) reached in step 4's optimizer step",
+        "run": _failing("fsize-step", ("EFBIG", "File too large")),
+    },
+    "disk-full-save": {
+        "fault": "file-size limit (ulimit -f 64 KiB) reached while saving step 4",
+        "run": _failing("fsize-save", ("EFBIG", "File too large"), names_offset=False),
+    },
+    "kill9-step": {
+        "fault": "SIGKILL at a random point (0-0.15 s) into step 4",
+        "run": _failing("kill9-step", (), crash_rc=(-9,)),
+    },
+    "truncated-swap": {
+        "fault": "parameter swap file truncated to 0 bytes before step 4",
+        "run": _failing("truncate-swap", ("ENODATA", "end of file", "truncated")),
+    },
+    "deleted-swap": {
+        "fault": "swap files unlinked before step 4 (open files live on)",
+        "run": _surviving("delete-swap", ()),
+    },
+    "memlock-refused": {
+        "fault": "mlock and io_uring buffer registration refused (ENOMEM) from the start",
+        "run": _surviving("no-memlock", ("page-locking the pinned pool",)),
+    },
+    "io_uring-refused": {
+        "fault": "io_uring_setup refused (EPERM) from the start: posix fallback",
+        "run": _surviving("no-uring", ("posix",)),
+    },
+    "both-refused": {
+        "fault": "mlock, io_uring buffer registration and io_uring_setup all refused from the start",
+        "run": _surviving("no-memlock+no-uring", ("page-locking the pinned pool", "posix")),
+    },
+    "two-jobs": {"fault": "a second job on the same nvme_path and rank while the first runs", "run": _two_jobs},
 }
 
 
@@ -266,8 +341,12 @@ def concurrent_swaps(folder: str, seed: int = 0, threads: int = 8, per_thread: i
                 w1, r1, w2, r2 = (memory.take(n, "test") for _ in range(4))
                 w1.copy_(first)
                 w2.copy_(second)
-                tickets = [store.write_span(f, ext.offset, w1), store.read_span(f, ext.offset, r1),
-                           store.write_span(f, ext.offset, w2), store.read_span(f, ext.offset, r2)]
+                tickets = [
+                    store.write_span(f, ext.offset, w1),
+                    store.read_span(f, ext.offset, r1),
+                    store.write_span(f, ext.offset, w2),
+                    store.read_span(f, ext.offset, r2),
+                ]
                 work.append((i, tickets, (first, r1), (second, r2), (w1, w2)))
             for i, tickets, (a, ra), (b, rb), _ in work:
                 for tk in tickets:
@@ -288,8 +367,17 @@ def concurrent_swaps(folder: str, seed: int = 0, threads: int = 8, per_thread: i
         space.close()
         engine.shutdown()
     swaps = threads * per_thread
-    return {"case": "concurrent-swaps", "fault": f"{swaps} swaps (write, read, rewrite, read) in flight at once "
-            f"from {threads} threads through the swap store", "injected": swaps, "hang": hang, "crash": bool(errors),
-            "clear_error": True, "mismatches": len(mismatches), "errors": errors[:3], "intact": not mismatches
-            and not errors and not hang, "data_lost": bool(mismatches or errors or hang),
-            "seconds": round(time.time() - t0, 1)}
+    return {
+        "case": "concurrent-swaps",
+        "fault": f"{swaps} swaps (write, read, rewrite, read) in flight at once "
+        f"from {threads} threads through the swap store",
+        "injected": swaps,
+        "hang": hang,
+        "crash": bool(errors),
+        "clear_error": True,
+        "mismatches": len(mismatches),
+        "errors": errors[:3],
+        "intact": not mismatches and not errors and not hang,
+        "data_lost": bool(mismatches or errors or hang),
+        "seconds": round(time.time() - t0, 1),
+    }

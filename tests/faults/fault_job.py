@@ -24,6 +24,7 @@ before the fault (kill9-step). The faults, each as a real job would meet it:
 The filters are installed with seccomp (x86_64 and aarch64); they cannot be removed, which is the point:
 the job must end with a clear error, not limp on.
 """
+
 import ctypes
 import errno
 import os
@@ -38,10 +39,16 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-ARCH = {"x86_64": (0xC000003E, {"pread64": 17, "pwrite64": 18, "mlock": 149, "mlock2": 325, "io_uring_setup": 425,
-                                "io_uring_register": 427}),
-        "aarch64": (0xC00000B7, {"pread64": 67, "pwrite64": 68, "mlock": 228, "mlock2": 284, "io_uring_setup": 425,
-                                 "io_uring_register": 427})}
+ARCH = {
+    "x86_64": (
+        0xC000003E,
+        {"pread64": 17, "pwrite64": 18, "mlock": 149, "mlock2": 325, "io_uring_setup": 425, "io_uring_register": 427},
+    ),
+    "aarch64": (
+        0xC00000B7,
+        {"pread64": 67, "pwrite64": 68, "mlock": 228, "mlock2": 284, "io_uring_setup": 425, "io_uring_register": 427},
+    ),
+}
 IORING_REGISTER_BUFFERS = 0
 
 
@@ -54,15 +61,18 @@ def seccomp_refuse(rules):
         return struct.pack("HBBI", code, jt, jf, k)
 
     allow = insn(0x06, 0, 0, 0x7FFF0000)
-    prog = [insn(0x20, 0, 0, 4), insn(0x15, 1, 0, arch), allow]      # another arch: allow
+    prog = [insn(0x20, 0, 0, 4), insn(0x15, 1, 0, arch), allow]  # another arch: allow
     for name, err, opcode in rules:
-        prog.append(insn(0x20, 0, 0, 0))                             # A = syscall number
+        prog.append(insn(0x20, 0, 0, 0))  # A = syscall number
         if opcode is None:
             prog += [insn(0x15, 0, 1, numbers[name]), insn(0x06, 0, 0, 0x00050000 | err)]
         else:
-            prog += [insn(0x15, 0, 3, numbers[name]),
-                     insn(0x20, 0, 0, 24),                           # A = low half of args[1]
-                     insn(0x15, 0, 1, opcode), insn(0x06, 0, 0, 0x00050000 | err)]
+            prog += [
+                insn(0x15, 0, 3, numbers[name]),
+                insn(0x20, 0, 0, 24),  # A = low half of args[1]
+                insn(0x15, 0, 1, opcode),
+                insn(0x06, 0, 0, 0x00050000 | err),
+            ]
     prog.append(allow)
     code = b"".join(prog)
     buf = ctypes.create_string_buffer(code)
@@ -72,7 +82,7 @@ def seccomp_refuse(rules):
 
     fprog = Fprog(len(code) // 8, ctypes.addressof(buf))
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(38, 1, 0, 0, 0) != 0:                              # PR_SET_NO_NEW_PRIVS
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
     # seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, prog): every thread, the engine's included.
     nr = 317 if platform.machine() == "x86_64" else 277
@@ -92,10 +102,15 @@ def main():
     sep = sys.argv.index("--")
     faults, step = set(sys.argv[1].split("+")), int(sys.argv[2])
     delay = float(sys.argv[3]) if sep > 3 else 0.0
-    train_args = sys.argv[sep + 1:]
+    train_args = sys.argv[sep + 1 :]
     if "no-memlock" in faults:
-        seccomp_refuse([("mlock", errno.ENOMEM, None), ("mlock2", errno.ENOMEM, None),
-                        ("io_uring_register", errno.ENOMEM, IORING_REGISTER_BUFFERS)])
+        seccomp_refuse(
+            [
+                ("mlock", errno.ENOMEM, None),
+                ("mlock2", errno.ENOMEM, None),
+                ("io_uring_register", errno.ENOMEM, IORING_REGISTER_BUFFERS),
+            ]
+        )
     if "no-uring" in faults:
         seccomp_refuse([("io_uring_setup", errno.EPERM, None)])
 

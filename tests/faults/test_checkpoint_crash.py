@@ -12,6 +12,7 @@ model it builds (so DeepSpeed's process-wide parameter ids differ from the savin
 resume_from_checkpoint), loads every folder through `latest` and trains two steps: the step it resumes at
 must be the previous or the new checkpoint's, and its two losses the uninterrupted run's at that step.
 """
+
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from helpers import CONFIGS, _free_port, child_env
 REL = 1e-5  # fp32: the resumed trajectory is the uninterrupted one within this relative error
 SAVES = [("a", 2), ("b", 3), ("b", 4)]  # (tag, step) of the three saves
 
-JOB = r'''
+JOB = r"""
 import json, os, sys
 import torch
 import deepspeed
@@ -80,7 +81,7 @@ else:
         s = client["step"]
         results[folder] = {"step": s, "losses": [step(engine, s), step(engine, s + 1)]}
     json.dump(results, open(out, "w"))
-'''
+"""
 
 
 def _config(tmp_path):
@@ -88,8 +89,9 @@ def _config(tmp_path):
         cfg = json.load(f)
     swap = tmp_path / "swap"
     swap.mkdir(exist_ok=True)
-    cfg["aidaptiv"].update(nvme_path=str(swap), host_memory_budget="8MiB", layer_group_size=1,
-                           optimizer_chunk_numel=32768)
+    cfg["aidaptiv"].update(
+        nvme_path=str(swap), host_memory_budget="8MiB", layer_group_size=1, optimizer_chunk_numel=32768
+    )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     return str(path)
@@ -99,10 +101,17 @@ def _run(tmp_path, name, *args, **env):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     out = tmp_path / f"{name}.json"
-    p = subprocess.run([sys.executable, str(script), args[0], _config(tmp_path), str(out), *args[1:]],
-                       cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
-                       env=child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                                     MASTER_PORT=str(_free_port()), **env))
+    p = subprocess.run(
+        [sys.executable, str(script), args[0], _config(tmp_path), str(out), *args[1:]],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+        env=child_env(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **env
+        ),
+    )
     return p, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -119,9 +128,10 @@ def _check(folder, result, allowed, reference, what):
     got = None if result is None else result["step"]
     assert got in allowed, f"{what}: {folder} resumes at step {got}, expected one of {allowed}"
     if result is not None:
-        want = reference[got:got + 2]
-        assert all(abs(a - b) <= REL * abs(b) for a, b in zip(result["losses"], want)), \
+        want = reference[got : got + 2]
+        assert all(abs(a - b) <= REL * abs(b) for a, b in zip(result["losses"], want)), (
             f"{what}: {folder} at step {got} gives losses {result['losses']}, the uninterrupted run {want}"
+        )
     return got
 
 
@@ -129,8 +139,14 @@ def test_kill_at_every_point_of_a_save_leaves_the_previous_or_the_new_checkpoint
     snaps = tmp_path / "snapshots"
     snaps.mkdir()
     save_dir = tmp_path / "ck"
-    p, ref = _run(tmp_path, "reference", "train", str(save_dir), AIDAPTIV_DS_TEST_SNAPSHOT_FROM=str(save_dir),
-                  AIDAPTIV_DS_TEST_SNAPSHOT_TO=str(snaps))
+    p, ref = _run(
+        tmp_path,
+        "reference",
+        "train",
+        str(save_dir),
+        AIDAPTIV_DS_TEST_SNAPSHOT_FROM=str(save_dir),
+        AIDAPTIV_DS_TEST_SNAPSHOT_TO=str(snaps),
+    )
     assert p.returncode == 0, p.stdout[-4000:]
     points, losses = ref["points"], ref["losses"]
     labels = {k: (snaps / f"{k}.label").read_text() for k in range(1, points[-1] + 1)}
@@ -141,8 +157,10 @@ def test_kill_at_every_point_of_a_save_leaves_the_previous_or_the_new_checkpoint
     # Real kill -9 at two points of the last save (a second save to the tag `latest` names): in the middle of
     # our first data file, and between the folder exchange and `latest`.
     last = range(points[1] + 1, points[2] + 1)
-    chosen = [next(k for k in last if labels[k].startswith("copied")),
-              next(k for k in last if "exchanged" in labels[k])]
+    chosen = [
+        next(k for k in last if labels[k].startswith("copied")),
+        next(k for k in last if "exchanged" in labels[k]),
+    ]
     killed = []
     for k in chosen:
         d = tmp_path / f"killed{k}"
@@ -163,5 +181,7 @@ def test_kill_at_every_point_of_a_save_leaves_the_previous_or_the_new_checkpoint
     # Every save was seen both before and after it took effect.
     assert all(len(v) == 2 for v in seen.values()), seen
     shutil.rmtree(snaps)  # hundreds of MiB of copies
-    print(f"crash points checked: {points[-1]} snapshots ({points[0]}, {points[1] - points[0]}, "
-          f"{points[2] - points[1]} in the three saves) and {len(killed)} real kills")
+    print(
+        f"crash points checked: {points[-1]} snapshots ({points[0]}, {points[1] - points[0]}, "
+        f"{points[2] - points[1]} in the three saves) and {len(killed)} real kills"
+    )

@@ -1,4 +1,5 @@
 """More than a hundred swaps in flight at once through the swap store, byte for byte (cases.concurrent_swaps)."""
+
 import cases
 
 

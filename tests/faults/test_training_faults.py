@@ -5,14 +5,16 @@ CI runs one case of each kind (an I/O error, a kill, the swap space damaged unde
 fallbacks, two jobs); set AIDAPTIV_FAULTS_ALL=1 to run every case here (EIO on reads, ulimit -f mid-step and
 mid-save, deleted swap files, each refusal alone), as bench/faults.py does N times.
 """
+
 import os
 import platform
 
 import cases
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"),
-                                reason="the seccomp filters are written for x86_64 and aarch64")
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "aarch64"), reason="the seccomp filters are written for x86_64 and aarch64"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,9 @@ def test_fault(name, reference, tmp_path):
     check(cases.run_case(name, str(tmp_path), reference[0].losses()))
 
 
-@pytest.mark.skipif(not os.environ.get("AIDAPTIV_FAULTS_ALL"), reason="bench/faults.py runs it; "
-                    "AIDAPTIV_FAULTS_ALL=1 runs it here")
+@pytest.mark.skipif(
+    not os.environ.get("AIDAPTIV_FAULTS_ALL"), reason="bench/faults.py runs it; AIDAPTIV_FAULTS_ALL=1 runs it here"
+)
 @pytest.mark.parametrize("name", MORE)
 def test_more_faults(name, reference, tmp_path):
     check(cases.run_case(name, str(tmp_path), reference[0].losses()))

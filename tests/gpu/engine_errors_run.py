@@ -8,6 +8,7 @@ ValueError, OutOfPinnedMemory -> MemoryError, SystemError -> FileNotFoundError).
 
     python tests/gpu/engine_errors_run.py train --config ... (train's arguments)
 """
+
 import os
 import sys
 import tempfile
@@ -26,9 +27,13 @@ def probe():
         ("torch c10::Error", RuntimeError, lambda: torch.empty(-1)),
         ("engine InvalidArgument", ValueError, lambda: PinnedPool(4096).allocate(-5)),
         ("engine OutOfPinnedMemory", MemoryError, lambda: PinnedPool(4096).allocate(1 << 20)),
-        ("engine SystemError", FileNotFoundError,
-         lambda: IOEngine(backend="posix").read(PinnedPool(4096).allocate(4096),
-                                                 os.path.join(tempfile.gettempdir(), "no-such-dir", "x"))),
+        (
+            "engine SystemError",
+            FileNotFoundError,
+            lambda: IOEngine(backend="posix").read(
+                PinnedPool(4096).allocate(4096), os.path.join(tempfile.gettempdir(), "no-such-dir", "x")
+            ),
+        ),
     ]
     for name, expected, raise_it in cases:
         print(f"PROBE {name}: raising", flush=True)
@@ -40,7 +45,7 @@ def probe():
 
 def _allocate(self, nbytes, large):
     buf = take(self, nbytes, large)
-    if buf is None and not probed:   # the budget is full for the first time
+    if buf is None and not probed:  # the budget is full for the first time
         probed.append(True)
         probe()
     return buf
@@ -50,4 +55,5 @@ host_memory.HostMemory._allocate = _allocate
 
 if __name__ == "__main__":
     from aidaptiv_ds.cli import main
+
     sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,5 @@
 """The CUDA pipeline (file <-> pinned staging <-> GPU). Skipped without CUDA; run on a GPU machine."""
+
 import os
 
 import pytest
@@ -7,8 +8,9 @@ import torch
 from aidaptiv_ds.engine import _C
 from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and _C.WITH_CUDA),
-                                reason="needs a CUDA device and aidaptiv_ds built with CUDA")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _C.WITH_CUDA), reason="needs a CUDA device and aidaptiv_ds built with CUDA"
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,7 @@ def test_round_trip_through_the_gpu(backend, nbytes, pool, tmp_path):
     staging = pool.allocate(2 * (256 << 10))  # small halves: many chunks, so the pipeline really turns
     g = torch.Generator(device="cuda").manual_seed(nbytes)
     # Produced by a kernel on the current stream just before: the side stream must wait for it.
-    src = (torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=g) ^ 0x5A)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=g) ^ 0x5A
     path = tmp_path / "gpu.bin"
     with IOEngine(backend=backend, pool=pool) as engine:
         assert engine.write_from_device(src, path, 4096, staging) == nbytes

@@ -4,6 +4,7 @@ parameters and optimizer state really streamed through the swap files. Skipped w
 The host budget (40 MiB) is below the micro preset's model state (94 MiB in fp32), so every step reads and
 writes the state through NVMe, and the GPU receives each parameter from a host slot the swapper may reuse.
 """
+
 import os
 import subprocess
 import sys
@@ -70,8 +71,12 @@ def test_activation_policies_on_cuda_follow_in_memory_zero3(tmp_path, policy):
     """The activation policies on CUDA, fp32: block inputs stored through the swap space (nvme), or a plan per
     block (auto), and the loss in chunks, on the trajectory of in-memory ZeRO-3 with activations kept."""
     ref = _train(tmp_path, os.path.join(CONFIGS, "zero3.json"), "zero3", "fp32")
-    config = aidaptiv_config(tmp_path, host_memory_budget="40MiB", layer_group_size=1,
-                             activations={"policy": policy, "loss_chunk_tokens": 64})
+    config = aidaptiv_config(
+        tmp_path,
+        host_memory_budget="40MiB",
+        layer_group_size=1,
+        activations={"policy": policy, "loss_chunk_tokens": 64},
+    )
     ours = _train(tmp_path, config, f"aidaptiv-{policy}", "fp32")
     print(f"{policy} zero3    {ref['losses']}\n{policy} aidaptiv {ours['losses']}")
     assert ours["losses"] == pytest.approx(ref["losses"], rel=REL["fp32"])
@@ -85,11 +90,17 @@ def test_activation_policies_on_cuda_follow_in_memory_zero3(tmp_path, policy):
 def test_auto_activation_budget_follows_the_gpu_memory_cap(tmp_path):
     """--gpu-mem-cap-gb emulates a smaller card with the allocator's fraction; the auto policy's budget must be
     half of what is left under that cap, not of the whole device's free memory."""
-    config = aidaptiv_config(tmp_path, host_memory_budget="40MiB", layer_group_size=1,
-                             activations={"policy": "auto", "loss_chunk_tokens": 64})
+    config = aidaptiv_config(
+        tmp_path,
+        host_memory_budget="40MiB",
+        layer_group_size=1,
+        activations={"policy": "auto", "loss_chunk_tokens": 64},
+    )
     out = tmp_path / "capped.json"
-    rc, log = run_train(["--config", config, *COMMON, "--dtype", "fp32", "--gpu-mem-cap-gb", "2",
-                         "--metrics-out", str(out)], cwd=tmp_path)
+    rc, log = run_train(
+        ["--config", config, *COMMON, "--dtype", "fp32", "--gpu-mem-cap-gb", "2", "--metrics-out", str(out)],
+        cwd=tmp_path,
+    )
     assert rc == 0, failure_excerpt(log)
     plan = read_metrics(out)["activations"]["plan"]
     assert "under this process's cap" in plan["budget_source"], plan["budget_source"]
@@ -102,10 +113,21 @@ def test_engine_errors_are_exceptions_in_a_cuda_training_process(tmp_path):
     C++ exceptions: they must arrive as Python exceptions in a process with CUDA, DeepSpeed and its ops
     loaded, and training must go on after them."""
     out = tmp_path / "m.json"
-    cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "engine_errors_run.py"), "train",
-           "--config", _aidaptiv_config(tmp_path), *COMMON, "--dtype", "fp32", "--metrics-out", str(out)]
-    p = subprocess.run(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        os.path.join(os.path.dirname(__file__), "engine_errors_run.py"),
+        "train",
+        "--config",
+        _aidaptiv_config(tmp_path),
+        *COMMON,
+        "--dtype",
+        "fp32",
+        "--metrics-out",
+        str(out),
+    ]
+    p = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
     probes = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE")]
     assert p.returncode == 0, "\n".join(probes) + "\n" + failure_excerpt(p.stdout)
     assert sum("caught" in ln for ln in probes) == 4, probes

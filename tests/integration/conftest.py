@@ -1,4 +1,5 @@
 """The fake_env fixture: environment and ds_configs folder for sweeps that launch the fake trainer."""
+
 import os
 
 import pytest

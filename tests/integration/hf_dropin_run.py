@@ -20,6 +20,7 @@ the names and element count of the parameters that require gradients and our swa
 bytes when training begins and at the end of every step (``nvme_write_bytes_steps``, 1 + steps values), so
 that the test sees what each step wrote.
 """
+
 import argparse
 import json
 import sys
@@ -33,12 +34,20 @@ LORA_LR, LORA_R, LORA_ALPHA, LORA_TARGETS = 1e-2, 8, 16, ["q_proj", "v_proj"]
 
 def lora_config():
     from peft import LoraConfig
-    return LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0,
-                      bias="none", task_type="CAUSAL_LM")
+
+    return LoraConfig(
+        r=LORA_R,
+        lora_alpha=LORA_ALPHA,
+        target_modules=LORA_TARGETS,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def model_config():
     from aidaptiv_ds.models.presets import preset_config
+
     return preset_config("micro")
 
 
@@ -49,6 +58,7 @@ def token_rows(vocab):
 
 def build_model():
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(SEED)
     return AutoModelForCausalLM.from_config(model_config())
 
@@ -80,7 +90,7 @@ def recording(trainer_cls):
                 self.trainer.write_bytes.append(stats()["nvme_write_bytes"])
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.record()   # the engine is made: the base is in the swap space
+            self.record()  # the engine is made: the base is in the swap space
 
         def on_step_end(self, args, state, control, **kwargs):
             self.record()
@@ -97,6 +107,7 @@ def recording(trainer_cls):
             loss = super().training_step(*args, **kwargs)
             self.losses.append(float(loss))
             return loss
+
     return Recording
 
 
@@ -109,20 +120,32 @@ def trainable(model):
 
 def engine_facts(engine):
     stats = engine.aidaptiv_stats() if hasattr(engine, "aidaptiv_stats") else None
-    return {"swapper": stats is not None, "nvme_read_bytes": stats["nvme_read_bytes"] if stats else 0,
-            "reduce_bucket_size": engine.zero_reduce_bucket_size(),
-            "persistence_threshold": engine.zero_param_persistence_threshold(),
-            "persistent_params": len(getattr(engine.optimizer, "persistent_parameters", []))}
+    return {
+        "swapper": stats is not None,
+        "nvme_read_bytes": stats["nvme_read_bytes"] if stats else 0,
+        "reduce_bucket_size": engine.zero_reduce_bucket_size(),
+        "persistence_threshold": engine.zero_param_persistence_threshold(),
+        "persistent_params": len(getattr(engine.optimizer, "persistent_parameters", [])),
+    }
 
 
 def common_args(a):
-    return dict(output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=BATCH,
-                learning_rate=LORA_LR if a.lora else LR, logging_steps=1, report_to="none", save_strategy="no",
-                seed=SEED, deepspeed=a.config)
+    return dict(
+        output_dir=a.output_dir,
+        max_steps=a.steps,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LORA_LR if a.lora else LR,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=SEED,
+        deepspeed=a.config,
+    )
 
 
 def run_trainer(a):
     from transformers import Trainer, TrainingArguments
+
     model = build_model() if a.model_first else None
     args = TrainingArguments(**common_args(a))
     if model is None:
@@ -130,7 +153,8 @@ def run_trainer(a):
     rows = token_rows(model.config.vocab_size)
     if a.lora:
         from peft import get_peft_model
-        model = get_peft_model(model, lora_config())   # the user's own wrapping, before the Trainer
+
+        model = get_peft_model(model, lora_config())  # the user's own wrapping, before the Trainer
     trainer = recording(Trainer)(model=model, args=args, train_dataset=Rows(rows))
     trainer.train()
     if a.save:
@@ -149,17 +173,21 @@ def run_sft(a):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
+
     # fp32 (TRL defaults to bf16); everything else as TRL sets it, gradient checkpointing included.
     args = SFTConfig(**common_args(a), bf16=False)
     model = build_model()
     vocab = model.config.vocab_size
     # A word-level tokenizer over the ids themselves: the rows are already tokenized, and TRL wants one for
     # padding and special tokens; nothing is downloaded.
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({str(i): i for i in range(vocab)},
-                                                                               unk_token="0")),
-                                  unk_token="0", pad_token="1", eos_token="2")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({str(i): i for i in range(vocab)}, unk_token="0")),
+        unk_token="0",
+        pad_token="1",
+        eos_token="2",
+    )
     data = Dataset.from_dict({"input_ids": token_rows(vocab).tolist()})
-    extra = {"peft_config": lora_config()} if a.lora else {}   # TRL wraps the model with PEFT itself
+    extra = {"peft_config": lora_config()} if a.lora else {}  # TRL wraps the model with PEFT itself
     trainer = recording(SFTTrainer)(model=model, args=args, train_dataset=data, processing_class=tok, **extra)
     trainer.train()
     return trainer.losses, {**engine_facts(trainer.model_wrapped), **lora_facts(a, trainer)}
@@ -168,6 +196,7 @@ def run_sft(a):
 def run_accelerate(a):
     from accelerate import Accelerator
     from accelerate.utils import DummyOptim, DummyScheduler
+
     accelerator = Accelerator()
     model = build_model()  # under deepspeed.zero.Init when the accelerate config sets zero3_init_flag
     rows = token_rows(model.config.vocab_size)

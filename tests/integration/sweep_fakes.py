@@ -1,4 +1,5 @@
 """Helpers for sweeps with the fake trainer (tests/fakes/fake_train.py) under the real deepspeed launcher."""
+
 import json
 import os
 import sys
@@ -11,8 +12,17 @@ DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 
 def write_grid(path, **kw):
-    grid = {"notes": "integration test grid", "models": ["micro"], "micro_batches": [1], "seq_lens": [8],
-            "gpus": [1], "steps": 4, "warmup": 1, "timeout_s": 60, "backends": ["zero3"]}
+    grid = {
+        "notes": "integration test grid",
+        "models": ["micro"],
+        "micro_batches": [1],
+        "seq_lens": [8],
+        "gpus": [1],
+        "steps": 4,
+        "warmup": 1,
+        "timeout_s": 60,
+        "backends": ["zero3"],
+    }
     grid.update(kw)
     path.write_text(json.dumps(grid))
     return str(path)

@@ -6,6 +6,7 @@ through the swap space, and the metrics say what was done.
 The micro preset (2 blocks, hidden 256) at micro-batch 2 x 64 tokens: each block input is 128 KiB; the loss
 runs in chunks of 16 tokens (8 chunks).
 """
+
 import json
 import os
 import subprocess
@@ -35,8 +36,11 @@ def aidaptiv_config(tmp_path, **activations):
 
 def train(tmp_path, config, name, *extra, procs=None):
     out = tmp_path / f"{name}.json"
-    rc, log = run_train(["--config", config, *COMMON, "--steps", str(STEPS), "--metrics-out", str(out), *extra],
-                        cwd=tmp_path, launcher_procs=procs)
+    rc, log = run_train(
+        ["--config", config, *COMMON, "--steps", str(STEPS), "--metrics-out", str(out), *extra],
+        cwd=tmp_path,
+        launcher_procs=procs,
+    )
     assert rc == 0, failure_excerpt(log)
     return read_metrics(out)
 
@@ -64,7 +68,7 @@ def test_each_policy_with_the_chunked_loss_matches_zero3(tmp_path, reference, po
         assert m["phases_s"]["activation_io_wait"] is not None
     else:
         assert "bytes_stored" not in a
-    assert os.listdir(tmp_path / "swap") == []     # the activation file went with the rest
+    assert os.listdir(tmp_path / "swap") == []  # the activation file went with the rest
 
 
 def test_bf16_nvme_policy_is_as_close_as_the_chunked_sums_allow(tmp_path):
@@ -72,8 +76,9 @@ def test_bf16_nvme_policy_is_as_close_as_the_chunked_sums_allow(tmp_path):
     # several chunks the loss and the head's weight gradient are summed in another order, which moves a few
     # bf16 roundings of the updated weights: measured 4.7e-6 relative after 4 steps (first step: 6e-8).
     ref = train(tmp_path, os.path.join(CONFIGS, "zero3_cpu_offload.json"), "bf16-ref", "--dtype", "bf16")
-    m = train(tmp_path, aidaptiv_config(tmp_path, policy="nvme", loss_chunk_tokens=CHUNK), "bf16-nvme",
-              "--dtype", "bf16")
+    m = train(
+        tmp_path, aidaptiv_config(tmp_path, policy="nvme", loss_chunk_tokens=CHUNK), "bf16-nvme", "--dtype", "bf16"
+    )
     assert abs(m["losses"][0] - ref["losses"][0]) <= 1e-6 * abs(ref["losses"][0])
     assert_same_losses(m["losses"], ref["losses"], rel=2e-5)
     assert m["activations"]["bytes_stored"] >= 2 * STEPS * 2 * 64 * 256 * 2
@@ -88,8 +93,7 @@ def test_nvme_and_auto_policies_on_two_ranks_match_zero3_two_ranks(tmp_path, mon
     # every rank (rank 0's plan); no rates cache, so the plan measured the disk through the engine.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))
     monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win
-    m = train(tmp_path, aidaptiv_config(tmp_path, policy="auto", loss_chunk_tokens=CHUNK, budget=0), "auto-2",
-              procs=2)
+    m = train(tmp_path, aidaptiv_config(tmp_path, policy="auto", loss_chunk_tokens=CHUNK, budget=0), "auto-2", procs=2)
     assert_same_losses(m["losses"], ref["losses"])
     a = m["activations"]
     assert a["plan"]["stored_blocks"] == [0, 1] and a["plan"]["budget_source"] == "activations.budget"
@@ -129,13 +133,22 @@ def run_plain(tmp_path, name, **activations):
     config = aidaptiv_config(sub, **activations)
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
-    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(_free_port()))
-    p = subprocess.run([sys.executable, str(script), config], cwd=sub, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=600)
+    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    p = subprocess.run(
+        [sys.executable, str(script), config],
+        cwd=sub,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-4000:]
-    lines = {ln.split(" ", 1)[0]: json.loads(ln.split(" ", 1)[1]) for ln in p.stdout.splitlines()
-             if ln.startswith(("LOSSES ", "ACTIVATIONS "))}
+    lines = {
+        ln.split(" ", 1)[0]: json.loads(ln.split(" ", 1)[1])
+        for ln in p.stdout.splitlines()
+        if ln.startswith(("LOSSES ", "ACTIVATIONS "))
+    }
     return lines["LOSSES"], lines["ACTIVATIONS"]
 
 
@@ -147,22 +160,24 @@ def test_plain_deepspeed_script_under_zero_init_gets_the_policy(tmp_path):
     assert stats["tensors_stored"] >= 3 * 3 and stats["bytes_read"] >= stats["bytes_stored"] > 0
 
 
-SLOW_DISK = 1000.0    # bytes/s given as the disk's bandwidth: storing a block never beats recomputing it
+SLOW_DISK = 1000.0  # bytes/s given as the disk's bandwidth: storing a block never beats recomputing it
 
 
 def test_auto_policy_mixing_every_mode_matches_keep(tmp_path):
     keep, _ = run_plain(tmp_path, "keep", policy="keep", loss_chunk_tokens=0)
     # A budget with room for everything keeps all three blocks, and reports what each one measured.
-    everything, first = run_plain(tmp_path, "all", policy="auto", loss_chunk_tokens=0, budget=1 << 40,
-                                  nvme_bandwidth=SLOW_DISK)
+    everything, first = run_plain(
+        tmp_path, "all", policy="auto", loss_chunk_tokens=0, budget=1 << 40, nvme_bandwidth=SLOW_DISK
+    )
     assert_same_losses(everything, keep)
     assert first["plan"]["kept_blocks"] == [0, 1, 2] and first["bytes_stored"] == 0
     # The blocks have one shape: room for one kept block, one recomputed input and one stored block's rest.
     b = first["plan"]["blocks"][-1]
     assert b["input_bytes"] == 2 * 128 * 128 * 4 and b["saved_bytes"] > b["stored_bytes"] // 2 > b["input_bytes"]
     budget = b["saved_bytes"] + b["input_bytes"] + b["left_bytes"]
-    mixed, stats = run_plain(tmp_path, "mixed", policy="auto", loss_chunk_tokens=0, budget=budget,
-                             nvme_bandwidth=SLOW_DISK)
+    mixed, stats = run_plain(
+        tmp_path, "mixed", policy="auto", loss_chunk_tokens=0, budget=budget, nvme_bandwidth=SLOW_DISK
+    )
     assert_same_losses(mixed, keep)
     plan = stats["plan"]
     assert [x["mode"] for x in plan["blocks"]] == ["nvme", "recompute", "keep"], plan
@@ -174,16 +189,38 @@ def test_auto_policy_mixing_every_mode_matches_keep(tmp_path):
 
 def run_hf_trainer(tmp_path, name, **activations):
     from helpers import REPO
+
     sub = tmp_path / name
     sub.mkdir()
     config = aidaptiv_config(sub, **activations)
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [deepspeed, "--num_accelerators", "1", "--master_port", str(_free_port()),
-           os.path.join(REPO, "examples", "hf_trainer_finetune.py"), "--deepspeed", config,
-           "--output_dir", str(sub / "out"), "--max_steps", "3", "--per_device_train_batch_size", "2",
-           "--learning_rate", "7e-6", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]
-    p = subprocess.run(cmd, cwd=sub, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=600)
+    cmd = [
+        deepspeed,
+        "--num_accelerators",
+        "1",
+        "--master_port",
+        str(_free_port()),
+        os.path.join(REPO, "examples", "hf_trainer_finetune.py"),
+        "--deepspeed",
+        config,
+        "--output_dir",
+        str(sub / "out"),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "7e-6",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+    ]
+    p = subprocess.run(
+        cmd, cwd=sub, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
     assert p.returncode == 0, p.stdout[-4000:]
     losses = json.loads([x for x in p.stdout.splitlines() if "losses=" in x][-1].split("losses=")[1])
     stats = [x for x in p.stdout.splitlines() if x.startswith("activations=")]
@@ -193,6 +230,6 @@ def run_hf_trainer(tmp_path, name, **activations):
 def test_hf_trainer_gets_the_policy_from_the_deepspeed_config(tmp_path):
     keep, _ = run_hf_trainer(tmp_path, "keep", policy="keep", loss_chunk_tokens=0)
     nvme, stats = run_hf_trainer(tmp_path, "nvme", policy="nvme", loss_chunk_tokens=CHUNK)
-    assert len(nvme) == 3 and nvme == pytest.approx(keep, rel=1e-4)   # the Trainer logs 4 significant digits
+    assert len(nvme) == 3 and nvme == pytest.approx(keep, rel=1e-4)  # the Trainer logs 4 significant digits
     assert stats["policy"] == "nvme" and stats["loss_chunk_tokens"] == CHUNK
     assert stats["recompute"] and stats["bytes_read"] >= stats["bytes_stored"] > 0

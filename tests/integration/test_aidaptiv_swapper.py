@@ -5,6 +5,7 @@ with --deepspeed, and a plain deepspeed.initialize script.
 The host budget (40 MiB) is well below the micro preset's model state (4.7M parameters, 94 MiB), so
 parameters and optimizer state really move through the swap files every step.
 """
+
 import glob
 import json
 import os
@@ -41,8 +42,11 @@ def aidaptiv_config(tmp_path, **block):
 
 def train(tmp_path, config, name, *extra, procs=None, steps=STEPS):
     out = tmp_path / f"{name}.json"
-    rc, log = run_train(["--config", config, *COMMON, "--steps", str(steps), "--metrics-out", str(out), *extra],
-                        cwd=tmp_path, launcher_procs=procs)
+    rc, log = run_train(
+        ["--config", config, *COMMON, "--steps", str(steps), "--metrics-out", str(out), *extra],
+        cwd=tmp_path,
+        launcher_procs=procs,
+    )
     assert rc == 0, failure_excerpt(log)
     return read_metrics(out)
 
@@ -84,16 +88,18 @@ def _wait_for_latest(save_dir, tag, proc, timeout=600):
         if os.path.exists(latest) and open(latest).read().strip() == tag:
             return
         if proc.poll() is not None:
-            raise AssertionError(f"training exited ({proc.returncode}) before checkpoint {tag}: "
-                                 + proc.stdout.read()[-3000:])
+            raise AssertionError(
+                f"training exited ({proc.returncode}) before checkpoint {tag}: " + proc.stdout.read()[-3000:]
+            )
         time.sleep(0.2)
     raise AssertionError(f"no checkpoint {tag} after {timeout}s")
 
 
 def _start(tmp_path, config, *extra):
     cmd = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", config, *COMMON, *extra]
-    return subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def test_killed_run_resumes_the_uninterrupted_trajectory(tmp_path, reference):
@@ -125,20 +131,41 @@ def test_io_failure_mid_run_is_a_clear_error_and_the_last_checkpoint_resumes(tmp
     tag = open(os.path.join(save, "latest")).read().strip()
     assert tag in ("step2", "step4")
     m = train(tmp_path, config, "resumed", "--resume-from", save, steps=6)
-    done = int(tag[len("step"):])
-    assert_same_losses(m["losses"][-(6 - done):], reference["losses"][done:6], rel=1e-6)
+    done = int(tag[len("step") :])
+    assert_same_losses(m["losses"][-(6 - done) :], reference["losses"][done:6], rel=1e-6)
 
 
 def test_hf_trainer_with_deepspeed_flag_uses_the_swapper(tmp_path):
     config = aidaptiv_config(tmp_path)
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [deepspeed, "--num_accelerators", "1", "--master_port", str(_free_port()),
-           os.path.join(REPO, "examples", "hf_trainer_finetune.py"), "--deepspeed", config,
-           "--output_dir", str(tmp_path / "out"), "--max_steps", "3", "--per_device_train_batch_size", "2",
-           "--learning_rate", "7e-6", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]
+    cmd = [
+        deepspeed,
+        "--num_accelerators",
+        "1",
+        "--master_port",
+        str(_free_port()),
+        os.path.join(REPO, "examples", "hf_trainer_finetune.py"),
+        "--deepspeed",
+        config,
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "7e-6",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+    ]
     before = set(glob.glob(os.path.join(dist_shm.SHM_DIR, SHM_ALLREDUCE_PREFIX + "_*")))
-    p = subprocess.run(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=600)
+    p = subprocess.run(
+        cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
     assert p.returncode == 0, p.stdout[-4000:]
     # One process under the launcher still gets DeepSpeed's 66 MiB /dev/shm segment; it must not outlive the run.
     assert set(glob.glob(os.path.join(dist_shm.SHM_DIR, SHM_ALLREDUCE_PREFIX + "_*"))) - before == set()
@@ -171,21 +198,38 @@ def test_plain_deepspeed_script_picks_up_the_block(tmp_path, autoload):
     config = aidaptiv_config(tmp_path)
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_SCRIPT)
-    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(_free_port()), AIDAPTIV_DS_AUTOLOAD=autoload)
-    p = subprocess.run([sys.executable, str(script), config], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=600)
+    env = child_env(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        AIDAPTIV_DS_AUTOLOAD=autoload,
+    )
+    p = subprocess.run(
+        [sys.executable, str(script), config],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-4000:]
     # With the hook the block turns the swapper on; switched off, DeepSpeed runs the config as it is.
     assert f"SWAPPER {autoload == '1'}" in p.stdout
 
 
-@pytest.mark.parametrize("extra,reference_config,rel", [
-    # bf16: separate fp32 masters in the optimizer chunks, updated values converted into the parameters.
-    (("--dtype", "bf16"), "zero3_cpu_offload.json", 1e-5),
-    # Gradient accumulation: gradient buffers carried (and written out under pressure) across micro-steps.
-    (("--grad-accum", "3"), "zero3.json", 1e-5),
-], ids=["bf16", "grad-accum"])
+@pytest.mark.parametrize(
+    "extra,reference_config,rel",
+    [
+        # bf16: separate fp32 masters in the optimizer chunks, updated values converted into the parameters.
+        (("--dtype", "bf16"), "zero3_cpu_offload.json", 1e-5),
+        # Gradient accumulation: gradient buffers carried (and written out under pressure) across micro-steps.
+        (("--grad-accum", "3"), "zero3.json", 1e-5),
+    ],
+    ids=["bf16", "grad-accum"],
+)
 def test_other_paths_match_deepspeed(tmp_path, extra, reference_config, rel):
     ref = train(tmp_path, os.path.join(CONFIGS, reference_config), "ref", *extra, steps=4)
     m = train(tmp_path, aidaptiv_config(tmp_path), "aidaptiv", *extra, steps=4)

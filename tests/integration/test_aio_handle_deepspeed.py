@@ -6,6 +6,7 @@ bit-reproducible from run to run whichever handle it uses: in a fresh clone's te
 second loss was 7.6557593 where both handles otherwise give 7.6557412 (and our handle's once 7.6557546),
 about 2e-6 relative, twice in about fifty runs. The bytes each handle reads and writes are compared
 exactly in tests/io/test_aio_handle.py."""
+
 import json
 import os
 import subprocess

@@ -1,4 +1,5 @@
 """Each shipped baseline config launches as it is on the micro preset and reports sane metrics."""
+
 import json
 import math
 import os
@@ -21,9 +22,23 @@ def runs(tmp_path_factory):
     for name in SHIPPED:
         cwd = tmp_path_factory.mktemp(name)
         metrics = cwd / "metrics.json"
-        rc, log = run_train(["--config", os.path.join(CONFIGS, f"{name}.json"), "--model", "micro",
-                             "--steps", str(STEPS), "--warmup", str(WARMUP), "--seq-len", str(SEQ),
-                             "--metrics-out", str(metrics)], cwd=cwd)
+        rc, log = run_train(
+            [
+                "--config",
+                os.path.join(CONFIGS, f"{name}.json"),
+                "--model",
+                "micro",
+                "--steps",
+                str(STEPS),
+                "--warmup",
+                str(WARMUP),
+                "--seq-len",
+                str(SEQ),
+                "--metrics-out",
+                str(metrics),
+            ],
+            cwd=cwd,
+        )
         out[name] = (rc, log, cwd, metrics)
     return out
 
@@ -34,8 +49,14 @@ def test_config_runs_and_reports_sane_metrics(runs, name):
     assert rc == 0, log[-3000:]
     m = read_metrics(path)
     assert m["status"] == "ok" and m["backend"] == name
-    assert (m["model"], m["params"], m["micro_batch"], m["seq_len"], m["grad_accum"], m["world_size"]) == \
-        ("micro", MICRO_PARAMS, MB, SEQ, 1, 1)
+    assert (m["model"], m["params"], m["micro_batch"], m["seq_len"], m["grad_accum"], m["world_size"]) == (
+        "micro",
+        MICRO_PARAMS,
+        MB,
+        SEQ,
+        1,
+        1,
+    )
     assert m["steps"] == STEPS and m["warmup"] == WARMUP and len(m["step_s"]) == STEPS
     assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"])
     # Random weights over a 2048-id vocabulary start near ln(2048) = 7.6.
@@ -96,9 +117,24 @@ def test_zero_infinity_without_max_in_cpu_0_reads_less(tmp_path, runs):
     config = tmp_path / "zi_default_max_in_cpu.json"
     config.write_text(json.dumps(cfg))
     metrics = tmp_path / "m.json"
-    rc, log = run_train(["--config", str(config), "--model", "micro", "--steps", str(STEPS), "--warmup",
-                         str(WARMUP), "--seq-len", str(SEQ), "--metrics-out", str(metrics), "--keep-swap"],
-                        cwd=tmp_path)
+    rc, log = run_train(
+        [
+            "--config",
+            str(config),
+            "--model",
+            "micro",
+            "--steps",
+            str(STEPS),
+            "--warmup",
+            str(WARMUP),
+            "--seq-len",
+            str(SEQ),
+            "--metrics-out",
+            str(metrics),
+            "--keep-swap",
+        ],
+        cwd=tmp_path,
+    )
     assert rc == 0, log[-3000:]
     swap = tmp_path / "swap" / "zero_infinity" / "zero_stage_3"
     assert read_metrics(metrics)["swap_kept"] and (swap / "optimizer" / "rank0").is_dir()
@@ -112,9 +148,25 @@ def test_zero_infinity_without_max_in_cpu_0_reads_less(tmp_path, runs):
 
 def test_bf16_on_cpu(tmp_path, runs):
     metrics = tmp_path / "m.json"
-    rc, log = run_train(["--config", os.path.join(CONFIGS, "zero3.json"), "--model", "micro", "--steps", str(STEPS),
-                         "--warmup", str(WARMUP), "--seq-len", str(SEQ), "--dtype", "bf16", "--metrics-out",
-                         str(metrics)], cwd=tmp_path)
+    rc, log = run_train(
+        [
+            "--config",
+            os.path.join(CONFIGS, "zero3.json"),
+            "--model",
+            "micro",
+            "--steps",
+            str(STEPS),
+            "--warmup",
+            str(WARMUP),
+            "--seq-len",
+            str(SEQ),
+            "--dtype",
+            "bf16",
+            "--metrics-out",
+            str(metrics),
+        ],
+        cwd=tmp_path,
+    )
     assert rc == 0, log[-3000:]
     m = read_metrics(metrics)
     assert m["status"] == "ok" and m["dtype"] == "bf16"

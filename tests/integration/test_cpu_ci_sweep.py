@@ -2,6 +2,7 @@
 (the micro preset, all four backends) through the deepspeed launcher under the grid's 5 GiB host cap, then
 the report. The measured comparison (bench/grids/cpu_small.json, 20 cells, about 10 minutes here and several
 times that on a slow disk) is a benchmark, not a test: its results are in bench/results/cpu_small."""
+
 import json
 import os
 
@@ -29,8 +30,21 @@ BACKENDS = {"zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv"}
 def sweep_out(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("cpu_ci") / "out")
     swap = str(tmp_path_factory.mktemp("swap"))
-    rc = sweep(["--grid", os.path.join(REPO, "bench", "grids", "cpu_ci.json"), "--gpus", "1", "--out", out,
-                "--ds-configs", os.path.join(REPO, "ds_configs"), "--swap-root", swap, "--no-progress"])
+    rc = sweep(
+        [
+            "--grid",
+            os.path.join(REPO, "bench", "grids", "cpu_ci.json"),
+            "--gpus",
+            "1",
+            "--out",
+            out,
+            "--ds-configs",
+            os.path.join(REPO, "ds_configs"),
+            "--swap-root",
+            swap,
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     assert os.listdir(swap) == []  # every cell's swap folder removed
     return out
@@ -44,8 +58,9 @@ def rows(out):
 def test_every_backend_runs_under_the_cap_and_the_report_is_made(sweep_out):
     got = {r["backend"]: r for r in rows(sweep_out)}
     assert set(got) == BACKENDS
-    assert all(r["status"] == "ok" for r in got.values()), \
-        {b: (r["status"], r["error"]) for b, r in got.items() if r["status"] != "ok"}
+    assert all(r["status"] == "ok" for r in got.values()), {
+        b: (r["status"], r["error"]) for b, r in got.items() if r["status"] != "ok"
+    }
     for r in got.values():
         assert r["host_mem_cap"]["gb"] == 5 and r["host_mem_cap"]["mechanism"]
         assert r["tokens_per_s"] > 0 and len(r["step_times_s"]) == 4 and r["warmup"] == 1
@@ -72,14 +87,28 @@ def test_zero_infinity_with_aidaptivs_memory_runs_and_trains_like_zero_infinity(
     path = tmp_path / "eqmem.json"
     path.write_text(json.dumps(grid))
     out = str(tmp_path / "out")
-    assert sweep(["--grid", str(path), "--out", out, "--ds-configs", os.path.join(REPO, "ds_configs"),
-                  "--swap-root", str(tmp_path / "swap"), "--no-progress"]) == 0
+    assert (
+        sweep(
+            [
+                "--grid",
+                str(path),
+                "--out",
+                out,
+                "--ds-configs",
+                os.path.join(REPO, "ds_configs"),
+                "--swap-root",
+                str(tmp_path / "swap"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     (row,) = rows(out)
     assert row["status"] == "ok", (row["status"], row["error"])
     eq = row["eqmem"]
     assert 0 < eq["max_in_cpu"] < eq["partition_numel"] and eq["sized_bytes"] <= eq["budget_bytes"]
     cfg = json.load(open(os.path.join(out, row["cell_dir"], "ds_config.json")))
     assert cfg["zero_optimization"]["offload_param"]["max_in_cpu"] == eq["max_in_cpu"]
-    assert row["nvme_read_bytes"] > 0   # the uncached sub-groups and the optimizer state still come from disk
+    assert row["nvme_read_bytes"] > 0  # the uncached sub-groups and the optimizer state still come from disk
     zi = next(r for r in rows(sweep_out) if r["backend"] == "zero_infinity")
     assert row["losses"] == pytest.approx(zi["losses"], rel=1e-5)

@@ -22,6 +22,7 @@ Micro preset under a 40 MiB budget (as test_aidaptiv_swapper): parameters and op
 the swap files every step; 2 optimizer steps of 2 micro-steps each (the first step's update is applied
 in the second step's forward, the second's by the export's checkpoint), gradient_clipping 1.0.
 """
+
 import json
 import os
 
@@ -43,9 +44,30 @@ def run(tmp_path, name, procs=None, **block):
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     out, model = tmp_path / f"{name}-metrics.json", tmp_path / f"{name}-model"
-    rc, log = run_train(["--config", str(path), "--model", "micro", "--seq-len", "64", "--micro-batch", "2",
-                         "--grad-accum", str(ACCUM), "--steps", str(STEPS), "--warmup", "1",
-                         "--metrics-out", str(out), "--output-dir", str(model)], cwd=tmp_path, launcher_procs=procs)
+    rc, log = run_train(
+        [
+            "--config",
+            str(path),
+            "--model",
+            "micro",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            "2",
+            "--grad-accum",
+            str(ACCUM),
+            "--steps",
+            str(STEPS),
+            "--warmup",
+            "1",
+            "--metrics-out",
+            str(out),
+            "--output-dir",
+            str(model),
+        ],
+        cwd=tmp_path,
+        launcher_procs=procs,
+    )
     assert rc == 0, failure_excerpt(log)
     weights = {}
     for name_ in sorted(os.listdir(model)):
@@ -56,7 +78,7 @@ def run(tmp_path, name, procs=None, **block):
 
 
 with open(os.path.join(CONFIGS, "aidaptiv.json")) as _f:
-    LR = json.load(_f)["optimizer"]["params"]["lr"]   # what every run here trains with
+    LR = json.load(_f)["optimizer"]["params"]["lr"]  # what every run here trains with
 
 
 def assert_same_weights(a, b, atol=0.0):
@@ -64,8 +86,9 @@ def assert_same_weights(a, b, atol=0.0):
     diffs = {k: (a[k].double() - b[k].double()).abs().max().item() for k in a}
     different = {k: d for k, d in diffs.items() if d > atol}
     worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
-    assert not different, (f"{len(different)} of {len(a)} tensors differ by more than {atol:g}; largest "
-                           f"differences {worst}")
+    assert not different, (
+        f"{len(different)} of {len(a)} tensors differ by more than {atol:g}; largest differences {worst}"
+    )
 
 
 @pytest.mark.parametrize("procs", [None, 2], ids=["1-rank", "2-ranks"])

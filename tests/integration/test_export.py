@@ -1,6 +1,7 @@
 """`aidaptiv-ds train --output-dir`: the fine-tuned model comes out as a Hugging Face folder that
 transformers loads and that gives the trained model's logits (fp32, to 1e-6), and `aidaptiv-ds export`
 makes the same folder from a saved checkpoint."""
+
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ def _config(tmp_path, **top):
         cfg = json.load(f)
     (tmp_path / "swap").mkdir()
     cfg["aidaptiv"].update(nvme_path=str(tmp_path / "swap"), host_memory_budget="64MiB")
-    cfg["optimizer"]["params"]["lr"] = 1e-3     # weights that move visibly in two steps
+    cfg["optimizer"]["params"]["lr"] = 1e-3  # weights that move visibly in two steps
     cfg.update(top)
     path = tmp_path / "aidaptiv.json"
     path.write_text(json.dumps(cfg))
@@ -24,27 +25,63 @@ def _config(tmp_path, **top):
 
 def test_output_dir_loads_with_transformers_and_gives_the_trained_logits(tmp_path):
     from transformers import AutoModelForCausalLM
+
     out, ck = tmp_path / "model", tmp_path / "ck"
-    rc, log = run_train(["--config", _config(tmp_path), "--model", "micro", "--seq-len", "64", "--steps", "2",
-                         "--warmup", "0", "--no-progress", "--save-dir", str(ck), "--output-dir", str(out),
-                         "--logits-out", str(tmp_path / "logits.pt"), "--metrics-out", str(tmp_path / "m.json")],
-                        cwd=tmp_path)
+    rc, log = run_train(
+        [
+            "--config",
+            _config(tmp_path),
+            "--model",
+            "micro",
+            "--seq-len",
+            "64",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--save-dir",
+            str(ck),
+            "--output-dir",
+            str(out),
+            "--logits-out",
+            str(tmp_path / "logits.pt"),
+            "--metrics-out",
+            str(tmp_path / "m.json"),
+        ],
+        cwd=tmp_path,
+    )
     assert rc == 0, log[-3000:]
     assert {"model.safetensors", "config.json"} <= set(os.listdir(out)), os.listdir(out)
-    assert not (out / "checkpoint").exists()      # --save-dir holds the checkpoint it was made from
+    assert not (out / "checkpoint").exists()  # --save-dir holds the checkpoint it was made from
     assert read_metrics(tmp_path / "m.json")["output_dir"] == str(out)
     from transformers import AutoTokenizer
+
     assert AutoTokenizer.from_pretrained(str(out))("hi")["input_ids"] == [256, ord("h"), ord("i"), 257]
     trained = torch.load(tmp_path / "logits.pt")
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(input_ids=trained["input_ids"]).logits
     assert (logits - trained["logits"]).abs().max().item() <= 1e-6
-    assert not torch.equal(model.lm_head.weight, _initial_model().lm_head.weight)   # trained weights, not seed's
+    assert not torch.equal(model.lm_head.weight, _initial_model().lm_head.weight)  # trained weights, not seed's
 
     # The same checkpoint through the command, in shards.
-    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "export", str(ck), "--out", str(tmp_path / "again"),
-                        "--max-shard-size", "4MiB"], env=child_env(), capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aidaptiv_ds",
+            "export",
+            str(ck),
+            "--out",
+            str(tmp_path / "again"),
+            "--max-shard-size",
+            "4MiB",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     files = os.listdir(tmp_path / "again")
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) >= 3
@@ -55,16 +92,36 @@ def test_output_dir_loads_with_transformers_and_gives_the_trained_logits(tmp_pat
 
 def _initial_model():
     from aidaptiv_ds.models import presets as models
+
     torch.manual_seed(1234)
     return models.build_model(models.resolve("micro"), torch.float32)
 
 
 def test_two_ranks_without_save_dir_export_through_a_removed_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
+
     out = tmp_path / "model"
-    rc, log = run_train(["--config", _config(tmp_path), "--model", "micro", "--seq-len", "64", "--steps", "2",
-                         "--warmup", "0", "--no-progress", "--output-dir", str(out),
-                         "--logits-out", str(tmp_path / "logits.pt")], cwd=tmp_path, launcher_procs=2)
+    rc, log = run_train(
+        [
+            "--config",
+            _config(tmp_path),
+            "--model",
+            "micro",
+            "--seq-len",
+            "64",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--output-dir",
+            str(out),
+            "--logits-out",
+            str(tmp_path / "logits.pt"),
+        ],
+        cwd=tmp_path,
+        launcher_procs=2,
+    )
     assert rc == 0, log[-3000:]
     assert not (out / "checkpoint").exists() and "model.safetensors" in os.listdir(out)
     trained = torch.load(tmp_path / "logits.pt")
@@ -75,9 +132,22 @@ def test_two_ranks_without_save_dir_export_through_a_removed_checkpoint(tmp_path
 
 
 def test_output_dir_is_refused_before_training_without_the_swapper(tmp_path):
-    rc, log = run_train(["--config", os.path.join(CONFIGS, "zero3.json"), "--model", "micro", "--steps", "1",
-                         "--no-progress", "--output-dir", str(tmp_path / "model"),
-                         "--metrics-out", str(tmp_path / "m.json")], cwd=tmp_path)
+    rc, log = run_train(
+        [
+            "--config",
+            os.path.join(CONFIGS, "zero3.json"),
+            "--model",
+            "micro",
+            "--steps",
+            "1",
+            "--no-progress",
+            "--output-dir",
+            str(tmp_path / "model"),
+            "--metrics-out",
+            str(tmp_path / "m.json"),
+        ],
+        cwd=tmp_path,
+    )
     assert rc == 1 and '--output-dir needs a config with an "aidaptiv" block' in log, log[-2000:]
     # The console has the one line; the metrics also say where it was raised (for runs one cannot reach again).
     m = read_metrics(tmp_path / "m.json")
@@ -88,6 +158,18 @@ def test_output_dir_is_refused_before_training_without_the_swapper(tmp_path):
 def test_output_dir_with_weights_is_refused_before_training(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "model.safetensors").write_bytes(b"x")
-    rc, log = run_train(["--config", _config(tmp_path), "--model", "micro", "--steps", "1", "--no-progress",
-                         "--output-dir", str(tmp_path / "model")], cwd=tmp_path)
+    rc, log = run_train(
+        [
+            "--config",
+            _config(tmp_path),
+            "--model",
+            "micro",
+            "--steps",
+            "1",
+            "--no-progress",
+            "--output-dir",
+            str(tmp_path / "model"),
+        ],
+        cwd=tmp_path,
+    )
     assert rc == 1 and "--output-dir: output folder" in log and "already holds model weights" in log, log[-2000:]

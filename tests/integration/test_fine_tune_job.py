@@ -1,6 +1,7 @@
 """The training job beyond a benchmark loop, on the micro preset: --epochs with a held-out split evaluated every
 few steps (metrics and the CSV monitor), a cosine schedule with warm-up, and --resume auto continuing a
 linear schedule and the evaluation exactly where an interrupted run with our swapper left off."""
+
 import csv
 import json
 import math
@@ -28,19 +29,40 @@ def test_epochs_with_held_out_loss_and_a_cosine_schedule(tmp_path):
         cfg = json.load(f)
     cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}
     (tmp_path / "c.json").write_text(json.dumps(cfg))
-    rc, log = run_train(["--config", str(tmp_path / "c.json"), *COMMON, "--micro-batch", "8", "--epochs", "0.1",
-                         "--eval-fraction", "0.1", "--eval-every", "3", "--lr-schedule", "cosine",
-                         "--warmup-steps", "2", "--lr", str(LR), "--metrics-out", str(tmp_path / "m.json")],
-                        cwd=tmp_path)
+    rc, log = run_train(
+        [
+            "--config",
+            str(tmp_path / "c.json"),
+            *COMMON,
+            "--micro-batch",
+            "8",
+            "--epochs",
+            "0.1",
+            "--eval-fraction",
+            "0.1",
+            "--eval-every",
+            "3",
+            "--lr-schedule",
+            "cosine",
+            "--warmup-steps",
+            "2",
+            "--lr",
+            str(LR),
+            "--metrics-out",
+            str(tmp_path / "m.json"),
+        ],
+        cwd=tmp_path,
+    )
     assert rc == 0, log[-3000:]
     m = read_metrics(tmp_path / "m.json")
     steps = math.ceil(0.1 * m["epoch_tokens"] / m["tokens_per_step"])
     assert m["steps"] == steps == len(m["losses"]) and 0.1 <= m["epochs_done"] < 0.1 + 1 / m["steps_per_epoch"]
     assert m["eval_records"] == round(0.1 * (m["train_records"] + m["eval_records"]))
     assert [s for s, _ in m["eval_losses"]] == [s for s in range(1, steps + 1) if s % 3 == 0 or s == steps]
-    assert m["eval_losses"][-1][1] == m["eval_loss"] < m["eval_losses"][0][1]   # it learns
-    assert m["lrs"] == pytest.approx([LR * reference_factor("cosine", s, 2, steps) for s in range(steps)],
-                                     rel=1e-9, abs=1e-15)
+    assert m["eval_losses"][-1][1] == m["eval_loss"] < m["eval_losses"][0][1]  # it learns
+    assert m["lrs"] == pytest.approx(
+        [LR * reference_factor("cosine", s, 2, steps) for s in range(steps)], rel=1e-9, abs=1e-15
+    )
     with open(tmp_path / "csv" / "job" / "aidaptiv_eval_loss.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "eval_loss"]
@@ -57,17 +79,42 @@ def test_resume_auto_continues_the_schedule_and_the_evaluation(tmp_path):
     ck = tmp_path / "ck"
 
     def train(name):
-        rc, log = run_train(["--config", str(tmp_path / "c.json"), *COMMON, "--steps", "5", "--save-dir", str(ck),
-                             "--save-every", "2", "--resume", "auto", "--lr-schedule", "linear", "--warmup-steps",
-                             "2", "--lr", str(LR), "--eval-fraction", "0.1", "--eval-every", "2",
-                             "--metrics-out", str(tmp_path / name)], cwd=tmp_path)
+        rc, log = run_train(
+            [
+                "--config",
+                str(tmp_path / "c.json"),
+                *COMMON,
+                "--steps",
+                "5",
+                "--save-dir",
+                str(ck),
+                "--save-every",
+                "2",
+                "--resume",
+                "auto",
+                "--lr-schedule",
+                "linear",
+                "--warmup-steps",
+                "2",
+                "--lr",
+                str(LR),
+                "--eval-fraction",
+                "0.1",
+                "--eval-every",
+                "2",
+                "--metrics-out",
+                str(tmp_path / name),
+            ],
+            cwd=tmp_path,
+        )
         assert rc == 0, log[-3000:]
         return read_metrics(tmp_path / name), log
 
     full, log = train("full.json")
     assert "no checkpoint in" in log and "starting from step 0" in log
-    assert full["lrs"] == pytest.approx([LR * reference_factor("linear", s, 2, 5) for s in range(5)],
-                                        rel=1e-9, abs=1e-15)
+    assert full["lrs"] == pytest.approx(
+        [LR * reference_factor("linear", s, 2, 5) for s in range(5)], rel=1e-9, abs=1e-15
+    )
     # As if the run had stopped after saving step 2: later checkpoints gone, 'latest' naming step2.
     for tag in ("step4", "step5"):
         for root, dirs, files in os.walk(ck / tag, topdown=False):
@@ -81,5 +128,4 @@ def test_resume_auto_continues_the_schedule_and_the_evaluation(tmp_path):
     assert resumed["lrs"] == full["lrs"] and resumed["lr_final"] == full["lr_final"]
     assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-5, abs=0)
     assert [s for s, _ in resumed["eval_losses"]] == [2, 4, 5]
-    assert [v for _, v in resumed["eval_losses"]] == pytest.approx([v for _, v in full["eval_losses"]], rel=1e-5,
-                                                                   abs=0)
+    assert [v for _, v in resumed["eval_losses"]] == pytest.approx([v for _, v in full["eval_losses"]], rel=1e-5, abs=0)

@@ -8,6 +8,7 @@ MLP intermediates (2 x 4096 x 2048 fp32, 64 MiB each) and attention tensors, sev
 peak than with it (measured on a 2-core CPU machine: 1686 and 2036 MiB against 1440 and 1449). At 1 x 4096 the
 gap (82 to 234 MiB over four runs) was within the run-to-run spread of the peak, and a fresh clone's run failed.
 """
+
 import os
 
 import helpers
@@ -43,8 +44,9 @@ def test_checkpointing_lowers_peak_memory_and_keeps_the_loss(tmp_path):
 
 
 def aidaptiv_config(tmp_path, activations=None):
-    return helpers.aidaptiv_config(tmp_path, host_memory_budget="40MiB",
-                                   **({"activations": activations} if activations is not None else {}))
+    return helpers.aidaptiv_config(
+        tmp_path, host_memory_budget="40MiB", **({"activations": activations} if activations is not None else {})
+    )
 
 
 def test_with_the_aidaptiv_block_the_flag_is_the_recompute_policy(tmp_path):

@@ -11,6 +11,7 @@ LoRA the same two ways (``--lora``): the user's PEFT model in the HF Trainer, an
 ``peft_config``; only the adapters train, the frozen base is never written back, and the losses are those
 of the same PEFT run on stock ZeRO-3.
 """
+
 import json
 import os
 import subprocess
@@ -46,8 +47,9 @@ def write_configs(tmp_path, edit=None):
 
 
 def run(cmd, cwd, out):
-    p = subprocess.run(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=600)
+    p = subprocess.run(
+        cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
     assert p.returncode == 0, failure_excerpt(p.stdout)
     with open(out) as f:
         return json.load(f)
@@ -59,8 +61,26 @@ def deepspeed_launch(tmp_path, mode, config, name, *extra):
     cwd.mkdir()
     out = cwd / "run.json"
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return run([deepspeed, "--num_accelerators", "1", "--master_port", str(_free_port()), SCRIPT, mode,
-                "--config", config, "--out", str(out), "--output_dir", str(cwd / "out"), *extra], cwd, out)
+    return run(
+        [
+            deepspeed,
+            "--num_accelerators",
+            "1",
+            "--master_port",
+            str(_free_port()),
+            SCRIPT,
+            mode,
+            "--config",
+            config,
+            "--out",
+            str(out),
+            "--output_dir",
+            str(cwd / "out"),
+            *extra,
+        ],
+        cwd,
+        out,
+    )
 
 
 def assert_same_losses(ours, stock, rel=1e-5):
@@ -98,6 +118,7 @@ def test_hf_trainer_with_the_documented_auto_config_trains_like_stock_zero3(trai
 
 def test_save_model_writes_the_weights_stock_zero3_writes(trainer_runs):
     from safetensors.torch import load_file
+
     tmp, _, _ = trainer_runs
     stock = load_file(str(tmp / "stock_model" / "model.safetensors"))
     ours = load_file(str(tmp / "ours_model" / "model.safetensors"))
@@ -119,7 +140,11 @@ def test_model_built_before_the_trainer_trains_like_stock_zero3(tmp_path):
     ours = deepspeed_launch(tmp_path, "trainer", ours_cfg, "ours", "--model-first")
     assert_swapped(ours)
     assert stock["persistent_params"] == 5
-    assert (ours["reduce_bucket_size"], ours["persistence_threshold"], ours["persistent_params"]) == (HIDDEN * HIDDEN, 0, 0)
+    assert (ours["reduce_bucket_size"], ours["persistence_threshold"], ours["persistent_params"]) == (
+        HIDDEN * HIDDEN,
+        0,
+        0,
+    )
     assert_same_losses(ours["losses"], stock["losses"])
 
 
@@ -190,8 +215,10 @@ main_process_port: {port}
 def test_accelerate_launch_with_a_deepspeed_config_file_trains_like_stock_zero3(tmp_path):
     """accelerate fills only lr and weight_decay of a config's optimizer from its DummyOptim (its own docs'
     configs give the betas and eps as numbers), so they are numbers here; every other auto stays."""
+
     def numeric_betas_eps(cfg):
         cfg["optimizer"]["params"].update(betas=[0.9, 0.999], eps=1e-8)
+
     ours_cfg, stock_cfg = write_configs(tmp_path, numeric_betas_eps)
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     runs = {}
@@ -200,8 +227,11 @@ def test_accelerate_launch_with_a_deepspeed_config_file_trains_like_stock_zero3(
         cwd.mkdir()
         yaml = cwd / "accelerate.yaml"
         yaml.write_text(ACCELERATE_YAML.format(config=config, port=_free_port()))
-        runs[name] = run([accelerate, "launch", "--config_file", str(yaml), SCRIPT, "accelerate", "--out",
-                          str(cwd / "run.json")], cwd, cwd / "run.json")
+        runs[name] = run(
+            [accelerate, "launch", "--config_file", str(yaml), SCRIPT, "accelerate", "--out", str(cwd / "run.json")],
+            cwd,
+            cwd / "run.json",
+        )
     assert_swapped(runs["ours"])
     assert runs["ours"]["reduce_bucket_size"] == OUR_BUCKET and runs["ours"]["persistence_threshold"] == 0
     assert_same_losses(runs["ours"]["losses"], runs["stock"]["losses"])

@@ -1,4 +1,5 @@
 """Two ranks under DeepSpeed's own launcher (gloo on CPU)."""
+
 import glob
 import math
 import os
@@ -16,15 +17,37 @@ COMMON = ["--model", "micro", "--steps", "3", "--warmup", "1", "--seq-len", "64"
 def one_rank_batch4(tmp_path_factory):
     """The same data as 2 ranks x micro-batch 2, seen by one rank with micro-batch 4."""
     cwd = tmp_path_factory.mktemp("one_rank")
-    rc, log = run_train(["--config", os.path.join(CONFIGS, "zero3.json"), *COMMON, "--micro-batch", "4",
-                         "--metrics-out", str(cwd / "m.json")], cwd=cwd)
+    rc, log = run_train(
+        [
+            "--config",
+            os.path.join(CONFIGS, "zero3.json"),
+            *COMMON,
+            "--micro-batch",
+            "4",
+            "--metrics-out",
+            str(cwd / "m.json"),
+        ],
+        cwd=cwd,
+    )
     assert rc == 0, log[-3000:]
     return read_metrics(cwd / "m.json")
 
 
 def launch(tmp_path, config, extra=()):
-    rc, log = run_train(["--config", os.path.join(CONFIGS, config), *COMMON, "--nvme-path", str(tmp_path / "swap"),
-                         "--metrics-out", str(tmp_path / "m.json"), *extra], cwd=tmp_path, launcher_procs=2)
+    rc, log = run_train(
+        [
+            "--config",
+            os.path.join(CONFIGS, config),
+            *COMMON,
+            "--nvme-path",
+            str(tmp_path / "swap"),
+            "--metrics-out",
+            str(tmp_path / "m.json"),
+            *extra,
+        ],
+        cwd=tmp_path,
+        launcher_procs=2,
+    )
     return rc, log
 
 

@@ -3,6 +3,7 @@
 The loss trajectory equals PEFT on plain ZeRO-3 in memory (fp32, 1e-5 relative); after the first steps a
 step writes only the adapters and their optimizer state (no byte of the base goes back to NVMe); the
 export gives the trained model's logits, merged (``--merge-lora``) or as base + PEFT adapter."""
+
 import os
 import subprocess
 import sys
@@ -23,16 +24,16 @@ LORA = "r=8,alpha=16,targets=q_proj,v_proj"
 ARGS = ["--model", "micro", "--seq-len", "64", "--steps", "4", "--warmup", "1", "--no-progress", "--lora", LORA]
 
 
-
 def test_lora_on_swapped_base_matches_zero3_in_memory_and_writes_only_adapters(tmp_path):
     ours, ref = tmp_path / "ours", tmp_path / "ref"
     ours.mkdir(), ref.mkdir()
-    rc, log = run_train(["--config", adapter_config(ours, "aidaptiv.json"), *ARGS,
-                         "--metrics-out", str(ours / "m.json")],
-                        cwd=ours)
+    rc, log = run_train(
+        ["--config", adapter_config(ours, "aidaptiv.json"), *ARGS, "--metrics-out", str(ours / "m.json")], cwd=ours
+    )
     assert rc == 0, log[-3000:]
-    rc, log = run_train(["--config", adapter_config(ref, "zero3.json"), *ARGS, "--metrics-out", str(ref / "m.json")],
-                        cwd=ref)
+    rc, log = run_train(
+        ["--config", adapter_config(ref, "zero3.json"), *ARGS, "--metrics-out", str(ref / "m.json")], cwd=ref
+    )
     assert rc == 0, log[-3000:]
     m, r = read_metrics(ours / "m.json"), read_metrics(ref / "m.json")
     trainable = m["lora"]["trainable_params"]
@@ -50,9 +51,22 @@ def test_lora_on_swapped_base_matches_zero3_in_memory_and_writes_only_adapters(t
 def test_lora_export_merged_and_as_peft_adapter_give_the_trained_logits(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     ck, out = tmp_path / "ck", tmp_path / "merged"
-    rc, log = run_train(["--config", adapter_config(tmp_path, "aidaptiv.json"), *ARGS, "--save-dir", str(ck),
-                         "--output-dir", str(out), "--logits-out", str(tmp_path / "logits.pt")], cwd=tmp_path)
+    rc, log = run_train(
+        [
+            "--config",
+            adapter_config(tmp_path, "aidaptiv.json"),
+            *ARGS,
+            "--save-dir",
+            str(ck),
+            "--output-dir",
+            str(out),
+            "--logits-out",
+            str(tmp_path / "logits.pt"),
+        ],
+        cwd=tmp_path,
+    )
     assert rc == 0, log[-3000:]
     trained = torch.load(tmp_path / "logits.pt")
 
@@ -65,19 +79,27 @@ def test_lora_export_merged_and_as_peft_adapter_give_the_trained_logits(tmp_path
     assert (logits(merged) - trained["logits"]).abs().max().item() <= 1e-5
 
     # export without --merge-lora: the frozen base, and the adapter in PEFT's format beside it
-    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "export", str(ck), "--out", str(tmp_path / "base")],
-                       env=child_env(), capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", "export", str(ck), "--out", str(tmp_path / "base")],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "base" / "adapter"))
     base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
     base_logits = logits(base)
-    assert (base_logits - trained["logits"]).abs().max().item() > 1e-3   # the adapters changed the model
+    assert (base_logits - trained["logits"]).abs().max().item() > 1e-3  # the adapters changed the model
     peft = PeftModel.from_pretrained(base, str(tmp_path / "base" / "adapter"))
     assert (logits(peft) - trained["logits"]).abs().max().item() <= 1e-5
 
     # --merge-lora through the command gives the --output-dir weights
-    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "export", str(ck), "--out", str(tmp_path / "again"),
-                        "--merge-lora"], env=child_env(), capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", "export", str(ck), "--out", str(tmp_path / "again"), "--merge-lora"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"), dtype=torch.float32)
     assert torch.equal(logits(again), logits(merged))

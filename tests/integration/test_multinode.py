@@ -2,6 +2,7 @@
 hostfile of two hosts (what each node of a real job runs, node ranks 0 and 1), gloo on CPU. Each node has
 its own swap disk (here two folders) and each rank swaps only there; the losses are those of the same job
 run as two ranks on one node."""
+
 import json
 import os
 import subprocess
@@ -42,8 +43,11 @@ def _rank_folders(swap):
 def one_node_two_ranks(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("one_node")
     (cwd / "swap").mkdir()
-    rc, log = run_train(["--config", _config(cwd), *COMMON, "--nvme-path", str(cwd / "swap"),
-                         "--metrics-out", str(cwd / "m.json")], cwd=cwd, launcher_procs=2)
+    rc, log = run_train(
+        ["--config", _config(cwd), *COMMON, "--nvme-path", str(cwd / "swap"), "--metrics-out", str(cwd / "m.json")],
+        cwd=cwd,
+        launcher_procs=2,
+    )
     assert rc == 0, failure_excerpt(log)
     assert _rank_folders(cwd / "swap") == ["rank0", "rank1"]
     return read_metrics(cwd / "m.json")
@@ -51,21 +55,48 @@ def one_node_two_ranks(tmp_path_factory):
 
 def test_two_nodes_no_ssh_match_one_node(tmp_path, one_node_two_ranks):
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")   # names only: --no_ssh never resolves them
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")  # names only: --no_ssh never resolves them
     config, port = _config(tmp_path), str(_free_port())
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     nodes = []
     for node in (0, 1):
-        swap = tmp_path / f"node{node}_nvme"   # each node's own disk, given as the same flag on every node
+        swap = tmp_path / f"node{node}_nvme"  # each node's own disk, given as the same flag on every node
         # Node 1 lacks its folder, as a sweep's cell folder is made on the first node only: --create-nvme-path.
         make = ["--create-nvme-path"] if node == 1 else []
         if not make:
             swap.mkdir()
-        cmd = [deepspeed, "--no_ssh", "--node_rank", str(node), "--hostfile", str(hostfile), "--master_addr",
-               "127.0.0.1", "--master_port", port, "--no_local_rank", "--module", "aidaptiv_ds", "train",
-               "--config", config, *COMMON, "--nvme-path", str(swap), *make, "--metrics-out", str(tmp_path / "m.json")]
-        nodes.append((swap, subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
-                                             stderr=subprocess.STDOUT, text=True)))
+        cmd = [
+            deepspeed,
+            "--no_ssh",
+            "--node_rank",
+            str(node),
+            "--hostfile",
+            str(hostfile),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            "--no_local_rank",
+            "--module",
+            "aidaptiv_ds",
+            "train",
+            "--config",
+            config,
+            *COMMON,
+            "--nvme-path",
+            str(swap),
+            *make,
+            "--metrics-out",
+            str(tmp_path / "m.json"),
+        ]
+        nodes.append(
+            (
+                swap,
+                subprocess.Popen(
+                    cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                ),
+            )
+        )
     logs = [p.communicate(timeout=600)[0] for _, p in nodes]
     for (_, p), log in zip(nodes, logs):
         assert p.returncode == 0, failure_excerpt(log)

@@ -1,5 +1,6 @@
 """Sweeps through the real deepspeed launcher with a fake trainer that succeeds, hangs, crashes, runs out of
 memory or goes over the host memory cap. Each cell costs ~5 s of launcher start-up on a small machine."""
+
 import json
 import os
 import signal
@@ -26,11 +27,29 @@ PLAN = {"1": "ok", "2": "alloc:1500", "3": "hang", "4": "crash", "5": "oom"}
 def mixed_sweep(fake_env, tmp_path, monkeypatch):
     """One sweep with an ok cell, one over a 1 GiB host cap, a hang, a crash, an OOM and a 2-process cell."""
     monkeypatch.setenv("FAKE_TRAIN_PLAN", json.dumps(PLAN))
-    grid = write_grid(tmp_path / "g.json", models=["micro", "tiny"], micro_batches=[1, 2, 3, 4, 5], timeout_s=20,
-                      per_model={"tiny": {"micro_batches": [1], "gpus": [2]}})
+    grid = write_grid(
+        tmp_path / "g.json",
+        models=["micro", "tiny"],
+        micro_batches=[1, 2, 3, 4, 5],
+        timeout_s=20,
+        per_model={"tiny": {"micro_batches": [1], "gpus": [2]}},
+    )
     out = str(tmp_path / "out")
-    rc = sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--host-mem-cap-gb", "1",
-                "--no-skip-dominated", "--no-progress", "--no-prebuild"])
+    rc = sweep(
+        [
+            "--grid",
+            grid,
+            "--out",
+            out,
+            "--ds-configs",
+            fake_env,
+            "--host-mem-cap-gb",
+            "1",
+            "--no-skip-dominated",
+            "--no-progress",
+            "--no-prebuild",
+        ]
+    )
     return rc, grid, out
 
 
@@ -84,8 +103,22 @@ def test_mixed_sweep_records_every_outcome_and_finishes(mixed_sweep, fake_env, t
         f.writelines(kept)
     os.remove(os.path.join(out, "cells", "micro__zero3__g1__mb4__s8__ga1", "row.json"))
     t = time.monotonic()
-    rc = sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--host-mem-cap-gb", "1",
-                "--no-skip-dominated", "--no-progress", "--resume", "--no-prebuild"])
+    rc = sweep(
+        [
+            "--grid",
+            grid,
+            "--out",
+            out,
+            "--ds-configs",
+            fake_env,
+            "--host-mem-cap-gb",
+            "1",
+            "--no-skip-dominated",
+            "--no-progress",
+            "--resume",
+            "--no-prebuild",
+        ]
+    )
     assert rc == 0
     after = rows_of(out)
     assert len(after) == 6
@@ -97,8 +130,25 @@ def test_watchdog_mechanism_kills_over_the_cap(fake_env, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_TRAIN_PLAN", json.dumps({"1": "alloc:1500"}))
     grid = write_grid(tmp_path / "g.json", timeout_s=40)
     out = str(tmp_path / "out")
-    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--host-mem-cap-gb", "1",
-                  "--host-mem-cap-mechanism", "rss-watchdog", "--no-progress", "--no-prebuild"]) == 0
+    assert (
+        sweep(
+            [
+                "--grid",
+                grid,
+                "--out",
+                out,
+                "--ds-configs",
+                fake_env,
+                "--host-mem-cap-gb",
+                "1",
+                "--host-mem-cap-mechanism",
+                "rss-watchdog",
+                "--no-progress",
+                "--no-prebuild",
+            ]
+        )
+        == 0
+    )
     (row,) = rows_of(out)
     assert row["status"] == "oom" and "rss-watchdog" in row["error"]
     assert row["host_mem_cap"]["mechanism"] == "rss-watchdog"
@@ -123,7 +173,23 @@ def test_skip_dominated_infers_oom(fake_env, tmp_path, monkeypatch):
 
     # A new run (no --resume) of a build that fixed the OOM: the old OOM row must not stop the bigger cell.
     monkeypatch.setenv("FAKE_TRAIN_PLAN", json.dumps({}))
-    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--no-progress", "--no-prebuild", "--cell-index", "3"]) == 0
+    assert (
+        sweep(
+            [
+                "--grid",
+                grid,
+                "--out",
+                out,
+                "--ds-configs",
+                fake_env,
+                "--no-progress",
+                "--no-prebuild",
+                "--cell-index",
+                "3",
+            ]
+        )
+        == 0
+    )
     (new,) = rows_of(out)[6:]
     assert (new["key"], new["status"], new["inferred"]) == ("micro__zero3__g1__mb4__s8__ga1", "ok", False)
 
@@ -136,12 +202,44 @@ def test_cell_index_and_listing(fake_env, tmp_path, capsys):
     listed = capsys.readouterr().out.split("\n")
     assert listed[0] == "0 micro__zero3__g1__mb1__s8__ga1"
     out = str(tmp_path / "out")
-    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--cell-index", "3", "--resume",
-                  "--no-progress", "--no-prebuild"]) == 0
+    assert (
+        sweep(
+            [
+                "--grid",
+                grid,
+                "--out",
+                out,
+                "--ds-configs",
+                fake_env,
+                "--cell-index",
+                "3",
+                "--resume",
+                "--no-progress",
+                "--no-prebuild",
+            ]
+        )
+        == 0
+    )
     assert [r["key"] for r in rows_of(out)] == [listed[3].split()[1]]
     # the same array task again (a requeued job): --resume makes it a no-op
-    assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--cell-index", "3", "--resume",
-                  "--no-progress", "--no-prebuild"]) == 0
+    assert (
+        sweep(
+            [
+                "--grid",
+                grid,
+                "--out",
+                out,
+                "--ds-configs",
+                fake_env,
+                "--cell-index",
+                "3",
+                "--resume",
+                "--no-progress",
+                "--no-prebuild",
+            ]
+        )
+        == 0
+    )
     assert len(rows_of(out)) == 1
     assert sweep(["--grid", grid, "--out", out, "--ds-configs", fake_env, "--cell-index", "4"]) == 2
 
@@ -158,9 +256,25 @@ def test_sigterm_kills_the_running_cell(fake_env, tmp_path):
     env = dict(os.environ, FAKE_TRAIN_PLAN=json.dumps({"1": "hang"}))
     grid = write_grid(tmp_path / "g.json", timeout_s=300)
     out = str(tmp_path / "out")
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "sweep.py"), "--grid", grid, "--out", out,
-                          "--ds-configs", fake_env, "--host-mem-cap-gb", "2", "--no-progress", "--no-prebuild"],
-                         env=env, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "sweep.py"),
+            "--grid",
+            grid,
+            "--out",
+            out,
+            "--ds-configs",
+            fake_env,
+            "--host-mem-cap-gb",
+            "2",
+            "--no-progress",
+            "--no-prebuild",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not leftovers(str(tmp_path), ranks_only=True):
         time.sleep(0.2)
@@ -179,21 +293,35 @@ def test_repeats_interleave_resume_and_size_eqmem_configs(fake_env, tmp_path, mo
     """Two cells x 2 repeats: the runs go cell by cell, then again; an interrupted sweep (here: one array task
     done) resumes with the runs it lacks; a zero_infinity_eqmem cell gets its sized config in its folder."""
     monkeypatch.setenv("FAKE_TRAIN_PLAN", json.dumps({}))
-    grid = write_grid(tmp_path / "g.json", models=["tiny"], repeats=2, aidaptiv_state_fraction=0.6,
-                      backends=["zero_infinity_eqmem", "aidaptiv"])
+    grid = write_grid(
+        tmp_path / "g.json",
+        models=["tiny"],
+        repeats=2,
+        aidaptiv_state_fraction=0.6,
+        backends=["zero_infinity_eqmem", "aidaptiv"],
+    )
     (tmp_path / "ds_configs" / "zero_infinity.json").write_text(
-        open(os.path.join(ROOT, "ds_configs", "zero_infinity.json")).read())
+        open(os.path.join(ROOT, "ds_configs", "zero_infinity.json")).read()
+    )
     assert sweep(["--grid", grid, "--list-cells"]) == 0
     listed = [ln.split()[1] for ln in capsys.readouterr().out.splitlines()]
-    assert listed == ["tiny__zero_infinity_eqmem__g1__mb1__s8__ga1", "tiny__aidaptiv__g1__mb1__s8__ga1",
-                      "tiny__zero_infinity_eqmem__g1__mb1__s8__ga1__r1", "tiny__aidaptiv__g1__mb1__s8__ga1__r1"]
+    assert listed == [
+        "tiny__zero_infinity_eqmem__g1__mb1__s8__ga1",
+        "tiny__aidaptiv__g1__mb1__s8__ga1",
+        "tiny__zero_infinity_eqmem__g1__mb1__s8__ga1__r1",
+        "tiny__aidaptiv__g1__mb1__s8__ga1__r1",
+    ]
     out = str(tmp_path / "out")
     common = ["--grid", grid, "--out", out, "--ds-configs", fake_env, "--no-progress", "--no-prebuild"]
     assert sweep(common + ["--cell-index", "1"]) == 0
     assert sweep(common + ["--resume"]) == 0
     rows = rows_of(out)
     assert [(r["key"].split("__")[1], r["repeat"]) for r in rows] == [
-        ("aidaptiv", 0), ("zero_infinity_eqmem", 0), ("zero_infinity_eqmem", 1), ("aidaptiv", 1)]
+        ("aidaptiv", 0),
+        ("zero_infinity_eqmem", 0),
+        ("zero_infinity_eqmem", 1),
+        ("aidaptiv", 1),
+    ]
     assert all(r["status"] == "ok" for r in rows)
     eq = rows[2]
     assert eq["cell_dir"] == "cells/tiny__zero_infinity_eqmem__g1__mb1__s8__ga1__r1"
@@ -201,5 +329,5 @@ def test_repeats_interleave_resume_and_size_eqmem_configs(fake_env, tmp_path, mo
     assert f"--config {os.path.join(out, eq['cell_dir'], 'ds_config.json')}" in eq["command"]
     assert cfg["zero_optimization"]["offload_param"]["max_in_cpu"] == eq["eqmem"]["max_in_cpu"] > 0
     assert eq["eqmem"]["sized_bytes"] <= eq["eqmem"]["budget_bytes"] == rows[0]["aidaptiv_host_budget_bytes"]
-    assert sweep(common + ["--resume"]) == 0   # nothing left: no new rows
+    assert sweep(common + ["--resume"]) == 0  # nothing left: no new rows
     assert len(rows_of(out)) == 4

@@ -1,6 +1,7 @@
 """A real run with DeepSpeed's monitor sections on: every step's series (aidaptiv_ds.common.metrics.MONITOR_SERIES)
 reaches the CSV monitor's files and, where the tensorboard and wandb packages are installed, TensorBoard's
 event files and W&B's offline run file; `aidaptiv-ds report RUN_DIR` plots them."""
+
 import csv
 import glob
 import importlib.util
@@ -15,8 +16,22 @@ from helpers import CONFIGS, child_env, read_metrics, run_train
 
 STEPS = 3
 # Measured on every run with our swapper on CPU (no CUDA: no GPU memory series).
-EXPECTED = [s for s in ("loss", "lr", "tokens_per_s", "step_s", "forward_s", "backward_s", "optimizer_s",
-                        "nvme_read_GBps", "nvme_write_GBps", "host_budget_bytes", "pinned_bytes")]
+EXPECTED = [
+    s
+    for s in (
+        "loss",
+        "lr",
+        "tokens_per_s",
+        "step_s",
+        "forward_s",
+        "backward_s",
+        "optimizer_s",
+        "nvme_read_GBps",
+        "nvme_write_GBps",
+        "host_budget_bytes",
+        "pinned_bytes",
+    )
+]
 
 
 def wandb_rows(path):
@@ -26,18 +41,19 @@ def wandb_rows(path):
     a 7-byte header (":W&B", magic 0xBEE1, version 0) then a LevelDB log (32 KiB blocks, records of a 7-byte
     header: crc32c, length, type FULL/FIRST/MIDDLE/LAST) of wandb's own protobuf Record messages."""
     from wandb.proto import wandb_internal_pb2 as pb
+
     with open(path, "rb") as f:
         data = f.read()
     assert data[:7] == b":W&B\xe1\xbe\x00", data[:7]
     block, pos, pieces, records = 32768, 7, b"", []
     while pos + 7 <= len(data):
-        if block - pos % block < 7:       # a block's tail too short for a record header is padding
+        if block - pos % block < 7:  # a block's tail too short for a record header is padding
             pos += block - pos % block
             continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             break
-        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
         pieces = chunk if kind in (1, 2) else pieces + chunk
         if kind in (1, 4):
             records.append(pieces)
@@ -61,15 +77,30 @@ def test_monitors_receive_every_series_every_step_and_report_plots_them(tmp_path
     if tensorboard:
         cfg["tensorboard"] = {"enabled": True, "output_path": str(run_dir / "tb"), "job_name": "micro"}
     wandb = importlib.util.find_spec("wandb") is not None
-    if wandb:   # offline by default, files in the --metrics-out folder; nothing may reach the network
+    if wandb:  # offline by default, files in the --metrics-out folder; nothing may reach the network
         cfg["wandb"] = {"enabled": True, "project": "aidaptiv-test"}
         for k in ("WANDB_MODE", "WANDB_DIR", "WANDB_API_KEY"):
             monkeypatch.delenv(k, raising=False)
-        monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")   # the discard port: a contact would fail
+        monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: a contact would fail
     (tmp_path / "c.json").write_text(json.dumps(cfg))
-    rc, log = run_train(["--config", str(tmp_path / "c.json"), "--model", "micro", "--seq-len", "64", "--steps",
-                         str(STEPS), "--warmup", "0", "--no-progress", "--metrics-out", str(run_dir / "m.json")],
-                        cwd=tmp_path)
+    rc, log = run_train(
+        [
+            "--config",
+            str(tmp_path / "c.json"),
+            "--model",
+            "micro",
+            "--seq-len",
+            "64",
+            "--steps",
+            str(STEPS),
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--metrics-out",
+            str(run_dir / "m.json"),
+        ],
+        cwd=tmp_path,
+    )
     assert rc == 0, log[-3000:]
     m = read_metrics(run_dir / "m.json")
     folder = run_dir / "csv" / "micro"
@@ -95,6 +126,7 @@ def test_monitors_receive_every_series_every_step_and_report_plots_them(tmp_path
         from tensorboard.backend.event_processing.event_accumulator import (
             EventAccumulator,
         )
+
         logs = [os.path.join(d, f) for d, _, fs in os.walk(run_dir / "tb") for f in fs if "tfevents" in f]
         assert logs, os.listdir(run_dir / "tb")
         acc = EventAccumulator(os.path.dirname(logs[0]))
@@ -115,12 +147,15 @@ def test_monitors_receive_every_series_every_step_and_report_plots_them(tmp_path
             assert all(f"aidaptiv/{s}" in r for r in rows), s
         assert [r["aidaptiv/loss"] for r in rows] == pytest.approx(m["losses"], rel=1e-12)
 
-    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "report", str(run_dir)], env=child_env(),
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", "report", str(run_dir)], env=child_env(), capture_output=True, text=True
+    )
     assert p.returncode == 0, p.stderr
     assert (run_dir / "figures" / "run_curves.png").stat().st_size > 10000 and "CSV monitor" in p.stderr
 
 
 def test_tensorboard_is_importable_for_the_monitor():
-    pytest.importorskip("tensorboard", reason="tensorboard==2.21.0 is not installed: the TensorBoard half of the "
-                                              "tracking test is skipped")
+    pytest.importorskip(
+        "tensorboard",
+        reason="tensorboard==2.21.0 is not installed: the TensorBoard half of the tracking test is skipped",
+    )

@@ -7,6 +7,7 @@ The start-up hook must route both entry points through our swapper: the layer gr
 (not the by-size fallback), they are prefetched, and the state moves through the swap file every step.
 bench/user_paths.py times this path beside the HF Trainer and our train job.
 """
+
 import json
 import os
 import re
@@ -29,9 +30,27 @@ def test_plain_zero_init_script_streams_through_layer_groups(tmp_path):
     cfg["aidaptiv"].update(nvme_path=str(swap), host_memory_budget="40MiB", layer_group_size=1)
     config, out = tmp_path / "ds.json", tmp_path / "run.json"
     config.write_text(json.dumps(cfg))
-    p = subprocess.run([sys.executable, SCRIPT, "--config", str(config), "--steps", str(STEPS), "--warmup", "1",
-                        "--json-out", str(out), *MICRO], cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--config",
+            str(config),
+            "--steps",
+            str(STEPS),
+            "--warmup",
+            "1",
+            "--json-out",
+            str(out),
+            *MICRO,
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, failure_excerpt(p.stdout)
     run = json.loads(out.read_text())
     stats = run["aidaptiv_stats"]

@@ -13,6 +13,7 @@ The settings ZeRO-Infinity needs to run at all here (deepspeed 0.19.8):
 - no zero.Init(dtype=...) (it gives bf16 on a CPU without fp16); the engine partitions the fp32 model;
 - engine.destroy() before exit.
 """
+
 import argparse
 import json
 import os
@@ -49,8 +50,15 @@ def main() -> int:
     torch.use_deterministic_algorithms(True)
     # Partitions of the embedding, lm_head and MLP weights are >= 1 MiB in fp32, so DeepSpeed swaps them
     # (it keeps smaller tensors in RAM).
-    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(config)
     largest = max(p.numel() for p in model.parameters())
 
@@ -61,16 +69,26 @@ def main() -> int:
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0}},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": args.nvme_dir, "pin_memory": True,
-                              "buffer_count": 5, "buffer_size": largest + 4096, "max_in_cpu": 0},
-            "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_dir, "pin_memory": True,
-                                  "buffer_count": 4},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": args.nvme_dir,
+                "pin_memory": True,
+                "buffer_count": 5,
+                "buffer_size": largest + 4096,
+                "max_in_cpu": 0,
+            },
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme_dir, "pin_memory": True, "buffer_count": 4},
             "stage3_max_reuse_distance": 0,
             "stage3_prefetch_bucket_size": 0,
             "stage3_param_persistence_threshold": 0,
         },
-        "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
-                "overlap_events": True},
+        "aio": {
+            "block_size": 1048576,
+            "queue_depth": 8,
+            "intra_op_parallelism": 1,
+            "single_submit": False,
+            "overlap_events": True,
+        },
         "wall_clock_breakdown": False,
     }
     deepspeed.init_distributed(dist_backend="gloo")
@@ -80,10 +98,14 @@ def main() -> int:
         return type(obj).__module__ + "." + type(obj).__name__
 
     optimizer_swapper = engine.optimizer.optimizer_swapper
-    param_swapper = next(p.nvme_swapper for p in engine.module.parameters()
-                         if getattr(p, "nvme_swapper", None) is not None)
-    handles = {"optimizer": optimizer_swapper.aio_handle, "param_read": param_swapper.aio_read_handle,
-               "param_write": param_swapper.aio_write_handle}
+    param_swapper = next(
+        p.nvme_swapper for p in engine.module.parameters() if getattr(p, "nvme_swapper", None) is not None
+    )
+    handles = {
+        "optimizer": optimizer_swapper.aio_handle,
+        "param_read": param_swapper.aio_read_handle,
+        "param_write": param_swapper.aio_write_handle,
+    }
     gen = torch.Generator().manual_seed(99)
     losses = []
     for _ in range(args.steps):

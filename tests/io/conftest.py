@@ -1,5 +1,6 @@
 """Fixtures of the engine tier: a shared pinned pool, engines of each backend, a directory other users can
 enter. Helpers are in engine_helpers.py."""
+
 import os
 import subprocess
 import tempfile

@@ -1,5 +1,6 @@
 """Helpers of the engine tier (imported by name; fixtures live in conftest.py, which is never imported
 by name since several conftest.py files share that module name)."""
+
 import os
 import subprocess
 import sys
@@ -23,11 +24,12 @@ def plain_aligned(n: int) -> torch.Tensor:
     """A 4 KiB-aligned uint8 tensor from torch's ordinary allocator (not from any pool)."""
     base = torch.empty(n + ALIGN, dtype=torch.uint8)
     skip = (-base.data_ptr()) % ALIGN
-    return base[skip:skip + n]
+    return base[skip : skip + n]
 
 
 def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run Python code in a child process that imports this checkout's aidaptiv_ds."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd="/")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env, cwd="/"
+    )

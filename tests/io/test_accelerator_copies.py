@@ -9,6 +9,7 @@
   when it looked the buffer up. A buffer written out under memory pressure waits for those streams only
   (not the whole device); stand-in streams count the waits.
 """
+
 import threading
 
 import pytest
@@ -34,17 +35,19 @@ def test_a_span_of_a_device_tensor_is_refused_naming_the_span(tmp_path):
             f = space.create_file("params.swp", engine)
             store = SwapStore(engine, space)
             with pytest.raises(ValueError, match=r"write of partition 7 in .*params\.swp: the buffer is on meta"):
-                store.write_span(f, f.allocate(4096).offset, torch.empty(4096, dtype=torch.uint8, device="meta"),
-                                 "partition 7")
+                store.write_span(
+                    f, f.allocate(4096).offset, torch.empty(4096, dtype=torch.uint8, device="meta"), "partition 7"
+                )
         finally:
             space.close()
 
 
 def test_host_buffers_stay_on_the_cpu_under_zero_init_tensor_wrappers(monkeypatch):
     wrapped = partition_parameters.zero_wrapper_for_fp_tensor_constructor(
-        partition_parameters._orig_torch_empty, torch.bfloat16, torch.device("meta"))
+        partition_parameters._orig_torch_empty, torch.bfloat16, torch.device("meta")
+    )
     monkeypatch.setattr(torch, "empty", wrapped)
-    assert torch.empty(1).device.type == "meta"          # what the wrapper does to a tensor without a device
+    assert torch.empty(1).device.type == "meta"  # what the wrapper does to a tensor without a device
     buf = aligned_empty(5000)
     assert buf.device.type == "cpu" and buf.numel() == 5000 and buf.data_ptr() % 4096 == 0
     assert _empty(torch.bfloat16).device.type == "cpu"
@@ -85,9 +88,9 @@ def test_a_written_out_gradient_waits_for_the_streams_of_its_copies_only(tmp_pat
     current = [reduce]
     grads, sgs, partitions, parts = _gradients(tmp_path, lambda: current[0])
     try:
-        partitions[10].fill_(1.0)          # ZeRO-3's copy into sub-group 0, queued on the reduce stream
+        partitions[10].fill_(1.0)  # ZeRO-3's copy into sub-group 0, queued on the reduce stream
         current[0] = compute
-        partitions[11].fill_(2.0)          # sub-group 1, looked up on the compute stream
+        partitions[11].fill_(2.0)  # sub-group 1, looked up on the compute stream
         assert (reduce.waits, compute.waits) == (0, 0)
         # The pool holds two buffers: a third look-up writes out the sub-group the step reaches last (1).
         partitions[12]
@@ -99,7 +102,7 @@ def test_a_written_out_gradient_waits_for_the_streams_of_its_copies_only(tmp_pat
         assert (reduce.waits, compute.waits) == (1, 1)
         grads.reset(sgs[0])
         assert reduce.waits == 1
-        assert torch.all(grads.tensor(sgs[1]) == 2.0)   # read back with the values the copy left
+        assert torch.all(grads.tensor(sgs[1]) == 2.0)  # read back with the values the copy left
     finally:
         _close(parts)
 

@@ -2,6 +2,7 @@
 engine: the first training forward measures every block, the plan applies from the next forward, each
 block runs in its own mode (keep, stored on NVMe without recompute, recomputed), and the losses and
 gradients equal keeping every activation."""
+
 import pytest
 import torch
 from test_activation_store import LAYERS, Rig, loss_and_grads, tiny_llama
@@ -9,7 +10,7 @@ from test_activation_store import LAYERS, Rig, loss_and_grads, tiny_llama
 from aidaptiv_ds.activations import policy as activation_policy
 from aidaptiv_ds.config.settings import ActivationSettings
 
-SLOW_DISK = 1.0e3      # bytes/s given as the disk's bandwidth: storing is never faster than recomputing
+SLOW_DISK = 1.0e3  # bytes/s given as the disk's bandwidth: storing is never faster than recomputing
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def test_a_budget_that_forces_every_mode_keeps_the_losses_and_gradients(rig):
 
 def test_each_block_runs_in_its_mode(rig):
     model = tiny_llama()
-    auto(rig, model, budget=0, bandwidth=1e15)       # nothing kept, a disk faster than any recompute
+    auto(rig, model, budget=0, bandwidth=1e15)  # nothing kept, a disk faster than any recompute
     calls = [0] * LAYERS
     for i, layer in enumerate(model.model.layers):
         layer.mlp.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -73,7 +74,7 @@ def test_each_block_runs_in_its_mode(rig):
     s = activation_policy.auto_plan(model)
     assert s["stored_blocks"] == list(range(LAYERS)) and not s["kept_blocks"] and not s["recomputed_layers"]
     loss_and_grads(model, steps=1)
-    assert calls == [4] * LAYERS             # stored, not recomputed
+    assert calls == [4] * LAYERS  # stored, not recomputed
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     assert calls == [5] * LAYERS
@@ -95,23 +96,30 @@ def test_bandwidth_from_the_rates_cache_or_measured_through_the_engine(rig, tmp_
 
     from aidaptiv_ds.engine.machine_cache import disk_key
     from aidaptiv_ds.zero3.activations import nvme_bandwidth
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win
-    runtime = types.SimpleNamespace(cfg=types.SimpleNamespace(nvme_path=str(tmp_path)), memory=rig.memory,
-                                    store=rig.store)
+    runtime = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(nvme_path=str(tmp_path)), memory=rig.memory, store=rig.store
+    )
     store = rig.activation_store()
-    read, write, how = nvme_bandwidth(runtime, store)         # no cache: 4 MiB (an eighth of 32) out and back
+    read, write, how = nvme_bandwidth(runtime, store)  # no cache: 4 MiB (an eighth of 32) out and back
     assert read > 0 and write > 0 and how == "measured now: 4 MiB written and read back"
     assert rig.pool.stats()["in_use"] == 0
     (tmp_path / "cache" / "aidaptiv-ds").mkdir(parents=True)
-    (tmp_path / "cache" / "aidaptiv-ds" / "rates.json").write_text(json.dumps(
-        {disk_key(str(tmp_path)): {"nvme_read": 3e9, "nvme_write": 2e9, "when": "measured 2026-01-01 00:00 UTC"}}))
+    (tmp_path / "cache" / "aidaptiv-ds" / "rates.json").write_text(
+        json.dumps(
+            {disk_key(str(tmp_path)): {"nvme_read": 3e9, "nvme_write": 2e9, "when": "measured 2026-01-01 00:00 UTC"}}
+        )
+    )
     assert nvme_bandwidth(runtime, store) == (3e9, 2e9, "the rates cache (measured 2026-01-01 00:00 UTC)")
 
 
 def test_default_budget_on_cpu_is_the_host_budget():
-    assert activation_policy.default_budget(torch.device("cpu"), 123 << 20) == (123 << 20,
-                                                                                  "this rank's host_memory_budget")
+    assert activation_policy.default_budget(torch.device("cpu"), 123 << 20) == (
+        123 << 20,
+        "this rank's host_memory_budget",
+    )
     with pytest.raises(ValueError, match="give activations.budget in bytes"):
         activation_policy.default_budget(torch.device("cpu"), None)
 
@@ -127,15 +135,16 @@ def test_default_budget_on_cuda_is_half_the_free_memory(monkeypatch):
     """Uncapped: half of what the device has free plus what the allocator caches unused."""
     _fake_cuda(monkeypatch, free=100 << 30, total=140 << 30, reserved=6 << 30, allocated=4 << 30, fraction=1.0)
     assert activation_policy.default_budget(torch.device("cuda", 0), None) == (
-        51 << 30, "half of the 102.00 GiB GPU memory free when planned")
+        51 << 30,
+        "half of the 102.00 GiB GPU memory free when planned",
+    )
 
 
 def test_default_budget_on_cuda_follows_the_process_memory_cap(monkeypatch):
     """--gpu-mem-cap-gb 6 on a 140 GiB card: the device says 100 GiB free, but the allocator may hold only 6 GiB
     and 4 are taken, so the plan gets half of the 2 left (a budget from mem_get_info would keep every
     activation and run out of memory at the cap)."""
-    _fake_cuda(monkeypatch, free=100 << 30, total=140 << 30, reserved=5 << 30, allocated=4 << 30,
-               fraction=6 / 140)
+    _fake_cuda(monkeypatch, free=100 << 30, total=140 << 30, reserved=5 << 30, allocated=4 << 30, fraction=6 / 140)
     budget, how = activation_policy.default_budget(torch.device("cuda", 0), None)
     assert abs(budget - (1 << 30)) < 2**20
     assert "under this process's cap" in how

@@ -2,6 +2,7 @@
 real engine: the same loss and gradients as keeping them, the backward reads them back in reverse with
 read-ahead, no staging is left over, the file is reused step after step, and I/O errors end the step with a
 clear error."""
+
 import errno
 import json
 
@@ -22,9 +23,17 @@ LAYERS, SEQ = 4, 96
 
 def tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=97, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=97,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -73,8 +82,11 @@ def test_same_losses_and_gradients_as_keeping_activations(rig, policy):
     reference = loss_and_grads(tiny_llama(), steps=3)
     model = tiny_llama()
     stores = []
-    plan = activation_policy.apply(model, ActivationSettings(policy=policy, loss_chunk_tokens=0),
-                                   lambda: stores.append(rig.activation_store()) or stores[-1])
+    plan = activation_policy.apply(
+        model,
+        ActivationSettings(policy=policy, loss_chunk_tokens=0),
+        lambda: stores.append(rig.activation_store()) or stores[-1],
+    )
     model.train()
     ours = loss_and_grads(model, steps=3)
     assert plan["recompute"] and plan["stored"] == (policy == "nvme")
@@ -94,6 +106,7 @@ def test_tensors_larger_than_a_piece_move_in_pieces(rig, monkeypatch):
     """A stored tensor goes through staging in pieces (PIECE_BYTES, 8 MiB; 16 KiB here, so each 48 KiB block
     input takes three and the last is short): same losses and gradients, every byte back, no staging left."""
     from aidaptiv_ds.activations import store as activation_store
+
     monkeypatch.setattr(activation_store, "PIECE_BYTES", 16 << 10)
     reference = loss_and_grads(tiny_llama(), steps=2)
     model = tiny_llama()
@@ -121,7 +134,8 @@ def test_backward_reads_in_reverse_ahead_of_need_and_the_file_is_reused(rig):
     def record(handle):
         order.append(getattr(handle, "slot", None) and handle.slot.index)
         return unpack(handle)
-    store.unpack = record            # saved_tensors_hooks takes the bound attribute at pack time
+
+    store.unpack = record  # saved_tensors_hooks takes the bound attribute at pack time
     sizes = []
     for s in range(3):
         loss = model(**batch(s)).loss
@@ -131,11 +145,11 @@ def test_backward_reads_in_reverse_ahead_of_need_and_the_file_is_reused(rig):
         assert store.staging_bytes() - store.writes_in_flight_bytes() <= (2 + 1) * 2 * SEQ * 64 * 4
         loss.backward()
         sizes.append(store.stats_dict()["file_bytes"])
-    indices = [i for i in order[-len(order) // 3:] if i is not None]        # the last step's
-    assert sorted(indices) == list(range(len(indices)))                      # each read back once
+    indices = [i for i in order[-len(order) // 3 :] if i is not None]  # the last step's
+    assert sorted(indices) == list(range(len(indices)))  # each read back once
     # Blocks run backwards, so their inputs (and the token ids before them) come back in reverse order.
-    assert indices[-(LAYERS + 2):] == sorted(indices[-(LAYERS + 2):], reverse=True)
-    assert sizes[0] == sizes[1] == sizes[2] > 0                          # the same regions each step
+    assert indices[-(LAYERS + 2) :] == sorted(indices[-(LAYERS + 2) :], reverse=True)
+    assert sizes[0] == sizes[1] == sizes[2] > 0  # the same regions each step
     assert stored > 0 and store.stats_dict()["reads_ahead"] >= LAYERS
 
 
@@ -149,15 +163,15 @@ def test_reads_ahead_give_way_when_the_budget_needs_room(rig):
     activation_policy.apply(model, ActivationSettings(policy="nvme", loss_chunk_tokens=0), lambda: store)
     model.train()
     model.zero_grad()
-    loss = model(**batch(0)).loss            # the forward ends with reads ahead of the backward started
+    loss = model(**batch(0)).loss  # the forward ends with reads ahead of the backward started
     store._forget_finished()
     ahead = sum(s.nbytes for s in store._slots if s.buffer is not None)
     assert ahead > 0
-    want = rig.pool.stats()["largest_free"] + 1     # one byte more than is free in one piece
+    want = rig.pool.stats()["largest_free"] + 1  # one byte more than is free in one piece
     hog = rig.memory.take(want, "a gradient write-out")
     dropped = store.stats_dict()["reads_dropped"]
     assert dropped >= 1 and sum(s.nbytes for s in store._slots if s.buffer is not None) < ahead
-    del hog                                  # back to the pool
+    del hog  # back to the pool
     loss.backward()
     assert abs(loss.item() - reference[0][0]) <= 1e-6 * abs(reference[0][0])
     for n, p in model.named_parameters():
@@ -170,8 +184,8 @@ def test_small_tensors_and_parameters_stay_in_memory(rig):
     store = rig.activation_store(min_bytes=4096)
     w = torch.nn.Parameter(torch.randn(64, 64))
     assert not store.worth_storing(w) and not store.worth_storing(w.t())
-    assert not store.worth_storing(torch.randn(8))                    # smaller than min_bytes
-    assert not store.worth_storing(torch.randn(64, 64, requires_grad=True))   # a leaf autograd needs
+    assert not store.worth_storing(torch.randn(8))  # smaller than min_bytes
+    assert not store.worth_storing(torch.randn(64, 64, requires_grad=True))  # a leaf autograd needs
     assert store.worth_storing(torch.randn(64, 64))
 
 
@@ -208,6 +222,7 @@ def test_io_errors_end_the_step_with_a_clear_error(tmp_path, when):
     # Every io_uring submission fails (EIO) from the start of the forward (the writes) or of the backward
     # (the reads): the step raises an OSError that says what failed and what to do; nothing crashes or hangs.
     import os
+
     tests = os.path.dirname(os.path.abspath(__file__))
     result = run_child(IO_ERROR_CHILD.format(tests=tests, tmp=str(tmp_path), when=when), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

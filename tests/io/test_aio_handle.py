@@ -1,5 +1,6 @@
 """AioHandle against DeepSpeed's own libaio aio_handle: the same calls give the same return values, the same
 bytes in files and the same bytes in buffers."""
+
 import errno
 import hashlib
 import os
@@ -17,8 +18,10 @@ def deepspeed_aio():
 
         return AsyncIOBuilder().load(verbose=False)
     except Exception as e:  # the op builds just in time and needs libaio-dev
-        pytest.skip(f"DeepSpeed's async_io op cannot be built here ({type(e).__name__}: {e}); "
-                    "install libaio-dev and set TORCH_EXTENSIONS_DIR to a writable folder")
+        pytest.skip(
+            f"DeepSpeed's async_io op cannot be built here ({type(e).__name__}: {e}); "
+            "install libaio-dev and set TORCH_EXTENSIONS_DIR to a writable folder"
+        )
 
 
 def script(handle, folder):
@@ -26,16 +29,29 @@ def script(handle, folder):
     out = []
     example16 = torch.empty(0, dtype=torch.float16)
     pinned = handle.new_cpu_locked_tensor(3 * 4096, example16)  # 24 KiB of fp16
-    out.append(("locked", pinned.dtype, tuple(pinned.shape), handle.is_pinned(pinned),
-                handle.is_pinned(pinned[2048:]), handle.is_pinned(torch.empty(4096))))
+    out.append(
+        (
+            "locked",
+            pinned.dtype,
+            tuple(pinned.shape),
+            handle.is_pinned(pinned),
+            handle.is_pinned(pinned[2048:]),
+            handle.is_pinned(torch.empty(4096)),
+        )
+    )
     pinned.copy_(torch.linspace(-3, 3, pinned.numel(), dtype=torch.float16))
-    plain = torch.arange(5120, dtype=torch.int32)          # 20 KiB, ordinary memory
-    odd_view = pinned.view(torch.uint8)[1024:1024 + 5120]  # 1 KiB into a page: not 4 KiB aligned
+    plain = torch.arange(5120, dtype=torch.int32)  # 20 KiB, ordinary memory
+    odd_view = pinned.view(torch.uint8)[1024 : 1024 + 5120]  # 1 KiB into a page: not 4 KiB aligned
     f = lambda name: os.path.join(folder, name)
-    out.append(("async writes", handle.async_pwrite(pinned, f("a.bin")),
-                handle.async_pwrite(plain, f("b.bin"), 0),
-                handle.async_pwrite(odd_view, f("c.bin"), 8192),
-                handle.async_pwrite(plain, f("a.bin"), 3 * 8192)))
+    out.append(
+        (
+            "async writes",
+            handle.async_pwrite(pinned, f("a.bin")),
+            handle.async_pwrite(plain, f("b.bin"), 0),
+            handle.async_pwrite(odd_view, f("c.bin"), 8192),
+            handle.async_pwrite(plain, f("a.bin"), 3 * 8192),
+        )
+    )
     out.append(("wait", handle.wait()))
     out.append(("sync_pwrite", handle.sync_pwrite(plain[:1024], f("d.bin"), 1024)))  # unaligned offset
     out.append(("pwrite sync", handle.pwrite(pinned, f("e.bin"), False, False, 4096)))
@@ -44,8 +60,14 @@ def script(handle, folder):
     r1 = handle.new_cpu_locked_tensor(3 * 4096, example16)
     r2 = torch.zeros(5120, dtype=torch.int32)
     r3 = torch.zeros(5120, dtype=torch.uint8)
-    out.append(("async reads", handle.async_pread(r1, f("a.bin")), handle.async_pread(r2, f("a.bin"), 3 * 8192),
-                handle.async_pread(r3, f("c.bin"), 8192)))
+    out.append(
+        (
+            "async reads",
+            handle.async_pread(r1, f("a.bin")),
+            handle.async_pread(r2, f("a.bin"), 3 * 8192),
+            handle.async_pread(r3, f("c.bin"), 8192),
+        )
+    )
     r4 = torch.zeros(1024, dtype=torch.int32)
     out.append(("sync_pread after 3 async", handle.sync_pread(r4, f("d.bin"), 1024)))
     r5 = torch.zeros_like(pinned)
@@ -74,8 +96,14 @@ def test_same_results_as_deepspeed(deepspeed_aio, tmp_path):
     ours_dir.mkdir()
     args = dict(block_size=8192, queue_depth=8, single_submit=False, overlap_events=True, intra_op_parallelism=1)
     theirs_handle, ours_handle = deepspeed_aio.aio_handle(**args), AioHandle(**args)
-    getters = ["get_block_size", "get_queue_depth", "get_single_submit", "get_overlap_events",
-               "get_intra_op_parallelism", "get_alignment"]
+    getters = [
+        "get_block_size",
+        "get_queue_depth",
+        "get_single_submit",
+        "get_overlap_events",
+        "get_intra_op_parallelism",
+        "get_alignment",
+    ]
     assert [getattr(ours_handle, g)() for g in getters] == [getattr(theirs_handle, g)() for g in getters]
     theirs, theirs_files = script(theirs_handle, str(theirs_dir))
     ours, ours_files = script(ours_handle, str(ours_dir))
@@ -89,8 +117,14 @@ def test_same_results_as_deepspeed(deepspeed_aio, tmp_path):
 
 def test_defaults_match_deepspeed(deepspeed_aio):
     theirs, ours = deepspeed_aio.aio_handle(), AioHandle()
-    for g in ("get_block_size", "get_queue_depth", "get_single_submit", "get_overlap_events",
-              "get_intra_op_parallelism", "get_alignment"):
+    for g in (
+        "get_block_size",
+        "get_queue_depth",
+        "get_single_submit",
+        "get_overlap_events",
+        "get_intra_op_parallelism",
+        "get_alignment",
+    ):
         assert getattr(ours, g)() == getattr(theirs, g)(), g
 
 

@@ -5,6 +5,7 @@ file-descriptor one included (DeepSpeed's FastFileWriter passes an O_DIRECT desc
 
 The same script runs on DeepSpeed's libaio handle where its op builds, and both must give the same return
 values and files; the expected values are also written out, so that the forms are checked without it."""
+
 import hashlib
 import os
 
@@ -31,8 +32,12 @@ def calls(handle, folder):
     # async_pwrite, filename overload
     out.append(("async_pwrite(buffer, filename)", handle.async_pwrite(a, f("w1.bin"))))
     out.append(("async_pwrite(buffer, filename, file_offset)", handle.async_pwrite(b, f("w1.bin"), 4 * KIB4)))
-    out.append(("async_pwrite(buffer=, filename=, file_offset=)",
-                handle.async_pwrite(buffer=a, filename=f("w2.bin"), file_offset=KIB4)))
+    out.append(
+        (
+            "async_pwrite(buffer=, filename=, file_offset=)",
+            handle.async_pwrite(buffer=a, filename=f("w2.bin"), file_offset=KIB4),
+        )
+    )
     out.append(("wait after 3", handle.wait()))
     # async_pwrite, descriptor overload (O_DIRECT, as DeepSpeed's FastFileWriter opens it)
     fd = os.open(f("fd.bin"), os.O_DIRECT | os.O_CREAT | os.O_WRONLY, 0o600)
@@ -40,7 +45,9 @@ def calls(handle, folder):
         out.append(("async_pwrite(buffer, fd)", handle.async_pwrite(a, fd)))
         out.append(("async_pwrite(buffer, fd, file_offset)", handle.async_pwrite(b, fd, 4 * KIB4)))
         out.append(("async_pwrite(buffer, fd=, file_offset=)", handle.async_pwrite(a, fd=fd, file_offset=8 * KIB4)))
-        out.append(("async_pwrite(buffer=, fd=) unpinned", handle.async_pwrite(buffer=plain, fd=fd, file_offset=12 * KIB4)))
+        out.append(
+            ("async_pwrite(buffer=, fd=) unpinned", handle.async_pwrite(buffer=plain, fd=fd, file_offset=12 * KIB4))
+        )
         out.append(("wait after 4 fd writes", handle.wait()))
     finally:
         os.close(fd)
@@ -48,37 +55,76 @@ def calls(handle, folder):
 
     # sync and parallel writes
     out.append(("sync_pwrite(buffer, filename)", handle.sync_pwrite(a, f("s.bin"))))
-    out.append(("sync_pwrite(buffer=, filename=, file_offset=)",
-                handle.sync_pwrite(buffer=b, filename=f("s.bin"), file_offset=4 * KIB4)))
-    out.append(("pwrite(buffer, filename, validate, async, file_offset) sync", handle.pwrite(a, f("p.bin"), False, False, 0)))
-    out.append(("pwrite(buffer=, filename=, validate=, async=True, file_offset=)",
-                handle.pwrite(buffer=b, filename=f("p.bin"), validate=False, file_offset=4 * KIB4, **{"async": True})))
+    out.append(
+        (
+            "sync_pwrite(buffer=, filename=, file_offset=)",
+            handle.sync_pwrite(buffer=b, filename=f("s.bin"), file_offset=4 * KIB4),
+        )
+    )
+    out.append(
+        ("pwrite(buffer, filename, validate, async, file_offset) sync", handle.pwrite(a, f("p.bin"), False, False, 0))
+    )
+    out.append(
+        (
+            "pwrite(buffer=, filename=, validate=, async=True, file_offset=)",
+            handle.pwrite(buffer=b, filename=f("p.bin"), validate=False, file_offset=4 * KIB4, **{"async": True}),
+        )
+    )
     out.append(("pwrite(buffer, filename, validate, async) async", handle.pwrite(plain, f("p2.bin"), False, True)))
     out.append(("wait after 2", handle.wait()))
-    out.append(("write(buffer=, filename=, validate=, file_offset=)",
-                handle.write(buffer=a, filename=f("whole.bin"), validate=False, file_offset=0)))
+    out.append(
+        (
+            "write(buffer=, filename=, validate=, file_offset=)",
+            handle.write(buffer=a, filename=f("whole.bin"), validate=False, file_offset=0),
+        )
+    )
 
     # reads
     r = [handle.new_cpu_locked_tensor(4 * KIB4, u8) for _ in range(6)]
     rp = torch.zeros(2 * KIB4, dtype=torch.int32)
     out.append(("async_pread(buffer, filename)", handle.async_pread(r[0], f("w1.bin"))))
     out.append(("async_pread(buffer, filename, file_offset)", handle.async_pread(r[1], f("fd.bin"), 4 * KIB4)))
-    out.append(("async_pread(buffer=, filename=, file_offset=)",
-                handle.async_pread(buffer=rp, filename=f("fd.bin"), file_offset=12 * KIB4)))
+    out.append(
+        (
+            "async_pread(buffer=, filename=, file_offset=)",
+            handle.async_pread(buffer=rp, filename=f("fd.bin"), file_offset=12 * KIB4),
+        )
+    )
     out.append(("wait after 3 reads", handle.wait()))
-    out.append(("sync_pread(buffer=, filename=, file_offset=)",
-                handle.sync_pread(buffer=r[2], filename=f("s.bin"), file_offset=4 * KIB4)))
-    out.append(("pread(buffer, filename, validate, async, file_offset) sync",
-                handle.pread(r[3], f("fd.bin"), False, False, 8 * KIB4)))
-    out.append(("pread(buffer=, filename=, validate=, async=True, file_offset=)",
-                handle.pread(buffer=r[4], filename=f("p.bin"), validate=False, file_offset=4 * KIB4, **{"async": True})))
+    out.append(
+        (
+            "sync_pread(buffer=, filename=, file_offset=)",
+            handle.sync_pread(buffer=r[2], filename=f("s.bin"), file_offset=4 * KIB4),
+        )
+    )
+    out.append(
+        (
+            "pread(buffer, filename, validate, async, file_offset) sync",
+            handle.pread(r[3], f("fd.bin"), False, False, 8 * KIB4),
+        )
+    )
+    out.append(
+        (
+            "pread(buffer=, filename=, validate=, async=True, file_offset=)",
+            handle.pread(buffer=r[4], filename=f("p.bin"), validate=False, file_offset=4 * KIB4, **{"async": True}),
+        )
+    )
     out.append(("wait after 1", handle.wait()))
-    out.append(("read(buffer=, filename=, validate=, file_offset=)",
-                handle.read(buffer=r[5], filename=f("whole.bin"), validate=False, file_offset=0)))
+    out.append(
+        (
+            "read(buffer=, filename=, validate=, file_offset=)",
+            handle.read(buffer=r[5], filename=f("whole.bin"), validate=False, file_offset=0),
+        )
+    )
     for i, t in enumerate(r + [rp]):
         out.append((f"read bytes {i}", hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()))
-    out.append(("free_cpu_locked_tensor(tensor=)", handle.free_cpu_locked_tensor(tensor=r[0]),
-                handle.free_cpu_locked_tensor(a)))
+    out.append(
+        (
+            "free_cpu_locked_tensor(tensor=)",
+            handle.free_cpu_locked_tensor(tensor=r[0]),
+            handle.free_cpu_locked_tensor(a),
+        )
+    )
     files = {}
     for name in sorted(os.listdir(folder)):
         with open(f(name), "rb") as fh:
@@ -90,29 +136,38 @@ def calls(handle, folder):
 # parallel forms the count of ops they waited for, read()/write() 0).
 EXPECTED = {
     "is_pinned": (True, True, False),
-    "async_pwrite(buffer, filename)": (0,), "async_pwrite(buffer, filename, file_offset)": (0,),
-    "async_pwrite(buffer=, filename=, file_offset=)": (0,), "wait after 3": (3,),
-    "async_pwrite(buffer, fd)": (0,), "async_pwrite(buffer, fd, file_offset)": (0,),
-    "async_pwrite(buffer, fd=, file_offset=)": (0,), "async_pwrite(buffer=, fd=) unpinned": (0,),
-    "wait after 4 fd writes": (4,), "fd still open by the caller": ("closed",),
-    "sync_pwrite(buffer, filename)": (1,), "sync_pwrite(buffer=, filename=, file_offset=)": (1,),
+    "async_pwrite(buffer, filename)": (0,),
+    "async_pwrite(buffer, filename, file_offset)": (0,),
+    "async_pwrite(buffer=, filename=, file_offset=)": (0,),
+    "wait after 3": (3,),
+    "async_pwrite(buffer, fd)": (0,),
+    "async_pwrite(buffer, fd, file_offset)": (0,),
+    "async_pwrite(buffer, fd=, file_offset=)": (0,),
+    "async_pwrite(buffer=, fd=) unpinned": (0,),
+    "wait after 4 fd writes": (4,),
+    "fd still open by the caller": ("closed",),
+    "sync_pwrite(buffer, filename)": (1,),
+    "sync_pwrite(buffer=, filename=, file_offset=)": (1,),
     "pwrite(buffer, filename, validate, async, file_offset) sync": (1,),
     "pwrite(buffer=, filename=, validate=, async=True, file_offset=)": (0,),
-    "pwrite(buffer, filename, validate, async) async": (0,), "wait after 2": (2,),
+    "pwrite(buffer, filename, validate, async) async": (0,),
+    "wait after 2": (2,),
     "write(buffer=, filename=, validate=, file_offset=)": (0,),
-    "async_pread(buffer, filename)": (0,), "async_pread(buffer, filename, file_offset)": (0,),
-    "async_pread(buffer=, filename=, file_offset=)": (0,), "wait after 3 reads": (3,),
+    "async_pread(buffer, filename)": (0,),
+    "async_pread(buffer, filename, file_offset)": (0,),
+    "async_pread(buffer=, filename=, file_offset=)": (0,),
+    "wait after 3 reads": (3,),
     "sync_pread(buffer=, filename=, file_offset=)": (1,),
     "pread(buffer, filename, validate, async, file_offset) sync": (1,),
-    "pread(buffer=, filename=, validate=, async=True, file_offset=)": (0,), "wait after 1": (1,),
+    "pread(buffer=, filename=, validate=, async=True, file_offset=)": (0,),
+    "wait after 1": (1,),
     "read(buffer=, filename=, validate=, file_offset=)": (0,),
     "free_cpu_locked_tensor(tensor=)": (True, True),
 }
 
 
 def test_every_call_form_returns_deepspeeds_values(tmp_path):
-    handle = AioHandle(block_size=8192, queue_depth=8, single_submit=False, overlap_events=True,
-                       intra_op_parallelism=1)
+    handle = AioHandle(block_size=8192, queue_depth=8, single_submit=False, overlap_events=True, intra_op_parallelism=1)
     out, files = calls(handle, str(tmp_path))
     got = {form: tuple(values) for form, *values in out if not form.startswith("read bytes")}
     assert got == EXPECTED
@@ -126,11 +181,15 @@ def test_every_call_form_returns_deepspeeds_values(tmp_path):
 
 
 def test_constructor_and_getters_by_keyword():
-    handle = AioHandle(block_size=4096, queue_depth=4, single_submit=True, overlap_events=False,
-                       intra_op_parallelism=2)
-    assert (handle.get_block_size(), handle.get_queue_depth(), handle.get_single_submit(),
-            handle.get_overlap_events(), handle.get_intra_op_parallelism(), handle.get_alignment()) == \
-        (4096, 4, True, False, 2, 1024)
+    handle = AioHandle(block_size=4096, queue_depth=4, single_submit=True, overlap_events=False, intra_op_parallelism=2)
+    assert (
+        handle.get_block_size(),
+        handle.get_queue_depth(),
+        handle.get_single_submit(),
+        handle.get_overlap_events(),
+        handle.get_intra_op_parallelism(),
+        handle.get_alignment(),
+    ) == (4096, 4, True, False, 2, 1024)
 
 
 def test_async_pwrite_refuses_a_filename_and_an_fd_together(tmp_path):

@@ -1,5 +1,6 @@
 """Many swaps at once from several Python threads, byte for byte; the engine waits for I/O in flight
 before it goes away."""
+
 import threading
 
 import torch
@@ -83,7 +84,7 @@ def test_closing_a_file_with_io_in_flight(engine, pool, tmp_path):
     buf = pool.allocate(data.numel())
     buf.copy_(data)
     f = engine.open(tmp_path / "c.bin", create=True)
-    requests = [engine.write_async(buf[i << 22:(i + 1) << 22], f, i << 22) for i in range(4)]
+    requests = [engine.write_async(buf[i << 22 : (i + 1) << 22], f, i << 22) for i in range(4)]
     engine.close(f)  # the requests keep the descriptors until they complete
     assert [r.wait() for r in requests] == [4 << 20] * 4
     back = pool.allocate(data.numel())

@@ -5,6 +5,7 @@ and that the process does not crash.
 
 The faults come from test hooks compiled into the engine (aidaptiv_ds.engine._C._testing_*, see
 csrc/include/aidaptiv/detail/test_hooks.hpp). They are process-wide, so every case runs in a child."""
+
 import errno
 import json
 

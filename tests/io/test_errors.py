@@ -1,4 +1,5 @@
 """Error paths: each one a clear exception (what, where, what to do), no crash, no hang, no leaked buffer."""
+
 import errno
 import gc
 import json
@@ -213,7 +214,9 @@ SECCOMP_BLOCK_IO_URING = """
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="seccomp filter written for x86_64/aarch64")
 def test_auto_falls_back_to_posix_when_io_uring_is_blocked(tmp_path):
-    code = SECCOMP_BLOCK_IO_URING + f"""
+    code = (
+        SECCOMP_BLOCK_IO_URING
+        + f"""
     import json, torch
     from aidaptiv_ds.engine.io import IOEngine, PinnedPool
     out = {{}}
@@ -231,6 +234,7 @@ def test_auto_falls_back_to_posix_when_io_uring_is_blocked(tmp_path):
         out["explicit"] = [e.errno, str(e)]
     print(json.dumps(out))
     """
+    )
     result = run_child(code)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)

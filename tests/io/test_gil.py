@@ -1,4 +1,5 @@
 """A blocking read releases the GIL: another Python thread runs while it is in flight."""
+
 import threading
 import time
 

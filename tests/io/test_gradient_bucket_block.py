@@ -8,6 +8,7 @@ retention failed so (29.3 MiB gradient, 27.4 MiB largest free block). Here the s
 PinnedPool, scaled down: 7 units of pool, six 1-unit sub-groups open from an earlier bucket, one of them
 consumed by the step (a hole in the middle), then a bucket of a 1-unit and a 4-unit sub-group.
 """
+
 import re
 import threading
 
@@ -21,7 +22,7 @@ from aidaptiv_ds.swap.space import SwapSpace
 from aidaptiv_ds.swap.store import SwapStore
 from aidaptiv_ds.zero3.gradients import SubGroupGradients
 
-UNIT = 1 << 20             # bytes of a 1-unit sub-group's gradient buffer
+UNIT = 1 << 20  # bytes of a 1-unit sub-group's gradient buffer
 NUMEL = UNIT // 4
 
 
@@ -34,7 +35,7 @@ def gradients(tmp_path):
     memory = HostMemory(pool)
     f = space.create_file("optim.swp", engine)
     writes = WriteBehind(store)
-    sizes = [4] + [1] * 7                  # sub-group 0 is the large one (the embedding's, say)
+    sizes = [4] + [1] * 7  # sub-group 0 is the large one (the embedding's, say)
     sub_groups = [SubGroup(i, n * NUMEL, [], [], None, f.allocate(n * UNIT)) for i, n in enumerate(sizes)]
     lock = threading.RLock()
     grads = SubGroupGradients(store, memory, f, sub_groups, writes, lock)
@@ -101,6 +102,6 @@ def test_a_member_already_open_elsewhere_joins_the_block_when_it_does_not_fit_be
     _earlier_bucket_with_a_hole(grads, sgs)
     # Sub-group 1 is open already (from the earlier bucket) and belongs to this bucket too.
     held = _partition(grads, [sgs[1], sgs[7], sgs[0]], block=True)
-    assert float(held[0][0]) == 101.0          # its earlier value, read back into the block, plus this bucket's
+    assert float(held[0][0]) == 101.0  # its earlier value, read back into the block, plus this bucket's
     ptrs = sorted(v.data_ptr() for v in held)
-    assert ptrs[-1] - ptrs[0] <= 5 * UNIT      # all three in one 6-unit block
+    assert ptrs[-1] - ptrs[0] <= 5 * UNIT  # all three in one 6-unit block

@@ -1,4 +1,5 @@
 """io-bench end to end, small: one JSON object on stdout, bytes verified, tmpfs refused."""
+
 import json
 import os
 import subprocess
@@ -16,8 +17,21 @@ def io_bench(*argv):
 
 def test_json_row(tmp_path):
     # deepspeed too: its logger writes to stdout, which must still hold nothing but the one object.
-    result = io_bench("--dir", str(tmp_path), "--size-mb", "8", "--block-kb", "256", "--queue-depth", "4",
-                      "--repeat", "2", "--engines", "uring,posix,deepspeed", "--json")
+    result = io_bench(
+        "--dir",
+        str(tmp_path),
+        "--size-mb",
+        "8",
+        "--block-kb",
+        "256",
+        "--queue-depth",
+        "4",
+        "--repeat",
+        "2",
+        "--engines",
+        "uring,posix,deepspeed",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     row = json.loads(result.stdout)  # exactly one object, nothing else on stdout
     assert set(row) == {"machine", "engines", "config"}

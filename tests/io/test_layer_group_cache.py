@@ -1,6 +1,7 @@
 """The layer-group cache (DeepSpeed-free): LRU eviction, pins, slot exhaustion and ghosts with a store
 whose requests we control, then what a read brings back after groups are written through, evicted and
 taken back, on the real engine and swap files."""
+
 import types
 
 import pytest
@@ -72,9 +73,17 @@ class FakeMemory:
 
 
 def stats():
-    return types.SimpleNamespace(group_reads=0, group_hits=0, prefetched_groups=0, sync_param_reads=0,
-                                 group_read_bytes=0, retained_groups=0, retained_bytes=0, retention_hits=0,
-                                 retention_avoided_read_bytes=0)
+    return types.SimpleNamespace(
+        group_reads=0,
+        group_hits=0,
+        prefetched_groups=0,
+        sync_param_reads=0,
+        group_read_bytes=0,
+        retained_groups=0,
+        retained_bytes=0,
+        retention_hits=0,
+        retention_avoided_read_bytes=0,
+    )
 
 
 def fake_cache(groups=4, slots=2, partition=1024):
@@ -114,7 +123,7 @@ def test_the_least_recently_used_group_goes_first():
     g0, g1, g2, g3 = cache.groups
     use(cache, g0)
     use(cache, g1)
-    use(cache, g0)          # g1 is now the least recently used
+    use(cache, g0)  # g1 is now the least recently used
     use(cache, g2)
     assert cached(cache) == [0, 2]
     use(cache, g3)
@@ -125,22 +134,22 @@ def test_the_least_recently_used_group_goes_first():
 def test_a_group_in_use_or_pinned_is_never_evicted():
     cache = fake_cache(groups=4, slots=2)
     g0, g1, g2, g3 = cache.groups
-    cache.publish(g0, "test")          # in use
-    cache.start_loading(g1, "test")    # pinned, older than anything else
+    cache.publish(g0, "test")  # in use
+    cache.start_loading(g1, "test")  # pinned, older than anything else
     with pytest.raises(HostBudgetError) as e:
         cache.publish(g2, "partition 4")
     msg = str(e.value)
     assert "layer group layers[2] (partition 4)" in msg and "one of the 2 layer-group slots" in msg
     assert "layers[0], layers[1]" in msg and "aidaptiv.host_memory_budget" in msg
     cache.unpin(g1)
-    use(cache, g2)                     # takes g1's slot, not g0's
+    use(cache, g2)  # takes g1's slot, not g0's
     assert cached(cache) == [0, 2]
 
 
 def test_prefetch_stops_without_waiting_when_no_slot_is_free_and_never_evicts_its_own_window():
     cache = fake_cache(groups=4, slots=2)
     g0, g1, g2, g3 = cache.groups
-    cache.prefetch([g0, g1, g2])       # two slots: g2 must not evict g0 or g1, which the window pins
+    cache.prefetch([g0, g1, g2])  # two slots: g2 must not evict g0 or g1, which the window pins
     assert cached(cache) == [0, 1] and cache.stats.prefetched_groups == 2
     assert all(g.pins == 0 for g in cache.groups)
 
@@ -151,7 +160,7 @@ def test_a_ghost_is_taken_back_from_its_slot_without_a_read():
     use(cache, g0)
     cache.store.writes_done = False
     a = g0.records[0]
-    cache.write_pieces([(a, 0, a.numel, torch.full((a.numel,), 3.0))])   # write-through still in flight
+    cache.write_pieces([(a, 0, a.numel, torch.full((a.numel,), 3.0))])  # write-through still in flight
     assert len(g0.writes) == 1
     slot = g0.slot
     # Another group needs the only slot: g0 is evicted, but its slot stays its own (a ghost) until the
@@ -172,7 +181,7 @@ def test_a_blocking_load_waits_for_a_ghost_write_and_reuses_its_slot():
     cache.store.writes_done = False
     a = g0.records[0]
     cache.write_pieces([(a, 0, a.numel, torch.ones(a.numel))])
-    use(cache, g1)                     # evicts g0 (a ghost), waits for its write, takes the slot
+    use(cache, g1)  # evicts g0 (a ghost), waits for its write, takes the slot
     assert cached(cache) == [1] and not g0.ghost and g0.slot is None and g0.writes == []
 
 
@@ -197,8 +206,10 @@ class Pending:
 def cache_on_disk(tmp_path):
     """Two layer groups (two Linear layers: weight and bias each) on disk, one slot."""
     torch.manual_seed(0)
-    params = [p.data.reshape(-1).clone() for p in torch.nn.Sequential(torch.nn.Linear(64, 32),
-                                                                      torch.nn.Linear(32, 64)).parameters()]
+    params = [
+        p.data.reshape(-1).clone()
+        for p in torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64)).parameters()
+    ]
     engine = IOEngine(backend="auto")
     space = SwapSpace(str(tmp_path), rank=0)
     store = SwapStore(engine, space)
@@ -207,7 +218,7 @@ def cache_on_disk(tmp_path):
     for i, p in enumerate(params):
         ext = params_file.allocate(p.numel() * 4)
         buf = aligned_empty(ext.reserved)
-        buf[:p.numel() * 4].view(torch.float32).copy_(p)
+        buf[: p.numel() * 4].view(torch.float32).copy_(p)
         store.wait(store.write_span(params_file, ext.offset, buf))
         records.append(ParamRecord(i, p.numel(), torch.float32, ext, None))
     pool = PinnedPool(8 << 20)
@@ -232,11 +243,11 @@ def test_a_group_taken_back_from_its_slot_has_values_written_while_it_was_evicte
     read_back(cache, g)
     new_a = torch.full((a.numel,), 1.5)
     cache.write_pieces([(a, 0, a.numel, new_a)])  # write-through from the slot
-    g.writes.append(Pending())                    # ... still in flight when the group is evicted
+    g.writes.append(Pending())  # ... still in flight when the group is evicted
     assert cache._evict_group() is False and g.ghost  # a ghost: its slot holds what the disk will hold
     new_b = torch.full((b.numel,), -2.5)
     cache.write_pieces([(b, 0, b.numel, new_b)])  # an update of other bytes of the ghost
-    got = read_back(cache, g)                     # taken back from the slot, not read
+    got = read_back(cache, g)  # taken back from the slot, not read
     assert torch.equal(got[a.ds_id], new_a) and torch.equal(got[b.ds_id], new_b)
     g.writes = [t for t in g.writes if not isinstance(t, Pending)]
     cache.drain_writes()
@@ -254,11 +265,11 @@ def test_dropping_the_cache_after_a_load_refreshes_groups_in_use(cache_on_disk):
     g = cache.groups[0]
     cache.publish(g, "in use across the load")
     a = g.records[0]
-    view = g.view(a)                                     # what a partition handed out sees
+    view = g.view(a)  # what a partition handed out sees
     old = view.clone()
     new = torch.full((a.numel,), 7.25)
     buf = aligned_empty(a.extent.reserved)
-    buf[:a.numel * 4].view(torch.float32).copy_(new)
+    buf[: a.numel * 4].view(torch.float32).copy_(new)
     cache.store.wait(cache.store.write_span(cache.params_file, a.extent.offset, buf))  # "the load"
     assert torch.equal(view, old)
     cache.drop_cache()
@@ -266,9 +277,7 @@ def test_dropping_the_cache_after_a_load_refreshes_groups_in_use(cache_on_disk):
     cache.unpublish(g)
 
 
-
-def test_an_update_of_a_group_with_no_free_slot_is_staged_and_reaches_the_disk_and_a_later_cached_copy(
-        cache_on_disk):
+def test_an_update_of_a_group_with_no_free_slot_is_staged_and_reaches_the_disk_and_a_later_cached_copy(cache_on_disk):
     """A deferred update applied while the forward holds every slot (here the one slot, by the group in use)
     and the chunk reaches into another group: it used to fail with 'host memory budget exhausted'. The run is
     staged in a buffer of its own; a copy of its group read into a slot before the write-back (a read-ahead)
@@ -278,15 +287,15 @@ def test_an_update_of_a_group_with_no_free_slot_is_staged_and_reaches_the_disk_a
     cache.publish(busy, "the forward holds it")
     rec = target.records[0]
     r = cache.load_run([(rec, 0, rec.numel)], blocking=True)
-    assert r is not None and r.group is None and r.home is target     # staged, not a view of a slot
+    assert r is not None and r.group is None and r.home is target  # staged, not a view of a slot
     cache.wait_run(r)
     new = torch.full((rec.numel,), 3.25)
     r.view(rec, 0, rec.numel).copy_(new)
     cache.unpublish(busy)
-    cache.load(target, "a read-ahead before the write-back")           # old bytes from disk into the slot
+    cache.load(target, "a read-ahead before the write-back")  # old bytes from disk into the slot
     cache.store_run(r)
-    assert torch.equal(target.view(rec), new)                          # the cached copy has the update
+    assert torch.equal(target.view(rec), new)  # the cached copy has the update
     cache.drain_writes()
-    read_back(cache, busy)                                             # the slot goes to the other group
+    read_back(cache, busy)  # the slot goes to the other group
     assert target.buffer is None
-    assert torch.equal(read_back(cache, target)[rec.ds_id], new)       # and the disk has it
+    assert torch.equal(read_back(cache, target)[rec.ds_id], new)  # and the disk has it

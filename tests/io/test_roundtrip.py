@@ -1,5 +1,6 @@
 """Round trips through both backends: odd sizes, registered and plain buffers, queue depth 1 and 32,
 non-zero offsets, many files, byte for byte."""
+
 import os
 
 import pytest
@@ -56,7 +57,7 @@ def test_odd_write_keeps_neighbouring_bytes(engine, pool, tmp_path):
     # A read through the O_DIRECT descriptor sees the buffered tail (the kernel flushes it first).
     back = pool.allocate(3 * 4096)
     engine.read(back, f, 4096)
-    assert torch.equal(back, expected[4096:4096 + 3 * 4096])
+    assert torch.equal(back, expected[4096 : 4096 + 3 * 4096])
 
 
 def test_many_files_interleaved(engine, pool, tmp_path):

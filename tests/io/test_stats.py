@@ -1,4 +1,5 @@
 """Statistics, pool accounting and settings precedence (defaults, then environment, then arguments)."""
+
 import gc
 
 import pytest
@@ -30,7 +31,7 @@ def test_pool_views_and_accounting():
     pool = PinnedPool(10 * 4096 + 1)  # rounded up to whole pages
     assert pool.capacity == 11 * 4096
     a = pool.allocate(100, torch.float32)  # 400 bytes take one 4 KiB block
-    b = pool.allocate(4097, torch.uint8)   # two blocks
+    b = pool.allocate(4097, torch.uint8)  # two blocks
     assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
     assert pool.contains(a) and pool.contains(b) and not pool.contains(torch.empty(10))
     s = pool.stats()

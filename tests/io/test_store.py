@@ -1,4 +1,5 @@
 """Swap space and store: privacy rules, extents, hazards between requests, the host budget."""
+
 import errno
 import json
 import os
@@ -99,8 +100,9 @@ def _hold_in_child(root, then):
     """A child process that opens a swap space under ``root`` and prints its folder, then runs ``then``."""
     code = textwrap.dedent(HOLD_A_SPACE).format(root=str(root), then=then)
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env, cwd="/")
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd="/"
+    )
     line = child.stdout.readline().strip()
     assert line, child.stderr.read()
     return child, line
@@ -127,8 +129,8 @@ def test_a_second_job_on_the_same_path_and_rank_is_refused_naming_the_holder(tmp
 def test_files_of_a_job_that_died_are_reclaimed_once_its_lock_is_free(tmp_path, engine):
     child, held = _hold_in_child(tmp_path, "os.kill(os.getpid(), 9)")
     child.wait(timeout=30)
-    assert os.path.exists(os.path.join(held, "params.swp"))     # kill -9: nothing cleaned up
-    space = SwapSpace(str(tmp_path), rank=0)                    # its lock died with it
+    assert os.path.exists(os.path.join(held, "params.swp"))  # kill -9: nothing cleaned up
+    space = SwapSpace(str(tmp_path), rank=0)  # its lock died with it
     assert not os.path.exists(held) and os.path.isdir(space.path)
     space.close()
     assert not os.path.exists(os.path.join(str(tmp_path), "aidaptiv-swap"))
@@ -136,7 +138,7 @@ def test_files_of_a_job_that_died_are_reclaimed_once_its_lock_is_free(tmp_path, 
 
 def test_two_spaces_of_one_process_share_the_lock_and_never_each_others_files(tmp_path, engine):
     a = SwapSpace(str(tmp_path), rank=0)
-    b = SwapSpace(str(tmp_path), rank=0)             # a second model built in the same process
+    b = SwapSpace(str(tmp_path), rank=0)  # a second model built in the same process
     assert a.path != b.path and a.rank_path == b.rank_path
     fa, fb = a.create_file("params.swp", engine), b.create_file("params.swp", engine)
     buf = aligned_empty(ALIGN)
@@ -145,7 +147,7 @@ def test_two_spaces_of_one_process_share_the_lock_and_never_each_others_files(tm
     buf.fill_(2)
     engine.write(buf, fb.handle, fb.allocate(ALIGN).offset)
     b.close()
-    assert os.path.exists(fa.path)                  # the other space's close leaves these alone
+    assert os.path.exists(fa.path)  # the other space's close leaves these alone
     out = aligned_empty(ALIGN)
     engine.read(out, fa.handle, 0)
     assert bool((out == 1).all())
@@ -168,7 +170,7 @@ def test_a_file_deleted_or_replaced_under_the_job_is_not_reopened_by_path(tmp_pa
     f = space.create_file("params.swp", engine)
     f.allocate(ALIGN)
     os.rename(f.path, f.path + ".moved")
-    with open(f.path, "wb") as fh:                  # what another run's create_file used to leave there
+    with open(f.path, "wb") as fh:  # what another run's create_file used to leave there
         fh.write(b"\0" * ALIGN)
     with IOEngine(backend="posix") as other:
         with pytest.raises(OSError) as e:
@@ -179,7 +181,7 @@ def test_a_file_deleted_or_replaced_under_the_job_is_not_reopened_by_path(tmp_pa
             f.reopen(other)
         assert "was deleted" in str(e.value)
         os.rename(f.path + ".moved", f.path)
-        f.reopen(other)                             # the same file again: accepted
+        f.reopen(other)  # the same file again: accepted
         assert f.engine is other
         space.close()
 
@@ -267,7 +269,7 @@ def test_read_after_write_and_write_after_read_are_ordered(tmp_path, engine):
     for i in range(5):
         src = aligned_empty(ext.reserved)
         src.copy_(torch.randint(0, 256, (ext.reserved,), dtype=torch.uint8))
-        store.write_span(f, ext.offset, src, "w")          # not waited for
+        store.write_span(f, ext.offset, src, "w")  # not waited for
         dst = aligned_empty(ext.reserved)
         store.wait(store.read_span(f, ext.offset, dst, "r"))  # must see the write above
         assert torch.equal(src, dst)
@@ -337,6 +339,7 @@ def test_a_full_budget_raises_nothing_inside_the_engine(monkeypatch):
         except MemoryError as e:
             raised.append(e)
             raise
+
     monkeypatch.setattr(PinnedPool, "allocate", allocate)
     held = mem.take(64 << 10, "all of it")
     assert mem.try_take(4096) is None and mem.try_take(4096, large=True) is None
@@ -344,7 +347,7 @@ def test_a_full_budget_raises_nothing_inside_the_engine(monkeypatch):
         mem.take(4096, "one more")
     assert raised == []
     del held
-    assert mem.try_take(4096) is not None   # the block came back
+    assert mem.try_take(4096) is not None  # the block came back
     # try_allocate itself: None past the budget, a tensor of the pool otherwise, and allocate still raises.
     assert pool.try_allocate(1 << 20) is None
     t = pool.try_allocate(1000, torch.float32, from_top=True)

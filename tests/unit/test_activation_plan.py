@@ -1,5 +1,6 @@
 """The auto policy's plan (aidaptiv_ds.activations.plan) from given costs: keep what the budget holds, store
 or recompute the rest by time, store recomputed blocks whose inputs do not fit, and say why for each."""
+
 import pytest
 
 from aidaptiv_ds.activations import plan as P
@@ -9,8 +10,9 @@ MB = 1 << 20
 
 
 def block(i, forward_ms=10.0, saved=8 * MB, stored=8 * MB, left=0, inp=1 * MB):
-    return BlockCost(index=i, forward_s=forward_ms / 1e3, saved_bytes=saved, stored_bytes=stored, left_bytes=left,
-                     input_bytes=inp)
+    return BlockCost(
+        index=i, forward_s=forward_ms / 1e3, saved_bytes=saved, stored_bytes=stored, left_bytes=left, input_bytes=inp
+    )
 
 
 def modes(plan):
@@ -20,8 +22,7 @@ def modes(plan):
 def test_keeps_the_last_blocks_the_budget_holds_and_weighs_disk_time_against_recompute():
     costs = [block(i) for i in range(4)]
     # 8 MiB out and back at 1 GiB/s takes 15.6 ms: more than a 10 ms recompute.
-    assert modes(P.plan_blocks(costs, 17 * MB + 2 * MB, 1 << 30, 1 << 30)) == ["recompute", "recompute", "keep",
-                                                                               "keep"]
+    assert modes(P.plan_blocks(costs, 17 * MB + 2 * MB, 1 << 30, 1 << 30)) == ["recompute", "recompute", "keep", "keep"]
     # At 4 GiB/s it takes 3.9 ms: stored.
     plan = P.plan_blocks(costs, 8 * MB, 4 << 30, 4 << 30)
     assert modes(plan) == ["nvme", "nvme", "nvme", "keep"]
@@ -44,9 +45,16 @@ def test_recomputed_inputs_that_do_not_fit_are_stored_earliest_first():
     s = P.summary(costs, plan, budget, "activations.budget", 1, 1, "given")
     assert s["held_bytes"] == budget and s["fits"]
     assert s["kept_blocks"] == [3] and s["stored_blocks"] == [0, 1] and s["recomputed_layers"] == [2]
-    assert s["blocks"][2] == {"block": 2, "mode": "recompute", "why": plan[2].why, "forward_ms": 10.0,
-                              "saved_bytes": 8 * MB, "stored_bytes": 8 * MB, "left_bytes": MB // 4,
-                              "input_bytes": 2 * MB}
+    assert s["blocks"][2] == {
+        "block": 2,
+        "mode": "recompute",
+        "why": plan[2].why,
+        "forward_ms": 10.0,
+        "saved_bytes": 8 * MB,
+        "stored_bytes": 8 * MB,
+        "left_bytes": MB // 4,
+        "input_bytes": 2 * MB,
+    }
 
 
 def test_a_budget_below_what_stored_blocks_leave_is_reported_not_hidden():

@@ -1,5 +1,6 @@
 """Applying an activation policy to a model (aidaptiv_ds.activations.policy) without the engine: recompute on a
 model that is not a Hugging Face one, the refusals, and the plan it reports."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -46,9 +47,9 @@ def test_recompute_wraps_each_block_of_a_plain_model_and_keeps_the_gradients():
     net.train()
     ours = grads(net, x)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
-    assert [b.calls for b in net.blocks] == [2, 2, 2]     # each block ran again in the backward
+    assert [b.calls for b in net.blocks] == [2, 2, 2]  # each block ran again in the backward
     with torch.no_grad():
-        net(x)                                            # no checkpoint (and no recompute) without grad
+        net(x)  # no checkpoint (and no recompute) without grad
     assert [b.calls for b in net.blocks] == [3, 3, 3]
 
 
@@ -59,5 +60,5 @@ def test_keep_changes_nothing_and_refusals_say_what_to_do():
     assert [b.forward for b in net.blocks] == before
     with pytest.raises(ValueError, match="no nn.ModuleList of repeated blocks"):
         activation_policy.apply(nn.Linear(4, 4), ActivationSettings(policy="recompute"))
-    with pytest.raises(ValueError, match="choose \"recompute\""):
+    with pytest.raises(ValueError, match='choose "recompute"'):
         activation_policy.apply(Net(), ActivationSettings(policy="nvme"), make_store=None)

@@ -1,5 +1,6 @@
 """The chunked LM loss (aidaptiv_ds.activations.chunked_loss): the same loss and gradients as the unchunked Hugging Face
 loss, and no tensor of ``tokens x vocabulary`` elements made in the forward or the backward."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
@@ -32,8 +33,9 @@ class LargestTensor(TorchDispatchMode):
 
 def reference_loss(hidden, weight, bias, labels):
     logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunked_loss.shift_labels(labels),
-                           ignore_index=chunked_loss.IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), chunked_loss.shift_labels(labels), ignore_index=chunked_loss.IGNORE_INDEX
+    )
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
@@ -45,7 +47,7 @@ def test_loss_and_gradients_equal_the_unchunked_loss_fp32(chunk, with_bias):
     weight = torch.randn(V, H, generator=g, requires_grad=True)
     bias = torch.randn(V, generator=g, requires_grad=True) if with_bias else None
     labels = torch.randint(0, V, (B, S), generator=g)
-    labels[0, 5:9] = chunked_loss.IGNORE_INDEX          # ignored tokens count for nothing
+    labels[0, 5:9] = chunked_loss.IGNORE_INDEX  # ignored tokens count for nothing
     inputs = [t for t in (hidden, weight, bias) if t is not None]
 
     ref = reference_loss(hidden, weight, bias, labels)
@@ -63,8 +65,12 @@ def test_sum_over_num_items_in_batch_as_hugging_face_does():
     hidden = torch.randn(1, 20, 8, generator=g, requires_grad=True)
     weight = torch.randn(30, 8, generator=g, requires_grad=True)
     labels = torch.randint(0, 30, (1, 20), generator=g)
-    ref = F.cross_entropy(F.linear(hidden, weight).float().reshape(-1, 30), chunked_loss.shift_labels(labels),
-                          reduction="sum") / 57
+    ref = (
+        F.cross_entropy(
+            F.linear(hidden, weight).float().reshape(-1, 30), chunked_loss.shift_labels(labels), reduction="sum"
+        )
+        / 57
+    )
     ours = chunked_loss.causal_lm_loss(hidden, weight, None, labels, 6, num_items_in_batch=torch.tensor(57))
     assert abs(ours.item() - ref.item()) <= REL * abs(ref.item())
 
@@ -79,7 +85,7 @@ def test_no_tensor_of_tokens_times_vocabulary_exists():
     assert seen.largest <= chunk * V
     with LargestTensor() as unchunked:
         reference_loss(hidden, weight, None, labels).backward()
-    assert unchunked.largest >= S * V      # what the chunking saves: the check can see a full logits tensor
+    assert unchunked.largest >= S * V  # what the chunking saves: the check can see a full logits tensor
 
 
 def test_bf16_is_as_close_as_the_unchunked_bf16_loss():
@@ -94,8 +100,8 @@ def test_bf16_is_as_close_as_the_unchunked_bf16_loss():
     # Per token the same bf16 matmul and fp32 cross-entropy: equal to fp32 rounding.
     assert abs(ours.item() - ref.item()) <= REL * abs(ref.item())
     assert abs(ours.item() - exact.item()) <= 1e-2 * abs(exact.item())
-    gw, = torch.autograd.grad(ours, [weight])
-    rw, = torch.autograd.grad(ref, [weight])
+    (gw,) = torch.autograd.grad(ours, [weight])
+    (rw,) = torch.autograd.grad(ref, [weight])
     assert gw.dtype == torch.bfloat16
     assert close(gw.float(), rw.float(), rel=2e-2)
     # One chunk: the unchunked loss's own ops, so the same bits.
@@ -108,9 +114,17 @@ def test_bf16_is_as_close_as_the_unchunked_bf16_loss():
 
 def _tiny_llama(vocab=64):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -139,6 +153,7 @@ def test_installed_model_gives_the_same_loss_and_gradients():
 def test_install_refuses_a_model_it_cannot_serve():
     class Other(torch.nn.Module):
         config = type("C", (), {"model_type": "gemma2"})()
+
     with pytest.raises(ValueError, match="gemma2"):
         chunked_loss.install(Other(), 16)
     with pytest.raises(ValueError, match="at least 1"):
@@ -154,8 +169,16 @@ def test_a_forward_another_library_replaced_is_left_alone():
 
     from aidaptiv_ds.activations import chunked_loss as _cl
 
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
     assert _cl.unsupported_reason(model) is None
     model.forward = _types.MethodType(lambda self, **kw: "theirs", model)
     assert "another library" in _cl.unsupported_reason(model)
@@ -163,8 +186,12 @@ def test_a_forward_another_library_replaced_is_left_alone():
 
 def _peft(model):
     peft = pytest.importorskip("peft")
-    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    return peft.get_peft_model(
+        model,
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+        ),
+    )
 
 
 def test_a_peft_model_whose_base_forward_another_library_replaced_is_left_alone():
@@ -182,7 +209,7 @@ def test_a_peft_model_whose_base_forward_another_library_replaced_is_left_alone(
 def test_a_peft_model_is_chunked_below_its_adapters_with_the_same_loss_and_gradients():
     """The chunked loss goes on the base model, so PEFT's own forward (adapters, their scaling) still runs."""
     model = _peft(_tiny_llama())
-    with torch.no_grad():   # LoRA B starts at zero: give the adapters a visible effect
+    with torch.no_grad():  # LoRA B starts at zero: give the adapters a visible effect
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1)

@@ -1,4 +1,5 @@
 """budget_split's arithmetic on small trainable state (LoRA adapters): it stays resident when it fits."""
+
 from aidaptiv_ds.common.sizes import MiB
 from aidaptiv_ds.swap.budget_split import split_budget
 

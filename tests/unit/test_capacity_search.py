@@ -1,6 +1,7 @@
 """The capacity search (aidaptiv_ds/harness/capacity.py) with a fake cell runner: doubling then bisection finds
 the longest length that fits with few attempts, the edge cases (nothing fits, everything fits, a grid end off
 the doubling), the loss check, and the resume: a search run again over the same rows file runs nothing."""
+
 import json
 import math
 
@@ -13,10 +14,18 @@ from aidaptiv_ds.harness.results import append_row
 def fake_row(seq, phase, limit, key, losses=None):
     """What a cell's row says when every length up to ``limit`` fits and longer ones run out of memory."""
     fits = seq <= limit
-    return {"attempt_key": key, "phase": phase, "seq_len": seq, "status": "ok" if fits else "oom",
-            "error": None if fits else "killed by the host memory cap (cgroup2 limit 5.00 GiB, oom_kill count 1)",
-            "losses": (losses or [9.2, 9.1]) if fits else None, "tokens_per_s": 1000.0 / seq if fits else None,
-            "step_s": seq / 1000.0 if fits else None, "cell_mem_peak_mb": seq / 2.0, "wall_s": 1.0}
+    return {
+        "attempt_key": key,
+        "phase": phase,
+        "seq_len": seq,
+        "status": "ok" if fits else "oom",
+        "error": None if fits else "killed by the host memory cap (cgroup2 limit 5.00 GiB, oom_kill count 1)",
+        "losses": (losses or [9.2, 9.1]) if fits else None,
+        "tokens_per_s": 1000.0 / seq if fits else None,
+        "step_s": seq / 1000.0 if fits else None,
+        "cell_mem_peak_mb": seq / 2.0,
+        "wall_s": 1.0,
+    }
 
 
 def searcher(limit, log=None, calls=None):
@@ -26,6 +35,7 @@ def searcher(limit, log=None, calls=None):
     def run(seq, phase):
         calls.append((seq, phase))
         return fake_row(seq, phase, limit, f"k{seq}")
+
     return C.resumable(log, lambda seq: f"k{seq}", run), calls
 
 
@@ -40,7 +50,7 @@ def test_finds_the_longest_length_that_fits(limit):
     # doubling to the first failure, then bisection: at most log2(64) + log2(64) + 1 attempts
     assert len(calls) <= 13 and len(set(calls)) == len(calls)
     doubling = [s for s, phase in calls if phase == "doubling"]
-    assert doubling == [256 * 2 ** i for i in range(len(doubling))]
+    assert doubling == [256 * 2**i for i in range(len(doubling))]
     assert r.at_longest.tokens_per_s == pytest.approx(1000.0 / r.longest)
 
 
@@ -54,7 +64,7 @@ def test_nothing_fits_and_everything_fits():
 
 
 def test_a_grid_end_off_the_doubling_is_tried():
-    grid = C.seq_grid(12288)          # doubling gives 8192, then the grid's end, 12288
+    grid = C.seq_grid(12288)  # doubling gives 8192, then the grid's end, 12288
     try_seq, calls = searcher(10_000)
     r = C.search_longest(grid, try_seq)
     assert [s for s, _ in calls][:6] == [256, 512, 1024, 2048, 4096, 8192] and calls[6] == (12288, "doubling")
@@ -82,12 +92,14 @@ def test_resume_runs_no_attempt_twice(tmp_path):
     with open(path) as f:
         lines = f.readlines()
     part = tmp_path / "part.jsonl"
-    part.write_text("".join(lines[:3]) + '{"attempt_key": "k9999", "seq_l')   # and a line cut off by a crash
+    part.write_text("".join(lines[:3]) + '{"attempt_key": "k9999", "seq_l')  # and a line cut off by a crash
     log = C.AttemptLog(str(part), append_row)
     assert len(log.problems) == 1 and "cut off" in log.problems[0]
     try_seq, again = searcher(3000, log)
     second = C.search_longest(grid, try_seq)
-    assert second.longest == first.longest and [a.seq_len for a in second.attempts] == [a.seq_len for a in first.attempts]
+    assert second.longest == first.longest and [a.seq_len for a in second.attempts] == [
+        a.seq_len for a in first.attempts
+    ]
     assert again == calls[3:]
 
     # complete: nothing runs at all

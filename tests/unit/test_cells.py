@@ -1,4 +1,5 @@
 """Cell enumeration, ids and run order."""
+
 import itertools
 
 from aidaptiv_ds.harness.grid import (
@@ -12,8 +13,16 @@ from aidaptiv_ds.harness.grid import (
 
 
 def _grid(**kw):
-    base = {"notes": "test grid", "models": ["tiny", "micro"], "micro_batches": [1, 2, 4], "seq_lens": [16, 64],
-            "gpus": [1, 2], "steps": 3, "warmup": 1, "timeout_s": 60}
+    base = {
+        "notes": "test grid",
+        "models": ["tiny", "micro"],
+        "micro_batches": [1, 2, 4],
+        "seq_lens": [16, 64],
+        "gpus": [1, 2],
+        "steps": 3,
+        "warmup": 1,
+        "timeout_s": 60,
+    }
     base.update(kw)
     return validate_grid(base)
 
@@ -55,7 +64,7 @@ def test_order_small_models_then_cheap_shapes_then_backends_interleaved():
         assert costs == sorted(costs)
     n = len(BACKENDS)
     for i in range(0, len(cells), n):  # each consecutive block is one shape with every backend
-        block = cells[i:i + n]
+        block = cells[i : i + n]
         assert {c.backend for c in block} == set(BACKENDS)
         assert len({(c.model, c.gpus, c.micro_batch, c.seq_len) for c in block}) == 1
     firsts = [cells[i].backend for i in range(0, len(cells), n)]
@@ -78,10 +87,10 @@ def test_dominates():
     assert a.dominates(Cell("tiny", "zero3", 1, 4, 64, 1))
     assert a.dominates(Cell("tiny", "zero3", 1, 2, 128, 1))
     assert not a.dominates(a)
-    assert not a.dominates(Cell("tiny", "zero3", 1, 1, 128, 1))        # smaller batch
-    assert not a.dominates(Cell("tiny", "aidaptiv", 1, 4, 64, 1))      # other backend
-    assert not a.dominates(Cell("tiny", "zero3", 2, 4, 64, 1))         # other GPU count
-    assert not a.dominates(Cell("micro", "zero3", 1, 4, 64, 1))        # other model
+    assert not a.dominates(Cell("tiny", "zero3", 1, 1, 128, 1))  # smaller batch
+    assert not a.dominates(Cell("tiny", "aidaptiv", 1, 4, 64, 1))  # other backend
+    assert not a.dominates(Cell("tiny", "zero3", 2, 4, 64, 1))  # other GPU count
+    assert not a.dominates(Cell("micro", "zero3", 1, 4, 64, 1))  # other model
 
 
 def test_order_cells_accepts_any_list():

@@ -1,5 +1,6 @@
 """What a load refuses before it changes anything: an old-format checkpoint, another world size, damaged
 files (aidaptiv_ds.zero3.checkpoint.read_manifest; no DeepSpeed run needed)."""
+
 import json
 
 import pytest
@@ -17,8 +18,15 @@ def _write(tmp_path, manifest, params=0, optim=0):
 
 
 def _manifest(**over):
-    m = {"format": checkpoint.FORMAT, "rank": 0, "world_size": 1, "params_bytes": 8192, "optim_bytes": 4096,
-         "parameters": [], "sub_groups": []}
+    m = {
+        "format": checkpoint.FORMAT,
+        "rank": 0,
+        "world_size": 1,
+        "params_bytes": 8192,
+        "optim_bytes": 4096,
+        "parameters": [],
+        "sub_groups": [],
+    }
     m.update(over)
     return m
 

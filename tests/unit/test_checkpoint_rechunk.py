@@ -1,6 +1,7 @@
 """Re-chunking on load (aidaptiv_ds.zero3.checkpoint): optimizer state saved in one run's sub-groups and chunks
 lands, element for element, in another run's (other optimizer_chunk_numel, other sub-groups, resident or on
 disk). DeepSpeed-free: the swap file is a bytearray and the records are built with chunk_layout."""
+
 import json
 import types
 
@@ -69,7 +70,7 @@ def saved_checkpoint(tmp_path, names, records, parts):
                 for k in range(parts):
                     vals = torch.tensor([value(name, k, p.start + i) for i in range(p.numel)], dtype=torch.float32)
                     at = entry["offset"] + k * c.part + p.flat * 4
-                    data[at:at + p.numel * 4] = vals.numpy().tobytes()
+                    data[at : at + p.numel * 4] = vals.numpy().tobytes()
         g.update(state_keys=["exp_avg", "exp_avg_sq"], state_valid=True, scalars={"step": 3})
     folder = tmp_path / "rank0"
     folder.mkdir()
@@ -77,11 +78,14 @@ def saved_checkpoint(tmp_path, names, records, parts):
     return str(folder), {"sub_groups": layout}
 
 
-@pytest.mark.parametrize("group_numel,chunk_numel,resident", [
-    (200000, 50000, ()),       # fewer, larger sub-groups and chunks
-    (40000, 5000, (1,)),       # more, smaller ones, one resident in host memory
-    (80000, 16384, ()),        # the saved layout itself (through the general path)
-])
+@pytest.mark.parametrize(
+    "group_numel,chunk_numel,resident",
+    [
+        (200000, 50000, ()),  # fewer, larger sub-groups and chunks
+        (40000, 5000, (1,)),  # more, smaller ones, one resident in host memory
+        (80000, 16384, ()),  # the saved layout itself (through the general path)
+    ],
+)
 @pytest.mark.parametrize("parts", [2, 3], ids=["fp32-master-is-parameter", "separate-master"])
 def test_state_lands_element_for_element_in_other_chunks(tmp_path, group_numel, chunk_numel, resident, parts):
     saved_records = [Rec(100 + i, n) for i, n in enumerate(SIZES.values())]
@@ -94,24 +98,30 @@ def test_state_lands_element_for_element_in_other_chunks(tmp_path, group_numel, 
     swap = bytearray(max(c.offset + c.image_bytes for sg in groups for c in sg.chunks))
 
     def write(buf, handle, offset):
-        swap[offset:offset + buf.numel()] = buf.numpy().tobytes()
+        swap[offset : offset + buf.numel()] = buf.numpy().tobytes()
 
-    runtime = types.SimpleNamespace(memory=types.SimpleNamespace(take=lambda n, what: torch.empty(n, dtype=torch.uint8)),
-                                    engine=types.SimpleNamespace(write=write))
+    runtime = types.SimpleNamespace(
+        memory=types.SimpleNamespace(take=lambda n, what: torch.empty(n, dtype=torch.uint8)),
+        engine=types.SimpleNamespace(write=write),
+    )
     reset = []
-    osw = types.SimpleNamespace(by_index=groups, file=types.SimpleNamespace(handle=None),
-                                gradients=types.SimpleNamespace(reset=reset.append))
+    osw = types.SimpleNamespace(
+        by_index=groups, file=types.SimpleNamespace(handle=None), gradients=types.SimpleNamespace(reset=reset.append)
+    )
     checkpoint._rechunk_images(runtime, osw, folder, manifest, names)
     checkpoint._restore_step_state(osw, manifest, names, True)
     for sg in groups:
         assert sg.state_keys == ["exp_avg", "exp_avg_sq"] and sg.state_valid and sg.scalars == {"step": 3}
         for c in sg.chunks:
-            image = c.buffer if sg.resident else torch.frombuffer(bytearray(swap[c.offset:c.offset + c.image_bytes]),
-                                                                   dtype=torch.uint8)
+            image = (
+                c.buffer
+                if sg.resident
+                else torch.frombuffer(bytearray(swap[c.offset : c.offset + c.image_bytes]), dtype=torch.uint8)
+            )
             for p in c.pieces:
                 name = names[p.record.ds_id][0]
                 for k in range(parts):
-                    got = image[k * c.part + p.flat * 4:k * c.part + (p.flat + p.numel) * 4].view(torch.float32)
+                    got = image[k * c.part + p.flat * 4 : k * c.part + (p.flat + p.numel) * 4].view(torch.float32)
                     want = torch.tensor([value(name, k, p.start + i) for i in range(p.numel)], dtype=torch.float32)
                     assert torch.equal(got, want), (name, k, p.start)
     assert len(reset) == len(groups)
@@ -122,7 +132,7 @@ def test_sub_group_gathering_parameters_of_different_step_counts_is_refused(tmp_
     names = {r.ds_id: (name, [r.numel]) for r, name in zip(records, SIZES)}
     _, manifest = saved_checkpoint(tmp_path, names, records, 2)
     manifest["sub_groups"][0]["scalars"] = {"step": 2}
-    groups = sub_groups(records, 10 ** 6, 50000, 2)  # one sub-group gathering all of them
+    groups = sub_groups(records, 10**6, 50000, 2)  # one sub-group gathering all of them
     osw = types.SimpleNamespace(by_index=groups, gradients=types.SimpleNamespace(reset=lambda sg: None))
     with pytest.raises(checkpoint.CheckpointMismatchError, match="step count"):
         checkpoint._restore_step_state(osw, json.loads(json.dumps(manifest)), names, True)

@@ -1,4 +1,5 @@
 """How optimizer sub-groups are cut into chunks and laid out in the optimizer swap file (DeepSpeed-free)."""
+
 import os
 import subprocess
 import sys
@@ -20,9 +21,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_the_layout_imports_no_deepspeed_and_nothing_of_zero3():
     # In a fresh process: this one may have imported DeepSpeed through other test modules.
-    code = ("import sys, aidaptiv_ds.swap.chunk_layout; "
-            "bad = [m for m in sys.modules if m == 'deepspeed' or m.startswith(('deepspeed.', 'aidaptiv_ds.zero3'))]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, aidaptiv_ds.swap.chunk_layout; "
+        "bad = [m for m in sys.modules if m == 'deepspeed' or m.startswith(('deepspeed.', 'aidaptiv_ds.zero3'))]; "
+        "assert not bad, bad"
+    )
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -143,4 +146,4 @@ def test_a_resident_sub_group_keeps_every_chunk_as_a_view_of_its_image():
         c.state_slot(1).fill_(k + 1)
         at = c.offset - sg.region.offset + c.part
         assert c.buffer.data_ptr() == image.data_ptr() + c.offset - sg.region.offset
-        assert float(image[at:at + 4].view(torch.float32)) == k + 1
+        assert float(image[at : at + 4].view(torch.float32)) == k + 1

@@ -15,13 +15,45 @@ def test_train_defaults_and_options():
     assert a._module.__name__ == "aidaptiv_ds.job.train"
     # --steps is None unless given, so that --epochs can tell; without --epochs the run makes 10 steps.
     from aidaptiv_ds.job.train_plan import total_steps
+
     assert (a.model, a.steps, a.seq_len, a.seed, a.warmup, a.save_every) == ("tiny", None, 512, 1234, 2, 0)
     assert total_steps(a.steps, a.epochs, epoch_tokens=1000, tokens_per_step=10) == 10
     assert a.micro_batch is None and a.grad_accum is None and a.lr is None and a.dtype is None
-    a = parse(["train", "--config", "c.json", "--model", "micro", "--steps", "3", "--seq-len", "64",
-               "--micro-batch", "4", "--grad-accum", "2", "--lr", "1e-5", "--dtype", "bf16", "--nvme-path", "/s",
-               "--metrics-out", "m.json", "--save-dir", "ck", "--save-every", "2", "--resume-from", "ck",
-               "--gpu-mem-cap-gb", "20", "--warmup", "1"])
+    a = parse(
+        [
+            "train",
+            "--config",
+            "c.json",
+            "--model",
+            "micro",
+            "--steps",
+            "3",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            "4",
+            "--grad-accum",
+            "2",
+            "--lr",
+            "1e-5",
+            "--dtype",
+            "bf16",
+            "--nvme-path",
+            "/s",
+            "--metrics-out",
+            "m.json",
+            "--save-dir",
+            "ck",
+            "--save-every",
+            "2",
+            "--resume-from",
+            "ck",
+            "--gpu-mem-cap-gb",
+            "20",
+            "--warmup",
+            "1",
+        ]
+    )
     assert (a.micro_batch, a.grad_accum, a.lr, a.dtype, a.gpu_mem_cap_gb) == (4, 2, 1e-5, "bf16", 20.0)
 
 
@@ -32,18 +64,22 @@ def test_config_is_required_and_dtype_is_checked(capsys):
         parse(["train", "--config", "c.json", "--dtype", "int8"])
 
 
-@pytest.mark.parametrize("argv", [
-    ["--local_rank=1", "train", "--config", "c.json"],          # where the deepspeed launcher puts it
-    ["train", "--config", "c.json", "--local_rank=1"],
-    ["train", "--local-rank", "0", "--config", "c.json"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--local_rank=1", "train", "--config", "c.json"],  # where the deepspeed launcher puts it
+        ["train", "--config", "c.json", "--local_rank=1"],
+        ["train", "--local-rank", "0", "--config", "c.json"],
+    ],
+)
 def test_local_rank_is_accepted_silently(argv):
     assert parse(argv).config == "c.json"
 
 
 def test_help_of_the_module_entry_point():
-    p = subprocess.run([sys.executable, "-m", "aidaptiv_ds", "train", "--help"], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", "train", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0
     assert "--metrics-out" in p.stdout and "llama3.1-70b" in p.stdout and "--local_rank" not in p.stdout
 

@@ -39,20 +39,29 @@ def test_prompt_response_record():
 
 
 def test_chat_messages_record():
-    text = format_record({"messages": [{"role": "system", "content": "Be brief."},
-                                       {"role": "user", "content": "Hi"},
-                                       {"role": "assistant", "content": "Hello."}]})
+    text = format_record(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+            ]
+        }
+    )
     assert text == "### System:\nBe brief.\n\n### User:\nHi\n\n### Assistant:\nHello."
 
 
-@pytest.mark.parametrize("record, fragment", [
-    ({"instruction": "x"}, "unrecognised record"),
-    ({"instruction": 3, "response": "y"}, "'instruction' must be a string"),
-    ({"messages": []}, "non-empty list"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
-    ({"messages": [{"role": "user"}]}, "messages[0]"),
-    ([1, 2], "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "record, fragment",
+    [
+        ({"instruction": "x"}, "unrecognised record"),
+        ({"instruction": 3, "response": "y"}, "'instruction' must be a string"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
+        ({"messages": [{"role": "user"}]}, "messages[0]"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
 def test_bad_records_are_explained(record, fragment):
     with pytest.raises(DataError, match=None) as e:
         format_record(record, "f.jsonl:7")
@@ -60,7 +69,14 @@ def test_bad_records_are_explained(record, fragment):
 
 
 def test_malformed_line_names_file_and_line(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "response": "b"}, "", "{not json", ])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "a", "response": "b"},
+            "",
+            "{not json",
+        ],
+    )
     with pytest.raises(DataError) as e:
         load_texts(path)
     assert f"{path}:3" in str(e.value) and "not valid JSON" in str(e.value)
@@ -73,9 +89,14 @@ def test_bad_record_line_number_counts_blank_lines(tmp_path):
 
 
 def test_mixed_formats_in_one_file_and_empty_file(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "response": "b"},
-                                             {"instruction": "c", "input": "", "output": "d"},
-                                             {"messages": [{"role": "user", "content": "e"}]}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "a", "response": "b"},
+            {"instruction": "c", "input": "", "output": "d"},
+            {"messages": [{"role": "user", "content": "e"}]},
+        ],
+    )
     assert len(load_texts(path)) == 3
     empty = tmp_path / "e.jsonl"
     empty.write_text("\n\n")
@@ -101,7 +122,7 @@ def test_packing_covers_every_token_in_order_then_reshuffles():
     assert sorted(first_epoch) == list(range(1, 11))
     for d in docs:
         s = first_epoch.index(d[0])
-        assert first_epoch[s:s + len(d)] == d
+        assert first_epoch[s : s + len(d)] == d
     # Sequences are exactly seq_len long, int64, and run on into the next epoch without a gap.
     seqs = [stream.sequence(k) for k in range(10)]
     assert all(s.shape == (4,) and s.dtype == torch.int64 for s in seqs)

@@ -1,4 +1,5 @@
 """Only the DeepSpeed versions the suite runs on are accepted (issue 11: supported means tested)."""
+
 import pytest
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -19,7 +20,9 @@ def test_the_tested_version_is_accepted(version):
 
 def test_an_untested_release_of_the_series_is_refused_unless_asked_for(version, monkeypatch):
     version("0.19.3")
-    with pytest.raises(compat.UnsupportedDeepSpeedError, match=f"tested with DeepSpeed {compat.TESTED}.*{compat.UNTESTED_ENV}=1"):
+    with pytest.raises(
+        compat.UnsupportedDeepSpeedError, match=f"tested with DeepSpeed {compat.TESTED}.*{compat.UNTESTED_ENV}=1"
+    ):
         compat.check_deepspeed_version()
     monkeypatch.setenv(compat.UNTESTED_ENV, "1")
     with pytest.warns(UserWarning, match="untested"):
@@ -30,5 +33,7 @@ def test_an_untested_release_of_the_series_is_refused_unless_asked_for(version, 
 def test_another_series_is_refused_even_when_asked(version, monkeypatch, found):
     version(found)
     monkeypatch.setenv(compat.UNTESTED_ENV, "1")
-    with pytest.raises(compat.UnsupportedDeepSpeedError, match=f"pip install --no-build-isolation 'deepspeed=={compat.TESTED}'"):
+    with pytest.raises(
+        compat.UnsupportedDeepSpeedError, match=f"pip install --no-build-isolation 'deepspeed=={compat.TESTED}'"
+    ):
         compat.check_deepspeed_version()

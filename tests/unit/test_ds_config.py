@@ -30,6 +30,7 @@ def test_shipped_configs_are_strict_json_with_the_agreed_defaults(name):
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_configs_pass_deepspeeds_own_validation(name):
     from deepspeed.runtime.config import DeepSpeedConfig
+
     parsed = DeepSpeedConfig(shipped(name))
     assert parsed.zero_config.stage == 3
 
@@ -41,6 +42,7 @@ def test_zero_infinity_has_the_settings_that_make_it_swap_and_run():
     assert z["stage3_max_reuse_distance"] == 0
     # buffer_size must hold the largest partition of the presets the file claims: micro and tiny on 1 rank.
     from aidaptiv_ds.models.presets import largest_parameter_numel, preset_config
+
     for preset in ("micro", "tiny"):
         assert z["offload_param"]["buffer_size"] >= largest_parameter_numel(preset_config(preset))
     opt = z["offload_optimizer"]
@@ -51,9 +53,13 @@ def test_zero_infinity_has_the_settings_that_make_it_swap_and_run():
 
 
 def test_overrides_batch_accum_lr_dtype():
-    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-5}}}
+    cfg = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-5}},
+    }
     out = ds_config.apply_overrides(cfg, micro_batch=3, grad_accum=2, lr=2e-6, dtype="bf16")
     assert out["train_micro_batch_size_per_gpu"] == 3 and out["gradient_accumulation_steps"] == 2
     assert "train_batch_size" not in out
@@ -81,14 +87,18 @@ def test_nvme_path_override_reaches_every_block():
 
 def test_backend_names():
     assert ds_config.backend({"zero_optimization": {"stage": 2}}) == "zero2"
-    assert ds_config.backend({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}) \
+    assert (
+        ds_config.backend({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})
         == "zero_infinity"
+    )
 
 
 def test_check_reports_every_problem_at_once():
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "fp16": {"enabled": True},
-           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/s",
-                                                               "buffer_size": 1000}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "fp16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/s", "buffer_size": 1000}},
+    }
     with pytest.raises(ConfigError) as e:
         ds_config.check(cfg, world_size=2, largest_param_numel=10_000, model_name="m")
     msg = str(e.value)
@@ -100,9 +110,13 @@ def test_check_reports_every_problem_at_once():
 
 def test_buffer_check_fails_for_a_big_preset_on_the_shipped_file():
     from aidaptiv_ds.models.presets import largest_parameter_numel, preset_config
+
     with pytest.raises(ConfigError, match="raise buffer_size to at least 525336576"):
-        ds_config.check(shipped("zero_infinity.json"), world_size=1,
-                        largest_param_numel=largest_parameter_numel(preset_config("llama3.1-8b")))
+        ds_config.check(
+            shipped("zero_infinity.json"),
+            world_size=1,
+            largest_param_numel=largest_parameter_numel(preset_config("llama3.1-8b")),
+        )
 
 
 def test_load_hjson_and_errors(tmp_path):

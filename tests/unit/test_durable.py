@@ -1,5 +1,6 @@
 """aidaptiv_ds.common.durable: a checkpoint folder and its `latest` are published so that a kill -9 at any point
 leaves the previous checkpoint or the new one, never a missing, mixed or half-written one."""
+
 import errno
 import os
 import subprocess
@@ -40,8 +41,13 @@ def _save(save_dir, tag, content, exchange="yes", crash_at=None):
     env.pop("AIDAPTIV_DS_TEST_CRASH_AT", None)
     if crash_at is not None:
         env["AIDAPTIV_DS_TEST_CRASH_AT"] = str(crash_at)
-    return subprocess.run([sys.executable, "-c", SAVE, str(save_dir), tag, content, exchange], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", SAVE, str(save_dir), tag, content, exchange],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _loadable(save_dir):

@@ -1,5 +1,6 @@
 """zero_infinity_eqmem: ZeRO-Infinity's host memory sized to aidaptiv's budget (harness/eqmem.py). Each part is
 recomputed here from DeepSpeed 0.19.8's allocation rules, independently of the sizing code's loop."""
+
 import json
 import os
 
@@ -12,11 +13,11 @@ from aidaptiv_ds.planner.memory import _sub_groups, partition_numels
 from aidaptiv_ds.planner.shapes import resolve_shape
 
 BASE = json.load(open(os.path.join(REPO, "ds_configs", "zero_infinity.json")))
-STATE = 20   # fp32 ZeRO-3 state bytes per parameter, as the grid's aidaptiv_state_fraction counts it
+STATE = 20  # fp32 ZeRO-3 state bytes per parameter, as the grid's aidaptiv_state_fraction counts it
 
 
 def aligned(numel, elsize=4):
-    a = 1024 // elsize   # AIO_ALIGNED_BYTES x intra_op_parallelism 1
+    a = 1024 // elsize  # AIO_ALIGNED_BYTES x intra_op_parallelism 1
     return -(-numel // a) * a
 
 
@@ -43,8 +44,8 @@ def test_sized_bytes_equal_the_budget_up_to_one_sub_group():
     assert z.parts["optimizer swap buffers"] == 4 * aligned(max(subs)) * 4
     assert z.parts["optimizer-init gradient buffer"] == 4 * max(subs)
     assert z.parts["parameter RAM cache (max_in_cpu)"] == 4 * z.max_in_cpu
-    assert z.parts["parameter write-back buffer"] > 0   # some sub-groups still live on NVMe
-    assert z.param_buffer_size == largest                 # one buffer holds the largest partition
+    assert z.parts["parameter write-back buffer"] > 0  # some sub-groups still live on NVMe
+    assert z.param_buffer_size == largest  # one buffer holds the largest partition
 
 
 def test_a_budget_below_zero_infinitys_minimum_runs_the_minimum_and_says_by_how_much():
@@ -93,9 +94,18 @@ def test_the_config_changes_only_the_sized_settings():
 
 
 def test_a_grid_with_eqmem_needs_an_aidaptiv_fraction():
-    grid = {"notes": "n", "models": ["tiny", "small"], "micro_batches": [1], "seq_lens": [64], "gpus": [1],
-            "steps": 3, "warmup": 1, "timeout_s": 60, "backends": ["aidaptiv", "zero_infinity_eqmem"],
-            "per_model": {"small": {"aidaptiv_state_fraction": 0.4}}}
+    grid = {
+        "notes": "n",
+        "models": ["tiny", "small"],
+        "micro_batches": [1],
+        "seq_lens": [64],
+        "gpus": [1],
+        "steps": 3,
+        "warmup": 1,
+        "timeout_s": 60,
+        "backends": ["aidaptiv", "zero_infinity_eqmem"],
+        "per_model": {"small": {"aidaptiv_state_fraction": 0.4}},
+    }
     with pytest.raises(GridError) as e:
         validate_grid(grid)
     assert "zero_infinity_eqmem" in str(e.value) and "['tiny']" in str(e.value)

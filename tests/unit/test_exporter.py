@@ -2,6 +2,7 @@
 each parameter in params.bin, named in manifest.json), made here from a plain model so that no DeepSpeed run
 is needed: the exported folder loads with transformers and holds the model's exact weights, in several
 shards when asked, through one bounded buffer."""
+
 import json
 import os
 import tracemalloc
@@ -29,16 +30,23 @@ def _fake_checkpoint(root, model, world_size, with_files=True, spec=None):
                 flat = p.detach().reshape(-1)
                 pn = -(-flat.numel() // world_size)
                 padded = torch.zeros(pn * world_size, dtype=flat.dtype)
-                padded[:flat.numel()] = flat
-                data = padded[r * pn:(r + 1) * pn].contiguous().view(torch.uint8).numpy().tobytes()
+                padded[: flat.numel()] = flat
+                data = padded[r * pn : (r + 1) * pn].contiguous().view(torch.uint8).numpy().tobytes()
                 f.seek(off)
                 f.write(data)
                 entries.append({"name": name, "shape": list(p.shape), "partition_numel": pn, "offset": off})
                 off += -(-len(data) // 4096) * 4096
             f.truncate(off)
-        manifest = {"format": checkpoint.FORMAT, "rank": r, "world_size": world_size,
-                    "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                    "params_bytes": off, "optim_bytes": 0, "parameters": entries, "sub_groups": []}
+        manifest = {
+            "format": checkpoint.FORMAT,
+            "rank": r,
+            "world_size": world_size,
+            "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "params_bytes": off,
+            "optim_bytes": 0,
+            "parameters": entries,
+            "sub_groups": [],
+        }
         with open(os.path.join(folder, checkpoint.MANIFEST), "w") as f:
             json.dump(manifest, f)
     if with_files:
@@ -59,6 +67,7 @@ def micro():
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_export_loads_with_transformers_and_gives_the_same_logits(tmp_path, micro, world_size):
     from transformers import AutoModelForCausalLM
+
     spec, model = micro
     _fake_checkpoint(str(tmp_path / "ck"), model, world_size, spec=spec)
     s = export.export(str(tmp_path / "ck"), str(tmp_path / "out"))
@@ -74,6 +83,7 @@ def test_export_loads_with_transformers_and_gives_the_same_logits(tmp_path, micr
 
 def test_small_shards_are_indexed_and_memory_stays_at_one_buffer(tmp_path, micro, monkeypatch):
     from safetensors import safe_open
+
     spec, model = micro
     _fake_checkpoint(str(tmp_path / "ck"), model, 2, spec=spec)
     monkeypatch.setattr(export, "COPY_BUFFER", 256 * 1024)
@@ -94,8 +104,10 @@ def test_small_shards_are_indexed_and_memory_stays_at_one_buffer(tmp_path, micro
     assert index["metadata"]["total_size"] == total
     assert set(index["weight_map"]) == {n for n, _ in model.named_parameters()}
     for shard in shards:
-        assert os.path.getsize(tmp_path / "out" / shard) <= 3 * 2**20 + 4096 or \
-            len([n for n, f in index["weight_map"].items() if f == shard]) == 1
+        assert (
+            os.path.getsize(tmp_path / "out" / shard) <= 3 * 2**20 + 4096
+            or len([n for n, f in index["weight_map"].items() if f == shard]) == 1
+        )
         with safe_open(str(tmp_path / "out" / shard), framework="pt") as f:
             for name in f.keys():
                 assert index["weight_map"][name] == shard
@@ -104,6 +116,7 @@ def test_small_shards_are_indexed_and_memory_stays_at_one_buffer(tmp_path, micro
 
 def test_bf16_weights_keep_their_dtype(tmp_path, micro):
     from safetensors.torch import load_file
+
     spec, model = micro
     bf = models.build_model(spec, torch.bfloat16)
     _fake_checkpoint(str(tmp_path / "ck"), bf, 2, spec=spec)
@@ -115,6 +128,7 @@ def test_bf16_weights_keep_their_dtype(tmp_path, micro):
 
 def test_bf16_export_loads_as_bf16_with_dtype_auto(tmp_path, micro):
     from transformers import AutoModelForCausalLM
+
     spec, _ = micro
     bf = models.build_model(spec, torch.bfloat16)
     _fake_checkpoint(str(tmp_path / "ck"), bf, 1, with_files=False)
@@ -157,6 +171,7 @@ def test_refusals_name_the_problem(tmp_path, micro):
     with pytest.raises(export.ExportError, match="damaged"):
         export.export(tag, str(tmp_path / "out"))
     import shutil
+
     shutil.rmtree(checkpoint.rank_dir(str(tmp_path / "ck"), "step3", 1))
     with pytest.raises(export.ExportError, match="copy every rank"):
         export.export(tag, str(tmp_path / "out"))
@@ -171,17 +186,21 @@ def test_the_export_command_imports_no_deepspeed(tmp_path, micro):
     """A 70B export runs on a machine without the training stack's GPU pieces: no DeepSpeed in the process."""
     import subprocess
     import sys
+
     spec, model = micro
     _fake_checkpoint(str(tmp_path / "ck"), model, 2, spec=spec)
-    code = ("import sys; from aidaptiv_ds.cli import main; "
-            f"rc = main(['export', {str(tmp_path / 'ck')!r}, '--out', {str(tmp_path / 'out')!r}]); "
-            "print('DS', 'deepspeed' in sys.modules, rc)")
+    code = (
+        "import sys; from aidaptiv_ds.cli import main; "
+        f"rc = main(['export', {str(tmp_path / 'ck')!r}, '--out', {str(tmp_path / 'out')!r}]); "
+        "print('DS', 'deepspeed' in sys.modules, rc)"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "DS False 0" in p.stdout, p.stdout + p.stderr
 
 
 def test_presets_byte_tokenizer_loads_with_autotokenizer_and_gives_the_training_ids(tmp_path, micro):
     from transformers import AutoTokenizer
+
     spec, model = micro
     tag = _fake_checkpoint(str(tmp_path / "ck"), model, 1, spec=spec)
     s = export.export(tag, str(tmp_path / "out"))

@@ -1,5 +1,6 @@
 """Grid files: every shipped grid validates, the paper grids have the published values, and a bad grid
 reports all of its problems at once."""
+
 import glob
 import os
 import subprocess
@@ -22,8 +23,14 @@ GRIDS = sorted(glob.glob(os.path.join(ROOT, "bench", "grids", "*.json")))
 
 def test_the_expected_grids_ship():
     names = {os.path.basename(p) for p in GRIDS}
-    assert {"cdac_rudra.json", "cdac_siddhi.json", "cdac_70b_batch.json", "signal65.json", "cpu_small.json",
-            "cpu_ci.json"} <= names
+    assert {
+        "cdac_rudra.json",
+        "cdac_siddhi.json",
+        "cdac_70b_batch.json",
+        "signal65.json",
+        "cpu_small.json",
+        "cpu_ci.json",
+    } <= names
 
 
 @pytest.mark.parametrize("path", GRIDS, ids=os.path.basename)
@@ -93,37 +100,61 @@ def test_cpu_small_runs_all_backends_on_small_presets():
     assert {c.model for c in cells} == {"tiny", "small"}
     assert len(cells) == 20
     assert {c.backend for c in cells} == set(BACKENDS)
-    assert {(c.micro_batch, c.seq_len, c.gpus) for c in cells if c.model == "tiny"} == \
-        {(2, 64, 1), (4, 64, 1), (2, 64, 2), (4, 64, 2)}
+    assert {(c.micro_batch, c.seq_len, c.gpus) for c in cells if c.model == "tiny"} == {
+        (2, 64, 1),
+        (4, 64, 1),
+        (2, 64, 2),
+        (4, 64, 2),
+    }
 
 
 def test_bad_grid_lists_every_problem():
     bad = {
-        "models": ["gpt9", "micro"],          # 1 unknown preset
-        "micro_batches": [0, 2],              # 2 not positive
+        "models": ["gpt9", "micro"],  # 1 unknown preset
+        "micro_batches": [0, 2],  # 2 not positive
         "seq_lens": [64],
         "gpus": [1],
-        "steps": 2, "warmup": 2,              # 3 no timed step
-        "timeout_s": -1,                      # 4 not > 0
-        "backends": ["zero4"],                # 5 unknown backend
-        "colour": "blue",                     # 6 unknown key
-        "per_model": {"tiny": {"seq_lens": [64]},              # 7 not in models
-                      "micro": {"micro_batch": [1]}},          # 8 unknown key in an override
+        "steps": 2,
+        "warmup": 2,  # 3 no timed step
+        "timeout_s": -1,  # 4 not > 0
+        "backends": ["zero4"],  # 5 unknown backend
+        "colour": "blue",  # 6 unknown key
+        "per_model": {
+            "tiny": {"seq_lens": [64]},  # 7 not in models
+            "micro": {"micro_batch": [1]},
+        },  # 8 unknown key in an override
         # 9 notes missing
     }
     with pytest.raises(GridError) as e:
         validate_grid(bad, "bad.json")
     text = "\n".join(e.value.problems)
-    for needle in ("gpt9", "micro_batches", "warmup (2) must be smaller", "timeout_s", "zero4", "colour",
-                   "['tiny']", "per_model.micro.micro_batch: Extra", "notes: Field required"):
+    for needle in (
+        "gpt9",
+        "micro_batches",
+        "warmup (2) must be smaller",
+        "timeout_s",
+        "zero4",
+        "colour",
+        "['tiny']",
+        "per_model.micro.micro_batch: Extra",
+        "notes: Field required",
+    ):
         assert needle in text, f"{needle!r} not reported in:\n{text}"
     assert len(e.value.problems) == 9
     assert "bad.json" in str(e.value)
 
 
 def test_missing_lists_must_come_from_per_model():
-    data = {"notes": "n", "models": ["micro", "tiny"], "seq_lens": [8], "gpus": [1], "steps": 3, "warmup": 1,
-            "timeout_s": 10, "per_model": {"micro": {"micro_batches": [1]}}}
+    data = {
+        "notes": "n",
+        "models": ["micro", "tiny"],
+        "seq_lens": [8],
+        "gpus": [1],
+        "steps": 3,
+        "warmup": 1,
+        "timeout_s": 10,
+        "per_model": {"micro": {"micro_batches": [1]}},
+    }
     with pytest.raises(GridError) as e:
         validate_grid(data)
     assert e.value.problems == ["micro_batches is missing: give it at the top level or in per_model for ['tiny']"]
@@ -141,13 +172,26 @@ def test_unreadable_and_invalid_json(tmp_path):
 
 
 def test_presets_cover_the_contract():
-    assert set(PRESETS) == {"micro", "tiny", "small", "tinyllama-1.1b", "llama2-7b", "llama2-13b", "llama2-70b",
-                            "llama3.1-8b", "llama3.1-70b", "qwen2.5-7b", "qwen2.5-72b"}
+    assert set(PRESETS) == {
+        "micro",
+        "tiny",
+        "small",
+        "tinyllama-1.1b",
+        "llama2-7b",
+        "llama2-13b",
+        "llama2-70b",
+        "llama3.1-8b",
+        "llama3.1-70b",
+        "qwen2.5-7b",
+        "qwen2.5-72b",
+    }
 
 
 def test_the_harness_reads_presets_and_backends_without_torch():
     """grid takes the presets and backend names from the product's one table and tuple, as plain data."""
-    code = ("import sys; import aidaptiv_ds.harness.grid, aidaptiv_ds.harness.report, aidaptiv_ds.harness.sweep; "
-            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
+    code = (
+        "import sys; import aidaptiv_ds.harness.grid, aidaptiv_ds.harness.report, aidaptiv_ds.harness.sweep; "
+        "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,5 +1,6 @@
 """host_memory_budget adds up per node: a share of RAM, or a size per node, is split between the node's ranks;
 a size per rank says so; the node's total is checked against its RAM before anything is pinned."""
+
 import logging
 
 import pytest
@@ -11,8 +12,10 @@ GiB = 1 << 30
 
 
 def ds(budget, **block):
-    return {"zero_optimization": {"stage": 3},
-            "aidaptiv": {"enabled": True, "nvme_path": "/tmp", "host_memory_budget": budget, **block}}
+    return {
+        "zero_optimization": {"stage": 3},
+        "aidaptiv": {"enabled": True, "nvme_path": "/tmp", "host_memory_budget": budget, **block},
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -22,16 +25,18 @@ def no_launcher(monkeypatch):
 
 
 def per_rank(budget, ranks=None, ram=64 * GiB):
-    return config_settings.SwapSettings.from_block(ds(budget)["aidaptiv"], ram_bytes=ram, local_ranks=ranks).host_budget_bytes
+    return config_settings.SwapSettings.from_block(
+        ds(budget)["aidaptiv"], ram_bytes=ram, local_ranks=ranks
+    ).host_budget_bytes
 
 
 def test_a_share_of_ram_is_split_between_the_nodes_ranks(monkeypatch):
     assert per_rank("25%", ram=64 * GiB) == 16 * GiB
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")         # torchrun, accelerate
-    assert per_rank("25%", ram=64 * GiB) == 4 * GiB       # was 16 GiB each: 64 GiB pinned on a 64 GiB node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun, accelerate
+    assert per_rank("25%", ram=64 * GiB) == 4 * GiB  # was 16 GiB each: 64 GiB pinned on a 64 GiB node
     assert per_rank(0.5, ram=64 * GiB) == 8 * GiB
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    monkeypatch.setenv("LOCAL_SIZE", "2")               # the deepspeed launcher
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # the deepspeed launcher
     assert per_rank("25%", ram=64 * GiB) == 8 * GiB
 
 
@@ -44,8 +49,9 @@ def test_sizes_say_per_node_or_per_rank_and_a_bare_size_stays_per_rank():
     assert schema.parse_host_budget(" 4 GiB / Node ") == (4 * GiB, None, "node")
 
 
-@pytest.mark.parametrize("bad, words", [("25%/rank", "share of the node"), ("4GiB/gpu", "'node' or 'rank'"),
-                                        ("lots/node", "not a size")])
+@pytest.mark.parametrize(
+    "bad, words", [("25%/rank", "share of the node"), ("4GiB/gpu", "'node' or 'rank'"), ("lots/node", "not a size")]
+)
 def test_bad_scopes_are_refused_with_what_to_write(bad, words):
     with pytest.raises(ds_config.ConfigError) as e:
         config_settings.SwapSettings.from_block(ds(bad)["aidaptiv"], ram_bytes=GiB)
@@ -64,7 +70,7 @@ def test_the_nodes_total_over_its_ram_is_refused_before_training(monkeypatch, tm
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = ds("3GiB")
     cfg["aidaptiv"]["nvme_path"] = str(tmp_path)
-    with pytest.raises(ds_config.ConfigError) as e:               # 3 GiB each fits one rank; 4 of them do not
+    with pytest.raises(ds_config.ConfigError) as e:  # 3 GiB each fits one rank; 4 of them do not
         resolve.validate(cfg)
     msg = str(e.value)
     assert "each of the 4 ranks" in msg and "12.00 GiB together" in msg and "8.00 GiB" in msg and "/node" in msg
@@ -91,6 +97,7 @@ def test_a_total_over_the_memlock_limit_is_warned_about_not_refused(monkeypatch,
 
 def test_memlock_limit_reads_the_rlimit_unless_privileged():
     import resource
+
     limit = host.memlock_limit()
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     assert limit is None or limit == soft

@@ -1,4 +1,5 @@
 """Finding where cell cgroups can be made (on fake cgroup trees), and reading a cgroup's counters."""
+
 import os
 
 from aidaptiv_ds.harness.hostcap import CellCgroup, _probe_v1, _probe_v2

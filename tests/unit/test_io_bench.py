@@ -1,4 +1,5 @@
 """io-bench's pure-Python parts: arguments, filesystem checks, fio parsing, the JSON row. No extension needed."""
+
 import argparse
 import json
 
@@ -25,8 +26,14 @@ def parse(argv):
 
 def test_defaults():
     args = parse([])
-    assert (args.dir, args.size_mb, args.block_kb, args.queue_depth, args.repeat, args.json) == \
-        (None, 1024, 1024, 32, 3, False)
+    assert (args.dir, args.size_mb, args.block_kb, args.queue_depth, args.repeat, args.json) == (
+        None,
+        1024,
+        1024,
+        32,
+        3,
+        False,
+    )
     assert args.engines is None  # all engines; fio only when on PATH
     assert io_bench.default_engines()[:3] == ["uring", "posix", "deepspeed"]
 
@@ -68,10 +75,21 @@ def test_memory_filesystems_are_refused(tmp_path):
 
 
 def test_fio_json_parsing():
-    text = "note: both iodepth >= 1 and synchronous I/O engine\n" + json.dumps({"jobs": [{
-        "jobname": "x", "error": 0, "job_runtime": 500, "usr_cpu": 2.0, "sys_cpu": 8.0,
-        "write": {"io_bytes": 1 << 30, "bw_bytes": 2147483648, "runtime": 500},
-        "read": {"io_bytes": 0, "bw_bytes": 0, "runtime": 0}}]})
+    text = "note: both iodepth >= 1 and synchronous I/O engine\n" + json.dumps(
+        {
+            "jobs": [
+                {
+                    "jobname": "x",
+                    "error": 0,
+                    "job_runtime": 500,
+                    "usr_cpu": 2.0,
+                    "sys_cpu": 8.0,
+                    "write": {"io_bytes": 1 << 30, "bw_bytes": 2147483648, "runtime": 500},
+                    "read": {"io_bytes": 0, "bw_bytes": 0, "runtime": 0},
+                }
+            ]
+        }
+    )
     sample = io_bench.parse_fio(text, "write")
     assert sample.gbps == pytest.approx((1 << 30) / 0.5 / 1e9)
     assert sample.cpu_s_per_gb == pytest.approx(0.10 * 0.5 / ((1 << 30) / 1e9))
@@ -83,14 +101,22 @@ def test_fio_json_parsing():
 
 def test_fio_command_matches_the_config():
     cmd = io_bench.fio_command("/d/f", "read", 1 << 30, 1 << 20, 32)
-    assert {"--rw=read", "--bs=1048576", f"--size={1 << 30}", "--ioengine=io_uring", "--iodepth=32",
-            "--direct=1"} <= set(cmd)
+    assert {
+        "--rw=read",
+        "--bs=1048576",
+        f"--size={1 << 30}",
+        "--ioengine=io_uring",
+        "--iodepth=32",
+        "--direct=1",
+    } <= set(cmd)
 
 
 def test_summary_shape_and_medians():
     s = io_bench.Sample
-    samples = {"write": [s(10**9, 1.0, 0.1), s(10**9, 0.5, 0.2), s(10**9, 0.25, 0.3)],
-               "read": [s(10**9, 0.5, 0.05), s(10**9, 0.5, 0.05), s(10**9, 2.0, 0.05)]}
+    samples = {
+        "write": [s(10**9, 1.0, 0.1), s(10**9, 0.5, 0.2), s(10**9, 0.25, 0.3)],
+        "read": [s(10**9, 0.5, 0.05), s(10**9, 0.5, 0.05), s(10**9, 2.0, 0.05)],
+    }
     entry = io_bench.summarize(samples, [True, True, True])
     assert entry["write_gbps"] == 2.0 and entry["read_gbps"] == 2.0
     assert entry["cpu_s_per_gb_write"] == 0.2 and entry["cpu_s_per_gb_read"] == 0.05
@@ -99,10 +125,21 @@ def test_summary_shape_and_medians():
     assert io_bench.summarize(samples, [None] * 3)["verified"] is None
     failed = io_bench.summarize({"read": [], "write": []}, [], "RuntimeError: no libaio")
     assert failed == {"error": "RuntimeError: no libaio"}
-    result = {"machine": {"cpu": "x", "cores": 2, "ram_gib": 1.0, "kernel": "6", "dir": "/d", "filesystem": "ext4",
-                          "source": "/dev/vda", "device": "/dev/vda", "rotational": False},
-              "engines": {"uring": entry, "fio": entry, "deepspeed": failed},
-              "config": {"size_mb": 1, "block_kb": 4, "queue_depth": 1, "repeat": 3}}
+    result = {
+        "machine": {
+            "cpu": "x",
+            "cores": 2,
+            "ram_gib": 1.0,
+            "kernel": "6",
+            "dir": "/d",
+            "filesystem": "ext4",
+            "source": "/dev/vda",
+            "device": "/dev/vda",
+            "rotational": False,
+        },
+        "engines": {"uring": entry, "fio": entry, "deepspeed": failed},
+        "config": {"size_mb": 1, "block_kb": 4, "queue_depth": 1, "repeat": 3},
+    }
     assert json.loads(json.dumps(result)) == result  # one plain JSON object
     table = io_bench.format_table(result)
     assert table.splitlines()[0].startswith("machine: x (flags not recorded), 2 cores")

@@ -1,4 +1,5 @@
 """The launch command of a cell, as the contract with aidaptiv_ds/job/train.py spells it."""
+
 import pytest
 
 from aidaptiv_ds.harness.grid import Cell
@@ -9,17 +10,42 @@ CELL = Cell("llama3.1-8b", "aidaptiv", 2, 18, 12000, 10)
 
 def cmd(spec, **kw):
     kw.setdefault("gpu_mem_cap_gb", None)
-    return launch_command(CELL, spec, port=29600, swap_dir="/nvme/cell/swap", metrics_out="/out/c/metrics.json",
-                          steps=4, warmup=1, **kw)
+    return launch_command(
+        CELL, spec, port=29600, swap_dir="/nvme/cell/swap", metrics_out="/out/c/metrics.json", steps=4, warmup=1, **kw
+    )
 
 
 def test_cpu_command_matches_the_contract():
     c = cmd(LaunchSpec(ds_configs="/repo/ds_configs"))
-    assert c == ["deepspeed", "--num_accelerators", "2", "--master_port", "29600", "--no_local_rank",
-                 "--module", "aidaptiv_ds", "train",
-                 "--config", "/repo/ds_configs/aidaptiv.json", "--model", "llama3.1-8b", "--seq-len", "12000",
-                 "--micro-batch", "18", "--grad-accum", "10", "--steps", "4", "--warmup", "1",
-                 "--nvme-path", "/nvme/cell/swap", "--metrics-out", "/out/c/metrics.json"]
+    assert c == [
+        "deepspeed",
+        "--num_accelerators",
+        "2",
+        "--master_port",
+        "29600",
+        "--no_local_rank",
+        "--module",
+        "aidaptiv_ds",
+        "train",
+        "--config",
+        "/repo/ds_configs/aidaptiv.json",
+        "--model",
+        "llama3.1-8b",
+        "--seq-len",
+        "12000",
+        "--micro-batch",
+        "18",
+        "--grad-accum",
+        "10",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--nvme-path",
+        "/nvme/cell/swap",
+        "--metrics-out",
+        "/out/c/metrics.json",
+    ]
 
 
 def test_gpu_cap_is_passed_to_train():
@@ -41,20 +67,42 @@ def test_cuda_without_visible_devices_counts():
 
 
 def test_multinode_uses_the_hostfile():
-    spec = LaunchSpec(accelerator="cuda", hostfile="/job/hostfile", gpus_per_node=1, master_addr="node001",
-                      ds_launcher="pdsh")
+    spec = LaunchSpec(
+        accelerator="cuda", hostfile="/job/hostfile", gpus_per_node=1, master_addr="node001", ds_launcher="pdsh"
+    )
     c = cmd(spec)
-    assert c[:c.index("--master_port")] == ["deepspeed", "--hostfile", "/job/hostfile", "--num_nodes", "2",
-                                             "--num_gpus", "1", "--master_addr", "node001", "--launcher", "pdsh"]
+    assert c[: c.index("--master_port")] == [
+        "deepspeed",
+        "--hostfile",
+        "/job/hostfile",
+        "--num_nodes",
+        "2",
+        "--num_gpus",
+        "1",
+        "--master_addr",
+        "node001",
+        "--launcher",
+        "pdsh",
+    ]
     # A rank on another node has no swap folder: the sweep made it on its own node only; train makes it there.
-    assert c[c.index("--nvme-path"):c.index("--nvme-path") + 3] == ["--nvme-path", "/nvme/cell/swap",
-                                                                     "--create-nvme-path"]
+    assert c[c.index("--nvme-path") : c.index("--nvme-path") + 3] == [
+        "--nvme-path",
+        "/nvme/cell/swap",
+        "--create-nvme-path",
+    ]
     one_node = LaunchSpec(hostfile="/job/hostfile", gpus_per_node=8)
     c = cmd(one_node)
     assert c[1:7] == ["--hostfile", "/job/hostfile", "--num_nodes", "1", "--num_gpus", "2"]
     with pytest.raises(ValueError, match="do not split evenly"):
-        launch_command(Cell("tiny", "zero3", 3, 1, 8, 1), LaunchSpec(hostfile="h", gpus_per_node=2), port=1,
-                       swap_dir="s", metrics_out="m", steps=2, warmup=1)
+        launch_command(
+            Cell("tiny", "zero3", 3, 1, 8, 1),
+            LaunchSpec(hostfile="h", gpus_per_node=2),
+            port=1,
+            swap_dir="s",
+            metrics_out="m",
+            steps=2,
+            warmup=1,
+        )
 
 
 def test_train_module_override(monkeypatch):
@@ -65,4 +113,4 @@ def test_train_module_override(monkeypatch):
     assert train_spec("other.mod --flag") == "other.mod --flag"
     c = cmd(LaunchSpec(train="pkg.fake --quiet"))
     i = c.index("--module")
-    assert c[i + 1:i + 4] == ["pkg.fake", "--quiet", "--config"]
+    assert c[i + 1 : i + 4] == ["pkg.fake", "--quiet", "--config"]

@@ -7,6 +7,7 @@
 - a module whose docstring says it imports nothing of ours (or nothing but one module) does so;
 - docs/DESIGN.md holds the map the table makes.
 """
+
 from __future__ import annotations
 
 import ast
@@ -59,9 +60,10 @@ def offences(edges) -> List[str]:
 def test_every_module_lives_in_a_wing_of_the_table():
     known = layers.level_of()
     strays = [m for m in package_modules() if layers.wing_of(m) not in known]
-    assert not strays, ("modules outside the wings of scripts/layers.py (the root keeps only __init__, cli, "
-                        "__main__ and autoload; put the module in its wing, or add a wing to the table):\n"
-                        + "\n".join(strays))
+    assert not strays, (
+        "modules outside the wings of scripts/layers.py (the root keeps only __init__, cli, "
+        "__main__ and autoload; put the module in its wing, or add a wing to the table):\n" + "\n".join(strays)
+    )
 
 
 def test_no_module_imports_upward_or_sideways():
@@ -81,10 +83,12 @@ def test_the_wings_form_no_cycle():
 def test_the_check_fails_on_an_upward_import():
     """The rule itself: down is allowed, up and sideways are not, and the harness never reaches zero3."""
     assert layers.may_import("job", "zero3") and layers.may_import("swap", "engine")
-    up = [("engine", "config", "aidaptiv_ds.engine.io", "aidaptiv_ds.config.resolve"),
-          ("planner", "activations", "aidaptiv_ds.planner.memory", "aidaptiv_ds.activations.plan"),
-          ("harness", "zero3", "aidaptiv_ds.harness.sweep", "aidaptiv_ds.zero3.runtime"),
-          ("common", "engine", "aidaptiv_ds.common.sizes", "aidaptiv_ds.engine._C")]
+    up = [
+        ("engine", "config", "aidaptiv_ds.engine.io", "aidaptiv_ds.config.resolve"),
+        ("planner", "activations", "aidaptiv_ds.planner.memory", "aidaptiv_ds.activations.plan"),
+        ("harness", "zero3", "aidaptiv_ds.harness.sweep", "aidaptiv_ds.zero3.runtime"),
+        ("common", "engine", "aidaptiv_ds.common.sizes", "aidaptiv_ds.engine._C"),
+    ]
     assert len(offences(up)) == 4
     assert offences([("zero3", "swap", "aidaptiv_ds.zero3.plan", "aidaptiv_ds.swap.budget_split")]) == []
 
@@ -96,8 +100,11 @@ def test_the_check_sees_an_upward_import_inside_a_function(tmp_path):
     for f in ("__init__.py", "engine/__init__.py", "config/__init__.py", "config/resolve.py"):
         (pkg / f).write_text("")
     (pkg / "engine" / "io.py").write_text("def f():\n    from aidaptiv_ds.config.resolve import resolve\n")
-    modules = {"aidaptiv_ds.engine.io": pkg / "engine" / "io.py", "aidaptiv_ds.config.resolve": pkg / "config" /
-               "resolve.py", "aidaptiv_ds.config": pkg / "config" / "__init__.py"}
+    modules = {
+        "aidaptiv_ds.engine.io": pkg / "engine" / "io.py",
+        "aidaptiv_ds.config.resolve": pkg / "config" / "resolve.py",
+        "aidaptiv_ds.config": pkg / "config" / "__init__.py",
+    }
     deps = package_imports("aidaptiv_ds.engine.io", modules["aidaptiv_ds.engine.io"], modules)
     edges = [("engine", layers.wing_of(d), "aidaptiv_ds.engine.io", d) for d in deps]
     assert offences(edges), edges
@@ -129,4 +136,5 @@ def test_modules_that_say_they_import_nothing_of_ours_do_not():
 def test_design_holds_the_map_the_table_makes():
     text = layers.DESIGN.read_text(encoding="utf-8")
     assert layers.current_map(text) == layers.render_map(), (
-        "docs/DESIGN.md's map differs from scripts/layers.py: run python scripts/layers.py")
+        "docs/DESIGN.md's map differs from scripts/layers.py: run python scripts/layers.py"
+    )

@@ -1,5 +1,6 @@
 """ruff (pyproject.toml's [tool.ruff]) over the repository: lint, including the banned-import rule that keeps
 DeepSpeed's internals inside aidaptiv_ds/zero3/, and the formatter's check. CI fails here on either."""
+
 from __future__ import annotations
 
 import pathlib
@@ -44,7 +45,12 @@ def test_the_banned_import_rule_fires_outside_zero3(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("from deepspeed.runtime.zero import stage3\n\nprint(stage3)\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    out = subprocess.run([*ruff(), "check", "--output-format", "concise", "--select", "TID251", "."], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*ruff(), "check", "--output-format", "concise", "--select", "TID251", "."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "aidaptiv_ds/harness/probe.py" in out.stdout and "TID251" in out.stdout, out.stdout + out.stderr
     assert "aidaptiv_ds/zero3/probe.py" not in out.stdout, out.stdout

@@ -1,4 +1,5 @@
 """--lora spec parsing (aidaptiv_ds.job.lora.parse_spec): defaults, comma lists of targets, every problem at once."""
+
 import pytest
 
 from aidaptiv_ds.job.lora import parse_spec

@@ -1,4 +1,5 @@
 """Where the cache of measured rates and tuned I/O settings lives, and that the suite runs apart from it."""
+
 import os
 
 from aidaptiv_ds.engine import machine_cache

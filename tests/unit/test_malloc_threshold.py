@@ -1,4 +1,5 @@
 """The fixed mmap threshold (aidaptiv.malloc_mmap_threshold): freed layer-sized tensors leave the process."""
+
 import subprocess
 import sys
 
@@ -37,7 +38,7 @@ def _held(mode):
 def test_freed_tensors_leave_the_heap_with_the_threshold_fixed():
     dynamic, fixed = _held("dynamic"), _held("fixed")
     print(f"held beyond the live tensors: glibc's dynamic threshold {dynamic:.0f} MiB, fixed {fixed:.0f} MiB")
-    assert dynamic > 40          # about the ten freed 8 MiB tensors
+    assert dynamic > 40  # about the ten freed 8 MiB tensors
     assert fixed < 10
 
 
@@ -76,15 +77,18 @@ def test_trim_heap_gives_the_heaps_holes_back():
     assert r.returncode == 0, r.stderr
     before, after, released = r.stdout.strip().splitlines()[-1].split()
     print(f"held beyond the live tensors: {float(before):.0f} MiB before trim_heap, {float(after):.0f} after")
-    assert float(before) > 40       # about the hundred freed 512 KiB tensors
+    assert float(before) > 40  # about the hundred freed 512 KiB tensors
     assert float(after) < 10 and released == "True"
 
 
 @pytest.mark.parametrize("value,ok", [(True, True), (False, True), ("auto", True), ("yes", False), (1, False)])
 def test_trim_heap_setting(tmp_path, value, ok):
     from aidaptiv_ds.config.resolve import ConfigError, validate
-    cfg = {"zero_optimization": {"stage": 3},
-           "aidaptiv": {"enabled": True, "nvme_path": str(tmp_path), "trim_heap": value}}
+
+    cfg = {
+        "zero_optimization": {"stage": 3},
+        "aidaptiv": {"enabled": True, "nvme_path": str(tmp_path), "trim_heap": value},
+    }
     if ok:
         assert validate(cfg).trim_heap == value
     else:

@@ -9,9 +9,18 @@ def records(times):
 
 
 def test_summarize_medians_after_warmup():
-    m = M.summarize(step_records=records([10.0, 1.0, 3.0, 2.0]), warmup=1, tokens_per_step=100,
-                    losses=[5.0, 4.0, 3.0, 2.0], engine_stats=None, peak_rss=123.0, peak_gpu=None,
-                    nvme_read=10, nvme_write=20, extra={"model": "micro"})
+    m = M.summarize(
+        step_records=records([10.0, 1.0, 3.0, 2.0]),
+        warmup=1,
+        tokens_per_step=100,
+        losses=[5.0, 4.0, 3.0, 2.0],
+        engine_stats=None,
+        peak_rss=123.0,
+        peak_gpu=None,
+        nvme_read=10,
+        nvme_write=20,
+        extra={"model": "micro"},
+    )
     assert m["status"] == "ok" and m["model"] == "micro"
     assert m["step_s_median"] == 2.0 and m["tokens_per_s"] == 50.0
     assert m["step_s"] == [10.0, 1.0, 3.0, 2.0]
@@ -21,15 +30,35 @@ def test_summarize_medians_after_warmup():
 
 
 def test_summarize_uses_all_steps_when_none_are_past_warmup():
-    m = M.summarize(step_records=records([4.0]), warmup=2, tokens_per_step=8, losses=[1.0], engine_stats=None,
-                    peak_rss=1.0, peak_gpu=None, nvme_read=None, nvme_write=None, extra={})
+    m = M.summarize(
+        step_records=records([4.0]),
+        warmup=2,
+        tokens_per_step=8,
+        losses=[1.0],
+        engine_stats=None,
+        peak_rss=1.0,
+        peak_gpu=None,
+        nvme_read=None,
+        nvme_write=None,
+        extra={},
+    )
     assert m["step_s_median"] == 4.0 and m["tokens_per_s"] == 2.0
 
 
 def test_engine_stats_hook():
     stats = {"io_wait_s": [9.0, 0.5, 0.25, 0.75], "peak_pinned_bytes": 3 * 2**20}
-    m = M.summarize(step_records=records([1.0] * 4), warmup=1, tokens_per_step=1, losses=[1.0] * 4,
-                    engine_stats=stats, peak_rss=1.0, peak_gpu=None, nvme_read=0, nvme_write=0, extra={})
+    m = M.summarize(
+        step_records=records([1.0] * 4),
+        warmup=1,
+        tokens_per_step=1,
+        losses=[1.0] * 4,
+        engine_stats=stats,
+        peak_rss=1.0,
+        peak_gpu=None,
+        nvme_read=0,
+        nvme_write=0,
+        extra={},
+    )
     assert m["phases_s"]["io_wait"] == 0.5 and m["peak_pinned_mb"] == 3.0
 
 
@@ -61,16 +90,39 @@ def test_step_timer_accumulates_phases():
 
 def test_one_line():
     assert "status=oom" in M.one_line({"status": "oom", "error": "OutOfMemoryError: x"})
-    line = M.one_line({"status": "ok", "model": "micro", "tokens_per_s": 12.5, "losses": [2.0, 1.0],
-                       "nvme_read_bytes": 2**20, "nvme_write_bytes": None, "phases_s": {}})
+    line = M.one_line(
+        {
+            "status": "ok",
+            "model": "micro",
+            "tokens_per_s": 12.5,
+            "losses": [2.0, 1.0],
+            "nvme_read_bytes": 2**20,
+            "nvme_write_bytes": None,
+            "phases_s": {},
+        }
+    )
     assert "\n" not in line and "tokens/s=12.5" in line and "loss=2.0000->1.0000" in line and "1.0/null" in line
 
 
 def test_swapper_update_share_and_counters_are_reported():
     records = [{"step_s": 1.0, "forward": 0.6, "backward": 0.3, "optimizer": 0.1}] * 4
-    stats = {"io_wait_s": [0.9, 0.5, 0.4, 0.3], "optimizer_apply_s_steps": [0.0, 0.4, 0.5, 0.6],
-             "peak_pinned_bytes": 2**20, "nvme_read_bytes": 10}
-    m = M.summarize(step_records=records, warmup=1, tokens_per_step=10, losses=[1.0] * 4, engine_stats=stats,
-                    peak_rss=1.0, peak_gpu=None, nvme_read=None, nvme_write=None, extra={})
+    stats = {
+        "io_wait_s": [0.9, 0.5, 0.4, 0.3],
+        "optimizer_apply_s_steps": [0.0, 0.4, 0.5, 0.6],
+        "peak_pinned_bytes": 2**20,
+        "nvme_read_bytes": 10,
+    }
+    m = M.summarize(
+        step_records=records,
+        warmup=1,
+        tokens_per_step=10,
+        losses=[1.0] * 4,
+        engine_stats=stats,
+        peak_rss=1.0,
+        peak_gpu=None,
+        nvme_read=None,
+        nvme_write=None,
+        extra={},
+    )
     assert m["phases_s"]["optimizer_update"] == 0.5 and m["phases_s"]["io_wait"] == 0.4
     assert m["swapper"] == {"peak_pinned_bytes": 2**20, "nvme_read_bytes": 10}

@@ -41,8 +41,14 @@ def test_config_arithmetic_matches_the_real_architecture(name):
 
 def test_published_hyperparameters_of_two_presets():
     c = preset_config("llama3.1-8b")
-    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-            c.intermediate_size, c.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
+    assert (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.vocab_size,
+    ) == (4096, 32, 32, 8, 14336, 128256)
     assert c.rope_parameters["rope_theta"] == 500000.0 and c.rope_parameters["rope_type"] == "llama3"
     q = preset_config("qwen2.5-72b")
     assert q.model_type == "qwen2" and q.num_key_value_heads == 8 and q.intermediate_size == 29568
@@ -95,6 +101,7 @@ def test_build_without_zero_is_deterministic_per_seed():
 
 def test_counts_of_another_architecture_come_from_a_meta_build(tmp_path):
     from transformers import GPT2Config
+
     GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=300, n_positions=128).save_pretrained(tmp_path)
     spec = resolve(str(tmp_path))
     # GPT-2: tied wte/lm_head, wpe, per layer 12*d^2 + 13*d, final norm 2*d.

@@ -1,5 +1,6 @@
 """Per-step series for DeepSpeed's monitor (aidaptiv_ds.common.metrics.monitor_events) and `aidaptiv-ds report
 RUN_DIR` on one run's folder (aidaptiv_ds.harness.run_report): no DeepSpeed run needed."""
+
 import csv
 import json
 
@@ -10,8 +11,17 @@ RECORD = {"step_s": 2.0, "forward": 0.5, "backward": 1.0, "optimizer": 0.5}
 
 
 def test_monitor_events_of_a_step():
-    ev = M.monitor_events(7, RECORD, loss=3.5, lr=1e-4, tokens_per_step=1000, io_bytes=(4e9, 2e9),
-                          host_budget=2**30, pinned=2**20, gpu_mb=None)
+    ev = M.monitor_events(
+        7,
+        RECORD,
+        loss=3.5,
+        lr=1e-4,
+        tokens_per_step=1000,
+        io_bytes=(4e9, 2e9),
+        host_budget=2**30,
+        pinned=2**20,
+        gpu_mb=None,
+    )
     got = {name: (value, step) for name, value, step in ev}
     assert {s for s in got} == {"aidaptiv/" + s for s in M.MONITOR_SERIES if s != "gpu_mem_mb"}
     assert all(step == 7 for _, step in got.values())
@@ -21,11 +31,13 @@ def test_monitor_events_of_a_step():
 
 
 def test_what_was_not_measured_is_left_out_not_zero():
-    ev = M.monitor_events(1, RECORD, loss=1.0, lr=None, tokens_per_step=10, io_bytes=None, host_budget=None,
-                          pinned=None, gpu_mb=None)
+    ev = M.monitor_events(
+        1, RECORD, loss=1.0, lr=None, tokens_per_step=10, io_bytes=None, host_budget=None, pinned=None, gpu_mb=None
+    )
     names = {n for n, _, _ in ev}
-    assert names == {"aidaptiv/" + s for s in ("loss", "tokens_per_s", "step_s", "forward_s", "backward_s",
-                                               "optimizer_s")}
+    assert names == {
+        "aidaptiv/" + s for s in ("loss", "tokens_per_s", "step_s", "forward_s", "backward_s", "optimizer_s")
+    }
 
 
 def _write_csv_monitor(folder, steps=4):
@@ -49,9 +61,19 @@ def test_report_of_a_run_folder_plots_its_csv_series(tmp_path, capsys):
 
 
 def test_report_of_a_run_folder_with_only_metrics_json(tmp_path, capsys):
-    (tmp_path / "m.json").write_text(json.dumps({"status": "ok", "losses": [5.0, 4.0, 3.0], "step_s": [1.0, 2.0, 4.0],
-                                                 "tokens_per_step": 100, "first_step": 0}))
+    (tmp_path / "m.json").write_text(
+        json.dumps(
+            {
+                "status": "ok",
+                "losses": [5.0, 4.0, 3.0],
+                "step_s": [1.0, 2.0, 4.0],
+                "tokens_per_step": 100,
+                "first_step": 0,
+            }
+        )
+    )
     from aidaptiv_ds.harness import run_report
+
     series, source = run_report.find_series(str(tmp_path))
     assert source == "metrics JSON"
     assert series["tokens_per_s"] == [(1.0, 100.0), (2.0, 50.0), (3.0, 25.0)]
@@ -60,10 +82,20 @@ def test_report_of_a_run_folder_with_only_metrics_json(tmp_path, capsys):
 
 
 def test_report_draws_the_held_out_loss_from_the_metrics_json(tmp_path):
-    (tmp_path / "m.json").write_text(json.dumps({"status": "ok", "losses": [5.0, 4.0, 3.0, 2.5],
-                                                 "step_s": [1.0, 1.0, 1.0, 1.0], "tokens_per_step": 100,
-                                                 "first_step": 0, "eval_losses": [[2, 4.5], [4, 3.25]]}))
+    (tmp_path / "m.json").write_text(
+        json.dumps(
+            {
+                "status": "ok",
+                "losses": [5.0, 4.0, 3.0, 2.5],
+                "step_s": [1.0, 1.0, 1.0, 1.0],
+                "tokens_per_step": 100,
+                "first_step": 0,
+                "eval_losses": [[2, 4.5], [4, 3.25]],
+            }
+        )
+    )
     from aidaptiv_ds.harness import run_report
+
     series, _ = run_report.find_series(str(tmp_path))
     assert series["eval_loss"] == [(2.0, 4.5), (4.0, 3.25)]
     assert main(["report", str(tmp_path)]) == 0
@@ -76,15 +108,18 @@ def test_report_draws_the_held_out_loss_from_the_csv_monitor(tmp_path):
     with open(folder / "aidaptiv_eval_loss.csv", "w", newline="") as f:
         csv.writer(f).writerows([["step", "eval_loss"], [2, 7.0], [4, 6.0]])
     from aidaptiv_ds.harness import run_report
+
     series, source = run_report.find_series(str(tmp_path / "run"))
     assert "CSV monitor" in source and series["eval_loss"] == [(2.0, 7.0), (4.0, 6.0)]
 
 
 def test_report_takes_the_held_out_loss_from_the_json_when_the_csv_lacks_it(tmp_path):
     _write_csv_monitor(tmp_path / "monitor" / "job")
-    (tmp_path / "m.json").write_text(json.dumps({"status": "ok", "losses": [5.0, 4.0], "step_s": [1.0, 1.0],
-                                                 "eval_losses": [[2, 3.0]]}))
+    (tmp_path / "m.json").write_text(
+        json.dumps({"status": "ok", "losses": [5.0, 4.0], "step_s": [1.0, 1.0], "eval_losses": [[2, 3.0]]})
+    )
     from aidaptiv_ds.harness import run_report
+
     series, _ = run_report.find_series(str(tmp_path))
     assert series["eval_loss"] == [(2.0, 3.0)] and len(series["loss"]) == 4
 
@@ -93,9 +128,13 @@ def test_the_loss_panel_shows_the_held_out_loss(tmp_path, monkeypatch):
     import matplotlib.axes
 
     from aidaptiv_ds.harness import run_report
+
     drawn = []
     real = matplotlib.axes.Axes.plot
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
-                        lambda self, *a, **kw: drawn.append((self.get_title(), kw.get("label"))) or real(self, *a, **kw))
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "plot",
+        lambda self, *a, **kw: drawn.append((self.get_title(), kw.get("label"))) or real(self, *a, **kw),
+    )
     run_report.plot(str(tmp_path), {"loss": [(1.0, 3.0), (2.0, 2.0)], "eval_loss": [(2.0, 2.5)]}, "metrics JSON")
     assert ("loss", "eval_loss") in drawn and ("loss", "loss") in drawn

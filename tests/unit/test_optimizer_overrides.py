@@ -1,5 +1,6 @@
 """AidaptivZeroOptimizer's overrides of DeepSpeed's ZeRO-3 internals: they exist there (a rename in a DeepSpeed
 release must show here), and on one rank the reduce-scatter it skips gives exactly what DeepSpeed's would."""
+
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ def test_the_methods_we_override_are_deepspeeds(name):
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     from aidaptiv_ds.zero3.optimizer import AidaptivZeroOptimizer
+
     assert name in vars(DeepSpeedZeroOptimizer_Stage3)
     assert name in vars(AidaptivZeroOptimizer)
 
@@ -50,6 +52,13 @@ print("same")
 
 def test_one_rank_gradients_are_handed_over_unchanged(tmp_path):
     from helpers import _free_port
-    r = subprocess.run([sys.executable, "-c", ONE_RANK], env=child_env(PORT=str(_free_port())), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+
+    r = subprocess.run(
+        [sys.executable, "-c", ONE_RANK],
+        env=child_env(PORT=str(_free_port())),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("same"), r.stderr[-3000:]

@@ -1,4 +1,5 @@
 """Classifying a cell's outcome from exit code, signal, output and metrics, without running anything."""
+
 import subprocess
 import sys
 
@@ -14,8 +15,10 @@ TRACEBACK = [
     "[rank0]: RuntimeError: Expected all tensors to be on the same device",
     "[2026-11-21 07:44:10,349] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u'] exits with return code = 1",
 ]
-CUDA_OOM = ["Traceback (most recent call last):",
-            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"]
+CUDA_OOM = [
+    "Traceback (most recent call last):",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity",
+]
 OK = {"status": "ok", "tokens_per_s": 100.0}
 # The H100 run's crash (bench/results/gpu_probe_h100/crash_probe_fp32.log), shortened: a progress bar, then the
 # fault handler's dump with the crashing thread after another thread's frames.
@@ -34,43 +37,64 @@ FAULT = [
 ]
 
 
-@pytest.mark.parametrize("kw, status, error_has", [
-    # train's own verdicts
-    (dict(returncode=0, metrics=OK), "ok", None),
-    (dict(returncode=3, metrics={"status": "oom", "error": "torch.OutOfMemoryError: CUDA out of memory"}),
-     "oom", "CUDA out of memory"),
-    (dict(returncode=1, metrics={"status": "error", "error": "ValueError: bad config"}), "error", "bad config"),
-    # refused by train's launch guard: an out-of-memory the plan predicted, said to be one
-    (dict(returncode=3, metrics={"status": "refused", "error": "host memory: zero3 needs at least 7.3 GiB"}),
-     "oom", "refused before training by the plan: host memory: zero3 needs"),
-    # train said error, but the error is an out-of-memory one
-    (dict(returncode=1, metrics={"status": "error", "error": "RuntimeError: CUDA error: out of memory"}),
-     "oom", "out of memory"),
-    # ok metrics, but the process did not exit cleanly: not ok
-    (dict(returncode=1, metrics=OK, output_tail=["RuntimeError: NCCL teardown"]), "error", "after writing ok"),
-    (dict(returncode=-11, metrics=OK), "error", "SIGSEGV"),
-    # no metrics: output and exit code decide
-    (dict(returncode=1, output_tail=CUDA_OOM), "oom", "CUDA out of memory"),
-    (dict(returncode=1, output_tail=["MemoryError"]), "oom", "MemoryError"),
-    (dict(returncode=3, output_tail=["something"]), "oom", "exit code 3"),
-    (dict(returncode=1, output_tail=TRACEBACK), "error", "RuntimeError: Expected all tensors"),
-    (dict(returncode=0), "error", "wrote no metrics"),
-    (dict(returncode=0, metrics_problem="metrics file metrics.json is unreadable (x)"), "error", "unreadable"),
-    (dict(returncode=247), "error", "killed by SIGKILL"),      # a rank SIGKILLed, through the deepspeed launcher
-    (dict(returncode=-9), "error", "killed by SIGKILL"),
-    (dict(returncode=245, output_tail=["Segmentation fault"]), "error", "SIGSEGV"),
-    # a native crash names its frame, not the warning printed last
-    (dict(returncode=245, output_tail=FAULT), "error",
-     "killed by SIGSEGV: Segmentation fault in /work/main/aidaptiv_ds/io.py:108 (allocate)"),
-    (dict(returncode=2), "error", "exit code 2"),
-    # harness verdicts override everything
-    (dict(returncode=-15, timed_out=True, timeout_s=30.0), "timeout", "30 s"),
-    (dict(returncode=-15, timed_out=True, timeout_s=30.0, metrics=OK), "timeout", "hung at exit"),
-    (dict(returncode=247, cap_kill="killed by the host memory cap (cgroup1 limit 1.00 GiB, oom_kill count 1)"),
-     "oom", "host memory cap"),
-    (dict(returncode=-9, cap_kill="killed by the host memory cap (rss-watchdog): ...", metrics=None), "oom",
-     "rss-watchdog"),
-])
+@pytest.mark.parametrize(
+    "kw, status, error_has",
+    [
+        # train's own verdicts
+        (dict(returncode=0, metrics=OK), "ok", None),
+        (
+            dict(returncode=3, metrics={"status": "oom", "error": "torch.OutOfMemoryError: CUDA out of memory"}),
+            "oom",
+            "CUDA out of memory",
+        ),
+        (dict(returncode=1, metrics={"status": "error", "error": "ValueError: bad config"}), "error", "bad config"),
+        # refused by train's launch guard: an out-of-memory the plan predicted, said to be one
+        (
+            dict(returncode=3, metrics={"status": "refused", "error": "host memory: zero3 needs at least 7.3 GiB"}),
+            "oom",
+            "refused before training by the plan: host memory: zero3 needs",
+        ),
+        # train said error, but the error is an out-of-memory one
+        (
+            dict(returncode=1, metrics={"status": "error", "error": "RuntimeError: CUDA error: out of memory"}),
+            "oom",
+            "out of memory",
+        ),
+        # ok metrics, but the process did not exit cleanly: not ok
+        (dict(returncode=1, metrics=OK, output_tail=["RuntimeError: NCCL teardown"]), "error", "after writing ok"),
+        (dict(returncode=-11, metrics=OK), "error", "SIGSEGV"),
+        # no metrics: output and exit code decide
+        (dict(returncode=1, output_tail=CUDA_OOM), "oom", "CUDA out of memory"),
+        (dict(returncode=1, output_tail=["MemoryError"]), "oom", "MemoryError"),
+        (dict(returncode=3, output_tail=["something"]), "oom", "exit code 3"),
+        (dict(returncode=1, output_tail=TRACEBACK), "error", "RuntimeError: Expected all tensors"),
+        (dict(returncode=0), "error", "wrote no metrics"),
+        (dict(returncode=0, metrics_problem="metrics file metrics.json is unreadable (x)"), "error", "unreadable"),
+        (dict(returncode=247), "error", "killed by SIGKILL"),  # a rank SIGKILLed, through the deepspeed launcher
+        (dict(returncode=-9), "error", "killed by SIGKILL"),
+        (dict(returncode=245, output_tail=["Segmentation fault"]), "error", "SIGSEGV"),
+        # a native crash names its frame, not the warning printed last
+        (
+            dict(returncode=245, output_tail=FAULT),
+            "error",
+            "killed by SIGSEGV: Segmentation fault in /work/main/aidaptiv_ds/io.py:108 (allocate)",
+        ),
+        (dict(returncode=2), "error", "exit code 2"),
+        # harness verdicts override everything
+        (dict(returncode=-15, timed_out=True, timeout_s=30.0), "timeout", "30 s"),
+        (dict(returncode=-15, timed_out=True, timeout_s=30.0, metrics=OK), "timeout", "hung at exit"),
+        (
+            dict(returncode=247, cap_kill="killed by the host memory cap (cgroup1 limit 1.00 GiB, oom_kill count 1)"),
+            "oom",
+            "host memory cap",
+        ),
+        (
+            dict(returncode=-9, cap_kill="killed by the host memory cap (rss-watchdog): ...", metrics=None),
+            "oom",
+            "rss-watchdog",
+        ),
+    ],
+)
 def test_classify(kw, status, error_has):
     kw.setdefault("timed_out", False)
     out = classify(**kw)
@@ -90,8 +114,8 @@ def test_cap_kill_does_not_turn_a_clean_ok_into_oom():
 def test_decode_exit():
     assert decode_exit(0) == (0, None)
     assert decode_exit(-9) == (-9, "SIGKILL")
-    assert decode_exit(247) == (247, "SIGKILL")   # sys.exit(-9) in deepspeed's launch.py
-    assert decode_exit(137) == (137, "SIGKILL")   # a shell's 128+9
+    assert decode_exit(247) == (247, "SIGKILL")  # sys.exit(-9) in deepspeed's launch.py
+    assert decode_exit(137) == (137, "SIGKILL")  # a shell's 128+9
     assert decode_exit(3) == (3, None)
     assert decode_exit(None) == (None, None)
 
@@ -110,9 +134,11 @@ def test_fault_line_without_a_dump_or_a_frame():
 def test_the_cli_turns_on_the_fault_handler():
     """Any aidaptiv-ds command: a native crash afterwards prints the crashing Python stack (pytest's own fault
     handler is not in the child)."""
-    code = ("import ctypes\nfrom aidaptiv_ds.cli import main\n"
-            "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
-            "ctypes.string_at(0)\n")
+    code = (
+        "import ctypes\nfrom aidaptiv_ds.cli import main\n"
+        "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+        "ctypes.string_at(0)\n"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == -11, p.stderr[-2000:]
     lines = p.stderr.splitlines()

@@ -9,6 +9,7 @@
 Imports inside functions count: the loop that autoload.py and zero3/initialize.py once formed ran through
 function-level imports only.
 """
+
 from __future__ import annotations
 
 import ast
@@ -18,8 +19,12 @@ from typing import Dict, List, Optional, Set, Tuple
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "aidaptiv_ds"
 
 # What a module outside zero3/ may use of DeepSpeed: its documented entry points (and what they return).
-PUBLIC_DEEPSPEED = ("deepspeed.initialize", "deepspeed.init_distributed", "deepspeed.zero.Init",
-                    "deepspeed.__version__")
+PUBLIC_DEEPSPEED = (
+    "deepspeed.initialize",
+    "deepspeed.init_distributed",
+    "deepspeed.zero.Init",
+    "deepspeed.__version__",
+)
 # The io-bench compares our engine with DeepSpeed's libaio handle: that baseline is its one exception.
 BASELINE = {"aidaptiv_ds/harness/io_bench.py": ("deepspeed.ops.op_builder.AsyncIOBuilder",)}
 
@@ -48,7 +53,7 @@ def _from_target(module: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
     base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    base = base[:len(base) - (node.level - 1)]
+    base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -81,12 +86,12 @@ def deepspeed_uses(module: str, path: pathlib.Path) -> List[Tuple[int, str]]:
     tree = _parse(path)
     for line, script in _source_in_strings(tree):
         for node in ast.walk(script):
-            node.lineno = line   # report the string's line in the file
+            node.lineno = line  # report the string's line in the file
         for parent in ast.walk(script):
             for child in ast.iter_child_nodes(parent):
                 child.parent = parent
         tree.body.append(script)
-    bound: Dict[str, str] = {}   # local name -> the DeepSpeed module or object it is bound to
+    bound: Dict[str, str] = {}  # local name -> the DeepSpeed module or object it is bound to
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -123,23 +128,28 @@ def test_only_zero3_reaches_into_deepspeed():
         if rel.startswith("aidaptiv_ds/zero3/"):
             continue
         allowed = PUBLIC_DEEPSPEED + BASELINE.get(rel, ())
-        offences += [f"{rel}:{line}: {name}" for line, name in deepspeed_uses(module, path)
-                     if not _allowed(name, allowed)]
-    assert not offences, ("DeepSpeed internals used outside aidaptiv_ds/zero3/ (move them into zero3, their names "
-                          "into zero3/compat.py):\n" + "\n".join(offences))
+        offences += [
+            f"{rel}:{line}: {name}" for line, name in deepspeed_uses(module, path) if not _allowed(name, allowed)
+        ]
+    assert not offences, (
+        "DeepSpeed internals used outside aidaptiv_ds/zero3/ (move them into zero3, their names "
+        "into zero3/compat.py):\n" + "\n".join(offences)
+    )
 
 
 def test_the_checker_sees_every_kind_of_deepspeed_use(tmp_path):
     """The scan above finds function-level imports, aliases, relative package names and attribute chains."""
     source = tmp_path / "probe.py"
-    source.write_text("import deepspeed\n"
-                      "def f():\n"
-                      "    import deepspeed.runtime.zero.stage3 as s3\n"
-                      "    from deepspeed.accelerator import get_accelerator\n"
-                      "    deepspeed.utils.logger.setLevel(30)\n"
-                      "    deepspeed.zero.Init(config_dict_or_path={})\n"
-                      "    return s3.DeepSpeedZeroOptimizer_Stage3, deepspeed.__version__.split('+')\n"
-                      "SCRIPT = 'import sys\\nfrom deepspeed.ops.op_builder import CPUAdamBuilder\\n'\n")
+    source.write_text(
+        "import deepspeed\n"
+        "def f():\n"
+        "    import deepspeed.runtime.zero.stage3 as s3\n"
+        "    from deepspeed.accelerator import get_accelerator\n"
+        "    deepspeed.utils.logger.setLevel(30)\n"
+        "    deepspeed.zero.Init(config_dict_or_path={})\n"
+        "    return s3.DeepSpeedZeroOptimizer_Stage3, deepspeed.__version__.split('+')\n"
+        "SCRIPT = 'import sys\\nfrom deepspeed.ops.op_builder import CPUAdamBuilder\\n'\n"
+    )
     names = [name for _, name in deepspeed_uses("probe", source)]
     assert "deepspeed.runtime.zero.stage3" in names
     assert "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3" in names
@@ -147,9 +157,12 @@ def test_the_checker_sees_every_kind_of_deepspeed_use(tmp_path):
     assert "deepspeed.utils.logger.setLevel" in names
     assert "deepspeed.ops.op_builder.CPUAdamBuilder" in names
     assert sorted(n for n in names if not _allowed(n, PUBLIC_DEEPSPEED)) == [
-        "deepspeed.accelerator.get_accelerator", "deepspeed.ops.op_builder.CPUAdamBuilder",
+        "deepspeed.accelerator.get_accelerator",
+        "deepspeed.ops.op_builder.CPUAdamBuilder",
         "deepspeed.runtime.zero.stage3",
-        "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "deepspeed.utils.logger.setLevel"]
+        "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
+        "deepspeed.utils.logger.setLevel",
+    ]
 
 
 def package_imports(module: str, path: pathlib.Path, modules: Dict[str, pathlib.Path]) -> Set[str]:
@@ -176,7 +189,7 @@ def package_imports(module: str, path: pathlib.Path, modules: Dict[str, pathlib.
 
 def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
     """One cycle of ``graph`` as [a, b, ..., a], or None if it is acyclic (iterative depth-first search)."""
-    state: Dict[str, int] = {}   # 1: on the current path, 2: done
+    state: Dict[str, int] = {}  # 1: on the current path, 2: done
     for start in sorted(graph):
         if start in state:
             continue
@@ -188,7 +201,7 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
                 state[path.pop()] = 2
                 stack.pop()
             elif state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             elif nxt not in state:
                 state[nxt] = 1
                 path.append(nxt)
@@ -222,6 +235,11 @@ def test_the_cycle_finder_finds_a_cycle_through_function_level_imports(tmp_path)
 def test_the_harness_imports_nothing_from_zero3():
     """The harness drives the product as a user does (processes, the CLI, files, public functions)."""
     graph = import_graph()
-    offences = [f"{m} imports {dep}" for m, deps in sorted(graph.items()) if m.startswith("aidaptiv_ds.harness")
-                for dep in sorted(deps) if dep.startswith("aidaptiv_ds.zero3")]
+    offences = [
+        f"{m} imports {dep}"
+        for m, deps in sorted(graph.items())
+        if m.startswith("aidaptiv_ds.harness")
+        for dep in sorted(deps)
+        if dep.startswith("aidaptiv_ds.zero3")
+    ]
     assert not offences, "\n".join(offences)

@@ -1,4 +1,5 @@
 """A gradient partition's norm for ZeRO-3's clipping, without DeepSpeed's fp64 copy of the partition."""
+
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ def test_partition_norm_agrees_with_deepspeeds(numel, dtype):
     grad = (torch.randn(numel) * 1e-3).to(dtype)
     ours, theirs = partition_norm(grad), deepspeed_norm(grad)
     assert ours.dtype == torch.float64 and ours.dim() == 0
-    assert abs(float(ours) - float(theirs)) <= 1e-7 * float(theirs)   # a row summed in fp32
+    assert abs(float(ours) - float(theirs)) <= 1e-7 * float(theirs)  # a row summed in fp32
 
 
 def test_zero_and_empty_partitions():

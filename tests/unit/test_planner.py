@@ -1,5 +1,6 @@
 """`aidaptiv-ds plan`: the command, its errors, the written config, the rates cache, the step-time bound, and the
 launch guard of `aidaptiv-ds train`."""
+
 import json
 import os
 
@@ -14,9 +15,31 @@ from aidaptiv_ds.planner.predict import predict
 from aidaptiv_ds.planner.shapes import resolve_shape
 
 # Rates given by hand, so that nothing is probed: an A100-40GB node of the C-DAC paper (seeds/003), roughly.
-A100_NODE = ["--gpu-mem", "40GB", "--host-mem", "192GB", "--nvme-free", "1800GB", "--nvme-read-bw", "6GB/s",
-             "--nvme-write-bw", "4GB/s", "--pcie-bw", "12GB/s", "--gpu-flops", "1.5e14", "--cpu-adam", "2e9",
-             "--cpu-flops", "2e12", "--framework-mem", "3GiB", "--gpu-overhead", "1GiB", "--no-probe"]
+A100_NODE = [
+    "--gpu-mem",
+    "40GB",
+    "--host-mem",
+    "192GB",
+    "--nvme-free",
+    "1800GB",
+    "--nvme-read-bw",
+    "6GB/s",
+    "--nvme-write-bw",
+    "4GB/s",
+    "--pcie-bw",
+    "12GB/s",
+    "--gpu-flops",
+    "1.5e14",
+    "--cpu-adam",
+    "2e9",
+    "--cpu-flops",
+    "2e12",
+    "--framework-mem",
+    "3GiB",
+    "--gpu-overhead",
+    "1GiB",
+    "--no-probe",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +54,18 @@ def plan_json(capsys, *argv):
 
 
 def test_seeds_a100_node_zero3_does_not_fit_aidaptiv_does(capsys):
-    rc, out = plan_json(capsys, "--model", "llama2-7b", "--seq-len", "2048", "--micro-batch", "8",
-                        "--activations", "recompute", *A100_NODE)
+    rc, out = plan_json(
+        capsys,
+        "--model",
+        "llama2-7b",
+        "--seq-len",
+        "2048",
+        "--micro-batch",
+        "8",
+        "--activations",
+        "recompute",
+        *A100_NODE,
+    )
     assert rc == 0
     b = out["backends"]
     assert not b["zero3"]["fits"] and "GPU memory" in b["zero3"]["problems"][0]
@@ -42,36 +75,55 @@ def test_seeds_a100_node_zero3_does_not_fit_aidaptiv_does(capsys):
 
 
 def test_table_names_the_bound_and_the_problem(capsys):
-    rc = cli.main(["plan", "--model", "llama2-70b", "--seq-len", "256", "--micro-batch", "1", "--backend", "zero3",
-                   *A100_NODE])
+    rc = cli.main(
+        ["plan", "--model", "llama2-70b", "--seq-len", "256", "--micro-batch", "1", "--backend", "zero3", *A100_NODE]
+    )
     text = capsys.readouterr().out
-    assert rc == 3   # nothing planned fits
+    assert rc == 3  # nothing planned fits
     assert "zero3" in text and "NO" in text and "does not fit: GPU memory" in text
     assert "bound" in text
 
 
 def test_more_gpus_scale_tokens_per_second(capsys):
-    args = ["--model", "llama2-7b", "--seq-len", "512", "--micro-batch", "4", "--backend", "aidaptiv",
-            "--activations", "recompute", *A100_NODE]
+    args = [
+        "--model",
+        "llama2-7b",
+        "--seq-len",
+        "512",
+        "--micro-batch",
+        "4",
+        "--backend",
+        "aidaptiv",
+        "--activations",
+        "recompute",
+        *A100_NODE,
+    ]
     _, one = plan_json(capsys, *args)
     _, two = plan_json(capsys, *args, "--gpus", "2")
     p1, p2 = one["backends"]["aidaptiv"]["prediction"], two["backends"]["aidaptiv"]["prediction"]
     assert p2["tokens_per_s"] > p1["tokens_per_s"]
-    assert two["backends"]["aidaptiv"]["totals"]["nvme_per_node"] <= one["backends"]["aidaptiv"]["totals"]["nvme_per_node"] * 1.01
+    assert (
+        two["backends"]["aidaptiv"]["totals"]["nvme_per_node"]
+        <= one["backends"]["aidaptiv"]["totals"]["nvme_per_node"] * 1.01
+    )
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--model", "gpt-5", "--seq-len", "8", "--micro-batch", "1"], "neither a preset"),
-    (["--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--backend", "zero2"], "expected all or"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--model", "gpt-5", "--seq-len", "8", "--micro-batch", "1"], "neither a preset"),
+        (["--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--backend", "zero2"], "expected all or"),
+    ],
+)
 def test_impossible_inputs_say_what_is_accepted(capsys, argv, expected):
     assert cli.main(["plan", *argv, "--no-probe"]) == 1
     assert expected in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value, expected", [("--host-mem", "lots", "KiB/MiB/GiB"),
-                                                   ("--seq-len", "0", "at least 1"),
-                                                   ("--nvme-read-bw", "fast", "per second")])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [("--host-mem", "lots", "KiB/MiB/GiB"), ("--seq-len", "0", "at least 1"), ("--nvme-read-bw", "fast", "per second")],
+)
 def test_bad_sizes_are_usage_errors(capsys, flag, value, expected):
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "--model", "tiny", "--seq-len", "8", "--micro-batch", "1", flag, value])
@@ -81,20 +133,47 @@ def test_bad_sizes_are_usage_errors(capsys, flag, value, expected):
 
 def test_written_config_validates_and_launches_as_planned(capsys, tmp_path):
     from aidaptiv_ds.config import resolve as aconfig
+
     swap = tmp_path / "swap"
     swap.mkdir()
     out = tmp_path / "plan.json"
-    rc = cli.main(["plan", "--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--dtype", "fp32",
-                   "--host-mem", "2GiB", "--nvme", str(swap), "--nvme-read-bw", "1GB/s", "--nvme-write-bw", "1GB/s",
-                   "--cpu-flops", "1e11", "--cpu-adam", "1e8", "--framework-mem", "1200MiB", "--no-probe",
-                   "--write-config", str(out)])
+    rc = cli.main(
+        [
+            "plan",
+            "--model",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            "2",
+            "--dtype",
+            "fp32",
+            "--host-mem",
+            "2GiB",
+            "--nvme",
+            str(swap),
+            "--nvme-read-bw",
+            "1GB/s",
+            "--nvme-write-bw",
+            "1GB/s",
+            "--cpu-flops",
+            "1e11",
+            "--cpu-adam",
+            "1e8",
+            "--framework-mem",
+            "1200MiB",
+            "--no-probe",
+            "--write-config",
+            str(out),
+        ]
+    )
     assert rc == 0
     cfg = json.loads(out.read_text())
     settings = aconfig.validate(cfg)
     assert settings.nvme_path == str(swap)
     assert cfg["aidaptiv"]["host_memory_budget"] <= 2 * 2**30 - 1200 * 2**20
     assert "bf16" not in cfg
-    assert "activations" not in cfg["aidaptiv"]           # planned with every activation kept: the default
+    assert "activations" not in cfg["aidaptiv"]  # planned with every activation kept: the default
 
 
 @pytest.mark.parametrize("mode,policy", [("recompute", "recompute"), ("nvme", "nvme")])
@@ -102,13 +181,43 @@ def test_written_config_holds_the_activations_that_were_planned(tmp_path, mode, 
     """A plan that counted recomputed or stored activations and a chunked loss writes that policy, so the
     job it launches holds what was planned."""
     from aidaptiv_ds.config import resolve as aconfig
+
     (tmp_path / "swap").mkdir()
     out = tmp_path / "plan.json"
-    rc = cli.main(["plan", "--model", "tiny", "--seq-len", "4096", "--micro-batch", "1", "--dtype", "fp32",
-                   "--host-mem", "8GiB", "--nvme", str(tmp_path / "swap"), "--nvme-read-bw", "1GB/s",
-                   "--nvme-write-bw", "1GB/s", "--cpu-flops", "1e11", "--cpu-adam", "1e8", "--framework-mem",
-                   "1200MiB", "--no-probe", "--activations", mode, "--loss-chunk-tokens", "512",
-                   "--write-config", str(out)])
+    rc = cli.main(
+        [
+            "plan",
+            "--model",
+            "tiny",
+            "--seq-len",
+            "4096",
+            "--micro-batch",
+            "1",
+            "--dtype",
+            "fp32",
+            "--host-mem",
+            "8GiB",
+            "--nvme",
+            str(tmp_path / "swap"),
+            "--nvme-read-bw",
+            "1GB/s",
+            "--nvme-write-bw",
+            "1GB/s",
+            "--cpu-flops",
+            "1e11",
+            "--cpu-adam",
+            "1e8",
+            "--framework-mem",
+            "1200MiB",
+            "--no-probe",
+            "--activations",
+            mode,
+            "--loss-chunk-tokens",
+            "512",
+            "--write-config",
+            str(out),
+        ]
+    )
     assert rc == 0
     cfg = json.loads(out.read_text())
     assert cfg["aidaptiv"]["activations"] == {"policy": policy, "loss_chunk_tokens": 512}
@@ -121,6 +230,7 @@ def test_rates_are_cached_per_device_and_given_ones_win(tmp_path, monkeypatch):
     def fake_nvme(directory, **_):
         calls.append(directory)
         return {"nvme_read": 2e9, "nvme_write": 1e9}
+
     monkeypatch.setattr(R, "probe_nvme", fake_nvme)
     monkeypatch.setattr(R, "probe_cpu", lambda dtype: {"cpu_flops": 1e11, "cpu_adam": 1e8})
     monkeypatch.setattr(R, "probe_framework", lambda: {"framework_host": 1e9})
@@ -129,23 +239,24 @@ def test_rates_are_cached_per_device_and_given_ones_win(tmp_path, monkeypatch):
     cache = str(tmp_path / "rates.json")
     first = R.machine_rates("bf16", str(tmp_path), cache_file=cache)
     again = R.machine_rates("bf16", str(tmp_path), cache_file=cache, given={"nvme_read": 5e9})
-    assert calls == [str(tmp_path)]                       # the second call read the cache
+    assert calls == [str(tmp_path)]  # the second call read the cache
     assert first.nvme_read == 2e9 and again.nvme_read == 5e9 and again.source["nvme_read"] == "given"
     assert "cached" in again.source["nvme_write"]
     assert R.disk_key(str(tmp_path)) in json.load(open(cache))
     none = R.machine_rates("fp32", None, probe=False, cache_file=str(tmp_path / "empty.json"))
-    assert none.cpu_flops is None                          # neither given, cached nor probed: unknown
+    assert none.cpu_flops is None  # neither given, cached nor probed: unknown
 
 
 def test_nvme_probe_measures_through_our_engine(tmp_path):
     pytest.importorskip("aidaptiv_ds.engine._C")
     with open("/proc/self/mounts") as f:
         from aidaptiv_ds.engine.disk import MEMORY_FILESYSTEMS, mount_of
+
         if mount_of(str(tmp_path), f.read())["fstype"] in MEMORY_FILESYSTEMS:
             pytest.skip("tmp_path is on a memory filesystem (no O_DIRECT)")
     rates = R.probe_nvme(str(tmp_path), nbytes=8 << 20, repeats=1)
     assert rates["nvme_read"] > 0 and rates["nvme_write"] > 0
-    assert os.listdir(tmp_path) == []                      # the probe file is gone
+    assert os.listdir(tmp_path) == []  # the probe file is gone
 
 
 def test_bound_is_the_slowest_resource():
@@ -166,25 +277,31 @@ def test_activation_modes_and_the_chunked_loss():
     """tinyllama at 1 x 2048 in bf16: keeping every activation costs most, layer inputs (recompute) less, the
     nvme policy (inputs in flight only) least; a chunked loss holds one chunk's logits instead of all."""
     shape = resolve_shape("tinyllama-1.1b")
-    total = {mode: sum(M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations=mode)).values())
-             for mode in M.ACTIVATION_POLICIES}
+    total = {
+        mode: sum(M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations=mode)).values())
+        for mode in M.ACTIVATION_POLICIES
+    }
     assert total["keep"] > total["recompute"] > total["nvme"]
     unchunked = M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations="nvme"))["logits and loss"]
-    chunked = M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations="nvme",
-                                       loss_chunk_tokens=512))["logits and loss"]
+    chunked = M.activation_bytes(M.Job(shape, 2048, 1, dtype="bf16", activations="nvme", loss_chunk_tokens=512))[
+        "logits and loss"
+    ]
     assert chunked * 4 == unchunked
 
 
 def test_config_activations_follow_the_aidaptiv_block():
     from aidaptiv_ds.planner.guard import config_activations
+
     assert config_activations({"zero_optimization": {"stage": 3}}) == ("keep", None)
     block = {"enabled": True, "nvme_path": "/x"}
-    assert config_activations({"aidaptiv": block}) == ("keep", 1024)           # the block's defaults
+    assert config_activations({"aidaptiv": block}) == ("keep", 1024)  # the block's defaults
     for policy, mode in (("recompute", "recompute"), ("nvme", "nvme"), ("auto", "nvme")):
         cfg = {"aidaptiv": {**block, "activations": {"policy": policy, "loss_chunk_tokens": 0}}}
         assert config_activations(cfg) == (mode, None), policy
-    assert config_activations({"aidaptiv": {**block, "enabled": False,
-                                            "activations": {"policy": "nvme"}}}) == ("keep", None)
+    assert config_activations({"aidaptiv": {**block, "enabled": False, "activations": {"policy": "nvme"}}}) == (
+        "keep",
+        None,
+    )
 
 
 def test_predicted_oom_follows_the_activation_policy():
@@ -192,13 +309,24 @@ def test_predicted_oom_follows_the_activation_policy():
     GiB of them), and does with the nvme policy and a chunked loss (the cells gpu_scaled's activation policy is
     for)."""
     from aidaptiv_ds.planner.guard import predicted_oom
-    common = dict(gpus=1, nodes=1, micro_batch=2, seq_len=2048, grad_accum=1, dtype="bf16", host_mem=100 << 30,
-                  gpu_mem=6 << 30, host_budget=4 << 30)
+
+    common = dict(
+        gpus=1,
+        nodes=1,
+        micro_batch=2,
+        seq_len=2048,
+        grad_accum=1,
+        dtype="bf16",
+        host_mem=100 << 30,
+        gpu_mem=6 << 30,
+        host_budget=4 << 30,
+    )
     assert predicted_oom("tinyllama-1.1b", "aidaptiv", **common) is not None
     assert predicted_oom("tinyllama-1.1b", "aidaptiv", activations="nvme", loss_chunk_tokens=1024, **common) is None
 
 
 # ------------------------------------------------------------------ the launch guard
+
 
 @pytest.fixture
 def clean_env(monkeypatch):
@@ -206,40 +334,69 @@ def clean_env(monkeypatch):
         monkeypatch.delenv(k, raising=False)
 
 
-def test_train_refuses_a_model_the_swap_disk_cannot_hold_before_writing(clean_env, tmp_path, monkeypatch, capsys,
-                                                                        repo):
+def test_train_refuses_a_model_the_swap_disk_cannot_hold_before_writing(clean_env, tmp_path, monkeypatch, capsys, repo):
     """The issue's symptom: llama2-70b with the shipped config on a disk with about 100 GB free wrote a 51 GB swap
     file before ENOSPC. Now: refused with the numbers, the model never built, the swap folder untouched."""
     import shutil
     from collections import namedtuple
+
     swap = tmp_path / "swap"
     swap.mkdir()
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage",
-                        lambda p: usage(200 * 10**9, 100 * 10**9, 100 * 10**9) if str(p).startswith(str(tmp_path))
-                        else real(p))
+    monkeypatch.setattr(
+        shutil,
+        "disk_usage",
+        lambda p: usage(200 * 10**9, 100 * 10**9, 100 * 10**9) if str(p).startswith(str(tmp_path)) else real(p),
+    )
     built = []
     monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
     out = tmp_path / "m.json"
-    rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "aidaptiv.json"), "--model", "llama2-70b",
-                   "--nvme-path", str(swap), "--host-budget", "4GiB", "--steps", "1", "--metrics-out", str(out),
-                   "--no-progress"])
-    assert rc == 3 and not built   # 3: does not fit (as for an out-of-memory), not 1: an error
+    rc = cli.main(
+        [
+            "train",
+            "--config",
+            os.path.join(repo, "ds_configs", "aidaptiv.json"),
+            "--model",
+            "llama2-70b",
+            "--nvme-path",
+            str(swap),
+            "--host-budget",
+            "4GiB",
+            "--steps",
+            "1",
+            "--metrics-out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 3 and not built  # 3: does not fit (as for an out-of-memory), not 1: an error
     assert os.listdir(swap) == []
     m = json.loads(out.read_text())
     assert m["status"] == "refused"
     printed = capsys.readouterr()
     assert "swap space" in printed.out and "93.1 GiB free" in printed.out and "llama2-70b" in printed.out
-    assert "host_memory_budget is 4096.0 MiB (4,294,967,296 bytes) but the run needs at least" in printed.out   # plan_run's message, early
+    assert (
+        "host_memory_budget is 4096.0 MiB (4,294,967,296 bytes) but the run needs at least" in printed.out
+    )  # plan_run's message, early
 
 
 def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, monkeypatch, capsys, repo):
     monkeypatch.setattr("aidaptiv_ds.config.host.total_ram_bytes", lambda: 1 << 30)
     built = []
     monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
-    rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "small",
-                   "--steps", "1", "--no-progress"])
+    rc = cli.main(
+        [
+            "train",
+            "--config",
+            os.path.join(repo, "ds_configs", "zero3.json"),
+            "--model",
+            "small",
+            "--steps",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert rc == 3 and not built
     assert "host memory: zero3 needs at least 7.3 GiB" in capsys.readouterr().out
 
@@ -252,9 +409,21 @@ def test_no_fit_check_starts_what_the_plan_refuses_and_says_so(clean_env, tmp_pa
     def stop(self):
         built.append(self.info.get("fit_check"))
         raise job_args.TrainingFailed("stopped after the guard")
+
     monkeypatch.setattr(train.Run, "build", stop)
-    rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "small",
-                   "--steps", "1", "--no-progress", "--no-fit-check"])
+    rc = cli.main(
+        [
+            "train",
+            "--config",
+            os.path.join(repo, "ds_configs", "zero3.json"),
+            "--model",
+            "small",
+            "--steps",
+            "1",
+            "--no-progress",
+            "--no-fit-check",
+        ]
+    )
     assert rc == 1 and built and built[0]["skipped"]
     assert any("zero3 needs at least 7.3 GiB" in p for p in built[0]["problems"])
     assert "warning: --no-fit-check: starting although" in capsys.readouterr().err
@@ -266,9 +435,22 @@ def test_train_lets_a_job_that_fits_go_on(clean_env, tmp_path, monkeypatch, repo
     def stop(self):
         built.append(True)
         raise job_args.TrainingFailed("stopped after the guard")
+
     monkeypatch.setattr(train.Run, "build", stop)
-    rc = cli.main(["train", "--config", os.path.join(repo, "ds_configs", "aidaptiv.json"), "--model", "micro",
-                   "--nvme-path", str(tmp_path), "--steps", "1", "--no-progress"])
+    rc = cli.main(
+        [
+            "train",
+            "--config",
+            os.path.join(repo, "ds_configs", "aidaptiv.json"),
+            "--model",
+            "micro",
+            "--nvme-path",
+            str(tmp_path),
+            "--steps",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert rc == 1 and built
 
 
@@ -290,9 +472,12 @@ def test_launcher_memory_counts_once_per_node():
 def test_step_transient_on_cpu_only_and_of_the_whole_model():
     job = M.Job(resolve_shape("tiny"), 64, 2, dtype="fp32")
     n = job.shape.num_parameters
-    for backend, per in (("zero3", M.DS_STEP_TRANSIENT_PER_PARAM), ("zero_infinity", M.DS_STEP_TRANSIENT_PER_PARAM),
-                         ("aidaptiv", M.AIDAPTIV_STEP_TRANSIENT_PER_PARAM)):
-        for gpus in (1, 2):    # not partitioned: every rank gathers every layer
+    for backend, per in (
+        ("zero3", M.DS_STEP_TRANSIENT_PER_PARAM),
+        ("zero_infinity", M.DS_STEP_TRANSIENT_PER_PARAM),
+        ("aidaptiv", M.AIDAPTIV_STEP_TRANSIENT_PER_PARAM),
+    ):
+        for gpus in (1, 2):  # not partitioned: every rank gathers every layer
             cpu = M.plan_backend(backend, job, M.Hardware(gpus=gpus, host_mem=1 << 40))
             assert [v for k, v in cpu.host_pageable.items() if "transient" in k] == [int(per * n)]
         gpu = M.plan_backend(backend, job, M.Hardware(gpus=1, host_mem=1 << 40, gpu_mem=80 << 30))
@@ -307,6 +492,7 @@ def test_launcher_probe_doubles_one_runner_import(monkeypatch):
     def fake_run(cmd, **kw):
         seen["cmd"] = cmd
         return sp.CompletedProcess(cmd, 0, stdout="250000\n", stderr="")
+
     monkeypatch.setattr(R.subprocess, "run", fake_run)
     assert R.probe_launcher() == {"launcher_host": 2 * 250000 * 1024.0}
     assert "import deepspeed" in seen["cmd"][-1] and "VmHWM" in seen["cmd"][-1]
@@ -320,30 +506,63 @@ def test_a_probe_started_by_a_big_process_measures_its_own_peak_not_its_parents(
     reported 1.5 GiB for two processes of about 250 MB each. The probes and the metrics read VmHWM instead."""
     import subprocess as sp
     import sys
+
     big = bytearray(600 * 2**20)
-    big[::4096] = b"\x01" * len(big[::4096])   # resident in this (parent) process
+    big[::4096] = b"\x01" * len(big[::4096])  # resident in this (parent) process
     code = "from aidaptiv_ds.common.metrics import peak_rss_mb; print(peak_rss_mb())"
-    out = sp.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                 cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert float(out.stdout.split()[-1]) < 300, out.stdout   # the child's own peak, not the parent's 600+ MiB
+    out = sp.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert float(out.stdout.split()[-1]) < 300, out.stdout  # the child's own peak, not the parent's 600+ MiB
     del big
 
 
 def test_plan_counts_the_launcher_for_jobs_of_more_than_one_rank(capsys):
-    common = ["--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--dtype", "fp32", "--backend", "zero3",
-              "--host-mem", "64GiB", "--framework-mem", "0", "--launcher-mem", "1GiB", "--no-probe"]
+    common = [
+        "--model",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "2",
+        "--dtype",
+        "fp32",
+        "--backend",
+        "zero3",
+        "--host-mem",
+        "64GiB",
+        "--framework-mem",
+        "0",
+        "--launcher-mem",
+        "1GiB",
+        "--no-probe",
+    ]
     _, one = plan_json(capsys, *common, "--gpus", "1")
     _, two = plan_json(capsys, *common, "--gpus", "2")
-    assert one["hardware"]["launcher_host_bytes"] == 0      # 'aidaptiv-ds train' alone needs no launcher
+    assert one["hardware"]["launcher_host_bytes"] == 0  # 'aidaptiv-ds train' alone needs no launcher
     assert two["hardware"]["launcher_host_bytes"] == 1 << 30
 
 
 def test_a_sweep_cell_is_predicted_oom_when_the_launcher_leaves_too_little():
     from aidaptiv_ds.planner.guard import predicted_oom
+
     job = M.Job(resolve_shape("tiny"), 64, 2, dtype="fp32")
     need = M.plan_backend("zero3", job, M.Hardware(gpus=1, host_mem=1 << 40)).host_bytes
-    cell = dict(gpus=1, nodes=1, micro_batch=2, seq_len=64, grad_accum=1, dtype="fp32", host_mem=need + (100 << 20),
-                gpu_mem=None, host_budget=None)
+    cell = dict(
+        gpus=1,
+        nodes=1,
+        micro_batch=2,
+        seq_len=64,
+        grad_accum=1,
+        dtype="fp32",
+        host_mem=need + (100 << 20),
+        gpu_mem=None,
+        host_budget=None,
+    )
     assert predicted_oom("tiny", "zero3", **cell) is None
     assert "launcher" in predicted_oom("tiny", "zero3", **cell, launcher_host=200 << 20)
 
@@ -358,13 +577,14 @@ def test_zero3_probe_is_the_step_less_compute_and_adam(monkeypatch):
             json.dump({"status": "ok", "step_s_median": 1.0}, f)
         assert "zero3" in cmd[cmd.index("--config") + 1] and cmd[cmd.index("--model") + 1] == "tiny"
         return sp.CompletedProcess(cmd, 0, stdout="", stderr="")
+
     monkeypatch.setattr(R.subprocess, "run", fake_run)
     shape = resolve_shape("tiny")
     compute = step_flops(M.Job(shape, 64, 2, dtype="fp32")) / 1e11
     adam = shape.num_parameters / 1e9
     rate = R.probe_zero3(1e11, 1e9)["zero3_cpu"]
     assert rate == pytest.approx(shape.num_parameters / (1.0 - compute - adam))
-    assert R.probe_zero3(1e9, 1e6) == {}   # compute and Adam alone take longer than the step: nothing to add
+    assert R.probe_zero3(1e9, 1e6) == {}  # compute and Adam alone take longer than the step: nothing to add
 
 
 def test_zero3_work_adds_to_the_cpu_bound_once_per_rank_for_the_whole_model():

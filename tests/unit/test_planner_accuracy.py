@@ -3,6 +3,7 @@ code gives with the committed rates, it meets the issue's targets (feasibility r
 host memory within 15% and tokens/s within 30% in >= 80% of ok cells), and NVMe bytes per step are predicted
 within 20%. A change to the planner's model that loses accuracy on the committed rows fails here; new rows or
 rates are committed together with a re-run of bench/plan_accuracy.py."""
+
 import importlib.util
 import json
 import os
@@ -30,7 +31,7 @@ def results(bench):
 def test_committed_comparison_is_what_the_planner_gives(results):
     with open(os.path.join(RESULTS, "rows.jsonl")) as f:
         committed = [json.loads(line) for line in f if line.strip()]
-    assert [r["key"] for r in results] == [r["key"] for r in committed]   # every row compared, none new
+    assert [r["key"] for r in results] == [r["key"] for r in committed]  # every row compared, none new
     for ours, theirs in zip(results, committed):
         assert ours["predicted_fits"] == theirs["predicted_fits"], ours["key"]
         assert ours["host_predicted_mb"] == pytest.approx(theirs["host_predicted_mb"], rel=1e-9), ours["key"]
@@ -39,7 +40,7 @@ def test_committed_comparison_is_what_the_planner_gives(results):
 
 def test_the_committed_comparison_meets_the_targets(bench, results):
     summary = bench.summarize(results)
-    assert summary["ok_cells"] >= 25 and summary["cells"] >= 30          # both sweeps, every backend
+    assert summary["ok_cells"] >= 25 and summary["cells"] >= 30  # both sweeps, every backend
     assert summary["feasibility_right"] >= 0.95, summary["feasibility_misses"]
     assert summary["host_within_15pct"] >= 0.80, summary["host_misses"]
     assert summary["tokens_within_30pct"] >= 0.80, summary["tokens_misses"]
@@ -47,7 +48,7 @@ def test_the_committed_comparison_meets_the_targets(bench, results):
 
 def test_nvme_bytes_per_step_within_20_percent(bench, results):
     errors = bench.summarize(results)["nvme_bytes_error"]
-    assert len(errors) >= 7          # every ok zero_infinity and aidaptiv cell of cpu_small read from NVMe
+    assert len(errors) >= 7  # every ok zero_infinity and aidaptiv cell of cpu_small read from NVMe
     assert all(abs(e) <= 0.20 for v in errors.values() for e in v.values()), errors
 
 
@@ -56,7 +57,7 @@ def test_rows_from_another_machine_are_counted_apart(bench, results):
     assert bench.rates_cpu("cpu:AMD EPYC 7B13:2:fp32") == "AMD EPYC 7B13"
     timed = lambda cpu: sum(1 for r, row in zip(results, rows) if "tokens_error" in r and row["machine"]["cpu"] == cpu)
     cpus = sorted({row["machine"]["cpu"] for row in rows})
-    assert len(cpus) == 2 and all(timed(c) > 0 for c in cpus)   # cpu_small on an Intel Xeon, cpu_small_epyc here
+    assert len(cpus) == 2 and all(timed(c) > 0 for c in cpus)  # cpu_small on an Intel Xeon, cpu_small_epyc here
     for cpu in cpus:
         bench.mark_machines(results, rows, cpu)
         summary = bench.summarize(results)

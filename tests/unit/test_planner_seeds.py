@@ -14,7 +14,7 @@ A100 = dict(gpu_mem=40 * GB, framework_host=3 << 30, gpu_overhead=1 << 30)
 def _pattern(source, backend, host_mem, nvme_free=None):
     out = {}
     for p in (p for p in POINTS if p.source == source):
-        for seq in ([p.seq_len] if p.seq_len else [128, 256, 512, 1024, 2048]):
+        for seq in [p.seq_len] if p.seq_len else [128, 256, 512, 1024, 2048]:
             hw = M.Hardware(gpus=p.gpus, host_mem=host_mem, nvme_free=nvme_free, **A100)
             job = M.Job(resolve_shape(p.model), seq, p.micro_batch, dtype="bf16", activations="recompute")
             out[(p.model, seq, p.micro_batch, p.gpus)] = (M.plan_backend(backend, job, hw).fits, p.status == "ok")
@@ -38,6 +38,10 @@ def test_aidaptiv_on_rudra_matches_table_vi_but_for_the_longest_batches():
     pattern = _pattern("cdac-t6", "aidaptiv", 192 * GB, nvme_free=2000 * GB)
     assert len(pattern) == 80
     wrong = sorted(k for k, v in pattern.items() if v[0] != v[1])
-    assert wrong == [("llama2-7b", 2048, 24, 1), ("llama2-7b", 2048, 24, 2),
-                     ("llama2-7b", 2048, 32, 1), ("llama2-7b", 2048, 32, 2)]
-    assert all(not fits for fits, ok in pattern.values() if not ok)   # every published OOM is predicted
+    assert wrong == [
+        ("llama2-7b", 2048, 24, 1),
+        ("llama2-7b", 2048, 24, 2),
+        ("llama2-7b", 2048, 32, 1),
+        ("llama2-7b", 2048, 32, 2),
+    ]
+    assert all(not fits for fits, ok in pattern.values() if not ok)  # every published OOM is predicted

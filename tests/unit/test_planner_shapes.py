@@ -1,5 +1,6 @@
 """The planner's model shapes against what transformers builds, and its byte model against DeepSpeed's estimator
 and against the swapper's own plan (zero3/plan.py's plan_run)."""
+
 import json
 import math
 from types import SimpleNamespace
@@ -26,15 +27,25 @@ def test_parameters_in_order_match_transformers(name):
     shape = resolve_shape(name)
     assert shape.parameter_numels() == [p.numel() for p in model.parameters()]
     largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    assert shape.largest_layer_params == largest_module   # DeepSpeed's model_to_params
+    assert shape.largest_layer_params == largest_module  # DeepSpeed's model_to_params
 
 
 def test_tied_biased_and_gqa_directory_matches_transformers(tmp_path):
     """A local directory's config.json: tied embeddings, attention and MLP biases, GQA, explicit head_dim."""
     from transformers import LlamaConfig
-    config = LlamaConfig(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-                         head_dim=32, intermediate_size=200, vocab_size=300, tie_word_embeddings=True,
-                         attention_bias=True, mlp_bias=True)
+
+    config = LlamaConfig(
+        hidden_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=200,
+        vocab_size=300,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    )
     config.save_pretrained(tmp_path)
     shape = resolve_shape(str(tmp_path))
     model = _meta_model(config)
@@ -42,7 +53,12 @@ def test_tied_biased_and_gqa_directory_matches_transformers(tmp_path):
     assert shape == shape_of_config(shape.name, config)
 
 
-@pytest.mark.parametrize("bad, expected", [("no-such-model", "neither a preset"), ])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("no-such-model", "neither a preset"),
+    ],
+)
 def test_unknown_model_says_what_is_accepted(bad, expected):
     with pytest.raises(ValueError, match=expected) as e:
         resolve_shape(bad)
@@ -55,16 +71,18 @@ def test_unsupported_architecture_is_named(tmp_path):
         resolve_shape(str(tmp_path))
 
 
-@pytest.mark.parametrize("params, largest, gpus, nodes", [(6_738_415_616, 131_072_000, 1, 1),
-                                                            (68_976_648_192, 262_144_000, 8, 2),
-                                                            (4_719_872, 524_288, 2, 1)])
+@pytest.mark.parametrize(
+    "params, largest, gpus, nodes",
+    [(6_738_415_616, 131_072_000, 1, 1), (68_976_648_192, 262_144_000, 8, 2), (4_719_872, 524_288, 2, 1)],
+)
 @pytest.mark.parametrize("offload, offload_params", [(False, False), (True, True), (True, False)])
 def test_estimator_formula_is_deepspeeds(params, largest, gpus, nodes, offload, offload_params):
     stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
     for zero_init in (True, False):
         ours = M.deepspeed_estimate(params, largest, gpus, nodes, offload, offload_params, zero_init)
-        theirs = stage3.estimate_zero3_model_states_mem_needs(params, largest, gpus, nodes, offload, offload_params,
-                                                              zero_init)
+        theirs = stage3.estimate_zero3_model_states_mem_needs(
+            params, largest, gpus, nodes, offload, offload_params, zero_init
+        )
         assert ours == theirs
 
 
@@ -75,7 +93,7 @@ def test_model_state_bytes_agree_with_the_estimator(gpus, nodes):
     shape = resolve_shape("llama2-7b")
     hw = M.Hardware(gpus=gpus, nodes=nodes, gpu_mem=80 << 30, host_mem=1 << 40)
     job = M.Job(shape, 512, 1, dtype="bf16")
-    slack = 18 * len(shape.parameter_numels())             # at most one padding element per parameter
+    slack = 18 * len(shape.parameter_numels())  # at most one padding element per parameter
     state_keys = ("weights", "gradients (fp32)", "optimizer: fp32 master", "optimizer: Adam moments")
     z3 = M.plan_backend("zero3", job, hw)
     state = sum(z3.gpu[k] for k in state_keys + ("gathered largest layer",))
@@ -89,6 +107,7 @@ def test_model_state_bytes_agree_with_the_estimator(gpus, nodes):
 
 # ------------------------------------------------------------------ the planner's split is the swapper's
 
+
 def _fake_run(model, world, dtype, budget, layer_group_size, prefetch_depth, chunk):
     """What zero3/plan.py's plan_run reads of a built model: partition records, settings, dtype."""
     elsize = torch.empty((), dtype=dtype).element_size()
@@ -96,19 +115,33 @@ def _fake_run(model, world, dtype, budget, layer_group_size, prefetch_depth, chu
     for i, p in enumerate(model.parameters()):
         p.ds_id = i
         records[i] = SimpleNamespace(extent=SimpleNamespace(reserved=align_up(math.ceil(p.numel() / world) * elsize)))
-    cfg = SimpleNamespace(host_budget_bytes=budget, layer_group_size=layer_group_size, prefetch_depth=prefetch_depth,
-                          optimizer_chunk_numel=chunk, cache_optimizer_state=True, retention_budget=0)
+    cfg = SimpleNamespace(
+        host_budget_bytes=budget,
+        layer_group_size=layer_group_size,
+        prefetch_depth=prefetch_depth,
+        optimizer_chunk_numel=chunk,
+        cache_optimizer_state=True,
+        retention_budget=0,
+    )
     return SimpleNamespace(cfg=cfg, param_swapper=SimpleNamespace(records=records), model_dtype=dtype)
 
 
-@pytest.mark.parametrize("name, world, dtype, budget", [
-    ("micro", 1, torch.float32, 40 << 20), ("micro", 2, torch.bfloat16, 12 << 20),
-    ("tiny", 1, torch.float32, 290_000_000), ("tiny", 2, torch.float32, 145_000_000),
-    ("tiny", 1, torch.bfloat16, 64 << 20), ("small", 1, torch.float32, 1_130_000_000),
-    ("tiny", 1, torch.float32, 20 << 20)])     # below the minimum: both refuse, with the same message
+@pytest.mark.parametrize(
+    "name, world, dtype, budget",
+    [
+        ("micro", 1, torch.float32, 40 << 20),
+        ("micro", 2, torch.bfloat16, 12 << 20),
+        ("tiny", 1, torch.float32, 290_000_000),
+        ("tiny", 2, torch.float32, 145_000_000),
+        ("tiny", 1, torch.bfloat16, 64 << 20),
+        ("small", 1, torch.float32, 1_130_000_000),
+        ("tiny", 1, torch.float32, 20 << 20),
+    ],
+)  # below the minimum: both refuse, with the same message
 def test_planner_budget_split_is_the_swappers(name, world, dtype, budget):
     from aidaptiv_ds.config.ds_config import ConfigError
     from aidaptiv_ds.zero3.plan import plan_run
+
     model = _meta_model(models.preset_config(name))
     shape = resolve_shape(name)
     chunk = config_settings.auto_chunk(budget)
@@ -133,6 +166,7 @@ def test_planner_budget_split_is_the_swappers(name, world, dtype, budget):
 def test_measured_pinned_pool_of_a_committed_run():
     """bench/results/cpu_small: tiny, aidaptiv, 1 rank, budget 290,000,000 bytes pinned 275.5 MiB (peak_pinned_mb)."""
     from helpers import REPO
+
     rows = [json.loads(line) for line in open(f"{REPO}/bench/results/cpu_small/results.jsonl")]
     row = next(r for r in rows if r["key"] == "tiny__aidaptiv__g1__mb2__s64__ga1")
     job = M.Job(resolve_shape("tiny"), 64, 2, dtype="fp32", host_budget=row["aidaptiv_host_budget_bytes"])
@@ -144,8 +178,10 @@ def test_measured_pinned_pool_of_a_committed_run():
 @pytest.mark.parametrize("budget", [20 << 20, 290_000_000, 8 << 30, 200 << 30])
 def test_aidaptiv_reduce_bucket_is_the_translated_configs(budget, on_host, tmp_path):
     from aidaptiv_ds.config import translate
-    settings = config_settings.SwapSettings.from_block({"enabled": True, "nvme_path": str(tmp_path),
-                                                "host_memory_budget": budget})
+
+    settings = config_settings.SwapSettings.from_block(
+        {"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": budget}
+    )
     cfg = translate.to_deepspeed_config({"zero_optimization": {"stage": 3}}, settings, on_host=on_host)
     assert cfg["zero_optimization"]["reduce_bucket_size"] == M.aidaptiv_reduce_bucket(budget, on_host)
 
@@ -153,8 +189,17 @@ def test_aidaptiv_reduce_bucket_is_the_translated_configs(budget, on_host, tmp_p
 def test_a_budget_just_short_of_the_minimum_does_not_read_as_enough():
     from aidaptiv_ds.common.sizes import MiB
     from aidaptiv_ds.swap.budget_split import BudgetSplit
-    split = BudgetSplit(budget=24 * MiB, prefetch_depth=1, slot=int(3.5 * MiB), min_slots=3, general=int(1.5 * MiB),
-                        chunk_set=3 * MiB, largest_sub_grad=int(1.5 * MiB), minimum=24 * MiB + 40_000)
+
+    split = BudgetSplit(
+        budget=24 * MiB,
+        prefetch_depth=1,
+        slot=int(3.5 * MiB),
+        min_slots=3,
+        general=int(1.5 * MiB),
+        chunk_set=3 * MiB,
+        largest_sub_grad=int(1.5 * MiB),
+        minimum=24 * MiB + 40_000,
+    )
     msg = split.shortfall()
     assert not split.fits
     assert "is 24.0 MiB (25,165,824 bytes) but the run needs at least 24.1 MiB (25,205,824 bytes)" in msg, msg

@@ -1,5 +1,6 @@
 """The sweep asks the planner first: a cell that cannot fit under the caps is "predicted OOM", and with
 --skip-predicted-oom it is recorded without being run."""
+
 import json
 import os
 
@@ -12,15 +13,44 @@ def sweep(argv):
 
 
 def test_predicted_oom_cell_is_recorded_not_run(tmp_path, monkeypatch, repo):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))   # no cached framework figure: counted as 0
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no cached framework figure: counted as 0
     monkeypatch.delenv("AIDAPTIV_DS_CACHE_DIR", raising=False)  # the suite-wide cache (conftest) would win
     grid = tmp_path / "g.json"
-    grid.write_text(json.dumps({"notes": "test", "models": ["small"], "micro_batches": [1], "seq_lens": [8],
-                                "gpus": [1], "steps": 2, "warmup": 1, "timeout_s": 60, "backends": ["zero3"]}))
+    grid.write_text(
+        json.dumps(
+            {
+                "notes": "test",
+                "models": ["small"],
+                "micro_batches": [1],
+                "seq_lens": [8],
+                "gpus": [1],
+                "steps": 2,
+                "warmup": 1,
+                "timeout_s": 60,
+                "backends": ["zero3"],
+            }
+        )
+    )
     out = tmp_path / "out"
-    rc = sweep(["--grid", str(grid), "--out", str(out), "--ds-configs", os.path.join(repo, "ds_configs"),
-                "--host-mem-cap-gb", "1", "--skip-predicted-oom", "--no-progress", "--no-prebuild",
-                "--accelerator", "cpu", "--host-mem-cap-mechanism", "rss-watchdog"])
+    rc = sweep(
+        [
+            "--grid",
+            str(grid),
+            "--out",
+            str(out),
+            "--ds-configs",
+            os.path.join(repo, "ds_configs"),
+            "--host-mem-cap-gb",
+            "1",
+            "--skip-predicted-oom",
+            "--no-progress",
+            "--no-prebuild",
+            "--accelerator",
+            "cpu",
+            "--host-mem-cap-mechanism",
+            "rss-watchdog",
+        ]
+    )
     assert rc == 0
     (row,) = [json.loads(line) for line in open(out / "results.jsonl")]
     assert row["key"] == "small__zero3__g1__mb1__s8__ga1"
@@ -33,8 +63,16 @@ def test_a_cell_that_fits_is_not_predicted_oom(repo):
     from aidaptiv_ds.harness.grid import Cell
     from aidaptiv_ds.harness.launch import LaunchSpec
     from aidaptiv_ds.harness.sweep import _predicted_oom
+
     spec = LaunchSpec(accelerator="cpu", ds_configs=os.path.join(repo, "ds_configs"))
-    ctx = {"spec": spec, "cap": {"gb": 5.0}, "machine": {}, "gpu_mem_cap_gb": None, "framework": 1 << 30, "launcher": 0,
-           "grid_obj": None}
+    ctx = {
+        "spec": spec,
+        "cap": {"gb": 5.0},
+        "machine": {},
+        "gpu_mem_cap_gb": None,
+        "framework": 1 << 30,
+        "launcher": 0,
+        "grid_obj": None,
+    }
     assert _predicted_oom(Cell("micro", "zero3", 1, 2, 64, 1), ctx) is None
     assert "host memory" in _predicted_oom(Cell("small", "zero3", 1, 1, 64, 1), ctx)

@@ -1,5 +1,6 @@
 """DeepSpeed op builds: the sweep warns about build locks a killed compile left behind (torch waits on them
 forever), and every process builds with the ninja installed beside its Python."""
+
 import os
 import sys
 import time
@@ -34,6 +35,7 @@ def test_the_environments_bin_goes_first_on_path_once():
 
 def test_the_command_puts_it_first_before_any_subcommand_runs(monkeypatch):
     from aidaptiv_ds import cli
+
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     seen = []
 

@@ -1,5 +1,6 @@
 """Data in every accepted form (aidaptiv_ds.job.record_files): JSONL, JSON, CSV, Parquet and datasets folders give
 the same training texts; anything else is refused with a message listing the accepted forms."""
+
 import csv
 import json
 
@@ -8,9 +9,11 @@ import pytest
 from aidaptiv_ds.job.data import DataError, load_texts
 from aidaptiv_ds.job.record_files import ACCEPTED, form_of, read_records
 
-RECORDS = [{"instruction": "Add.", "input": "2 and 3", "output": "5"},
-           {"instruction": "Say hi.", "input": "", "output": "Hi."},
-           {"instruction": "Name a colour.", "input": "", "output": "Blue."}]
+RECORDS = [
+    {"instruction": "Add.", "input": "2 and 3", "output": "5"},
+    {"instruction": "Say hi.", "input": "", "output": "Hi."},
+    {"instruction": "Name a colour.", "input": "", "output": "Blue."},
+]
 
 
 @pytest.fixture
@@ -48,7 +51,8 @@ def test_csv_with_empty_cells_and_a_chat_cell(tmp_path, expected):
 def test_parquet_with_nulls_and_chat_structs(tmp_path, expected):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
-    rows = [dict(r, input=r["input"] or None) for r in RECORDS]   # nulls where the input is empty
+
+    rows = [dict(r, input=r["input"] or None) for r in RECORDS]  # nulls where the input is empty
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     assert load_texts(str(tmp_path / "d.parquet")) == expected
     chat = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]

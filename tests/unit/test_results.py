@@ -1,4 +1,5 @@
 """Row schema, building rows from train's metrics, durable appends and reading rows back."""
+
 import json
 import multiprocessing
 import os
@@ -14,35 +15,86 @@ from aidaptiv_ds.harness.results import Row, append_row, load_rows, write_row_fi
 from aidaptiv_ds.harness.sweep_cell import build_row
 
 # The fields the lead's brief asks every row to have.
-REQUIRED = ["git_sha", "time_start", "machine", "backend", "model", "params", "micro_batch", "seq_len", "gpus",
-            "grad_accum", "status", "error", "tokens_per_s", "step_s", "phases_s", "peak_gpu_mb", "peak_rss_mb",
-            "peak_pinned_mb", "nvme_read_gbps", "nvme_write_gbps", "nvme_read_bytes", "nvme_write_bytes",
-            "command", "wall_s", "inferred", "host_mem_cap"]
+REQUIRED = [
+    "git_sha",
+    "time_start",
+    "machine",
+    "backend",
+    "model",
+    "params",
+    "micro_batch",
+    "seq_len",
+    "gpus",
+    "grad_accum",
+    "status",
+    "error",
+    "tokens_per_s",
+    "step_s",
+    "phases_s",
+    "peak_gpu_mb",
+    "peak_rss_mb",
+    "peak_pinned_mb",
+    "nvme_read_gbps",
+    "nvme_write_gbps",
+    "nvme_read_bytes",
+    "nvme_write_bytes",
+    "command",
+    "wall_s",
+    "inferred",
+    "host_mem_cap",
+]
 
 
 def ctx(tmp_path, **kw):
-    c = {"out": str(tmp_path), "grid": "g", "git_sha": "abc", "git_dirty": False, "steps": 5, "warmup": 2,
-         "lr": None, "timeout_s": 60.0, "gpu_mem_cap_gb": None, "spec": LaunchSpec(),
-         "cap": {"gb": 2.0, "mechanism": "cgroup1", "detail": "/sys/fs/cgroup/memory/x", "factory": None},
-         "machine": {"host": "h", "cpu": "c"}}
+    c = {
+        "out": str(tmp_path),
+        "grid": "g",
+        "git_sha": "abc",
+        "git_dirty": False,
+        "steps": 5,
+        "warmup": 2,
+        "lr": None,
+        "timeout_s": 60.0,
+        "gpu_mem_cap_gb": None,
+        "spec": LaunchSpec(),
+        "cap": {"gb": 2.0, "mechanism": "cgroup1", "detail": "/sys/fs/cgroup/memory/x", "factory": None},
+        "machine": {"host": "h", "cpu": "c"},
+    }
     c.update(kw)
     return c
 
 
-METRICS = {"status": "ok", "error": None, "tokens_per_s": None, "step_s_median": None,
-           "step_s": [9.0, 9.0, 1.0, 2.0, 3.0], "losses": [1.0, 0.9, 0.8, 0.7, 0.6],
-           "peak_rss_mb": 100, "peak_pinned_mb": 5, "peak_gpu_mb": None,
-           "nvme_read_bytes": 12_000_000_000, "nvme_write_bytes": 6_000_000_000,
-           "phases_s": {"forward": 1, "backward": 2, "optimizer": 3, "io_wait": 0.5}, "params": 58_000_000,
-           "world_size": 2}
+METRICS = {
+    "status": "ok",
+    "error": None,
+    "tokens_per_s": None,
+    "step_s_median": None,
+    "step_s": [9.0, 9.0, 1.0, 2.0, 3.0],
+    "losses": [1.0, 0.9, 0.8, 0.7, 0.6],
+    "peak_rss_mb": 100,
+    "peak_pinned_mb": 5,
+    "peak_gpu_mb": None,
+    "nvme_read_bytes": 12_000_000_000,
+    "nvme_write_bytes": 6_000_000_000,
+    "phases_s": {"forward": 1, "backward": 2, "optimizer": 3, "io_wait": 0.5},
+    "params": 58_000_000,
+    "world_size": 2,
+}
 
 
 def make_row(tmp_path, metrics=METRICS, status="ok", **kw):
     cell = Cell("tiny", "zero_infinity", 2, 4, 64, 1)
     run = CellRun(returncode=0, wall_s=12.5, tree_peak_rss_bytes=2**30, metrics=metrics)
-    return build_row(cell, ctx=ctx(tmp_path, **kw), outcome=Outcome(status, None), run=run, command="deepspeed x",
-                     time_start="2026-01-01T00:00:00+00:00", time_end="2026-01-01T00:00:13+00:00",
-                     cell_dir=str(tmp_path / "cells" / cell.id))
+    return build_row(
+        cell,
+        ctx=ctx(tmp_path, **kw),
+        outcome=Outcome(status, None),
+        run=run,
+        command="deepspeed x",
+        time_start="2026-01-01T00:00:00+00:00",
+        time_end="2026-01-01T00:00:13+00:00",
+        cell_dir=str(tmp_path / "cells" / cell.id),
+    )
 
 
 def test_row_from_metrics(tmp_path):
@@ -50,7 +102,7 @@ def test_row_from_metrics(tmp_path):
     for f in REQUIRED:
         assert f in row, f
     assert row["key"] == "tiny__zero_infinity__g2__mb4__s64__ga1"
-    assert row["step_s"] == 2.0                       # median of the timed steps [1, 2, 3], warm-up dropped
+    assert row["step_s"] == 2.0  # median of the timed steps [1, 2, 3], warm-up dropped
     assert row["tokens_per_s"] == 4 * 64 * 1 * 2 / 2.0  # computed when train gave none
     assert row["nvme_read_gbps"] == pytest.approx(12 / 6)  # bytes / total timed step time (6 s), GB/s
     assert row["nvme_write_gbps"] == pytest.approx(1.0)
@@ -77,15 +129,23 @@ def test_a_cell_refused_by_the_launch_guard_is_an_inferred_oom(tmp_path):
     """Nothing was measured: the plan inside train said the job cannot fit, so the row is not a measured OOM
     (bench/plan_accuracy.py must not count the plan agreeing with itself)."""
     from aidaptiv_ds.harness.outcome import classify
+
     metrics = {"status": "refused", "error": "host memory: zero3 needs at least 7.3 GiB on this node"}
     outcome = classify(returncode=3, timed_out=False, metrics=metrics)
     cell = Cell("small", "zero3", 1, 1, 64, 1)
-    row = build_row(cell, ctx=ctx(tmp_path), outcome=outcome, run=CellRun(returncode=3, wall_s=9.0, metrics=metrics),
-                    command="deepspeed x", time_start="2026-01-01T00:00:00+00:00",
-                    time_end="2026-01-01T00:00:09+00:00", cell_dir=str(tmp_path / "cells" / cell.id))
+    row = build_row(
+        cell,
+        ctx=ctx(tmp_path),
+        outcome=outcome,
+        run=CellRun(returncode=3, wall_s=9.0, metrics=metrics),
+        command="deepspeed x",
+        time_start="2026-01-01T00:00:00+00:00",
+        time_end="2026-01-01T00:00:09+00:00",
+        cell_dir=str(tmp_path / "cells" / cell.id),
+    )
     assert row["status"] == "oom" and row["inferred"] is True
     assert row["error"].startswith("refused before training by the plan: host memory")
-    assert make_row(tmp_path, metrics=None, status="oom")["inferred"] is False   # a measured OOM stays measured
+    assert make_row(tmp_path, metrics=None, status="oom")["inferred"] is False  # a measured OOM stays measured
 
 
 def test_schema_rejects_unknown_fields_and_statuses(tmp_path):

@@ -1,15 +1,30 @@
 """The one size parser and its documented meaning: decimal GB, binary GiB, a bare M binary (as dd and fio)."""
+
 import pytest
 
 from aidaptiv_ds.common import sizes
 from aidaptiv_ds.config.schema import parse_budget
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("4GB", 4 * 10**9), ("4GiB", 4 << 30), ("4G", 4 << 30), ("1M", 1 << 20), ("1MB", 10**6), ("1MiB", 1 << 20),
-    ("256k", 256 << 10), ("256KiB", 256 << 10), ("2TB", 2 * 10**12), ("1.5GiB", int(1.5 * 2**30)),
-    ("268435456", 268435456), (4096, 4096), (" 512 MiB ", 512 << 20), ("8b", 8),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("4GB", 4 * 10**9),
+        ("4GiB", 4 << 30),
+        ("4G", 4 << 30),
+        ("1M", 1 << 20),
+        ("1MB", 10**6),
+        ("1MiB", 1 << 20),
+        ("256k", 256 << 10),
+        ("256KiB", 256 << 10),
+        ("2TB", 2 * 10**12),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("268435456", 268435456),
+        (4096, 4096),
+        (" 512 MiB ", 512 << 20),
+        ("8b", 8),
+    ],
+)
 def test_size_strings_mean_what_the_readme_says(text, expected):
     assert sizes.parse_size(text) == expected
 

@@ -1,5 +1,6 @@
 """Repeats of a sweep: runs interleaved across repeats, rows without a repeat read as repeat 0, an OOM in one
 repeat skips the cell's later repeats, and the report's medians, spreads and per-repeat ratios."""
+
 import json
 import uuid
 
@@ -19,8 +20,17 @@ from aidaptiv_ds.harness.sweep import _dominating_oom
 
 
 def grid(**kw):
-    g = {"notes": "n", "models": ["tiny"], "micro_batches": [1, 2], "seq_lens": [64], "gpus": [1], "steps": 3,
-         "warmup": 1, "timeout_s": 60, "backends": ["zero_infinity", "aidaptiv"]}
+    g = {
+        "notes": "n",
+        "models": ["tiny"],
+        "micro_batches": [1, 2],
+        "seq_lens": [64],
+        "gpus": [1],
+        "steps": 3,
+        "warmup": 1,
+        "timeout_s": 60,
+        "backends": ["zero_infinity", "aidaptiv"],
+    }
     g.update(kw)
     return validate_grid(g)
 
@@ -63,10 +73,24 @@ def test_an_oom_in_an_earlier_repeat_skips_the_cell():
 
 
 def row(backend, tps, mb=1, status="ok", repeat=0, t="2026-03-01T10:01:00+00:00", **kw):
-    r = {"row_id": uuid.uuid4().hex, "key": f"tiny__{backend}__g1__mb{mb}__s64__ga1", "repeat": repeat,
-         "time_start": "2026-03-01T10:00:00+00:00", "time_end": t, "wall_s": 30.0, "backend": backend,
-         "model": "tiny", "micro_batch": mb, "seq_len": 64, "gpus": 1, "grad_accum": 1, "steps": 6, "warmup": 2,
-         "status": status, "host_mem_cap": {"gb": 5.0, "mechanism": "cgroup2"}}
+    r = {
+        "row_id": uuid.uuid4().hex,
+        "key": f"tiny__{backend}__g1__mb{mb}__s64__ga1",
+        "repeat": repeat,
+        "time_start": "2026-03-01T10:00:00+00:00",
+        "time_end": t,
+        "wall_s": 30.0,
+        "backend": backend,
+        "model": "tiny",
+        "micro_batch": mb,
+        "seq_len": 64,
+        "gpus": 1,
+        "grad_accum": 1,
+        "steps": 6,
+        "warmup": 2,
+        "status": status,
+        "host_mem_cap": {"gb": 5.0, "mechanism": "cgroup2"},
+    }
     if status == "ok":
         r.update(tokens_per_s=tps, step_s=128 / tps)
     r.update(kw)
@@ -84,8 +108,11 @@ def repeat_rows():
         rows.append(row("aidaptiv", AID[k], repeat=k))
         rows.append(row("zero_infinity", ZI[k], repeat=k))
         rows.append(row("aidaptiv", 200.0 + k, mb=2, repeat=k))
-        rows.append(row("zero_infinity", None, mb=2, status="oom", error="killed by the host memory cap", repeat=k)
-                    if k == 1 else row("zero_infinity", 100.0 + k, mb=2, repeat=k))
+        rows.append(
+            row("zero_infinity", None, mb=2, status="oom", error="killed by the host memory cap", repeat=k)
+            if k == 1
+            else row("zero_infinity", 100.0 + k, mb=2, repeat=k)
+        )
     # an older row of one run, superseded by the newer one of the same repeat
     rows.append(row("aidaptiv", 1.0, repeat=1, t="2026-02-01T00:00:00+00:00"))
     return rows
@@ -95,7 +122,7 @@ def test_summaries_give_median_spread_and_ok_count():
     s = {(r["backend"], r["micro_batch"]): r for r in cell_summaries(repeat_rows())}
     a = s[("aidaptiv", 1)]
     assert (a["n_runs"], a["n_ok"]) == (3, 3)
-    assert a["tokens_per_s"] == 100.0 and (a["tps_min"], a["tps_max"]) == (90.0, 120.0)   # not the stale 1.0
+    assert a["tokens_per_s"] == 100.0 and (a["tps_min"], a["tps_max"]) == (90.0, 120.0)  # not the stale 1.0
     assert a["tps_by_repeat"] == {0: 100.0, 1: 120.0, 2: 90.0}
     z2 = s[("zero_infinity", 2)]
     assert z2["status"] == "ok" and (z2["n_runs"], z2["n_ok"]) == (3, 2) and z2["tokens_per_s"] == 101.0
@@ -104,8 +131,8 @@ def test_summaries_give_median_spread_and_ok_count():
 def test_ratios_pair_repeats_and_give_their_spread():
     rt = ratios(repeat_rows())
     k1, k2 = ("tiny", 1, 64, 1, 1), ("tiny", 1, 64, 2, 1)
-    assert rt["both"][k1] == pytest.approx(100.0 / 50.0)      # ratio of the medians
-    paired = [AID[k] / ZI[k] for k in range(3)]                 # 2.0, 3.0, 1.5
+    assert rt["both"][k1] == pytest.approx(100.0 / 50.0)  # ratio of the medians
+    paired = [AID[k] / ZI[k] for k in range(3)]  # 2.0, 3.0, 1.5
     assert rt["spread"][k1] == (pytest.approx(min(paired)), pytest.approx(max(paired)), 3)
     # micro-batch 2: only repeats 0 and 2 ran on both
     assert rt["spread"][k2] == (pytest.approx(202 / 102), pytest.approx(200 / 100), 2)
@@ -128,19 +155,28 @@ def test_report_shows_medians_spreads_and_failed_repeats(tmp_path):
     assert "101 (100–102), 2/3 ok" in md
     assert "2.00× (1.50–3.00)" in md
     assert "over 3 pair(s)" not in md and "over 5 pair(s)" in md
-    fails = md[md.index("### Failures"):]
+    fails = md[md.index("### Failures") :]
     assert "| tiny__zero_infinity__g1__mb2__s64__ga1 | 1 | oom | killed by the host memory cap |" in fails
 
 
 def test_report_shows_each_eqmem_cells_sizing_and_its_ratio(tmp_path):
-    sizing = {"budget_bytes": 700 << 20, "sized_bytes": 690 << 20, "over_budget_bytes": 0, "parts": {},
-              "sub_group_size": 7680000, "max_in_cpu": 24198144, "param_buffer_count": 5,
-              "param_buffer_size": 7680000, "optimizer_buffer_count": 4, "cached_numel": 24198144,
-              "partition_numel": 57837312}
+    sizing = {
+        "budget_bytes": 700 << 20,
+        "sized_bytes": 690 << 20,
+        "over_budget_bytes": 0,
+        "parts": {},
+        "sub_group_size": 7680000,
+        "max_in_cpu": 24198144,
+        "param_buffer_count": 5,
+        "param_buffer_size": 7680000,
+        "optimizer_buffer_count": 4,
+        "cached_numel": 24198144,
+        "partition_numel": 57837312,
+    }
     rows = repeat_rows() + [row("zero_infinity_eqmem", 70.0 + k, repeat=k, eqmem=sizing) for k in range(3)]
     for r in rows:
         append_row(str(tmp_path / "results.jsonl"), r)
     md, _ = build_report(str(tmp_path), plots=False)
     assert "| 1 | 1 | 64 | 700 | 690 | 0 | 24,198,144 | 42% | 7,680,000 |" in md
-    section = md[md.index("### aidaptiv / ZeRO-Infinity (aidaptiv's memory)"):]
-    assert "| 64 | 1 | 1.41× (1.25–1.69) |" in section    # 100/71 of the medians; 100/70, 120/71, 90/72
+    section = md[md.index("### aidaptiv / ZeRO-Infinity (aidaptiv's memory)") :]
+    assert "| 64 | 1 | 1.41× (1.25–1.69) |" in section  # 100/71 of the medians; 100/70, 120/71, 90/72

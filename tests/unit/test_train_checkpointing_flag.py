@@ -1,6 +1,7 @@
 """How `train --gradient-checkpointing` meets an "aidaptiv" block's activation policy (Run.checkpointing_in_block):
 no policy becomes "recompute", "recompute" and "nvme" already checkpoint, an explicit "keep" is refused with
 what to do, and a config without the block is left to build(), which checkpoints the model itself."""
+
 import argparse
 
 import pytest

@@ -1,4 +1,5 @@
 """The train job refuses to train in a dtype the config did not ask for (issue 11), whatever DeepSpeed chose."""
+
 import types
 
 import pytest

@@ -1,4 +1,5 @@
 """The training job's plumbing without DeepSpeed: environment, exit codes, failure reports."""
+
 import json
 import os
 
@@ -52,8 +53,18 @@ def test_malformed_data_is_one_clear_line_and_exit_1(clean_env, tmp_path, capsys
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": 1}\n')
     out = tmp_path / "m.json"
-    rc = run_cli(["--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "micro",
-                  "--data", str(data), "--metrics-out", str(out)])
+    rc = run_cli(
+        [
+            "--config",
+            os.path.join(repo, "ds_configs", "zero3.json"),
+            "--model",
+            "micro",
+            "--data",
+            str(data),
+            "--metrics-out",
+            str(out),
+        ]
+    )
     assert rc == 1
     printed = capsys.readouterr()
     assert "Traceback" not in printed.err + printed.out
@@ -62,24 +73,39 @@ def test_malformed_data_is_one_clear_line_and_exit_1(clean_env, tmp_path, capsys
     assert m["status"] == "error" and f"{data}:2" in m["error"] and m["losses"] is None
 
 
-@pytest.mark.parametrize("exc, status, code", [
-    (MemoryError(), "oom", 3),
-    (torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate 2.00 GiB"), "oom", 3),
-    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory"), "oom", 3),
-    (AssertionError("Not enough buffers 0 for swapping 1"), "error", 1),
-])
-def test_failures_during_training_map_to_status_and_exit_code(clean_env, tmp_path, monkeypatch, capsys, repo,
-                                                              exc, status, code):
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (MemoryError(), "oom", 3),
+        (torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate 2.00 GiB"), "oom", 3),
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory"), "oom", 3),
+        (AssertionError("Not enough buffers 0 for swapping 1"), "error", 1),
+    ],
+)
+def test_failures_during_training_map_to_status_and_exit_code(
+    clean_env, tmp_path, monkeypatch, capsys, repo, exc, status, code
+):
     closed = []
     monkeypatch.setattr(train.Run, "build", lambda self: None)
     monkeypatch.setattr(train.Run, "close", lambda self: closed.append(True))
 
     def fail(self):
         raise exc
+
     monkeypatch.setattr(train.Run, "train", fail)
     out = tmp_path / "m.json"
-    rc = run_cli(["--config", os.path.join(repo, "ds_configs", "zero3.json"), "--model", "micro",
-                  "--metrics-out", str(out), "--seq-len", "32"])
+    rc = run_cli(
+        [
+            "--config",
+            os.path.join(repo, "ds_configs", "zero3.json"),
+            "--model",
+            "micro",
+            "--metrics-out",
+            str(out),
+            "--seq-len",
+            "32",
+        ]
+    )
     assert rc == code and closed == [True]
     m = json.loads(out.read_text())
     assert m["status"] == status and m["model"] == "micro" and m["backend"] == "zero3"
@@ -98,6 +124,7 @@ def test_bad_arguments_exit_1(clean_env, tmp_path, repo, capsys):
 
 def test_aidaptiv_block_without_initialize_is_a_clear_error(monkeypatch):
     import aidaptiv_ds
+
     monkeypatch.delattr(aidaptiv_ds, "initialize", raising=False)
     with pytest.raises(job_args.TrainingFailed, match='"aidaptiv" block but this aidaptiv_ds has no initialize'):
         train._aidaptiv_api()
@@ -105,6 +132,7 @@ def test_aidaptiv_block_without_initialize_is_a_clear_error(monkeypatch):
 
 def test_aidaptiv_api_is_used_when_present(monkeypatch):
     import aidaptiv_ds
+
     init, zinit = object(), object()
     monkeypatch.setattr(aidaptiv_ds, "initialize", init, raising=False)
     monkeypatch.setattr(aidaptiv_ds, "zero_init", zinit, raising=False)
@@ -112,20 +140,31 @@ def test_aidaptiv_api_is_used_when_present(monkeypatch):
 
 
 def test_create_nvme_path_makes_a_private_folder_on_this_node(tmp_path):
-    path = tmp_path / "swap-root" / "cell.123"          # the parent is missing too on a fresh node
+    path = tmp_path / "swap-root" / "cell.123"  # the parent is missing too on a fresh node
     old = os.umask(0o022)
     try:
         assert rank_env.make_nvme_path(str(path)) is True
     finally:
         os.umask(old)
     assert path.is_dir() and (path.stat().st_mode & 0o777) == 0o700
-    assert rank_env.make_nvme_path(str(path)) is False     # another rank of this node made it first: kept as it is
+    assert rank_env.make_nvme_path(str(path)) is False  # another rank of this node made it first: kept as it is
 
 
 def _prepare(tmp_path, *extra):
-    args = cli.parse_args(["train", "--config", os.path.join(os.path.dirname(__file__), "..", "..",
-                                                                            "ds_configs", "aidaptiv.json"),
-                                          "--model", "micro", "--seq-len", "16", "--steps", "1", *extra])
+    args = cli.parse_args(
+        [
+            "train",
+            "--config",
+            os.path.join(os.path.dirname(__file__), "..", "..", "ds_configs", "aidaptiv.json"),
+            "--model",
+            "micro",
+            "--seq-len",
+            "16",
+            "--steps",
+            "1",
+            *extra,
+        ]
+    )
     job = train.Run(args)
     job.prepare()
     return job
@@ -134,6 +173,7 @@ def _prepare(tmp_path, *extra):
 def test_a_rank_whose_node_lacks_the_swap_folder_makes_it_when_told(clean_env, tmp_path):
     from aidaptiv_ds.config import ds_config
     from aidaptiv_ds.config import resolve as config
+
     swap = tmp_path / "node-local" / "cell.7"
     job = _prepare(tmp_path, "--nvme-path", str(swap))
     # What deepspeed.initialize then checks (config.validate): the sweep made the folder on the first node only.

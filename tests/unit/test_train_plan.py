@@ -1,6 +1,7 @@
 """The training job's new options without DeepSpeed: step count from --epochs, evaluation steps, --resume auto,
 the checks of every option at once, the lr schedules (and their state across a save and load), the held-out
 split and its batches, the held-out loss, and records rendered through a tokenizer's chat template."""
+
 import argparse
 import math
 
@@ -14,6 +15,7 @@ from aidaptiv_ds.job.evaluation import evaluate
 
 def parse(*argv):
     from aidaptiv_ds.cli import parse_args
+
     return parse_args(["train", "--config", "c.json", *argv])
 
 
@@ -21,7 +23,7 @@ def test_steps_from_epochs_and_steps():
     assert train_plan.total_steps(None, None, 1000, 100) == 10
     assert train_plan.total_steps(7, None, 1000, 100) == 7
     assert train_plan.total_steps(None, 2, 1000, 300) == math.ceil(2000 / 300) == 7
-    assert train_plan.total_steps(5, 2, 1000, 300) == 5            # whichever ends first
+    assert train_plan.total_steps(5, 2, 1000, 300) == 5  # whichever ends first
     assert train_plan.total_steps(None, 0.01, 1000, 300) == 1
 
 
@@ -31,18 +33,49 @@ def test_eval_steps():
 
 
 def test_every_problem_at_once():
-    a = parse("--steps", "0", "--epochs", "-1", "--eval-fraction", "0.2", "--eval-data", "e.jsonl",
-              "--resume", "auto", "--resume-from", "ck", "--warmup-steps", "3")
+    a = parse(
+        "--steps",
+        "0",
+        "--epochs",
+        "-1",
+        "--eval-fraction",
+        "0.2",
+        "--eval-data",
+        "e.jsonl",
+        "--resume",
+        "auto",
+        "--resume-from",
+        "ck",
+        "--warmup-steps",
+        "3",
+    )
     found = train_plan.problems(a)
     assert len(found) == 6, found
     assert any("--resume auto and --resume-from" in p for p in found)
     assert any("--warmup-steps needs --lr-schedule" in p for p in found)
     assert train_plan.problems(parse("--eval-every", "2")) == [
-        "--eval-every needs held-out data: give --eval-fraction F or --eval-data FILE"]
+        "--eval-every needs held-out data: give --eval-fraction F or --eval-data FILE"
+    ]
     assert train_plan.problems(parse("--resume", "auto")) == [
-        "--resume auto looks for the latest checkpoint in --save-dir: give --save-dir"]
-    assert train_plan.problems(parse("--epochs", "2", "--eval-fraction", "0.1", "--eval-every", "5",
-                                     "--lr-schedule", "cosine", "--warmup-steps", "3")) == []
+        "--resume auto looks for the latest checkpoint in --save-dir: give --save-dir"
+    ]
+    assert (
+        train_plan.problems(
+            parse(
+                "--epochs",
+                "2",
+                "--eval-fraction",
+                "0.1",
+                "--eval-every",
+                "5",
+                "--lr-schedule",
+                "cosine",
+                "--warmup-steps",
+                "3",
+            )
+        )
+        == []
+    )
     assert lr_schedule.problems("linear", 10, 10) and not lr_schedule.problems("constant", 10, 10)
 
 
@@ -83,7 +116,7 @@ def test_schedules_warm_up_then_follow_their_curve_and_survive_a_save(schedule):
     if schedule == "cosine":
         assert lrs[3 + 7 // 2] == pytest.approx(0.5 * 0.5 * (1 + math.cos(math.pi * 3 / 7)))
     first, state = _lrs(schedule, 3, 10, 4)
-    rest, _ = _lrs(schedule, 3, 10, 6, state=state)   # a new optimizer and scheduler, loaded: as a resume
+    rest, _ = _lrs(schedule, 3, 10, 6, state=state)  # a new optimizer and scheduler, loaded: as a resume
     assert first + rest == lrs
 
 
@@ -94,29 +127,30 @@ def test_held_out_split_is_seeded_and_disjoint():
     assert D.split_held_out(records, 0.1, seed=1) == (train, held)
     assert D.split_held_out(records, 0.1, seed=2)[1] != held
     assert D.split_held_out(records, 0.0, seed=1) == (records, [])
-    assert len(D.split_held_out(records[:3], 0.01, seed=1)[1]) == 1    # at least one record
+    assert len(D.split_held_out(records[:3], 0.01, seed=1)[1]) == 1  # at least one record
     with pytest.raises(D.DataError, match="leaves nothing to train on"):
         D.split_held_out(records[:1], 0.5, seed=1)
 
 
 def test_eval_batches_cover_each_sequence_once_over_ranks():
-    docs = [list(range(i * 10, i * 10 + 9)) for i in range(7)]     # 63 tokens: 7 sequences of 8, tail of 7 left out
+    docs = [list(range(i * 10, i * 10 + 9)) for i in range(7)]  # 63 tokens: 7 sequences of 8, tail of 7 left out
     ranks = [D.EvalBatches(docs, 8, 2, r, 3) for r in range(3)]
-    assert ranks[0].sequences == 7 and ranks[0].rounds == 2          # 4 global batches over 3 ranks
+    assert ranks[0].sequences == 7 and ranks[0].rounds == 2  # 4 global batches over 3 ranks
     seen = []
     for b in ranks:
         for i in range(b.rounds):
             batch, weight = b.batch(i)
             seen += batch["input_ids"][:weight].tolist()
     flat = [t for d in docs for t in d][:56]
-    assert sorted(map(tuple, seen)) == sorted(tuple(flat[k * 8:(k + 1) * 8]) for k in range(7))
-    assert ranks[1].batch(1)[1] == 0 and ranks[2].batch(1)[1] == 0    # stand-ins of the last round
+    assert sorted(map(tuple, seen)) == sorted(tuple(flat[k * 8 : (k + 1) * 8]) for k in range(7))
+    assert ranks[1].batch(1)[1] == 0 and ranks[2].batch(1)[1] == 0  # stand-ins of the last round
     with pytest.raises(D.DataError, match="fewer than one sequence"):
         D.EvalBatches([[1, 2, 3]], 8, 1, 0, 1, what="--eval-data e.jsonl")
 
 
 class _MeanLossModel(torch.nn.Module):
     """A model whose loss is the mean of its input ids: the held-out loss is then the mean token id."""
+
     device = torch.device("cpu")
 
     def forward(self, input_ids, labels):
@@ -127,11 +161,11 @@ def test_held_out_loss_is_the_mean_over_tokens_and_training_mode_returns():
     docs = [list(range(i * 8, i * 8 + 8)) for i in range(5)]
     model = _MeanLossModel()
     model.train()
-    loss = evaluate(model, D.EvalBatches(docs, 8, 2, 0, 1))   # batches of 2, 2 and 1 sequences
+    loss = evaluate(model, D.EvalBatches(docs, 8, 2, 0, 1))  # batches of 2, 2 and 1 sequences
     assert loss == pytest.approx(sum(range(40)) / 40) and model.training
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
 def test_records_go_through_the_tokenizers_chat_template(tmp_path):
@@ -139,6 +173,7 @@ def test_records_go_through_the_tokenizers_chat_template(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from aidaptiv_ds.models.tokenizer import ByteTokenizer, HFTokenizer
+
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for ch in sorted(set("abcdefghijklmnopqrstuvwxyz:.ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")) + [" ", "\n"]:
         vocab.setdefault(ch, len(vocab))
@@ -151,8 +186,10 @@ def test_records_go_through_the_tokenizers_chat_template(tmp_path):
     fast.save_pretrained(tmp_path / "without")
 
     rec = {"instruction": "Add.", "input": "2 and 3", "output": "5"}
-    assert D.record_messages(rec) == [{"role": "user", "content": "Add.\n\n2 and 3"},
-                                      {"role": "assistant", "content": "5"}]
+    assert D.record_messages(rec) == [
+        {"role": "user", "content": "Add.\n\n2 and 3"},
+        {"role": "assistant", "content": "5"},
+    ]
     with_template = HFTokenizer(str(tmp_path / "with"))
     assert with_template.has_chat_template
     ids = D.record_tokens(rec, with_template)

@@ -1,4 +1,5 @@
 """W&B's environment for a run with the config's "wandb" section on (aidaptiv_ds.job.wandb_env)."""
+
 import importlib.util
 
 import pytest

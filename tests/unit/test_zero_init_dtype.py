@@ -4,6 +4,7 @@ On an AMD EPYC, DeepSpeed's CPU accelerator reports no fp16, and ``Init(dtype=to
 engine takes for a model not built under zero.Init) gave bf16 partitions: every fp32 ZeRO-3 run died in its
 first forward. The accelerator's answer is forced here so that the test means the same on every CPU.
 """
+
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from aidaptiv_ds.zero3.originals import original_zero_init  # noqa: E402
 @pytest.fixture
 def no_fp16(monkeypatch):
     from deepspeed.accelerator import get_accelerator
+
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
 
 
