@@ -22,15 +22,30 @@ SUBCOMMANDS = {
     "io-bench": ("aidaptiv_ds.harness.io_bench", "measure NVMe read/write bandwidth of the I/O engines"),
     "sweep": ("aidaptiv_ds.harness.sweep", "run a batch x sequence x GPU grid against the baselines"),
     "report": ("aidaptiv_ds.harness.report", "make tables and plots from a sweep's results.jsonl"),
+    "env": ("aidaptiv_ds.harness.environment", "print what a bug report needs: versions, CPU, GPU, disk, limits"),
 }
 
 
+def short_description(doc: str) -> str:
+    """A command's ``--help`` description: its module docstring's summary and the indented examples right
+    after it (the rest of the docstring is the module's documentation, and docs/USAGE.md the manual)."""
+    paragraphs = (doc or "").strip().split("\n\n")
+    out = paragraphs[:1]
+    if len(paragraphs) > 1 and all(line.startswith("  ") for line in paragraphs[1].splitlines()):
+        out.append(paragraphs[1])
+    return "\n\n".join(out)
+
+
 def build_parser(command: str) -> argparse.ArgumentParser:
-    """The parser of one subcommand (imports its module)."""
+    """The parser of one subcommand (imports its module). A module may add ``HELP_EPILOG`` (exit codes, say)."""
     module = importlib.import_module(SUBCOMMANDS[command][0])
+    epilog = "\n\n".join(
+        part for part in (getattr(module, "HELP_EPILOG", ""), "The manual: docs/USAGE.md in the repository.") if part
+    )
     parser = argparse.ArgumentParser(
         prog=f"aidaptiv-ds {command}",
-        description=(module.__doc__ or "").strip(),
+        description=short_description(module.__doc__),
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(parser)

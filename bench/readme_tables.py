@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Write the README's results section from the committed rows under bench/results (never by hand).
+"""Write the generated tables of the docs from the committed rows under bench/results and the code (never by hand).
 
-    python bench/readme_tables.py            # rewrites README.md between the results markers
-    python bench/readme_tables.py --print    # prints the section instead
+    python bench/readme_tables.py            # rewrites docs/RESULTS.md between the results markers and
+                                             # docs/USAGE.md between the settings markers
+    python bench/readme_tables.py --print    # prints both sections instead
 
-Sources: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), the summary.md of
+Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), the summary.md of
 bench/results/swap_step_time, swap_step_time_small, malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
 bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
 its rows), bench/results/gpu_*/results.jsonl (through the sweep report's
-tables), bench/results/faults/rows.jsonl.
+tables), bench/results/faults/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
+not links. The settings table (docs/USAGE.md) from the block's pydantic model, aidaptiv_ds.config.schema.
 """
 
 import argparse
@@ -22,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 BEGIN, END = "<!-- results:begin (bench/readme_tables.py) -->", "<!-- results:end -->"
 SETTINGS_BEGIN, SETTINGS_END = "<!-- settings:begin (bench/readme_tables.py) -->", "<!-- settings:end -->"
+RESULTS_DOC = os.path.join("docs", "RESULTS.md")  # the results markers live here
+SETTINGS_DOC = os.path.join("docs", "USAGE.md")  # the settings markers live here
 
 
 def _rows(path):
@@ -307,7 +311,7 @@ def faults_section():
 
 
 def settings_section():
-    """The block's settings, from the pydantic model (so the README cannot drift from the code)."""
+    """The block's settings, from the pydantic model (so docs/USAGE.md cannot drift from the code)."""
     from aidaptiv_ds.config.schema import AidaptivConfig
 
     out = ["| setting | default | meaning |", "|---|---|---|"]
@@ -495,14 +499,22 @@ def main():
     if args.print:
         print(settings_section() + "\n\n" + text)
         return
-    readme = os.path.join(ROOT, "README.md")
-    with open(readme) as f:
+    for doc, begin, end_marker, body in (
+        (RESULTS_DOC, BEGIN, END, text),
+        (SETTINGS_DOC, SETTINGS_BEGIN, SETTINGS_END, settings_section()),
+    ):
+        _rewrite(os.path.join(ROOT, doc), begin, end_marker, body)
+
+
+def _rewrite(path, begin, end_marker, body):
+    """Replace what lies between (and including) the two markers of the file at path with body."""
+    with open(path) as f:
         content = f.read()
-    for begin, end_marker, body in ((BEGIN, END, text), (SETTINGS_BEGIN, SETTINGS_END, settings_section())):
-        start, end = content.index(begin), content.index(end_marker) + len(end_marker)
-        content = content[:start] + body + content[end:]
-    with open(readme, "w") as f:
-        f.write(content)
+    if begin not in content or end_marker not in content:
+        raise SystemExit(f"{os.path.relpath(path, ROOT)} has no {begin} ... {end_marker} markers to rewrite")
+    start, end = content.index(begin), content.index(end_marker) + len(end_marker)
+    with open(path, "w") as f:
+        f.write(content[:start] + body + content[end:])
 
 
 if __name__ == "__main__":

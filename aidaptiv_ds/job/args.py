@@ -8,22 +8,30 @@ EXIT_OK, EXIT_ERROR, EXIT_OOM = 0, 1, 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The train job's flags, in the groups ``--help`` shows them in."""
+    from aidaptiv_ds.job import train_plan
     from aidaptiv_ds.models.presets import preset_names
 
-    p.add_argument(
+    data = p.add_argument_group("model and data")
+    schedule = p.add_argument_group("schedule", "how long, how much per step, how fast the weights move")
+    memory = p.add_argument_group("memory and swap")
+    checkpoints = p.add_argument_group("checkpoints")
+    output = p.add_argument_group("output")
+
+    data.add_argument(
         "--config",
         required=True,
         metavar="CONFIG.json",
         help="DeepSpeed config (JSON or hjson), e.g. ds_configs/zero3.json",
     )
-    p.add_argument(
+    data.add_argument(
         "--model",
         default="tiny",
         metavar="PRESET|HF_DIR",
         help=f"a preset ({', '.join(preset_names())}) with random weights, or a local Hugging Face "
         "model directory (config, weights and tokenizer read from disk). Default: tiny",
     )
-    p.add_argument(
+    data.add_argument(
         "--data",
         default=None,
         metavar="FILE|DIR",
@@ -31,28 +39,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ".csv or .parquet file or a datasets save_to_disk folder; default: the set packaged with "
         "aidaptiv_ds",
     )
-    p.add_argument(
+    schedule.add_argument(
         "--steps",
         type=int,
         default=None,
         help="optimizer steps to reach (counting resumed ones); default 10, or with --epochs as many as "
         "the epochs take (with both, whichever ends first)",
     )
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence; default 512")
-    p.add_argument(
+    schedule.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence; default 512")
+    schedule.add_argument(
         "--micro-batch",
         type=int,
         default=None,
         help="sequences per rank per micro-step (overrides train_micro_batch_size_per_gpu)",
     )
-    p.add_argument(
+    schedule.add_argument(
         "--grad-accum",
         type=int,
         default=None,
         help="micro-steps per optimizer step (overrides gradient_accumulation_steps)",
     )
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's optimizer lr)")
-    p.add_argument(
+    schedule.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's optimizer lr)")
+    data.add_argument(
         "--lora",
         default=None,
         metavar="r=R,alpha=A,targets=M1,M2",
@@ -62,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "bits=4: QLoRA, the base's linear layers quantised to bitsandbytes nf4 (built whole in RAM "
         "first, then swapped; --output-dir and export write the adapter only)",
     )
-    p.add_argument(
+    memory.add_argument(
         "--gradient-checkpointing",
         action="store_true",
         help="recompute each transformer block in the backward instead of keeping its activations, as the "
@@ -71,44 +79,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         '"aidaptiv" block it means aidaptiv.activations.policy "recompute" where the block sets none '
         '("recompute", "nvme" and "auto" are kept as set; an explicit "keep" is refused)',
     )
-    p.add_argument("--seed", type=int, default=1234, help="seeds weights, data order and RNGs; default 1234")
-    p.add_argument(
+    data.add_argument("--seed", type=int, default=1234, help="seeds weights, data order and RNGs; default 1234")
+    data.add_argument(
         "--dtype",
         choices=("fp32", "bf16", "fp16"),
         default=None,
         help="override the config's precision (fp16 needs CUDA)",
     )
-    p.add_argument("--nvme-path", default=None, help="swap directory: replaces nvme_path wherever the config has one")
-    p.add_argument(
+    memory.add_argument(
+        "--nvme-path", default=None, help="swap directory: replaces nvme_path wherever the config has one"
+    )
+    memory.add_argument(
         "--create-nvme-path",
         action="store_true",
         help="make --nvme-path on this node (mode 0700, parents too) when it is missing, and remove it "
         "at exit when empty: for a swap folder named by a launcher on another node, as "
         "'aidaptiv-ds sweep' does for cells that span nodes",
     )
-    p.add_argument(
+    memory.add_argument(
         "--host-budget",
         default=None,
         metavar="SIZE",
         help="aidaptiv only: host memory for staging and caching (bytes, '512MiB', '25%%' of RAM); "
         "overrides the config's aidaptiv.host_memory_budget",
     )
-    p.add_argument(
+    output.add_argument(
         "--warmup",
         type=int,
         default=2,
         help="first steps left out of medians and NVMe byte counts (timing only; the learning-rate "
         "warm-up is --warmup-steps); default 2 (at least one step is always timed)",
     )
-    p.add_argument("--metrics-out", default=None, metavar="FILE.json", help="write the run's metrics here (rank 0)")
-    p.add_argument("--save-dir", default=None, help="write DeepSpeed checkpoints here (tag stepN)")
-    p.add_argument(
+    output.add_argument(
+        "--metrics-out", default=None, metavar="FILE.json", help="write the run's metrics here (rank 0)"
+    )
+    checkpoints.add_argument("--save-dir", default=None, help="write DeepSpeed checkpoints here (tag stepN)")
+    checkpoints.add_argument(
         "--save-every",
         type=int,
         default=0,
         help="save every N optimizer steps (0: only at the end, when --save-dir is given)",
     )
-    p.add_argument(
+    output.add_argument(
         "--output-dir",
         default=None,
         metavar="DIR",
@@ -116,43 +128,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(safetensors shards, config.json, tokenizer files; see 'aidaptiv-ds export'), through a "
         "checkpoint in DIR/checkpoint that is removed afterwards unless --save-dir holds it",
     )
-    p.add_argument(
+    output.add_argument(
         "--logits-out",
         default=None,
         metavar="FILE.pt",
         help="after training, save the model's logits on rank 0's first batch ({'input_ids', "
         "'logits'} with torch.save): to check an exported model against the trained one",
     )
-    p.add_argument(
+    checkpoints.add_argument(
         "--resume-from",
         default=None,
         metavar="DIR",
         help="a --save-dir (resumes its latest tag) or one tag directory in it (see also --resume auto)",
     )
-    p.add_argument(
+    memory.add_argument(
         "--keep-swap",
         action="store_true",
         help="keep DeepSpeed's NVMe swap files after the run (default: each rank removes its own; "
         "checkpoints carry their own copy)",
     )
-    p.add_argument(
+    memory.add_argument(
         "--gpu-mem-cap-gb",
         type=float,
         default=None,
         help="cap this process's CUDA memory (torch.cuda.set_per_process_memory_fraction)",
     )
-    p.add_argument(
+    memory.add_argument(
         "--no-fit-check",
         action="store_true",
         help="start even when the plan says the swap space, host budget or host memory cannot hold the "
         "job (the problems are printed as a warning): to measure where it really runs out, as "
         "bench/capacity.py does",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
-    from aidaptiv_ds.job import train_plan
-
-    train_plan.add_arguments(p)  # epochs, held-out evaluation, lr schedule, --resume auto
+    output.add_argument("--no-progress", action="store_true", help="no progress bar")
+    output.add_argument("-v", "--verbose", action="store_true", help="keep DeepSpeed's INFO logging")
+    # epochs, held-out evaluation and the lr schedule; --resume auto
+    train_plan.add_arguments(data=data, schedule=schedule, checkpoints=checkpoints)
     # The deepspeed launcher passes --local_rank=N (we read LOCAL_RANK from the environment instead).
     p.add_argument("--local_rank", "--local-rank", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 

@@ -54,6 +54,11 @@ from aidaptiv_ds.job.args import (
 from aidaptiv_ds.job.checkpoints import _resolve_resume, _rng_state, _set_rng_state
 from aidaptiv_ds.job.rank_env import ensure_single_process_env, make_nvme_path
 
+HELP_EPILOG = (
+    "exit status: 0 ok, 1 error, 3 out of memory (GPU or host) or refused before launch because the plan\n"
+    'says the job cannot fit; the --metrics-out file says which ("status") either way.'
+)
+
 
 def _aidaptiv_api():
     """aidaptiv_ds.initialize (and zero_init if present), or a clear failure if this build lacks them."""

@@ -8,17 +8,17 @@ imports torch or DeepSpeed; aidaptiv_ds.job.train wires the results into the run
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
 DEFAULT_STEPS = 10
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(data, schedule, checkpoints) -> None:
+    """This module's flags, into the train job's argument groups (or one parser given three times)."""
     from aidaptiv_ds.job.lr_schedule import SCHEDULES
 
-    p.add_argument(
+    schedule.add_argument(
         "--epochs",
         type=float,
         default=None,
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "number of optimizer steps to ceil(N x training tokens / tokens per step). With --steps "
         "as well, the run stops at whichever comes first. Default: none (--steps decides)",
     )
-    p.add_argument(
+    data.add_argument(
         "--eval-fraction",
         type=float,
         default=0.0,
@@ -35,13 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="hold out this fraction of the records (picked from --seed, at least one) for evaluation; "
         "they are never trained on. Default 0: no held-out split (every record trains)",
     )
-    p.add_argument(
+    data.add_argument(
         "--eval-data",
         default=None,
         metavar="FILE|DIR",
         help="evaluate on this data instead (same forms as --data); not with --eval-fraction",
     )
-    p.add_argument(
+    schedule.add_argument(
         "--eval-every",
         type=int,
         default=0,
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(0, the default: after the last only). Goes to the metrics (eval_losses) and to the "
         "config's monitors (aidaptiv/eval_loss)",
     )
-    p.add_argument(
+    schedule.add_argument(
         "--lr-schedule",
         choices=tuple(SCHEDULES),
         default=None,
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "config's or --lr): constant, linear or cosine decay to 0, each after --warmup-steps; "
         "replaces the config's scheduler section. Default: the config's scheduler, if any",
     )
-    p.add_argument(
+    schedule.add_argument(
         "--warmup-steps",
         type=int,
         default=0,
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="optimizer steps of linear lr warm-up from 0 for --lr-schedule (not --warmup, which only "
         "leaves steps out of the timing medians); default 0",
     )
-    p.add_argument(
+    checkpoints.add_argument(
         "--resume",
         choices=("auto",),
         default=None,

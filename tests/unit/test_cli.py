@@ -91,3 +91,36 @@ def test_only_the_chosen_subcommand_is_imported(monkeypatch):
     assert cli.parse_args(["train", "--config", "c.json"]).config == "c.json"
     with pytest.raises(ModuleNotFoundError):
         cli.parse_args(["nothing"])
+
+
+def test_train_help_is_grouped_with_a_short_description():
+    help_text = cli.build_parser("train").format_help()
+    for heading in ("model and data:", "schedule:", "memory and swap:", "checkpoints:", "output:"):
+        assert heading in help_text, heading
+    # Each flag sits in its group: the order of the headings and of a flag of each.
+    groups = help_text.split("options:", 1)[1]
+    order = [
+        groups.index(s)
+        for s in (
+            "model and data:",
+            "--lora",
+            "schedule:",
+            "--epochs",
+            "memory and swap:",
+            "--host-budget",
+            "checkpoints:",
+            "--resume {auto}",
+            "output:",
+            "--metrics-out",
+        )
+    ]
+    assert order == sorted(order)
+    description = cli.build_parser("train").description
+    assert len(description.splitlines()) < 8 and "exit status: 0 ok, 1 error, 3" in help_text
+    assert "docs/USAGE.md" in help_text
+
+
+def test_every_subcommand_has_a_short_description():
+    for command in cli.SUBCOMMANDS:
+        description = cli.build_parser(command).description
+        assert 0 < len(description.splitlines()) < 12, (command, description)

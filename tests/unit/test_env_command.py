@@ -1,0 +1,35 @@
+"""`aidaptiv-ds env`: the facts a bug report needs, about this machine, as text and as JSON."""
+
+from __future__ import annotations
+
+import json
+
+from aidaptiv_ds import cli
+
+
+def test_env_reports_versions_engine_disk_and_limits(tmp_path, capsys):
+    swap = tmp_path / "not-yet" / "swap"  # not made yet: its nearest existing parent is described
+    assert cli.main(["env", "--json", "--nvme-path", str(swap)]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["packages"]["aidaptiv-ds"] and facts["packages"]["torch"] and facts["packages"]["deepspeed"]
+    assert facts["engine"]["built"] is True and facts["engine"]["alignment"] == 4096
+    assert facts["swap_disk"]["path"] == str(swap) and facts["swap_disk"]["free_gb"] > 0
+    from aidaptiv_ds.engine.disk import MEMORY_FILESYSTEMS
+
+    if facts["swap_disk"]["filesystem"] not in MEMORY_FILESYSTEMS:  # a /tmp on tmpfs refuses O_DIRECT
+        assert facts["swap_disk"]["o_direct"] == "works"
+    assert set(facts["limits"]) == {"memlock", "open_files", "file_size"}
+    assert facts["memory"]["ram_gib"] > 0 and facts["cpu"]["cores"] >= 1
+    assert "file" in facts["cached_rates"]
+
+
+def test_env_text_says_where_o_direct_fails(tmp_path, capsys, monkeypatch):
+    from aidaptiv_ds.engine import disk
+
+    def refuse(path, mounts):
+        raise disk.BenchError(f"--dir {path} is on tmpfs (memory, not a disk)")
+
+    monkeypatch.setattr(disk, "check_dir", refuse)
+    assert cli.main(["env", "--nvme-path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "o_direct: --dir" in out and "tmpfs" in out and "packages:" in out and "limits:" in out
