@@ -41,25 +41,21 @@ import shlex
 import shutil
 import signal
 import sys
-import uuid
 from typing import Optional
 
 from aidaptiv_ds.harness import eqmem
-from aidaptiv_ds.harness.cellrun import run_cell
 from aidaptiv_ds.harness.grid import (
     SWEEP_BACKENDS,
-    Cell,
     GridError,
-    Run,
     enumerate_cells,
     interleave_repeats,
     load_grid,
 )
 from aidaptiv_ds.harness.hostcap import MECHANISMS, host_cap
-from aidaptiv_ds.harness.launch import LaunchSpec, free_port, train_spec
+from aidaptiv_ds.harness.launch import LaunchSpec, train_spec
 from aidaptiv_ds.harness.machine import gpus as detect_gpus
 from aidaptiv_ds.harness.machine import machine_info
-from aidaptiv_ds.harness.outcome import Outcome, classify
+from aidaptiv_ds.harness.outcome import Outcome
 from aidaptiv_ds.harness.prebuild import put_build_tools_first
 from aidaptiv_ds.harness.results import (
     RESULTS_FILE,
@@ -67,17 +63,15 @@ from aidaptiv_ds.harness.results import (
     load_rows,
 )
 from aidaptiv_ds.harness.sweep_cell import (
-    _aidaptiv_budget,
-    _cell_paths,
     _command,
-    _eqmem_base,
-    _eqmem_config_path,
     _eqmem_sizing,
     _fmt_row,
     _now,
     _record,
     build_row,
+    run_one,
 )
+from aidaptiv_ds.harness.sweep_skip import dominating_oom, predicted_cell_oom
 
 
 def _int_list(text: str) -> list[int]:
@@ -215,25 +209,6 @@ def _default_deepspeed() -> Optional[str]:
     return near if os.access(near, os.X_OK) else shutil.which("deepspeed")
 
 
-def _dominating_oom(cell: Cell, rows: list[dict], ctx: dict) -> Optional[str]:
-    """Why ``cell`` need not run: a measured (not inferred) oom, under the same caps, of a smaller cell or of
-    this cell in an earlier repeat (``rows`` are the runs done before it). None when there is none."""
-    for r in rows:
-        if r["status"] != "oom" or r.get("inferred"):
-            continue
-        if (
-            r.get("gpu_mem_cap_gb") != ctx["gpu_mem_cap_gb"]
-            or (r.get("host_mem_cap") or {}).get("gb") != ctx["cap"]["gb"]
-        ):
-            continue
-        other = Cell(r["model"], r["backend"], r["gpus"], r["micro_batch"], r["seq_len"], r["grad_accum"])
-        if other == cell:
-            return f"this cell ran out of memory in repeat {r.get('repeat', 0)}"
-        if other.dominates(cell):
-            return f"smaller cell {other.id} ran out of memory"
-    return None
-
-
 def _grid_configs(src: str, dst: str, names, *, dtype: Optional[str], aidaptiv_activations: Optional[dict]) -> str:
     """Copies of src/<name>.json in ``dst`` with what the grid sets: its precision (as train's --dtype does) on
     every config, its activations block on aidaptiv's, so that the cells, the planner's predictions and the
@@ -249,119 +224,6 @@ def _grid_configs(src: str, dst: str, names, *, dtype: Optional[str], aidaptiv_a
         with open(os.path.join(dst, f"{name}.json"), "w") as f:
             json.dump(cfg, f, indent=2)
     return dst
-
-
-def _predicted_oom(cell: Cell, ctx: dict) -> Optional[str]:
-    """The planner's reason why ``cell`` will not fit under the sweep's caps, or None. The plan uses the
-    host cap (else this machine's RAM), the GPU cap (else the GPU's memory, or none on CPU), the
-    backend config's dtype and the framework and launcher memory measured by an earlier 'aidaptiv-ds plan' (cached;
-    nothing is probed here, and an unknown figure counts as 0, so a cell is never predicted OOM for it)."""
-    from aidaptiv_ds.config import ds_config
-    from aidaptiv_ds.planner.guard import config_activations, predicted_oom
-    from aidaptiv_ds.planner.rates import machine_rates
-
-    if cell.backend == eqmem.BACKEND:
-        return None  # the planner sizes the shipped configs; this one is sized per cell
-    try:
-        cfg = ds_config.load(os.path.join(ctx["spec"].ds_configs, f"{cell.backend}.json"))
-    except ds_config.ConfigError:
-        return None
-    dtype = ds_config.dtype_name(cfg)
-    if "framework" not in ctx:
-        cached = machine_rates(dtype, None, probe=False)
-        ctx["framework"] = int(cached.framework_host or 0)
-        ctx["launcher"] = int(cached.launcher_host or 0)  # every cell runs under the deepspeed launcher
-    host = int(ctx["cap"]["gb"] * 2**30) if ctx["cap"]["gb"] else int(ctx["machine"].get("ram_gb", 0) * 2**30)
-    gpu = None
-    if ctx["spec"].accelerator == "cuda":
-        gpu = int(ctx["gpu_mem_cap_gb"] * 2**30) if ctx["gpu_mem_cap_gb"] else ctx.get("gpu_mem_bytes")
-    nodes = ctx["spec"].nodes_for(cell)
-    activations, chunk = config_activations(cfg)
-    return predicted_oom(
-        cell.model,
-        cell.backend,
-        gpus=cell.gpus // nodes,
-        nodes=nodes,
-        micro_batch=cell.micro_batch,
-        seq_len=cell.seq_len,
-        grad_accum=cell.grad_accum,
-        dtype=dtype,
-        host_mem=host,
-        gpu_mem=gpu,
-        host_budget=_aidaptiv_budget(cell, ctx),
-        framework_host=ctx["framework"],
-        launcher_host=ctx["launcher"],
-        activations=activations,
-        loss_chunk_tokens=chunk,
-    )
-
-
-def _run_one(run_: Run, ctx: dict, tick) -> dict:
-    cell = run_.cell
-    cell_dir, swap_dir, metrics_path = _cell_paths(run_, ctx)
-    shutil.rmtree(cell_dir, ignore_errors=True)  # a rerun must never read an old metrics.json
-    os.makedirs(cell_dir)
-    if cell.backend == eqmem.BACKEND:
-        with open(_eqmem_config_path(run_, ctx), "w") as f:
-            json.dump(eqmem.eqmem_config(_eqmem_base(ctx), _eqmem_sizing(cell, ctx)), f, indent=1)
-            f.write("\n")
-    shutil.rmtree(swap_dir, ignore_errors=True)
-    os.makedirs(swap_dir, mode=0o700)
-    os.chmod(swap_dir, 0o700)  # model state is private (DESIGN.md); makedirs' mode is masked by umask
-    cmd = _command(run_, ctx, free_port())
-    cap = ctx["cap"]
-    cap_bytes = int(cap["gb"] * 2**30) if cap["gb"] else None
-    cgroup, watchdog, cap_used = None, False, {}
-    if cap_bytes and cap["factory"] is not None:
-        try:
-            cgroup = cap["factory"].create(f"aidaptiv-ds-{os.getpid()}-{uuid.uuid4().hex[:8]}", cap_bytes)
-            cap_used = {"detail": cgroup.path}
-        except OSError as e:  # fall back for this cell only, and say so in its row
-            cap_used = {"mechanism": "rss-watchdog", "detail": f"cgroup creation failed: {e}"}
-            watchdog = True
-    elif cap_bytes:
-        watchdog = True
-    time_start = _now()
-    try:
-        run = run_cell(
-            cmd,
-            cell_dir=cell_dir,
-            metrics_path=metrics_path,
-            timeout_s=ctx["timeout_s"],
-            env=ctx["env"],
-            cwd=ctx["cwd"],
-            cap_bytes=cap_bytes,
-            cgroup=cgroup,
-            watchdog=watchdog,
-            tick=tick,
-        )
-    finally:
-        shutil.rmtree(swap_dir, ignore_errors=True)
-        if os.path.exists(swap_dir):
-            print(f"warning: could not remove swap folder {swap_dir}: delete it by hand", file=sys.stderr)
-    outcome = classify(
-        returncode=run.returncode,
-        timed_out=run.timed_out,
-        timeout_s=ctx["timeout_s"],
-        cap_kill=run.cap_kill,
-        output_tail=run.output_tail,
-        metrics=run.metrics,
-        metrics_problem=run.metrics_problem,
-    )
-    row = build_row(
-        cell,
-        ctx=ctx,
-        outcome=outcome,
-        run=run,
-        command=shlex.join(cmd),
-        time_start=time_start,
-        time_end=_now(),
-        cell_dir=cell_dir,
-        cap_used=cap_used,
-        repeat=run_.repeat,
-    )
-    _record(ctx, row, cell_dir)
-    return row
 
 
 def run(args: argparse.Namespace) -> int:
@@ -599,8 +461,8 @@ def run(args: argparse.Namespace) -> int:
                 pbar.update(1)
                 continue
             pbar.set_description(run_.id)
-            dom = _dominating_oom(cell, rows, ctx) if args.skip_dominated else None
-            predicted = _predicted_oom(cell, ctx)
+            dom = dominating_oom(cell, rows, ctx) if args.skip_dominated else None
+            predicted = predicted_cell_oom(cell, ctx)
             if predicted:
                 counts["predicted OOM"] = counts.get("predicted OOM", 0) + 1
             if not dom and predicted and args.skip_predicted_oom:
@@ -641,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
                         shown[0] = int(elapsed)
                         pbar.set_postfix_str(f"{elapsed:.0f} s, last: {last}", refresh=True)
 
-                row = _run_one(run_, ctx, tick)
+                row = run_one(run_, ctx, tick)
             rows.append(row)
             last = row["status"] + ("*" if row["inferred"] else "")
             counts[last] = counts.get(last, 0) + 1

@@ -4,19 +4,23 @@ from what the run wrote (``build_row``)."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
+import shlex
+import shutil
 import statistics
+import sys
 import uuid
 from typing import Optional
 
 from aidaptiv_ds.harness import eqmem
-from aidaptiv_ds.harness.cellrun import CellRun
+from aidaptiv_ds.harness.cellrun import CellRun, run_cell
 from aidaptiv_ds.harness.grid import (
     Cell,
     Run,
 )
-from aidaptiv_ds.harness.launch import launch_command
-from aidaptiv_ds.harness.outcome import Outcome
+from aidaptiv_ds.harness.launch import free_port, launch_command
+from aidaptiv_ds.harness.outcome import Outcome, classify
 from aidaptiv_ds.harness.results import (
     RESULTS_FILE,
     Row,
@@ -199,3 +203,72 @@ def _fmt_row(row: dict) -> str:
         what = f"{row['status']}{' (inferred)' if row['inferred'] else ''}: {row['error']}"
     rep = f" (repeat {row['repeat']})" if row["repeat"] else ""
     return f"{row['key']}{rep}: {what} [{row['wall_s']:.1f} s]"
+
+
+def run_one(run_: Run, ctx: dict, tick) -> dict:
+    """Run one cell in its own folder and swap space, under the sweep's host cap, and record its row."""
+    cell = run_.cell
+    cell_dir, swap_dir, metrics_path = _cell_paths(run_, ctx)
+    shutil.rmtree(cell_dir, ignore_errors=True)  # a rerun must never read an old metrics.json
+    os.makedirs(cell_dir)
+    if cell.backend == eqmem.BACKEND:
+        with open(_eqmem_config_path(run_, ctx), "w") as f:
+            json.dump(eqmem.eqmem_config(_eqmem_base(ctx), _eqmem_sizing(cell, ctx)), f, indent=1)
+            f.write("\n")
+    shutil.rmtree(swap_dir, ignore_errors=True)
+    os.makedirs(swap_dir, mode=0o700)
+    os.chmod(swap_dir, 0o700)  # model state is private (DESIGN.md); makedirs' mode is masked by umask
+    cmd = _command(run_, ctx, free_port())
+    cap = ctx["cap"]
+    cap_bytes = int(cap["gb"] * 2**30) if cap["gb"] else None
+    cgroup, watchdog, cap_used = None, False, {}
+    if cap_bytes and cap["factory"] is not None:
+        try:
+            cgroup = cap["factory"].create(f"aidaptiv-ds-{os.getpid()}-{uuid.uuid4().hex[:8]}", cap_bytes)
+            cap_used = {"detail": cgroup.path}
+        except OSError as e:  # fall back for this cell only, and say so in its row
+            cap_used = {"mechanism": "rss-watchdog", "detail": f"cgroup creation failed: {e}"}
+            watchdog = True
+    elif cap_bytes:
+        watchdog = True
+    time_start = _now()
+    try:
+        run = run_cell(
+            cmd,
+            cell_dir=cell_dir,
+            metrics_path=metrics_path,
+            timeout_s=ctx["timeout_s"],
+            env=ctx["env"],
+            cwd=ctx["cwd"],
+            cap_bytes=cap_bytes,
+            cgroup=cgroup,
+            watchdog=watchdog,
+            tick=tick,
+        )
+    finally:
+        shutil.rmtree(swap_dir, ignore_errors=True)
+        if os.path.exists(swap_dir):
+            print(f"warning: could not remove swap folder {swap_dir}: delete it by hand", file=sys.stderr)
+    outcome = classify(
+        returncode=run.returncode,
+        timed_out=run.timed_out,
+        timeout_s=ctx["timeout_s"],
+        cap_kill=run.cap_kill,
+        output_tail=run.output_tail,
+        metrics=run.metrics,
+        metrics_problem=run.metrics_problem,
+    )
+    row = build_row(
+        cell,
+        ctx=ctx,
+        outcome=outcome,
+        run=run,
+        command=shlex.join(cmd),
+        time_start=time_start,
+        time_end=_now(),
+        cell_dir=cell_dir,
+        cap_used=cap_used,
+        repeat=run_.repeat,
+    )
+    _record(ctx, row, cell_dir)
+    return row

@@ -34,11 +34,10 @@ import sys
 from typing import Dict, List, Optional
 
 from aidaptiv_ds.common.sizes import parse_size
-from aidaptiv_ds.models.tokenizer import ByteTokenizer
+from aidaptiv_ds.job.model_files import MODEL_FILES, copy_model_files, save_model_files
 
 COPY_BUFFER = 64 * 1024 * 1024
 DEFAULT_SHARD = "5GB"
-MODEL_FILES = "hf"  # <save_dir>/<tag>/hf/: config.json and tokenizer files the train job saves with a tag
 
 # safetensors' dtype names, by the names the manifest uses (torch's, without "torch.")
 _ST_DTYPE = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float64": ("F64", 8)}
@@ -277,92 +276,6 @@ def _write_shard(
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
-
-
-def copy_model_files(src: str, out: str) -> List[str]:
-    """config.json, generation config and tokenizer files of ``src`` (a tag's hf/ folder or a local HF model
-    directory) into ``out``; weights are not copied. Returns the names copied."""
-    import shutil
-
-    copied = []
-    for f in sorted(os.listdir(src)):
-        # adapter_config.json stays out: beside the weights it would make transformers load them as an adapter
-        if (
-            f.endswith((".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5"))
-            or f.endswith(".index.json")
-            or f == "adapter_config.json"
-            or not os.path.isfile(os.path.join(src, f))
-        ):
-            continue
-        shutil.copyfile(os.path.join(src, f), os.path.join(out, f))
-        copied.append(f)
-    return copied
-
-
-def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) -> None:
-    """Write what ``from_pretrained`` needs besides the weights: the model's config (with the weights' dtype,
-    e.g. "bfloat16", so that ``dtype="auto"`` loads them as trained) and, for a local HF model, its tokenizer
-    files, or for presets the byte tokenizer in Hugging Face form (:func:`save_byte_tokenizer`)."""
-    import copy
-
-    os.makedirs(folder, exist_ok=True)
-    config = copy.deepcopy(spec.config)
-    if dtype is not None:
-        config.dtype = dtype
-    config.save_pretrained(folder)
-    hf_tok = getattr(tokenizer, "_tok", None)
-    if hf_tok is not None:
-        hf_tok.save_pretrained(folder)
-    elif isinstance(tokenizer, ByteTokenizer):
-        save_byte_tokenizer(folder)
-
-
-def _bytes_to_unicode() -> Dict[int, str]:
-    """The byte -> character table of byte-level BPE (GPT-2's; the one the tokenizers library's ByteLevel
-    pre-tokenizer uses): printable bytes stand for themselves, the rest for characters from U+0100 on."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def save_byte_tokenizer(folder: str) -> None:
-    """The presets' byte tokenizer (aidaptiv_ds.models.tokenizer.ByteTokenizer: UTF-8 bytes are ids 0-255,
-    BOS/EOS/PAD 256/257/258) as tokenizer.json and tokenizer_config.json, so that ``AutoTokenizer`` gives the
-    ids training saw: a byte-level BPE without merges whose 256 symbols are the bytes in order, and
-    ``<s> ... </s>`` around every text as ``encode`` puts them; ``split_special_tokens`` so that a text
-    containing "<s>" is bytes, as for ``encode``, not the special token."""
-    from tokenizers import (
-        AddedToken,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
-    from transformers import PreTrainedTokenizerFast
-
-    table = _bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<pad>")])
-    bos, eos = ByteTokenizer.BOS, ByteTokenizer.EOS
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
-    )
-    if [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")] != [bos, eos, ByteTokenizer.PAD]:
-        raise ExportError(
-            "the byte tokenizer's special ids came out other than 256/257/258: this tokenizers "
-            "version numbers added tokens differently; report it"
-        )
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", split_special_tokens=True
-    ).save_pretrained(folder)
 
 
 ADAPTER_DIR = "adapter"  # <out>/adapter/: the LoRA adapter in PEFT's format (PeftModel.from_pretrained)

@@ -518,7 +518,7 @@ class Run:
         folder = os.path.join(save_dir, tag)
         if self.rank == 0 and self.backend == "aidaptiv":
             # config and tokenizer beside the weights, so that 'aidaptiv-ds export' needs nothing else
-            from aidaptiv_ds.job.export import MODEL_FILES, save_model_files
+            from aidaptiv_ds.job.model_files import MODEL_FILES, save_model_files
 
             save_model_files(
                 self.spec,

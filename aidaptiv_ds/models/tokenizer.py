@@ -9,6 +9,8 @@ character); it is a fair one for measuring throughput, which counts ids.
 
 from __future__ import annotations
 
+from typing import Dict
+
 
 class ByteTokenizer:
     """No chat template: records keep the fixed text template of aidaptiv_ds.job.data."""
@@ -80,3 +82,51 @@ def tokenizer_for(spec):
             )
         return ByteTokenizer()
     return HFTokenizer(spec.hf_dir)
+
+
+def _bytes_to_unicode() -> Dict[int, str]:
+    """The byte -> character table of byte-level BPE (GPT-2's; the one the tokenizers library's ByteLevel
+    pre-tokenizer uses): printable bytes stand for themselves, the rest for characters from U+0100 on."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def save_byte_tokenizer(folder: str) -> None:
+    """The presets' byte tokenizer (:class:`ByteTokenizer`: UTF-8 bytes are ids 0-255,
+    BOS/EOS/PAD 256/257/258) as tokenizer.json and tokenizer_config.json, so that ``AutoTokenizer`` gives the
+    ids training saw: a byte-level BPE without merges whose 256 symbols are the bytes in order, and
+    ``<s> ... </s>`` around every text as ``encode`` puts them; ``split_special_tokens`` so that a text
+    containing "<s>" is bytes, as for ``encode``, not the special token."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    table = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<pad>")])
+    bos, eos = ByteTokenizer.BOS, ByteTokenizer.EOS
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
+    if [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")] != [bos, eos, ByteTokenizer.PAD]:
+        raise RuntimeError(
+            "the byte tokenizer's special ids came out other than 256/257/258: this tokenizers "
+            "version numbers added tokens differently; report it"
+        )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", split_special_tokens=True
+    ).save_pretrained(folder)

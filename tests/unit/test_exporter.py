@@ -10,7 +10,7 @@ import tracemalloc
 import pytest
 import torch
 
-from aidaptiv_ds.job import export
+from aidaptiv_ds.job import export, model_files
 from aidaptiv_ds.models import presets as models
 from aidaptiv_ds.models.tokenizer import ByteTokenizer
 from aidaptiv_ds.zero3 import checkpoint
@@ -50,7 +50,7 @@ def _fake_checkpoint(root, model, world_size, with_files=True, spec=None):
         with open(os.path.join(folder, checkpoint.MANIFEST), "w") as f:
             json.dump(manifest, f)
     if with_files:
-        export.save_model_files(spec, ByteTokenizer(), os.path.join(tag, export.MODEL_FILES))
+        model_files.save_model_files(spec, ByteTokenizer(), os.path.join(tag, model_files.MODEL_FILES))
     with open(os.path.join(root, "latest"), "w") as f:
         f.write("step3")
     return tag

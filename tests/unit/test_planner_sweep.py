@@ -59,10 +59,10 @@ def test_predicted_oom_cell_is_recorded_not_run(tmp_path, monkeypatch, repo):
     assert not os.path.exists(out / "cells" / row["key"] / "metrics.json")
 
 
-def test_a_cell_that_fits_is_not_predicted_oom(repo):
+def test_a_cell_that_fits_is_notpredicted_cell_oom(repo):
     from aidaptiv_ds.harness.grid import Cell
     from aidaptiv_ds.harness.launch import LaunchSpec
-    from aidaptiv_ds.harness.sweep import _predicted_oom
+    from aidaptiv_ds.harness.sweep_skip import predicted_cell_oom
 
     spec = LaunchSpec(accelerator="cpu", ds_configs=os.path.join(repo, "ds_configs"))
     ctx = {
@@ -74,5 +74,5 @@ def test_a_cell_that_fits_is_not_predicted_oom(repo):
         "launcher": 0,
         "grid_obj": None,
     }
-    assert _predicted_oom(Cell("micro", "zero3", 1, 2, 64, 1), ctx) is None
-    assert "host memory" in _predicted_oom(Cell("small", "zero3", 1, 1, 64, 1), ctx)
+    assert predicted_cell_oom(Cell("micro", "zero3", 1, 2, 64, 1), ctx) is None
+    assert "host memory" in predicted_cell_oom(Cell("small", "zero3", 1, 1, 64, 1), ctx)

@@ -16,7 +16,7 @@ from aidaptiv_ds.harness.grid import (
 from aidaptiv_ds.harness.report import build_report
 from aidaptiv_ds.harness.report_tables import cell_summaries, ratios
 from aidaptiv_ds.harness.results import Row, append_row, load_rows
-from aidaptiv_ds.harness.sweep import _dominating_oom
+from aidaptiv_ds.harness.sweep_skip import dominating_oom
 
 
 def grid(**kw):
@@ -65,10 +65,10 @@ def test_an_oom_in_an_earlier_repeat_skips_the_cell():
     ctx = {"gpu_mem_cap_gb": None, "cap": {"gb": 5.0}}
     cell = Cell("tiny", "zero_infinity", 1, 2, 64, 1)
     oom = row("zero_infinity", None, mb=2, status="oom", repeat=0)
-    assert _dominating_oom(cell, [oom], ctx) == "this cell ran out of memory in repeat 0"
+    assert dominating_oom(cell, [oom], ctx) == "this cell ran out of memory in repeat 0"
     bigger = Cell("tiny", "zero_infinity", 1, 4, 64, 1)
-    assert _dominating_oom(bigger, [oom], ctx) == f"smaller cell {cell.id} ran out of memory"
-    assert _dominating_oom(Cell("tiny", "aidaptiv", 1, 2, 64, 1), [oom], ctx) is None
+    assert dominating_oom(bigger, [oom], ctx) == f"smaller cell {cell.id} ran out of memory"
+    assert dominating_oom(Cell("tiny", "aidaptiv", 1, 2, 64, 1), [oom], ctx) is None
     assert Run(cell, 1).id == cell.id + "__r1"
 
 

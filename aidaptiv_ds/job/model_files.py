@@ -1,0 +1,51 @@
+"""What a Hugging Face model folder holds besides its weights: the model's config and the tokenizer files,
+written for a preset or a local model (:func:`save_model_files`) or copied from a checkpoint's or a model's
+folder (:func:`copy_model_files`). The train job saves them with each tag (in :data:`MODEL_FILES`), and
+export puts them beside the weights it writes."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+from aidaptiv_ds.models.tokenizer import ByteTokenizer, save_byte_tokenizer
+
+MODEL_FILES = "hf"  # <save_dir>/<tag>/hf/: config.json and tokenizer files the train job saves with a tag
+
+
+def copy_model_files(src: str, out: str) -> List[str]:
+    """config.json, generation config and tokenizer files of ``src`` (a tag's hf/ folder or a local HF model
+    directory) into ``out``; weights are not copied. Returns the names copied."""
+    import shutil
+
+    copied = []
+    for f in sorted(os.listdir(src)):
+        # adapter_config.json stays out: beside the weights it would make transformers load them as an adapter
+        if (
+            f.endswith((".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5"))
+            or f.endswith(".index.json")
+            or f == "adapter_config.json"
+            or not os.path.isfile(os.path.join(src, f))
+        ):
+            continue
+        shutil.copyfile(os.path.join(src, f), os.path.join(out, f))
+        copied.append(f)
+    return copied
+
+
+def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) -> None:
+    """Write what ``from_pretrained`` needs besides the weights: the model's config (with the weights' dtype,
+    e.g. "bfloat16", so that ``dtype="auto"`` loads them as trained) and, for a local HF model, its tokenizer
+    files, or for presets the byte tokenizer in Hugging Face form (:func:`save_byte_tokenizer`)."""
+    import copy
+
+    os.makedirs(folder, exist_ok=True)
+    config = copy.deepcopy(spec.config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(folder)
+    hf_tok = getattr(tokenizer, "_tok", None)
+    if hf_tok is not None:
+        hf_tok.save_pretrained(folder)
+    elif isinstance(tokenizer, ByteTokenizer):
+        save_byte_tokenizer(folder)
