@@ -50,6 +50,29 @@ class CheckpointMismatchError(ValueError):
     pass
 
 
+class CheckpointDamagedError(ValueError):
+    """A checkpoint file that is not what its save wrote: changed, truncated, planted or holding NaN/inf."""
+
+
+def refused_file(path: str, error: BaseException) -> CheckpointDamagedError:
+    """The error for a checkpoint file ``torch.load(weights_only=True)`` would not load, saying why and what to do."""
+    import pickle
+
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if isinstance(error, pickle.UnpicklingError):
+        globals_named = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        what = globals_named[0] if globals_named else first
+        return CheckpointDamagedError(
+            f"checkpoint file {path} holds objects other than tensors and plain data ({what}): loading it could "
+            "run code, so it is refused. aidaptiv-ds and DeepSpeed never write such objects; the file was changed "
+            "after the save. Resume from another checkpoint (--resume auto takes the newest that verifies)"
+        )
+    return CheckpointDamagedError(
+        f"checkpoint file {path} cannot be read ({type(error).__name__}: {first}): it is truncated or damaged. "
+        "Resume from another checkpoint (--resume auto takes the newest that verifies)"
+    )
+
+
 def rank_dir(root: str, tag: str, rank: int) -> str:
     return os.path.join(root, str(tag), "aidaptiv", f"rank{rank}")
 

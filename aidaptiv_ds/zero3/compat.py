@@ -142,6 +142,47 @@ def checkpoint_engine_is_decoupled(engine) -> bool:
     return bool(ce is not None and ce.is_decoupled())
 
 
+def checkpoint_data_classes() -> list:
+    """The classes DeepSpeed 0.19.8 pickles into a ZeRO-3 checkpoint besides tensors and plain data (its
+    optimizer states hold the loss scaler and the ZeRO stage): what a load with ``weights_only=True`` must
+    allow, and nothing else."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
+class checkpoint_loads_as_data:
+    """For a ``with``: DeepSpeed's checkpoint engine loads each file with ``torch.load(weights_only=True)``
+    (DeepSpeed 0.19.8 loads with ``weights_only=False``, which runs whatever a planted pickle asks), allowing
+    only :func:`checkpoint_data_classes`; ``refuse(path, error)`` makes the exception raised for a file that
+    holds anything else or cannot be read."""
+
+    def __init__(self, engine, refuse):
+        self.engine, self.refuse, self.saved = engine, refuse, None
+
+    def __enter__(self):
+        import torch
+
+        ce = self.engine.checkpoint_engine
+        self.saved = ce.load
+        allowed, refuse = checkpoint_data_classes(), self.refuse
+
+        def load(path, map_location=None, *args, **kwargs):
+            try:
+                with torch.serialization.safe_globals(allowed):
+                    return torch.load(path, map_location=map_location, weights_only=True)
+            except Exception as e:  # UnpicklingError, a truncated zip (RuntimeError), OSError: all say "refused"
+                raise refuse(path, e) from None
+
+        ce.load = load
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.engine.checkpoint_engine.load = self.saved
+
+
 class checkpoint_file_hooks:
     """For a ``with``: ``hook(label)`` runs before and after each file DeepSpeed's checkpoint engine saves
     (``checkpoint_engine.save(state_dict, path)``), when ``active`` (aidaptiv's test hooks are set, see

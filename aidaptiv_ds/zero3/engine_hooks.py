@@ -69,7 +69,9 @@ def attach(engine, runtime) -> None:
             durable.recover(load_dir, resolved)
             if os.path.isdir(os.path.join(load_dir, resolved)):  # (a missing one: DeepSpeed returns None)
                 checkpoint.read_manifest(load_dir, resolved, runtime.rank)  # refuse before DeepSpeed changes anything
-        load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)
+        # Every file DeepSpeed unpickles is loaded as data only: a planted object is refused, not run.
+        with compat.checkpoint_loads_as_data(engine, checkpoint.refused_file):
+            load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)
         if load_path is not None:
             checkpoint.load(
                 engine,
