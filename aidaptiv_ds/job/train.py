@@ -442,24 +442,44 @@ class Run:
         }
 
     def resume(self) -> dict:
-        """Restore from --resume-from or --resume auto; returns the client state (or a fresh one)."""
-        from aidaptiv_ds.job.train_plan import latest_checkpoint
+        """Restore from --resume-from or --resume auto; returns the client state (or a fresh one). --resume auto
+        takes the newest checkpoint that verifies, saying which tags it skipped and why."""
+        from aidaptiv_ds.job.train_plan import checkpoint_candidates
+        from aidaptiv_ds.zero3.checkpoint_verify import CheckpointDamagedError
 
         a = self.args
         fresh = {"step": 0, "data_position": 0, "losses": [], "lrs": []}
-        source = a.resume_from
         if a.resume == "auto":
-            source = latest_checkpoint(a.save_dir)
-            if source is None:
+            candidates = checkpoint_candidates(a.save_dir)
+            if not candidates:
                 self.log(f"aidaptiv-ds train: --resume auto: no checkpoint in {a.save_dir} yet, starting from step 0")
                 return fresh
-            self.log(f"aidaptiv-ds train: --resume auto: the latest checkpoint in {a.save_dir} is {source}")
-        if not source:
+            self.log(f"aidaptiv-ds train: --resume auto: the latest checkpoint in {a.save_dir} is {candidates[0]}")
+        elif a.resume_from:
+            candidates = [a.resume_from]
+        else:
             return fresh
-        load_dir, tag = _resolve_resume(source)
-        path, client = self.engine.load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        skipped = []
+        for source in candidates:
+            load_dir, tag = _resolve_resume(source)
+            try:
+                path, client = self.engine.load_checkpoint(
+                    load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+                )
+            except CheckpointDamagedError as e:  # a damaged or planted tag: with --resume auto, the next one
+                if a.resume != "auto":
+                    raise
+                skipped.append(source)
+                self.log(f"aidaptiv-ds train: --resume auto: skipped {source}: {e}")
+                continue
+            break
+        else:
+            raise TrainingFailed(
+                f"--resume auto: no checkpoint in {a.save_dir} verifies ({len(skipped)} skipped, each said why "
+                "above): start without --resume, or restore a good checkpoint"
+            )
+        if skipped:
+            self.info["resume_skipped"] = skipped
         if path is None or client is None or "step" not in client:
             raise TrainingFailed(f"--resume-from {source}: DeepSpeed found no loadable checkpoint there")
         was = {k: client.get(k) for k in ("seq_len", "micro_batch", "world_size")}

@@ -130,3 +130,24 @@ def latest_checkpoint(save_dir: str) -> str | None:
             "restore that folder, or give --resume-from with another tag folder"
         )
     return folder
+
+
+def checkpoint_candidates(save_dir: str) -> list[str]:
+    """The tag folders ``--resume auto`` tries, in order: the one 'latest' names, then every other completed
+    tag (a folder with a DeepSpeed model state), newest first by the step number in its name. Staging and
+    set-aside folders (``.<tag>.saving``, ``.<tag>.previous``) are never candidates."""
+    first = latest_checkpoint(save_dir)
+    out = [first] if first else []
+
+    def step_of(name: str) -> int:
+        digits = "".join(ch if ch.isdigit() else " " for ch in name).split()
+        return int(digits[-1]) if digits else -1
+
+    others = []
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
+        folder = os.path.join(save_dir, name)
+        if name.startswith(".") or folder == first or not os.path.isdir(folder) or os.path.islink(folder):
+            continue
+        if any(f.endswith("model_states.pt") for f in os.listdir(folder)):
+            others.append((step_of(name), name, folder))
+    return out + [folder for _, _, folder in sorted(others, reverse=True)]

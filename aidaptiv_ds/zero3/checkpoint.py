@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 import torch
 
 from aidaptiv_ds.common import durable
+from aidaptiv_ds.zero3.checkpoint_verify import ALGORITHM, CheckpointDamagedError, inspectors
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,6 @@ MANIFEST = "manifest.json"
 
 class CheckpointMismatchError(ValueError):
     pass
-
-
-class CheckpointDamagedError(ValueError):
-    """A checkpoint file that is not what its save wrote: changed, truncated, planted or holding NaN/inf."""
 
 
 def refused_file(path: str, error: BaseException) -> CheckpointDamagedError:
@@ -106,13 +103,16 @@ class _Mover:
                 return _BufferedFile(path, create)
             raise
 
-    def copy(self, src, src_off: int, dst, dst_off: int, nbytes: int) -> None:
-        """src/dst are engine files or _BufferedFile; offsets of engine files are 4 KiB aligned."""
+    def copy(self, src, src_off: int, dst, dst_off: int, nbytes: int, inspect=None) -> None:
+        """src/dst are engine files or _BufferedFile; offsets of engine files are 4 KiB aligned. ``inspect``
+        (a FileInspector's ``see``) is shown each block on its way to ``dst``."""
         done = 0
         while done < nbytes:
             n = min(self.chunk, nbytes - done)
             view = self.buf[:n]
             _read(self.runtime, src, src_off + done, view)
+            if inspect is not None:
+                inspect(dst_off + done, view)
             _write(self.runtime, dst, dst_off + done, view)
             done += n
             durable.crash_point(f"copied {done} of {nbytes} bytes")
@@ -256,52 +256,59 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
     ps.cache.drain_writes()
     osw.drain()
     runtime.store.drain()
+    sub_groups = _layout(osw, names)
+    for sg, entry in zip(osw.by_index, sub_groups):
+        entry.update(
+            state_keys=sg.state_keys,
+            state_valid=sg.state_valid,
+            scalars={k: _scalar_to_json(v) for k, v in sg.scalars.items()},
+        )
+    parameters = []
+    for rec in sorted(ps.records.values(), key=lambda r: r.extent.offset):
+        name, shape = names[rec.ds_id]
+        parameters.append({"name": name, "shape": shape, "partition_numel": rec.numel, "offset": rec.extent.offset})
+    manifest = {
+        "format": FORMAT,
+        "rank": runtime.rank,
+        "world_size": _world_size(),
+        "model_dtype": str(runtime.model_dtype).replace("torch.", ""),
+        "master_is_parameter": osw.master_is_parameter,
+        "params_bytes": runtime.params_file.allocated,
+        "optim_bytes": sum(g["bytes"] for g in sub_groups),
+        "parameters": parameters,
+        "sub_groups": sub_groups,
+        "hyperparameters": _hyperparameters(osw.optimizer),
+    }
+    # Every block is checksummed on its way out, and parameters and optimizer state must be finite: a run
+    # whose weights went NaN fails here instead of publishing them as the checkpoint to resume from.
+    seen = inspectors(folder, manifest)
     mover = _Mover(runtime)
     try:
         # Parameters: the live part of the swap file, in its own layout (cached groups are written through).
         pf = mover.open(os.path.join(folder, "params.bin"), create=True)
         durable.crash_point("params.bin created")
         try:
-            mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated)
+            mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated, seen["params.bin"].see)
         finally:
             _close(runtime, pf)
         durable.crash_point("params.bin written")
         # Optimizer sub-groups: the chunk images (master and state slots), from host memory when resident.
         of = mover.open(os.path.join(folder, "optim.bin"), create=True)
         durable.crash_point("optim.bin created")
-        sub_groups = _layout(osw, names)
         try:
             for sg, entry in zip(osw.by_index, sub_groups):
                 offset = entry["offset"]
                 if sg.resident:
-                    _write(runtime, of, offset, sg.image[: sg.region.reserved])
+                    image = sg.image[: sg.region.reserved]
+                    seen["optim.bin"].see(offset, image)
+                    _write(runtime, of, offset, image)
                     durable.crash_point(f"resident sub-group {sg.index} written")
                 else:
-                    mover.copy(osw.file.handle, sg.region.offset, of, offset, sg.region.reserved)
-                entry.update(
-                    state_keys=sg.state_keys,
-                    state_valid=sg.state_valid,
-                    scalars={k: _scalar_to_json(v) for k, v in sg.scalars.items()},
-                )
+                    mover.copy(osw.file.handle, sg.region.offset, of, offset, sg.region.reserved, seen["optim.bin"].see)
         finally:
             _close(runtime, of)
         durable.crash_point("optim.bin written")
-        parameters = []
-        for rec in sorted(ps.records.values(), key=lambda r: r.extent.offset):
-            name, shape = names[rec.ds_id]
-            parameters.append({"name": name, "shape": shape, "partition_numel": rec.numel, "offset": rec.extent.offset})
-        manifest = {
-            "format": FORMAT,
-            "rank": runtime.rank,
-            "world_size": _world_size(),
-            "model_dtype": str(runtime.model_dtype).replace("torch.", ""),
-            "master_is_parameter": osw.master_is_parameter,
-            "params_bytes": runtime.params_file.allocated,
-            "optim_bytes": sum(g["bytes"] for g in sub_groups),
-            "parameters": parameters,
-            "sub_groups": sub_groups,
-            "hyperparameters": _hyperparameters(osw.optimizer),
-        }
+        manifest["checksums"] = {"algorithm": ALGORITHM, **{name: insp.blocks for name, insp in seen.items()}}
         with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f)
         durable.crash_point("manifest written")

@@ -21,7 +21,7 @@ from deepspeed import comm as dist
 
 def attach(engine, runtime) -> None:
     from aidaptiv_ds.common import durable
-    from aidaptiv_ds.zero3 import checkpoint, compat
+    from aidaptiv_ds.zero3 import checkpoint, checkpoint_verify, compat
 
     engine.aidaptiv_runtime = runtime
     engine.aidaptiv_stats = runtime.stats_dict
@@ -58,6 +58,8 @@ def attach(engine, runtime) -> None:
                     **kwargs,
                 )  # returns once every rank has written its files
         if committer:
+            # DeepSpeed's files get their checksums before the tag is published (ours are in the manifests).
+            checkpoint_verify.write_tag_checksums(os.path.join(save_dir, staging))
             durable.publish(save_dir, tag, save_latest)
         dist.barrier()
         return True
@@ -68,7 +70,10 @@ def attach(engine, runtime) -> None:
         if resolved is not None:
             durable.recover(load_dir, resolved)
             if os.path.isdir(os.path.join(load_dir, resolved)):  # (a missing one: DeepSpeed returns None)
-                checkpoint.read_manifest(load_dir, resolved, runtime.rank)  # refuse before DeepSpeed changes anything
+                # Refuse a checkpoint this version cannot load, or one that is not what its save wrote, before
+                # DeepSpeed changes anything.
+                folder, manifest = checkpoint.read_manifest(load_dir, resolved, runtime.rank)
+                checkpoint_verify.verify_tag(os.path.join(load_dir, resolved), folder, manifest)
         # Every file DeepSpeed unpickles is loaded as data only: a planted object is refused, not run.
         with compat.checkpoint_loads_as_data(engine, checkpoint.refused_file):
             load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)

@@ -1,42 +1,63 @@
-"""A checkpoint is data, not code, and a damaged one does not resume as a success: a pickle payload planted in
-DeepSpeed's model_states.pt is refused before it runs, a truncated model_states.pt is one clear sentence."""
+"""A checkpoint is data, not code, and a damaged one does not resume as a success.
+
+One aidaptiv run of the micro preset saves at steps 2 and 4; each test damages a copy of that folder as a user
+or an attacker might and resumes from it: a pickle payload planted in DeepSpeed's model_states.pt (with its
+checksum rewritten too, so only the data-only load stands in the way) does not run; a planted file, flipped
+bytes in params.bin or optim.bin, NaNs in params.bin and a truncated model_states.pt are each refused with the
+file and what to do; ``--resume auto`` skips a damaged newest tag, says why, and resumes the one before.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
 from helpers import CONFIGS, read_metrics, run_train
 
+from aidaptiv_ds.zero3.checkpoint_verify import write_tag_checksums
+
 COMMON = ["--model", "micro", "--seq-len", "64", "--warmup", "0", "--no-progress"]
+STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A 2-step aidaptiv run of the micro preset saved at step 2 (tag step2)."""
+    """A 4-step aidaptiv run of the micro preset saved every 2 steps (tags step2, step4; latest is step4)."""
     root = tmp_path_factory.mktemp("trust")
     (root / "swap").mkdir()
+    metrics = root / "full.json"
     rc, log = run_train(
         [
             "--config",
             os.path.join(CONFIGS, "aidaptiv.json"),
             *COMMON,
             "--steps",
-            "2",
+            "4",
             "--save-dir",
             str(root / "ck"),
+            "--save-every",
+            "2",
             "--nvme-path",
             str(root / "swap"),
+            "--metrics-out",
+            str(metrics),
         ],
         cwd=root,
     )
     assert rc == 0, log[-3000:]
-    return root
+    return root, read_metrics(metrics)
 
 
-def resume(root, name):
-    """Resume the saved run to step 3 with a copy of the checkpoint; (rc, log, metrics or None)."""
+def copy_checkpoint(root, name):
+    shutil.copytree(root / "ck", root / f"ck_{name}")
+    return root / f"ck_{name}"
+
+
+def resume(root, name, *how):
+    """Resume to step 5 from the copy ``ck_<name>`` (``how``: --resume-from TAG, or --resume auto)."""
     metrics = root / f"{name}.json"
     (root / f"swap_{name}").mkdir()
     rc, log = run_train(
@@ -45,9 +66,8 @@ def resume(root, name):
             os.path.join(CONFIGS, "aidaptiv.json"),
             *COMMON,
             "--steps",
-            "3",
-            "--resume-from",
-            str(root / f"ck_{name}" / "step2"),
+            "5",
+            *how,
             "--nvme-path",
             str(root / f"swap_{name}"),
             "--metrics-out",
@@ -56,13 +76,6 @@ def resume(root, name):
         cwd=root,
     )
     return rc, log, read_metrics(metrics) if metrics.exists() else None
-
-
-def copy_checkpoint(root, name):
-    import shutil
-
-    shutil.copytree(root / "ck", root / f"ck_{name}")
-    return root / f"ck_{name}" / "step2"
 
 
 class Payload:
@@ -75,32 +88,111 @@ class Payload:
         return (exec, (f"open({str(self.marker)!r}, 'w').write('the payload ran')",))
 
 
-def test_a_payload_planted_in_model_states_does_not_run(saved):
-    tag = copy_checkpoint(saved, "planted")
-    states = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    marker = saved / "payload_ran"
+def plant(tag, marker):
+    states = tag / STATES
     sd = torch.load(states, weights_only=False)  # we wrote it: trusted here
-    sd["client_state_extra"] = Payload(marker)
+    sd["planted"] = Payload(marker)
     torch.save(sd, states)
-    rc, log, metrics = resume(saved, "planted")
+    return states
+
+
+def test_a_payload_planted_with_its_checksum_rewritten_does_not_run(saved):
+    root, _ = saved
+    tag = copy_checkpoint(root, "planted") / "step4"
+    marker = root / "payload_ran"
+    states = plant(tag, marker)
+    write_tag_checksums(str(tag))  # the attacker rewrites the checksums too
+    rc, log, metrics = resume(root, "planted", "--resume-from", str(tag))
     assert not marker.exists(), "the planted payload ran"
     assert rc == 1, log[-3000:]
-    assert "holds objects other than tensors and plain data" in log and str(states) in log, log[-3000:]
-    assert metrics is not None and metrics["status"] == "error"
+    assert f"checkpoint file {states} holds objects other than tensors and plain data" in log, log[-3000:]
+    assert metrics["status"] == "error"
+
+
+def test_a_payload_planted_alone_fails_its_checksum(saved):
+    root, _ = saved
+    tag = copy_checkpoint(root, "planted_only") / "step4"
+    marker = root / "payload_ran_2"
+    states = plant(tag, marker)
+    rc, log, _ = resume(root, "planted_only", "--resume-from", str(tag))
+    assert not marker.exists() and rc == 1, log[-3000:]
+    assert f"checkpoint file {states} is not what its save wrote" in log, log[-3000:]
+
+
+def test_a_file_added_to_a_tag_is_refused(saved):
+    root, _ = saved
+    tag = copy_checkpoint(root, "added") / "step4"
+    shutil.copy(tag / STATES, tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    rc, log, _ = resume(root, "added", "--resume-from", str(tag))
+    assert rc == 1 and "holds files its save did not write (zero_pp_rank_1_mp_rank_00_optim_states.pt)" in log, log[
+        -3000:
+    ]
+
+
+@pytest.mark.parametrize("name", ["params.bin", "optim.bin"])
+def test_flipped_bytes_are_found_with_their_offset(saved, name):
+    root, _ = saved
+    tag = copy_checkpoint(root, f"flipped_{name}") / "step4"
+    path = tag / "aidaptiv" / "rank0" / name
+    with open(path, "r+b") as f:
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 0x10]))  # one bit: the value stays finite
+    rc, log, _ = resume(root, f"flipped_{name}", "--resume-from", str(tag))
+    assert rc == 1, log[-3000:]
+    assert f"checkpoint file {path}: bytes 0-" in log and "do not match the checksum written with them" in log, log[
+        -3000:
+    ]
+
+
+def test_nans_in_the_weights_are_refused_with_the_parameter_and_offset(saved):
+    root, _ = saved
+    tag = copy_checkpoint(root, "nan") / "step4"
+    folder = tag / "aidaptiv" / "rank0"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    p = manifest["parameters"][1]
+    with open(folder / "params.bin", "r+b") as f:
+        f.seek(p["offset"] + 8)
+        f.write(torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes())
+    rc, log, _ = resume(root, "nan", "--resume-from", str(tag))
+    assert rc == 1, log[-3000:]
+    assert f"holds a non-finite value (nan) in parameter {p['name']} at byte offset {p['offset'] + 8}" in log, log[
+        -3000:
+    ]
 
 
 def test_a_truncated_model_states_is_one_clear_sentence(saved):
-    tag = copy_checkpoint(saved, "truncated")
-    states = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    root, _ = saved
+    tag = copy_checkpoint(root, "truncated") / "step4"
+    states = tag / STATES
     with open(states, "r+b") as f:
         f.truncate(os.path.getsize(states) // 2)
-    rc, log, _ = resume(saved, "truncated")
+    write_tag_checksums(str(tag))  # as if the save itself had been cut short and listed what it left
+    rc, log, _ = resume(root, "truncated", "--resume-from", str(tag))
     assert rc == 1, log[-3000:]
     assert f"checkpoint file {states} cannot be read" in log and "truncated or damaged" in log, log[-3000:]
 
 
-def test_an_untouched_checkpoint_still_resumes(saved):
-    copy_checkpoint(saved, "clean")
-    rc, log, metrics = resume(saved, "clean")
+def test_resume_auto_skips_a_damaged_latest_and_resumes_the_one_before(saved):
+    root, full = saved
+    ck = copy_checkpoint(root, "auto")
+    with open(ck / "step4" / "aidaptiv" / "rank0" / "optim.bin", "r+b") as f:
+        f.seek(4096)
+        f.write(b"\x00\x01\x02\x03")
+    rc, log, metrics = resume(root, "auto", "--resume", "auto", "--save-dir", str(ck))
     assert rc == 0, log[-3000:]
-    assert metrics["first_step"] == 2 and len(metrics["losses"]) == 3
+    assert f"--resume auto: skipped {ck / 'step4'}: checkpoint file" in log, log[-3000:]
+    assert f"resumed {ck / 'step2'}" in log or "at step 2" in log, log[-3000:]
+    assert metrics["first_step"] == 2 and metrics["resume_skipped"] == [str(ck / "step4")]
+    # from step 2 the resumed run retraces the uninterrupted one
+    assert metrics["losses"][2:4] == pytest.approx(full["losses"][2:4], rel=1e-5, abs=0)
+
+
+def test_an_untouched_checkpoint_resumes_on_the_same_losses(saved):
+    root, full = saved
+    tag = copy_checkpoint(root, "clean") / "step2"
+    assert (tag / "checksums.json").exists()
+    rc, log, metrics = resume(root, "clean", "--resume-from", str(tag))
+    assert rc == 0, log[-3000:]
+    assert metrics["first_step"] == 2 and metrics["losses"][2:4] == pytest.approx(full["losses"][2:4], rel=1e-5, abs=0)

@@ -1,0 +1,277 @@
+"""Whether a checkpoint is what its save wrote: checksums written with every file, checked before a load, and
+weights and optimizer state that must be finite.
+
+- Our files (``aidaptiv/rank<r>/params.bin`` and ``optim.bin``): a CRC32 of every block as the save writes it,
+  kept in the rank's manifest (``checksums``), so a damaged block is named by file and byte range. The same
+  pass checks that the bytes holding parameters (the model dtype) and optimizer state (fp32 masters and
+  moments) are finite: a save of NaN or inf weights fails instead of becoming ``latest``.
+- Every other file of the tag (DeepSpeed's ``*_model_states.pt`` and ``*_optim_states.pt``): size and CRC32 in
+  ``<tag>/checksums.json``, written by the rank that publishes the tag once DeepSpeed has written them. The
+  folder ``hf/`` (config and tokenizer files the train job adds after the save) is not listed.
+
+:func:`verify_tag` reads the tag once more and refuses, with the file, the offset and what to do, a file that
+changed, a file the save did not write, or a non-finite value. CRC32 finds damage (flipped bits, torn or
+truncated writes, files swapped between tags), not a forger who rewrites the manifest too; what is unpickled
+is loaded as data only (:mod:`aidaptiv_ds.zero3.compat`, ``checkpoint_loads_as_data``). A checkpoint saved
+before checksums existed loads with a warning that it was not verified.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import zlib
+from typing import Dict, List, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ALGORITHM = "crc32"
+CHECKSUMS = "checksums.json"  # <tag>/checksums.json: the tag's files outside aidaptiv/ and hf/
+UNLISTED_DIRS = ("aidaptiv", "hf")  # covered by the manifests / written after the save
+READ_BLOCK = 16 << 20  # bytes read at a time when verifying (plain reads, outside the host budget)
+
+
+class CheckpointDamagedError(ValueError):
+    """A checkpoint file that is not what its save wrote: changed, truncated, planted or holding NaN/inf."""
+
+
+AGAIN = "resume from another checkpoint (--resume auto takes the newest one that verifies)"
+
+# (file offset, bytes, dtype, what the bytes hold) of a range that must hold finite values
+Range = Tuple[int, int, torch.dtype, str]
+
+
+def param_ranges(manifest: dict) -> List[Range]:
+    """The ranges of params.bin holding each parameter's partition (in the model dtype)."""
+    dtype = getattr(torch, manifest["model_dtype"])
+    size = torch.tensor([], dtype=dtype).element_size()
+    out = [(p["offset"], p["partition_numel"] * size, dtype, f"parameter {p['name']}") for p in manifest["parameters"]]
+    return sorted(out)
+
+
+def optim_ranges(manifest: dict) -> List[Range]:
+    """The ranges of optim.bin holding each chunk's fp32 master (unless the parameter is the master) and
+    optimizer state, without the padding that aligns each part to 4 KiB."""
+    out = []
+    for g in manifest["sub_groups"]:
+        # A sub-group that never stepped holds no state yet (its slots are not values); its master always is.
+        names = list(g.get("state_keys") or ["state 0", "state 1"])
+        valid = [bool(g.get("state_valid"))] * len(names)
+        if not manifest["master_is_parameter"]:
+            names, valid = ["fp32 master"] + names, [True] + valid
+        for i, c in enumerate(g["chunks"]):
+            for k, what in enumerate(names):
+                if not valid[k]:
+                    continue
+                out.append((c["offset"] + k * c["part"], c["numel"] * 4, torch.float32, f"{what} of chunk {i}"))
+    return sorted(out)
+
+
+class FileInspector:
+    """Watches the bytes of one file go by, in increasing offsets: a CRC32 per block (:meth:`see` at save,
+    :meth:`check` at load) and finite values in its :data:`Range` s."""
+
+    def __init__(self, path: str, ranges: List[Range]):
+        self.path, self.ranges = path, ranges
+        self.starts = [r[0] for r in ranges]
+        self.blocks: List[List[int]] = []  # [offset, bytes, crc32]
+        self.at_save = True  # what a non-finite value means: a diverged run (save) or a damaged file (load)
+
+    def see(self, offset: int, data: torch.Tensor) -> None:
+        """A block written at ``offset`` (a uint8 tensor on the CPU): its checksum is recorded, its values checked."""
+        self.finite(offset, data)
+        self.blocks.append([offset, data.numel(), zlib.crc32(data.numpy())])
+
+    def finite(self, offset: int, data: torch.Tensor) -> None:
+        end = offset + data.numel()
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        while i < len(self.ranges) and self.ranges[i][0] < end:
+            r_off, r_len, dtype, what = self.ranges[i]
+            lo, hi = max(r_off, offset), min(r_off + r_len, end)
+            size = torch.tensor([], dtype=dtype).element_size()
+            lo += (r_off - lo) % size  # a block boundary inside an element: start at the next whole one
+            hi -= (hi - r_off) % size
+            if hi > lo:
+                values = data[lo - offset : hi - offset].view(dtype)
+                ok = torch.isfinite(values)
+                if not bool(ok.all()):
+                    first = int((~ok).nonzero()[0])
+                    raise CheckpointDamagedError(
+                        f"checkpoint file {self.path} holds a non-finite value ({values[first].item()}) in {what} "
+                        f"at byte offset {lo + first * size}: "
+                        + (
+                            "the training diverged before this save, so it was not published; lower the learning "
+                            "rate or check the data, and resume from the last good checkpoint"
+                            if self.at_save
+                            else f"the file was damaged after its save; {AGAIN}"
+                        )
+                    )
+            i += 1
+
+    def check(self, expected: List[List[int]], size_needed: int) -> None:
+        """Read the file's recorded blocks back and compare each CRC32 (and the finite ranges)."""
+        self.at_save = False
+        covered = 0
+        for off, n, _ in sorted(expected):
+            if off != covered:
+                raise CheckpointDamagedError(
+                    f"checkpoint file {self.path}: its manifest's checksums skip bytes {covered}-{off}: the manifest "
+                    f"was changed after the save; {AGAIN}"
+                )
+            covered = off + n
+        if covered < size_needed:
+            raise CheckpointDamagedError(
+                f"checkpoint file {self.path}: its checksums cover {covered} of the {size_needed} bytes the manifest "
+                f"names: the manifest was changed after the save; {AGAIN}"
+            )
+        buf = torch.empty(min(READ_BLOCK, max((n for _, n, _ in expected), default=1)), dtype=torch.uint8)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            for off, n, crc in expected:
+                got, done = 0, 0
+                while done < n:
+                    view = buf[: min(len(buf), n - done)]
+                    _pread_exactly(fd, self.path, off + done, view)
+                    self.finite(off + done, view)
+                    got = zlib.crc32(view.numpy(), got)
+                    done += len(view)
+                if got != crc:
+                    raise CheckpointDamagedError(
+                        f"checkpoint file {self.path}: bytes {off}-{off + n} do not match the checksum written with "
+                        f"them (crc32 {crc:08x}, read {got:08x}): the file was changed or damaged after the save; "
+                        f"{AGAIN}"
+                    )
+        finally:
+            os.close(fd)
+
+
+def _pread_exactly(fd: int, path: str, offset: int, view: torch.Tensor) -> None:
+    mv = memoryview(view.numpy())
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n == 0:
+            raise CheckpointDamagedError(
+                f"checkpoint file {path} is truncated: wanted {len(mv)} bytes at offset {offset}, got {done}; {AGAIN}"
+            )
+        done += n
+
+
+def inspectors(folder: str, manifest: dict) -> Dict[str, FileInspector]:
+    """The inspectors of a rank's params.bin and optim.bin, from its manifest (or the one being written)."""
+    return {
+        "params.bin": FileInspector(os.path.join(folder, "params.bin"), param_ranges(manifest)),
+        "optim.bin": FileInspector(os.path.join(folder, "optim.bin"), optim_ranges(manifest)),
+    }
+
+
+def verify_rank(folder: str, manifest: dict) -> bool:
+    """Check a rank's params.bin and optim.bin against the checksums of its manifest; False when the manifest
+    has none (a checkpoint saved before checksums existed), after which nothing was checked."""
+    sums = manifest.get("checksums")
+    if not sums:
+        return False
+    if sums.get("algorithm") != ALGORITHM:
+        raise _unknown_algorithm(folder, sums.get("algorithm"))
+    needed = {"params.bin": manifest["params_bytes"], "optim.bin": manifest["optim_bytes"]}
+    for name, insp in inspectors(folder, manifest).items():
+        insp.check(sums.get(name) or [], needed[name])
+    return True
+
+
+def _unknown_algorithm(folder: str, algorithm) -> CheckpointDamagedError:
+    return CheckpointDamagedError(
+        f"checkpoint {folder}: checksums of algorithm {algorithm!r}, this version knows {ALGORITHM!r}: resume it with "
+        "the aidaptiv-ds version that saved it"
+    )
+
+
+def file_crc32(path: str) -> Tuple[int, int]:
+    """(size, CRC32) of a whole file."""
+    crc, size = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            block = f.read(READ_BLOCK)
+            if not block:
+                return size, crc
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+
+
+def _tag_files(tag_dir: str) -> List[str]:
+    """The tag's files outside aidaptiv/ and hf/, relative to it, except checksums.json."""
+    out = []
+    for root, dirs, files in os.walk(tag_dir):
+        rel_root = os.path.relpath(root, tag_dir)
+        if rel_root == ".":
+            dirs[:] = [d for d in dirs if d not in UNLISTED_DIRS]
+        for f in files:
+            rel = os.path.normpath(os.path.join(rel_root, f))
+            if rel != CHECKSUMS:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_tag_checksums(tag_dir: str) -> None:
+    """Write ``<tag_dir>/checksums.json`` for the tag's files outside aidaptiv/ and hf/ (DeepSpeed's), fsync'd."""
+    entries = {}
+    for rel in _tag_files(tag_dir):
+        size, crc = file_crc32(os.path.join(tag_dir, rel))
+        entries[rel] = [size, crc]
+    path = os.path.join(tag_dir, CHECKSUMS)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"algorithm": ALGORITHM, "files": entries}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_tag_files(tag_dir: str) -> bool:
+    """Check the tag's files outside aidaptiv/ and hf/ against ``checksums.json``: each listed file there with
+    its size and CRC32, and no other file. False when the tag has no checksums.json (saved before it existed)."""
+    path = os.path.join(tag_dir, CHECKSUMS)
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            listed = json.load(f)
+        files = listed["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointDamagedError(f"checkpoint file {path} cannot be read ({e}): {AGAIN}") from None
+    if listed.get("algorithm") != ALGORITHM:
+        raise _unknown_algorithm(tag_dir, listed.get("algorithm"))
+    present = set(_tag_files(tag_dir))
+    extra = sorted(present - set(files))
+    if extra:
+        raise CheckpointDamagedError(
+            f"checkpoint {tag_dir} holds files its save did not write ({', '.join(extra[:5])}): they were added "
+            f"after the save and are not loaded; {AGAIN}"
+        )
+    for rel, (size, crc) in sorted(files.items()):
+        full = os.path.join(tag_dir, rel)
+        if not os.path.isfile(full) or os.path.islink(full):
+            raise CheckpointDamagedError(f"checkpoint file {full} is missing: {AGAIN}")
+        got_size, got_crc = file_crc32(full)
+        if (got_size, got_crc) != (size, crc):
+            raise CheckpointDamagedError(
+                f"checkpoint file {full} is not what its save wrote ({got_size} bytes, crc32 {got_crc:08x}; the save "
+                f"wrote {size} bytes, crc32 {crc:08x}): it was changed or damaged; {AGAIN}"
+            )
+    return True
+
+
+def verify_tag(tag_dir: str, folder: str, manifest: dict) -> None:
+    """Everything of a tag one rank loads: DeepSpeed's files (``tag_dir``) and the rank's swapped state
+    (``folder`` and its ``manifest``). Raises :class:`CheckpointDamagedError` naming the file, and logs a
+    warning when the tag predates checksums."""
+    files_checked = verify_tag_files(tag_dir)
+    state_checked = verify_rank(folder, manifest)
+    if not (files_checked and state_checked):
+        log.warning(
+            "aidaptiv: checkpoint %s has no checksums (saved before aidaptiv-ds wrote them): its files are not "
+            "verified",
+            tag_dir,
+        )
