@@ -74,7 +74,8 @@ def _offload_device(cfg: dict, key: str) -> str:
 def backend(cfg: dict) -> str:
     """Which of our four configurations this is: aidaptiv, zero_infinity, zero3_cpu_offload, zero3
     (or zeroN for other stages)."""
-    if "aidaptiv" in cfg:
+    block = cfg.get("aidaptiv")
+    if isinstance(block, dict) and block.get("enabled", False):  # "enabled": false runs stock ZeRO-3
         return "aidaptiv"
     stage = int(_zero(cfg).get("stage", 0))
     if stage != 3:
@@ -177,6 +178,24 @@ def apply_overrides(
     return cfg
 
 
+def lookalike_blocks(ds_config) -> list:
+    """Top-level keys that look like a misspelt ``"aidaptiv"`` (DeepSpeed ignores unknown top-level keys, so
+    such a block would silently run in-memory ZeRO-3): one problem line each."""
+    import difflib
+
+    if not isinstance(ds_config, dict) or "aidaptiv" in ds_config:
+        return []
+    out = []
+    for key in ds_config:
+        name = str(key)
+        if difflib.SequenceMatcher(None, name.lower(), "aidaptiv").ratio() >= 0.75 or name.lower().startswith("aidapt"):
+            out.append(
+                f'the config has a top-level "{name}" but no "aidaptiv": DeepSpeed ignores unknown keys, so it would '
+                'train without aidaptiv; rename it to "aidaptiv"'
+            )
+    return out
+
+
 def check(
     cfg: dict,
     *,
@@ -186,7 +205,7 @@ def check(
     cuda: bool = False,
 ) -> None:
     """Problems DeepSpeed would report late (an assert mid-step) or not at all, all at once."""
-    problems = []
+    problems = lookalike_blocks(cfg)
     # The aidaptiv block's own "auto" values (block_size, activations.policy, ...) are ours to resolve.
     autos = [p for p in _find_auto(cfg) if not p.startswith("aidaptiv.")]
     if autos:

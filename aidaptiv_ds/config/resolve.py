@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from aidaptiv_ds.common.sizes import GiB
 from aidaptiv_ds.config import host  # by module: tests replace host.total_ram_bytes
-from aidaptiv_ds.config.ds_config import ConfigError, precision_enabled
+from aidaptiv_ds.config.ds_config import ConfigError, lookalike_blocks, precision_enabled
 from aidaptiv_ds.config.schema import _NVME_PATH_REQUIRED, BLOCK, _parse_block, block_of
 from aidaptiv_ds.config.settings import SwapSettings
 from aidaptiv_ds.config.translate import auto_keys, to_deepspeed_config
@@ -91,6 +91,9 @@ def validate(
     """
     block = block_of(ds_config)
     if block is None:
+        misspelt = lookalike_blocks(ds_config)
+        if misspelt:
+            raise ConfigError(misspelt)
         return None
     problems: List[str] = []
     try:

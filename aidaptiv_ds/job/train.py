@@ -153,7 +153,7 @@ class Run:
         self.check_fits(cfg, a.seq_len)
         if getattr(a, "output_dir", None) and self.backend != "aidaptiv":
             raise TrainingFailed(
-                f'--output-dir needs a config with an "aidaptiv" block (this one runs '
+                f'--output-dir needs a config with an enabled "aidaptiv" block (this one runs '
                 f"{self.backend}): the export reads the checkpoint our swapper writes; for plain "
                 "DeepSpeed save with --save-dir and convert with DeepSpeed's zero_to_fp32.py"
             )
@@ -859,7 +859,12 @@ def run(args) -> int:
             # A known error's one line says what to do; where it came from goes to the metrics, so a failure on a
             # machine one can no longer reach (a sweep cell, a lent GPU) can still be traced.
             where = traceback.format_exc(limit=-12)
-        error = str(exc) if isinstance(exc, TrainingFailed) else _last_line(exc)
+        # A config's problems are all said at once (ConfigError lists them); other errors by their last line.
+        listed = getattr(exc, "problems", None)
+        if isinstance(listed, list) and len(listed) > 1:
+            error = f"{type(exc).__name__}: " + str(exc).strip()
+        else:
+            error = str(exc) if isinstance(exc, TrainingFailed) else _last_line(exc)
     finally:
         job.close()
     if status != "ok":

@@ -19,6 +19,7 @@ reachable through :mod:`aidaptiv_ds.zero3.originals`, which is what our initiali
 from __future__ import annotations
 
 import functools
+import logging
 
 from aidaptiv_ds.zero3 import compat
 from aidaptiv_ds.zero3.originals import WRAPPED, is_wrapped, original_zero_init
@@ -69,6 +70,7 @@ def honour_explicit_dtype(deepspeed) -> None:
 
 def patch_deepspeed(deepspeed) -> None:
     """Wrap ``deepspeed.initialize`` and ``deepspeed.zero.Init``, and mend Init's dtype choice (idempotent)."""
+    from aidaptiv_ds.config.ds_config import lookalike_blocks
     from aidaptiv_ds.config.schema import is_enabled
 
     honour_explicit_dtype(deepspeed)
@@ -81,6 +83,8 @@ def patch_deepspeed(deepspeed) -> None:
     def initialize(args=None, model=None, *rest, **kwargs):
         cfg = _config_of(args, kwargs)
         if cfg is None or not is_enabled(cfg):
+            for problem in lookalike_blocks(cfg):  # a misspelt block would train without aidaptiv: say so
+                logging.getLogger("aidaptiv_ds").warning("aidaptiv: %s", problem)
             return original_initialize(args, model, *rest, **kwargs)
         from aidaptiv_ds.zero3.initialize import initialize as aidaptiv_initialize
 

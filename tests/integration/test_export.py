@@ -148,7 +148,7 @@ def test_output_dir_is_refused_before_training_without_the_swapper(tmp_path):
         ],
         cwd=tmp_path,
     )
-    assert rc == 1 and '--output-dir needs a config with an "aidaptiv" block' in log, log[-2000:]
+    assert rc == 1 and '--output-dir needs a config with an enabled "aidaptiv" block' in log, log[-2000:]
     # The console has the one line; the metrics also say where it was raised (for runs one cannot reach again).
     m = read_metrics(tmp_path / "m.json")
     assert m["status"] == "error" and "Traceback" not in log

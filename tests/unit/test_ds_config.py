@@ -75,12 +75,12 @@ def test_overrides_batch_accum_lr_dtype():
 
 def test_nvme_path_override_reaches_every_block():
     cfg = shipped("zero_infinity.json")
-    cfg["aidaptiv"] = {"nvme_path": "./swap/aidaptiv", "other": 1}
+    cfg["aidaptiv"] = {"enabled": True, "nvme_path": "./swap/aidaptiv", "other": 1}
     out = ds_config.apply_overrides(cfg, nvme_path="/fast/swap")
     z = out["zero_optimization"]
     assert z["offload_param"]["nvme_path"] == z["offload_optimizer"]["nvme_path"] == "/fast/swap"
-    assert out["aidaptiv"] == {"nvme_path": "/fast/swap", "other": 1}
-    assert ds_config.backend(out) == "aidaptiv"
+    assert out["aidaptiv"] == {"enabled": True, "nvme_path": "/fast/swap", "other": 1}
+    assert ds_config.backend(out) == "aidaptiv"  # an enabled block; "enabled": false runs stock ZeRO-3
     # A config without any nvme_path gains none.
     assert ds_config.nvme_blocks(ds_config.apply_overrides(shipped("zero3.json"), nvme_path="/x")) == []
 
