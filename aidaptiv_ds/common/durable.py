@@ -12,14 +12,9 @@ to ``.<tag>.previous`` and the new one put in its place; a crash between those t
 missing and its previous version complete under that name, which :func:`recover` (called before a load)
 puts back.
 
-Test hooks (documented, read on every call so a test can set them per process; never set in production):
-
-- ``AIDAPTIV_DS_TEST_CRASH_AT=<k>``: the process kills itself with SIGKILL at the k-th :func:`crash_point`
-  (counted from 1 since the process started): a ``kill -9`` at a chosen moment of a save.
-- ``AIDAPTIV_DS_TEST_SNAPSHOT_FROM=<dir>`` and ``AIDAPTIV_DS_TEST_SNAPSHOT_TO=<dir>``: at every crash point
-  the first folder is copied to ``<to>/<k>`` (and its label written to ``<to>/<k>.label``): what a ``kill -9``
-  at that point would leave on disk, for every point of one run. Nothing else writes into the folder while a
-  save runs, and every write before a point has completed, so the copy is that state exactly.
+The moments of a save are marked with :func:`crash_point`; nothing happens there unless a test installed a
+hook with :func:`set_crash_hook` (tests/crash_hooks.py kills the process or snapshots the folder at a chosen
+point). The package itself reads no environment variable for this: a user's job never kills itself.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ import errno
 import logging
 import os
 import shutil
-import signal
+from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -38,37 +33,24 @@ PREVIOUS = ".{tag}.previous"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
-_points = 0
+_hook: Optional[Callable[[str], None]] = None
+
+
+def set_crash_hook(hook: Optional[Callable[[str], None]]) -> None:
+    """Run ``hook(label)`` at every :func:`crash_point` of this process (None: nothing runs there)."""
+    global _hook
+    _hook = hook
 
 
 def hooks_active() -> bool:
-    """Whether a test hook (see the module docstring) is set in this process's environment."""
-    return bool(os.environ.get("AIDAPTIV_DS_TEST_CRASH_AT") or os.environ.get("AIDAPTIV_DS_TEST_SNAPSHOT_FROM"))
-
-
-def points_passed() -> int:
-    """Crash points this process has passed while a test hook was set."""
-    return _points
+    """Whether a crash hook is installed in this process."""
+    return _hook is not None
 
 
 def crash_point(label: str) -> None:
-    """A moment of a save at which the test hooks (see the module docstring) may act."""
-    global _points
-    if not hooks_active():
-        return
-    kill_at = os.environ.get("AIDAPTIV_DS_TEST_CRASH_AT")
-    snap_from = os.environ.get("AIDAPTIV_DS_TEST_SNAPSHOT_FROM")
-    _points += 1
-    if snap_from:
-        dst = os.path.join(os.environ["AIDAPTIV_DS_TEST_SNAPSHOT_TO"], str(_points))
-        if os.path.isdir(snap_from):
-            shutil.copytree(snap_from, dst, symlinks=True)
-        else:
-            os.makedirs(dst)
-        with open(dst + ".label", "w", encoding="utf-8") as f:
-            f.write(label)
-    if kill_at and int(kill_at) == _points:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """A moment of a save at which an installed crash hook (a test's) runs."""
+    if _hook is not None:
+        _hook(label)
 
 
 def fsync_path(path: str) -> None:

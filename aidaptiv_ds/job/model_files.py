@@ -14,23 +14,49 @@ MODEL_FILES = "hf"  # <save_dir>/<tag>/hf/: config.json and tokenizer files the 
 
 
 def copy_model_files(src: str, out: str) -> List[str]:
-    """config.json, generation config and tokenizer files of ``src`` (a tag's hf/ folder or a local HF model
-    directory) into ``out``; weights are not copied. Returns the names copied."""
-    import shutil
-
+    """config.json, generation config and tokenizer files of ``src`` (a checkpoint tag's hf/ folder, which the
+    train job writes) into ``out``; weights are not copied. Returns the names copied. A symbolic link there is
+    refused (ValueError): the job never writes one, and following it would copy whatever file it names (a
+    system file, another user's) into the exported model."""
     copied = []
     for f in sorted(os.listdir(src)):
+        path = os.path.join(src, f)
+        if os.path.islink(path):
+            raise ValueError(
+                f"{path} is a symbolic link (to {os.readlink(path)}): aidaptiv-ds never writes one into a "
+                "checkpoint, so it was added after the save; remove it, or export with --model naming the model's "
+                "own folder or preset"
+            )
         # adapter_config.json stays out: beside the weights it would make transformers load them as an adapter
         if (
             f.endswith((".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5"))
             or f.endswith(".index.json")
             or f == "adapter_config.json"
-            or not os.path.isfile(os.path.join(src, f))
+            or not os.path.isfile(path)
         ):
             continue
-        shutil.copyfile(os.path.join(src, f), os.path.join(out, f))
+        _copy_no_follow(path, os.path.join(out, f))
         copied.append(f)
     return copied
+
+
+def _copy_no_follow(src: str, dst: str) -> None:
+    """Copy a regular file, refusing to follow a link at either end (O_NOFOLLOW)."""
+    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            while True:
+                block = os.read(fin, 64 << 10)
+                if not block:
+                    break
+                view = memoryview(block)
+                while view:
+                    view = view[os.write(fout, view) :]
+        finally:
+            os.close(fout)
+    finally:
+        os.close(fin)
 
 
 def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) -> None:

@@ -4,7 +4,7 @@ new one loadable, exactly, never a mix and never zeros.
 One training run (a small Llama, our swapper, a host budget well under its state, so that parameters and
 optimizer state move through the swap files and the checkpoint files take more than one transfer each) saves
 three times: tag "a" at step 2 (nothing before it), tag "b" at step 3 (a new tag beside "a"), and tag "b"
-again at step 4 (a second save to the tag `latest` names). The test hook AIDAPTIV_DS_TEST_SNAPSHOT_FROM/_TO
+again at step 4 (a second save to the tag `latest` names). The test hook AIDAPTIV_DS_TEST_SNAPSHOT_FROM/_TO (tests/crash_hooks.py)
 (aidaptiv_ds.common.durable) copies the checkpoint folder at every crash point of the three saves, which is what a
 kill -9 at that point leaves (every write before the point has completed, nothing else writes there); two
 points are also killed for real with AIDAPTIV_DS_TEST_CRASH_AT. A second process, whose engine is the second
@@ -29,8 +29,10 @@ import json, os, sys
 import torch
 import deepspeed
 import aidaptiv_ds
-from aidaptiv_ds.common import durable
+import crash_hooks  # tests/crash_hooks.py: the kill and snapshot hooks, from this process's environment
 from transformers import LlamaConfig, LlamaForCausalLM
+
+crash_hooks.install_from_env()
 
 mode, config, out = sys.argv[1], sys.argv[2], sys.argv[3]
 cfg = json.load(open(config))
@@ -67,7 +69,7 @@ if mode == "train":
         for tag, at in SAVES:
             if at == i + 1:
                 engine.save_checkpoint(save_dir, tag=tag, client_state={"step": at})
-                points.append(durable.points_passed())
+                points.append(crash_hooks.points_passed())
     json.dump({"losses": losses, "points": points}, open(out, "w"))
 else:
     build()  # a model built before: this process's parameter ids are not the saving run's
@@ -97,6 +99,12 @@ def _config(tmp_path):
     return str(path)
 
 
+def _with_tests_on_path(env):
+    """The child imports tests/crash_hooks.py too."""
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env["PYTHONPATH"]
+    return env
+
+
 def _run(tmp_path, name, *args, **env):
     script = tmp_path / "job.py"
     script.write_text(JOB)
@@ -108,8 +116,10 @@ def _run(tmp_path, name, *args, **env):
         stderr=subprocess.STDOUT,
         text=True,
         timeout=600,
-        env=child_env(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **env
+        env=_with_tests_on_path(
+            child_env(
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **env
+            )
         ),
     )
     return p, (json.loads(out.read_text()) if out.exists() else None)

@@ -16,7 +16,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # files written (the second one in two halves), published, `latest` replaced.
 SAVE = """
 import os, sys
+import crash_hooks  # tests/crash_hooks.py: AIDAPTIV_DS_TEST_CRASH_AT from this process's environment
 from aidaptiv_ds.common import durable
+crash_hooks.install_from_env()
 save_dir, tag, content, exchange = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 if exchange == "no":
     def refuse(a, b):
@@ -37,7 +39,7 @@ durable.publish(save_dir, tag, save_latest=True)
 
 
 def _save(save_dir, tag, content, exchange="yes", crash_at=None):
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
     env.pop("AIDAPTIV_DS_TEST_CRASH_AT", None)
     if crash_at is not None:
         env["AIDAPTIV_DS_TEST_CRASH_AT"] = str(crash_at)

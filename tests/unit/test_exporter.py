@@ -156,6 +156,24 @@ def test_missing_model_files_ask_for_model_and_model_supplies_them(tmp_path, mic
     assert "config.json" in s["files"]
 
 
+def test_a_link_planted_in_the_checkpoints_model_files_is_not_followed(tmp_path, micro):
+    """A symbolic link in hf/ (say to a system file, as tokenizer_config.json) would put that file's content
+    into the exported model: refused with the link named, and nothing of the target is copied."""
+    spec, model = micro
+    tag = _fake_checkpoint(str(tmp_path / "ck"), model, 1, spec=spec)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for export")
+    planted = os.path.join(tag, model_files.MODEL_FILES, "tokenizer_config.json")
+    os.remove(planted)
+    os.symlink(secret, planted)
+    with pytest.raises(ValueError, match=f"{planted} is a symbolic link"):
+        export.export(tag, str(tmp_path / "out"))
+    out_files = os.listdir(tmp_path / "out") if os.path.isdir(tmp_path / "out") else []
+    assert all(
+        "not for export" not in open(os.path.join(tmp_path / "out", f), errors="replace").read() for f in out_files
+    )
+
+
 def test_refusals_name_the_problem(tmp_path, micro):
     spec, model = micro
     with pytest.raises(export.ExportError, match="does not exist"):
