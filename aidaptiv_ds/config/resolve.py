@@ -37,6 +37,13 @@ from aidaptiv_ds.config.settings import SwapSettings
 from aidaptiv_ds.config.translate import auto_keys, to_deepspeed_config
 
 
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def _check_nvme_path(path: str, needed_bytes: Optional[int]) -> List[str]:
     problems = []
     if not os.path.isdir(path):
@@ -46,9 +53,15 @@ def _check_nvme_path(path: str, needed_bytes: Optional[int]) -> List[str]:
         )
         return problems
     if not os.access(path, os.W_OK | os.X_OK):
-        problems.append(
-            f"{BLOCK}.nvme_path {path} is not writable (EACCES): choose a directory you own or fix its permissions"
-        )
+        if _read_only_mount(path):
+            problems.append(
+                f"{BLOCK}.nvme_path {path} is on a read-only file system (EROFS): remount it read-write or choose "
+                "a directory on a writable disk"
+            )
+        else:
+            problems.append(
+                f"{BLOCK}.nvme_path {path} is not writable (EACCES): choose a directory you own or fix its permissions"
+            )
         return problems
     try:
         import subprocess

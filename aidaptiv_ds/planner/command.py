@@ -423,17 +423,19 @@ def _run(args) -> int:
         print(json.dumps(render.as_dict(job, hw, rates, plans, predictions), indent=1))
     else:
         print(render.table(job, hw, rates, plans, predictions))
-    if args.write_config:
-        _write_config(args, job, plans, nvme_dirs)
+    if args.write_config and not _write_config(args, job, plans, nvme_dirs):
+        return EXIT_NONE_FITS  # the job does not fit aidaptiv: exit 3 as for a plan where nothing fits
     return EXIT_FITS if any(p.fits for p in plans) else EXIT_NONE_FITS
 
 
-def _write_config(args, job: Job, plans: List[BackendPlan], nvme_dirs: List[str]) -> None:
+def _write_config(args, job: Job, plans: List[BackendPlan], nvme_dirs: List[str]) -> bool:
+    """Write the aidaptiv config the plan chose; False (nothing written, said why) when aidaptiv does not fit."""
     plan = next((p for p in plans if p.backend == "aidaptiv"), None)
     if plan is None:
         raise ValueError("--write-config writes the aidaptiv block: include aidaptiv in --backend")
     if not plan.fits:
-        raise ValueError(f"--write-config: aidaptiv does not fit ({plan.problems[0]}): nothing written")
+        _log(f"--write-config: aidaptiv does not fit ({plan.problems[0]}): nothing written")
+        return False
     cfg = aidaptiv_config(job, plan, nvme_dirs[0] if nvme_dirs else ".")
     from aidaptiv_ds.config import resolve as aconfig
     from aidaptiv_ds.config.ds_config import ConfigError
@@ -447,3 +449,4 @@ def _write_config(args, job: Job, plans: List[BackendPlan], nvme_dirs: List[str]
         json.dump(cfg, f, indent=2)
         f.write("\n")
     _log(f"wrote {args.write_config}")
+    return True

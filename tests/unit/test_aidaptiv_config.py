@@ -99,6 +99,19 @@ def test_nvme_path_missing_not_a_directory_unwritable_or_too_small(tmp_path, mon
     assert "GiB free but the model state needs" in msg
 
 
+def test_a_read_only_mount_is_reported_as_erofs(tmp_path, monkeypatch):
+    """Not as EACCES: permissions are not what to fix on a read-only file system."""
+    import types
+
+    real = os.statvfs
+    monkeypatch.setattr(config_resolve.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(
+        config_resolve.os, "statvfs", lambda p: types.SimpleNamespace(f_flag=real(p).f_flag | os.ST_RDONLY)
+    )
+    msg = problems(ds({"enabled": True, "nvme_path": str(tmp_path)}))[0]
+    assert "read-only file system (EROFS)" in msg and str(tmp_path) in msg and "EACCES" not in msg
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_tmpfs_is_refused():
     import subprocess

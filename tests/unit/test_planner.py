@@ -599,3 +599,41 @@ def test_zero3_work_adds_to_the_cpu_bound_once_per_rank_for_the_whole_model():
         assert a.bound == "cpu (compute + Adam)" and b.bound == "cpu (compute + Adam + ZeRO-3)"
         # every rank gathers the whole model, on its share (1/ranks) of the node's cores
         assert b.step_s - a.step_s == pytest.approx(shape.num_parameters / (1e8 / ranks))
+
+
+def test_write_config_where_nothing_fits_exits_3_and_writes_nothing(tmp_path, capsys):
+    """The help says 3 when nothing fits; --write-config must not turn that into 1 (an error)."""
+    (tmp_path / "swap").mkdir()
+    out = tmp_path / "plan.json"
+    args = [
+        "plan",
+        "--model",
+        "llama2-70b",
+        "--seq-len",
+        "4096",
+        "--micro-batch",
+        "1",
+        "--dtype",
+        "bf16",
+        "--host-mem",
+        "8GiB",
+        "--nvme",
+        str(tmp_path / "swap"),
+        "--nvme-free",
+        "10GB",
+        "--nvme-read-bw",
+        "1GB/s",
+        "--nvme-write-bw",
+        "1GB/s",
+        "--cpu-flops",
+        "1e11",
+        "--cpu-adam",
+        "1e8",
+        "--framework-mem",
+        "1200MiB",
+        "--no-probe",
+        "--write-config",
+        str(out),
+    ]
+    assert cli.main(args) == 3
+    assert not out.exists() and "aidaptiv does not fit" in capsys.readouterr().err
