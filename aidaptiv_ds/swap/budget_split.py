@@ -128,7 +128,13 @@ def split_budget(
             f"left beyond the minimum {minimum}: ask retention_slots how many do"
         )
     resident_cost = lambda n: parts * fp32_part(n) + fp32_part(n)  # chunk images and gradient, in host memory
-    everything = len(group_bytes) * slot + sum(resident_cost(n) for n in sub_group_numels) + general
+    # All the budget can use: every group cached (and never fewer slots than the minimum's, which a model of
+    # fewer groups than prefetch needs still takes), every sub-group resident, and the room for gradients and
+    # chunks twice (the minimum's and the second one below). Sized with that room once and the groups' count,
+    # a budget larger than the model needs lost it to the subtractions below and kept fewer sub-groups
+    # resident than a smaller budget (the tiny preset: none at 6 GiB, most at 662 MiB).
+    slots_at_most = max(len(group_bytes), min_slots)
+    everything = slots_at_most * slot + sum(resident_cost(n) for n in sub_group_numels) + 2 * general
     pool = min(budget, everything)
     # What the budget has beyond the minimum goes, in this order, to: twice the minimum room for
     # gradients and chunks (gradients kept in memory save a write and a read each), optimizer sub-groups
