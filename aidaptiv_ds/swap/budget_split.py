@@ -19,6 +19,9 @@ from aidaptiv_ds.common.sizes import MiB, align_up
 # Optimizer chunks the plan reserves room for ahead of the one being updated (the streamed step reads
 # further ahead only when memory allows).
 READ_AHEAD = 2
+# The least room for gradients and chunks: a checkpoint's transfer buffer is taken from it at a save (a LoRA
+# run's few thousand trainable elements would otherwise leave less than a save needs).
+TRANSFER_MIN = 1 << 20
 
 
 def fp32_part(numel: int) -> int:
@@ -116,7 +119,7 @@ def split_budget(
     # read ahead and written behind (with the updated parameters on their way to disk).
     chunk_set = parts * fp32_part(chunk_numel) + chunk_numel * elsize
     largest_sub_grad = fp32_part(max(sub_group_numels))
-    general = largest_sub_grad + (2 + READ_AHEAD) * chunk_set
+    general = max(TRANSFER_MIN, largest_sub_grad + (2 + READ_AHEAD) * chunk_set)
     minimum = min_slots * slot + general
     split = BudgetSplit(budget, prefetch_depth, slot, min_slots, general, chunk_set, largest_sub_grad, minimum)
     if not split.fits:

@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 import torch
 
 from aidaptiv_ds.common import durable
+from aidaptiv_ds.swap.budget_split import TRANSFER_MIN
 from aidaptiv_ds.zero3.checkpoint_verify import ALGORITHM, CheckpointDamagedError, inspectors
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,15 @@ class _Mover:
 
     def __init__(self, runtime):
         self.runtime = runtime
-        # Up to CHUNK, and never more than an eighth of the budget (resident state may hold the rest).
-        size = max(1 << 20, min(CHUNK, runtime.memory.capacity // 8) // (1 << 20) * (1 << 20))
-        self.buf = runtime.memory.take(size, "checkpoint transfer buffer")
+        # Up to CHUNK, and never more than an eighth of the budget (resident state may hold the rest); where
+        # that much is not free (a LoRA run's pool is its slots and little else, whatever the budget), half as
+        # much, down to TRANSFER_MIN, which the budget split always leaves room for.
+        size = max(TRANSFER_MIN, min(CHUNK, runtime.memory.capacity // 8) // (1 << 20) * (1 << 20))
+        buf = runtime.memory.try_take(size)
+        while buf is None and size > TRANSFER_MIN:
+            size = max(TRANSFER_MIN, size // 2 // (1 << 20) * (1 << 20))
+            buf = runtime.memory.try_take(size)
+        self.buf = buf if buf is not None else runtime.memory.take(size, "checkpoint transfer buffer")
         self.chunk = size
 
     def open(self, path: str, create: bool):

@@ -103,3 +103,36 @@ def test_lora_export_merged_and_as_peft_adapter_give_the_trained_logits(tmp_path
     assert p.returncode == 0, p.stderr
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"), dtype=torch.float32)
     assert torch.equal(logits(again), logits(merged))
+
+
+def test_lora_on_the_shipped_config_saves_and_resumes(tmp_path):
+    """The documented command: `train --lora ... --save-dir` on micro with ds_configs/aidaptiv.json. Its pool is
+    the layer-group slots and little else whatever the budget, and the first save failed for want of a 5 MiB
+    transfer buffer (HostBudgetError, the training lost); now the save takes what room there is."""
+    from helpers import CONFIGS
+
+    (tmp_path / "swap").mkdir()
+    common = [
+        "--config",
+        os.path.join(CONFIGS, "aidaptiv.json"),
+        "--model",
+        "micro",
+        "--seq-len",
+        "64",
+        "--lora",
+        LORA,
+        "--no-progress",
+        "--nvme-path",
+        str(tmp_path / "swap"),
+        "--save-dir",
+        str(tmp_path / "ck"),
+    ]
+    rc, log = run_train([*common, "--steps", "2"], cwd=tmp_path)
+    assert rc == 0, log[-3000:]
+    assert (tmp_path / "ck" / "step2" / "checksums.json").exists()
+    rc, log = run_train(
+        [*common, "--steps", "3", "--resume", "auto", "--metrics-out", str(tmp_path / "m.json")], cwd=tmp_path
+    )
+    assert rc == 0, log[-3000:]
+    m = read_metrics(tmp_path / "m.json")
+    assert m["first_step"] == 2 and len(m["losses"]) == 3
