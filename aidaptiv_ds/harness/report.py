@@ -211,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
     if os.path.isdir(args.dir) and not os.path.exists(os.path.join(args.dir, RESULTS_FILE)):
         from aidaptiv_ds.harness import run_report
 
-        series, source = run_report.find_series(args.dir)
+        warnings: list = []
+        series, source = run_report.find_series(args.dir, warnings)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
         if series:  # one run's folder; a folder with neither gets the sweep's "no usable rows" below
             path = run_report.plot(args.dir, series, source)
             print(f"wrote {path} ({', '.join(sorted(series))} from the {source})", file=sys.stderr)

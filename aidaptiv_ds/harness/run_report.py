@@ -21,18 +21,36 @@ from aidaptiv_ds.common.metrics import EVAL_SERIES, MONITOR_PREFIX, MONITOR_SERI
 Series = List[Tuple[float, float]]  # (step, value)
 
 
-def csv_series(run_dir: str) -> Dict[str, Series]:
-    """Our series from the CSV monitor's files below ``run_dir`` (by series name, steps in order)."""
+def csv_series(run_dir: str, warnings: Optional[List[str]] = None) -> Dict[str, Series]:
+    """Our series from the CSV monitor's files below ``run_dir`` (by series name, steps in order), of one run.
+
+    Runs that shared a CSV monitor folder leave several files of one series (one per job name) or one file
+    whose step count starts again: plotted together they zig-zag. The most recently written file of each
+    series is taken, and of it the last run (the rows after the last restart of the step count); what was left
+    out is said in ``warnings``."""
     wanted = {MONITOR_PREFIX.replace("/", "_") + s + ".csv": s for s in MONITOR_SERIES + EVAL_SERIES}
-    out: Dict[str, Series] = {}
+    found: Dict[str, List[str]] = {}
     for root, _, files in os.walk(run_dir):
         for f in sorted(files):
-            name = wanted.get(f)
-            if name is None:
-                continue
-            with open(os.path.join(root, f), newline="") as fh:
-                rows = [r for r in csv.reader(fh) if r and r[0] != "step"]
-            out[name] = sorted((float(r[0]), float(r[1])) for r in rows)
+            if f in wanted:
+                found.setdefault(wanted[f], []).append(os.path.join(root, f))
+    out: Dict[str, Series] = {}
+    for name, paths in sorted(found.items()):
+        path = max(paths, key=os.path.getmtime)
+        if len(paths) > 1 and warnings is not None:
+            warnings.append(
+                f"{len(paths)} files hold the series {name} (several runs wrote below {run_dir}): plotted "
+                f"{path}, the newest; give each run its own csv_monitor output_path or job_name"
+            )
+        with open(path, newline="") as fh:
+            rows = [(float(r[0]), float(r[1])) for r in csv.reader(fh) if r and r[0] != "step"]
+        starts = [i for i in range(1, len(rows)) if rows[i][0] <= rows[i - 1][0]]
+        if starts and warnings is not None:
+            warnings.append(
+                f"{path} holds {len(starts) + 1} runs (its step count starts again {len(starts)} time(s)): "
+                "plotted the last; give each run its own csv_monitor output_path or job_name"
+            )
+        out[name] = sorted(rows[starts[-1] :] if starts else rows)
     return out
 
 
@@ -74,11 +92,11 @@ def _eval_points(pairs) -> Series:
     )
 
 
-def find_series(run_dir: str) -> Tuple[Dict[str, Series], Optional[str]]:
+def find_series(run_dir: str, warnings: Optional[List[str]] = None) -> Tuple[Dict[str, Series], Optional[str]]:
     """(series, where they came from) of a run directory; ({}, None) when it holds neither source. CSV monitor
     files of a run made before the held-out loss went to the monitor lack it: it is then taken from the
-    metrics JSON beside them, when that has it."""
-    s = csv_series(run_dir)
+    metrics JSON beside them, when that has it. What was left out of several runs goes to ``warnings``."""
+    s = csv_series(run_dir, warnings)
     if s:
         if "eval_loss" not in s:
             evals = metrics_series(run_dir).get("eval_loss")

@@ -51,7 +51,17 @@ def scheduler_factory(schedule: str, warmup_steps: int, total_steps: int):
         raise ValueError(found[0])
 
     def make(optimizer):
+        import warnings
+
         from transformers import get_scheduler
+
+        # PyTorch warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`" when it has not seen
+        # the optimizer's own step() run first. Under ZeRO-3 DeepSpeed steps the partitions through its own
+        # optimizer, so the counter torch wraps around optimizer.step never moves and the warning, printed on
+        # every run with a schedule, is always false here: the schedule steps after each optimizer step.
+        warnings.filterwarnings(
+            "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+        )
 
         return get_scheduler(
             SCHEDULES[schedule], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps

@@ -56,7 +56,13 @@ def form_of(path: str) -> str:
 def read_records(path: str) -> list[tuple[str, object]]:
     """Every record of ``path`` as (where, record); the record is whatever the file holds (data.py checks it)."""
     form = form_of(path)
-    records = {"jsonl": _jsonl, "json": _json, "csv": _csv, "parquet": _parquet, "hf_disk": _hf_disk}[form](path)
+    try:
+        records = {"jsonl": _jsonl, "json": _json, "csv": _csv, "parquet": _parquet, "hf_disk": _hf_disk}[form](path)
+    except UnicodeDecodeError as e:  # a binary file (or another encoding) under a text form's name
+        raise DataError(
+            f"data file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} of what was "
+            f"read): a {form} file must be UTF-8; convert it, or give {ACCEPTED}"
+        ) from None
     if not records:
         raise DataError(f"data file {path} has no records")
     return records

@@ -100,9 +100,10 @@ def _bytes_to_unicode() -> Dict[int, str]:
 def save_byte_tokenizer(folder: str) -> None:
     """The presets' byte tokenizer (:class:`ByteTokenizer`: UTF-8 bytes are ids 0-255,
     BOS/EOS/PAD 256/257/258) as tokenizer.json and tokenizer_config.json, so that ``AutoTokenizer`` gives the
-    ids training saw: a byte-level BPE without merges whose 256 symbols are the bytes in order, and
-    ``<s> ... </s>`` around every text as ``encode`` puts them; ``split_special_tokens`` so that a text
-    containing "<s>" is bytes, as for ``encode``, not the special token."""
+    ids training saw: a byte-level BPE without merges whose 256 symbols are the bytes in order, and ``<s>``
+    before every text, as Llama's tokenizers do. No ``</s>`` is appended: a prompt for ``generate()`` must not
+    end the sequence (training records end with EOS because the data pipeline asks ``encode`` for it).
+    ``split_special_tokens`` so that a text containing "<s>" is bytes, as for ``encode``, not the special token."""
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -120,7 +121,7 @@ def save_byte_tokenizer(folder: str) -> None:
     tok.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<pad>")])
     bos, eos = ByteTokenizer.BOS, ByteTokenizer.EOS
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> <s> $B </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
     if [tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")] != [bos, eos, ByteTokenizer.PAD]:
         raise RuntimeError(

@@ -521,6 +521,15 @@ def _restore_step_state(osw, manifest, names, load_optimizer_states) -> None:
         osw.gradients.reset(sg)
 
 
+def check_fits_this_run(engine, runtime, folder: str, manifest: dict) -> None:
+    """Refuse, in one sentence, a checkpoint of another model, dtype or partitioning before DeepSpeed loads
+    its module state (whose own refusal is a wall of missing and unexpected keys)."""
+    ps = runtime.param_swapper
+    _check_compatible(
+        manifest, runtime, ps, runtime.optimizer_swapper, parameter_names(engine.module, ps.records), folder
+    )
+
+
 def _check_compatible(manifest, runtime, ps, osw, names, folder) -> Dict[str, dict]:
     """Saved parameters by name, once they are known to fit this run."""
     problems = []

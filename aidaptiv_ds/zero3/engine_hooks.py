@@ -74,6 +74,7 @@ def attach(engine, runtime) -> None:
                 # DeepSpeed changes anything.
                 folder, manifest = checkpoint.read_manifest(load_dir, resolved, runtime.rank)
                 checkpoint_verify.verify_tag(os.path.join(load_dir, resolved), folder, manifest)
+                checkpoint.check_fits_this_run(engine, runtime, folder, manifest)
         # Every file DeepSpeed unpickles is loaded as data only: a planted object is refused, not run.
         with compat.checkpoint_loads_as_data(engine, checkpoint.refused_file):
             load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)

@@ -196,3 +196,34 @@ def test_an_untouched_checkpoint_resumes_on_the_same_losses(saved):
     rc, log, metrics = resume(root, "clean", "--resume-from", str(tag))
     assert rc == 0, log[-3000:]
     assert metrics["first_step"] == 2 and metrics["losses"][2:4] == pytest.approx(full["losses"][2:4], rel=1e-5, abs=0)
+
+
+def test_resuming_another_model_is_one_sentence(saved):
+    """The micro checkpoint resumed with --model tiny: refused before DeepSpeed loads anything, in one
+    sentence, not DeepSpeed's wall of missing and unexpected keys."""
+    root, _ = saved
+    tag = copy_checkpoint(root, "other_model") / "step4"
+    (root / "swap_other").mkdir()
+    rc, log = run_train(
+        [
+            "--config",
+            os.path.join(CONFIGS, "aidaptiv.json"),
+            "--model",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--steps",
+            "5",
+            "--resume-from",
+            str(tag),
+            "--nvme-path",
+            str(root / "swap_other"),
+        ],
+        cwd=root,
+    )
+    assert rc == 1, log[-3000:]
+    assert f"checkpoint {tag / 'aidaptiv' / 'rank0'} does not fit this run" in log, log[-3000:]
+    assert "Missing key" not in log and "Unexpected key" not in log

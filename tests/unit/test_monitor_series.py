@@ -138,3 +138,22 @@ def test_the_loss_panel_shows_the_held_out_loss(tmp_path, monkeypatch):
     )
     run_report.plot(str(tmp_path), {"loss": [(1.0, 3.0), (2.0, 2.0)], "eval_loss": [(2.0, 2.5)]}, "metrics JSON")
     assert ("loss", "eval_loss") in drawn and ("loss", "loss") in drawn
+
+
+def test_runs_sharing_a_monitor_folder_are_not_plotted_as_one(tmp_path, capsys):
+    """Two runs appended to one job's CSV files (the step count starts again), and a second job folder: the
+    report plots one run, the newest, and says what it left out, instead of one zig-zag curve."""
+    from aidaptiv_ds.harness import run_report
+
+    folder = tmp_path / "run" / "monitor" / "job"
+    _write_csv_monitor(folder, steps=4)
+    with open(folder / "aidaptiv_loss.csv", "a", newline="") as f:  # a second run, appended
+        csv.writer(f).writerows([[1, 5.0], [2, 4.0], [3, 3.0]])
+    warnings = []
+    series = run_report.csv_series(str(tmp_path / "run"), warnings)
+    assert series["loss"] == [(1.0, 5.0), (2.0, 4.0), (3.0, 3.0)]
+    assert any("holds 2 runs" in w and "aidaptiv_loss.csv" in w for w in warnings), warnings
+    _write_csv_monitor(tmp_path / "run" / "monitor" / "job2", steps=2)
+    assert main(["report", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 2 files hold the series" in err and "own csv_monitor output_path or job_name" in err

@@ -87,3 +87,12 @@ def test_other_forms_are_refused_naming_the_accepted_ones(tmp_path):
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(DataError, match="has no records"):
         read_records(str(tmp_path / "empty.json"))
+
+
+def test_a_binary_file_under_a_text_name_is_one_sentence_with_its_name(tmp_path):
+    from aidaptiv_ds.job.record_files import DataError, read_records
+
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n' + bytes(range(128, 256)))
+    with pytest.raises(DataError, match=rf"data file {path} is not UTF-8 text \(byte 0x80"):
+        read_records(str(path))
