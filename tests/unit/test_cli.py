@@ -124,3 +124,15 @@ def test_every_subcommand_has_a_short_description():
     for command in cli.SUBCOMMANDS:
         description = cli.build_parser(command).description
         assert 0 < len(description.splitlines()) < 12, (command, description)
+
+
+def test_autoload_switched_off_imports_nothing_of_ours_at_start_up():
+    """AIDAPTIV_DS_AUTOLOAD=0 is decided in the start-up hook's .pth line itself: no import of the package (it
+    cost every Python start 7-8 ms) when the hook is off; on, the package is imported at start-up."""
+    import os
+
+    code = "import sys; print('aidaptiv_ds' in sys.modules)"
+    for value, imported in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, AIDAPTIV_DS_AUTOLOAD=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == imported, (value, out.stdout, out.stderr[-500:])
