@@ -99,8 +99,8 @@ class Grid(BaseModel):
 
     name: Optional[str] = None
     """Short name; defaults to the file name without .json."""
-    notes: str = Field(min_length=1)
-    """Where the grid comes from (paper, table, figure) and what it is for."""
+    notes: Optional[str] = None
+    """Where the grid comes from (paper, table, figure) and what it is for (free text, optional)."""
     models: list[str] = Field(min_length=1)
     """Model presets (see PRESETS) to run."""
     micro_batches: Optional[list[int]] = Field(None, min_length=1)

@@ -171,7 +171,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--train-module",
         help="module and leading args of the trainer (default: $AIDAPTIV_DS_TRAIN_MODULE or 'aidaptiv_ds train')",
     )
-    p.add_argument("--ds-configs", default="ds_configs", help="folder of <backend>.json (default: ds_configs)")
+    p.add_argument(
+        "--ds-configs",
+        default=None,
+        help="folder of <backend>.json (default: ./ds_configs, else the ds_configs/ of the checkout this "
+        "aidaptiv-ds is installed from)",
+    )
     p.add_argument("--deepspeed", help="the deepspeed launcher (default: the one next to this Python, else PATH)")
     p.add_argument(
         "--accelerator", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when nvidia-smi lists a GPU"
@@ -202,6 +207,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class _Interrupted(Exception):
     pass
+
+
+def default_ds_configs() -> str:
+    """``./ds_configs`` when the current folder has one, else the shipped configs of the checkout this package
+    runs from (an editable install, as scripts/setup.sh makes), so a sweep started elsewhere finds them."""
+    here = os.path.abspath("ds_configs")
+    if os.path.isdir(here):
+        return here
+    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ds_configs")
+    return checkout if os.path.isdir(checkout) else here
 
 
 def _default_deepspeed() -> Optional[str]:
@@ -269,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     ds_bin = args.deepspeed or _default_deepspeed()
     if not ds_bin or not (os.access(ds_bin, os.X_OK) or shutil.which(ds_bin)):
         problems.append(f"deepspeed launcher {ds_bin or 'deepspeed'} not found: install deepspeed or pass --deepspeed")
-    ds_configs = os.path.abspath(args.ds_configs)
+    ds_configs = os.path.abspath(args.ds_configs or default_ds_configs())
     for b in sorted({r.cell.backend for r in runs}, key=SWEEP_BACKENDS.index):
         name = eqmem.BASE if b == eqmem.BACKEND else b  # eqmem's config is derived from zero_infinity.json
         if not os.path.isfile(os.path.join(ds_configs, f"{name}.json")):
