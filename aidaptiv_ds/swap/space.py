@@ -389,20 +389,34 @@ class SwapFile:
         lim = file_size_limit()
         if lim is not None:
             target = min(target, lim)
+        fs = os.statvfs(self.path)
+        free = fs.f_bavail * fs.f_frsize  # before the attempt: a failed fallocate may keep what it took
         try:
             with efbig_not_sigxfsz():
                 os.posix_fallocate(self._fd, self.size, target - self.size)
         except OSError as e:
-            need = target - self.size
-            free = os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize
-            raise OSError(
-                e.errno,
-                f"cannot grow swap file {self.path} by {need / 2**30:.2f} GiB (to "
-                f"{target / 2**30:.2f} GiB): {os.strerror(e.errno)}; the filesystem has "
-                f"{free / 2**30:.2f} GiB free: free space or choose a larger nvme_path",
-                self.path,
-            ) from None
+            if e.errno != errno.ENOSPC or target <= new_end:
+                raise self._grow_error(e, target, free) from None
+            # The step ahead does not fit but what is needed now may: the plan counts the bytes, not the steps.
+            # First give back what the failed attempt took past the file's end (ext4 keeps those blocks).
+            os.ftruncate(self._fd, self.size)
+            try:
+                with efbig_not_sigxfsz():
+                    os.posix_fallocate(self._fd, self.size, new_end - self.size)
+            except OSError as e2:
+                raise self._grow_error(e2, new_end, free) from None
+            target = new_end
         self.size = target
+
+    def _grow_error(self, e: OSError, target: int, free: int) -> OSError:
+        need = target - self.size
+        return OSError(
+            e.errno,
+            f"cannot grow swap file {self.path} by {need / 2**30:.2f} GiB (to {target / 2**30:.2f} GiB): "
+            f"{os.strerror(e.errno)}; the filesystem had {free / 2**30:.2f} GiB free before: free space or choose "
+            "a larger nvme_path",
+            self.path,
+        )
 
     def allocate(self, nbytes: int) -> Extent:
         reserved = align_up(max(nbytes, 1))

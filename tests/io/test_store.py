@@ -373,3 +373,36 @@ def test_a_swap_file_truncated_under_the_job_is_an_error_not_zeros(tmp_path, eng
     with pytest.raises(OSError):
         store.read_span(f, a.offset, aligned_empty(ALIGN))
     space.close()
+
+
+def test_a_disk_with_less_free_than_a_growth_step_still_holds_what_is_needed(tmp_path, engine, monkeypatch):
+    """Swap files grow 256 MiB ahead; on a disk with less free than that but enough for the state (as the
+    planner counts it) the file grows by what is needed instead of failing, and when even that does not fit
+    the error gives the free space measured before the attempt, not what a failed fallocate left."""
+    import aidaptiv_ds.swap.space as space_module
+
+    free = {"bytes": 64 << 20, "kept": 0}
+    real_fallocate, real_ftruncate = os.posix_fallocate, os.ftruncate
+
+    def small_disk(fd, offset, length):
+        if length > free["bytes"]:
+            free["kept"], free["bytes"] = free["bytes"], 0  # a failed fallocate keeps what it took past the end
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fallocate(fd, offset, length)
+        free["bytes"] -= length
+
+    def truncate(fd, length):  # cutting the file back to its size gives those blocks back
+        free["bytes"], free["kept"] = free["bytes"] + free["kept"], 0
+        real_ftruncate(fd, length)
+
+    monkeypatch.setattr(space_module.os, "posix_fallocate", small_disk)
+    monkeypatch.setattr(space_module.os, "ftruncate", truncate)
+    space = SwapSpace(str(tmp_path), rank=0)
+    f = space.create_file("params.swp", engine)
+    extent = f.allocate(8 << 20)  # 8 MiB where the growth step would be 256 MiB
+    assert extent.offset == 0 and f.size == 8 << 20
+    free["bytes"] = 4 << 20
+    with pytest.raises(OSError, match=r"No space left on device; the filesystem had [0-9.]+ GiB free before") as e:
+        f.allocate(16 << 20)
+    assert e.value.errno == errno.ENOSPC and f.path in str(e.value)
+    space.close()
