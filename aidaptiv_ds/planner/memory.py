@@ -51,6 +51,11 @@ ZI_PARAM_BUFFER_SIZE = 20_000_000
 ZI_OPT_BUFFER_COUNT = 4
 ZI_SUB_GROUP_SIZE = 100_000_000
 ADDITIONAL_BUFFER_FACTOR = 1.5  # estimate_zero3_model_states_mem_needs's default
+# What a chosen host budget leaves of a node's memory for the OS, the page cache, data loading and the user:
+# a tenth of it, at least 2 GiB. Only the plan's own choice keeps it (a budget given is taken as given), and
+# never at the price of a job that would otherwise fit: then the budget is the least the run needs.
+HOST_RESERVE_FRACTION = 0.1
+HOST_RESERVE_MIN = 2 * GiB
 # The transient above the steady state in a DeepSpeed backend's first steps on CPU, in host bytes per parameter
 # of the whole (unpartitioned) model: every rank computes the gradients of the gathered layers, and the
 # optimizer's first step allocates its work buffers. Measured, not fitted: a 1-rank run of the tiny preset
@@ -416,9 +421,18 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
     available = (hw.host_mem - hw.launcher_host) // local - pageable
     budget = job.host_budget
     if budget is None:
-        # The largest budget host memory allows, but no more than the run can use (everything resident).
+        # The largest budget host memory allows less the reserve, but no more than the run can use (everything
+        # resident).
         on_host = lambda b: b + (bucket_bytes(b) if hw.gpu_mem is None else 0)
-        budget = max(available, 1)
+        reserve = int(max(HOST_RESERVE_MIN, HOST_RESERVE_FRACTION * hw.host_mem)) // local
+        budget = max(available - reserve, 1)
+        least = aidaptiv_split(job, hw, max(available, 1))[0]
+        if least.fits and not aidaptiv_split(job, hw, budget)[0].fits:
+            budget = least.minimum  # the reserve would refuse a job that fits: it gets the least it needs
+            plan.notes.append(
+                f"host_memory_budget: less than the {reserve / GiB:.1f} GiB reserve is left for the OS and the "
+                "page cache"
+            )
         for _ in range(3):  # the 'auto' chunk depends on the budget, and what the run can use on the chunk
             split = aidaptiv_split(job, hw, max(budget, 1))[0]
             if not split.fits:
@@ -429,7 +443,8 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
         plan.notes.append(
             "host_memory_budget chosen: the host memory left after the framework"
             + (" and activations" if hw.gpu_mem is None else "")
-            + ", at most what the model can use"
+            + f" and a reserve of {reserve / GiB:.1f} GiB for the OS and the page cache, at most what the model"
+            " can use"
         )
     split, size, group_bytes, subs, chunk = aidaptiv_split(job, hw, budget)
     plan.split = split

@@ -637,3 +637,85 @@ def test_write_config_where_nothing_fits_exits_3_and_writes_nothing(tmp_path, ca
     ]
     assert cli.main(args) == 3
     assert not out.exists() and "aidaptiv does not fit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model,host", [("llama2-70b", "256GB"), ("llama2-7b", "128GB")])
+def test_the_chosen_budget_leaves_the_os_a_reserve(capsys, model, host):
+    """70B on 256 GB pinned 237.9 of 238.4 GiB and 7B on 128 GB 117.7 of 119.2 GiB, leaving half a GiB for the
+    OS, the page cache, data loading and the user: the chosen budget keeps a tenth of the node free."""
+    rc, out = plan_json(
+        capsys,
+        "--model",
+        model,
+        "--seq-len",
+        "2048",
+        "--micro-batch",
+        "1",
+        "--dtype",
+        "bf16",
+        "--host-mem",
+        host,
+        "--gpu-mem",
+        "40GB",
+        "--nvme-free",
+        "4TB",
+        "--nvme-read-bw",
+        "3GB/s",
+        "--nvme-write-bw",
+        "2GB/s",
+        "--cpu-flops",
+        "1e12",
+        "--cpu-adam",
+        "1e9",
+        "--framework-mem",
+        "4GiB",
+        "--no-probe",
+        "--backend",
+        "aidaptiv",
+        "--activations",
+        "recompute",
+    )
+    plan = out["backends"]["aidaptiv"]
+    host_bytes = out["hardware"]["host_mem_bytes"]
+    assert plan["fits"], plan["problems"]
+    assert plan["totals"]["host_per_node"] <= 0.9 * host_bytes
+    assert plan["settings"]["host_memory_budget"] >= 0.5 * host_bytes  # still most of the node
+
+
+def test_the_reserve_never_refuses_a_job_that_fits(capsys):
+    """On a node just large enough, the reserve gives way: the budget is the least the run needs."""
+    args = [
+        "--model",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "1",
+        "--dtype",
+        "fp32",
+        "--nvme-free",
+        "100GB",
+        "--nvme-read-bw",
+        "1GB/s",
+        "--nvme-write-bw",
+        "1GB/s",
+        "--cpu-flops",
+        "1e11",
+        "--cpu-adam",
+        "1e8",
+        "--framework-mem",
+        "1200MiB",
+        "--no-probe",
+        "--backend",
+        "aidaptiv",
+    ]
+    _, roomy = plan_json(capsys, *args, "--host-mem", "64GiB")
+    need = (
+        roomy["backends"]["aidaptiv"]["totals"]["host_per_node"]
+        - roomy["backends"]["aidaptiv"]["settings"]["host_memory_budget"]
+    )
+    least = 1300 << 20  # above tiny's minimum budget, far below the 2 GiB reserve
+    rc, tight = plan_json(capsys, *args, "--host-mem", str(need + least))
+    plan = tight["backends"]["aidaptiv"]
+    assert rc == 0 and plan["fits"], plan["problems"]
+    assert any("less than the" in n and "reserve" in n for n in plan["notes"])
