@@ -10,7 +10,7 @@ other config reaches DeepSpeed untouched.
 So a plain ``deepspeed.initialize`` script, or HF Trainer with ``--deepspeed config.json``, started by the
 ``deepspeed`` launcher as usual, runs with our swapper when the config says so, and exactly as before when
 it does not. Set ``AIDAPTIV_DS_AUTOLOAD=0`` to switch the hook off: the .pth line reads it first and then
-imports nothing of ours (:func:`install_hook` checks it too, for a program that imports this module itself).
+leaves the package unimported (:func:`install_hook` checks it too, for a program that imports this module itself).
 """
 
 from __future__ import annotations
