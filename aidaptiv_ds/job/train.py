@@ -461,12 +461,12 @@ class Run:
             return fresh
         skipped = []
         for source in candidates:
-            load_dir, tag = _resolve_resume(source)
             try:
+                load_dir, tag = _resolve_resume(source)
                 path, client = self.engine.load_checkpoint(
                     load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
                 )
-            except CheckpointDamagedError as e:  # a damaged or planted tag: with --resume auto, the next one
+            except (CheckpointDamagedError, TrainingFailed) as e:  # damaged or planted: with auto, the next tag
                 if a.resume != "auto":
                     raise
                 skipped.append(source)

@@ -133,10 +133,21 @@ def latest_checkpoint(save_dir: str) -> str | None:
 
 
 def checkpoint_candidates(save_dir: str) -> list[str]:
-    """The tag folders ``--resume auto`` tries, in order: the one 'latest' names, then every other completed
-    tag (a folder with a DeepSpeed model state), newest first by the step number in its name. Staging and
-    set-aside folders (``.<tag>.saving``, ``.<tag>.previous``) are never candidates."""
-    first = latest_checkpoint(save_dir)
+    """The tag folders ``--resume auto`` tries, in order: the one 'latest' names (put back first if a save was
+    cut between its renames; skipped if it is gone), then every other completed tag (a folder with a DeepSpeed
+    model state), newest first by the step number in its name. Staging and set-aside folders
+    (``.<tag>.saving``, ``.<tag>.previous``) are never candidates."""
+    from aidaptiv_ds.common import durable
+
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            durable.recover(save_dir, f.read().strip())  # a save interrupted between its two renames
+    except OSError:
+        pass
+    try:
+        first = latest_checkpoint(save_dir)
+    except ValueError:  # 'latest' names a tag that is gone: the others are still candidates
+        first = None
     out = [first] if first else []
 
     def step_of(name: str) -> int:

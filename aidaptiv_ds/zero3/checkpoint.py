@@ -39,17 +39,13 @@ import torch
 
 from aidaptiv_ds.common import durable
 from aidaptiv_ds.swap.budget_split import TRANSFER_MIN
-from aidaptiv_ds.zero3.checkpoint_verify import ALGORITHM, CheckpointDamagedError, inspectors
+from aidaptiv_ds.zero3.checkpoint_verify import ALGORITHM, CheckpointDamagedError, CheckpointMismatchError, inspectors
 
 log = logging.getLogger(__name__)
 
 FORMAT = 2
 CHUNK = 64 * 1024 * 1024
 MANIFEST = "manifest.json"
-
-
-class CheckpointMismatchError(ValueError):
-    pass
 
 
 def refused_file(path: str, error: BaseException) -> CheckpointDamagedError:
@@ -62,8 +58,9 @@ def refused_file(path: str, error: BaseException) -> CheckpointDamagedError:
         what = globals_named[0] if globals_named else first
         return CheckpointDamagedError(
             f"checkpoint file {path} holds objects other than tensors and plain data ({what}): loading it could "
-            "run code, so it is refused. aidaptiv-ds and DeepSpeed never write such objects; the file was changed "
-            "after the save. Resume from another checkpoint (--resume auto takes the newest that verifies)"
+            "run code, so it is refused. aidaptiv-ds and DeepSpeed write none there: the file was changed after "
+            "the save, or a client_state given to save_checkpoint held such an object (save plain data in it). "
+            "Resume from another checkpoint (--resume auto takes the newest that verifies)"
         )
     return CheckpointDamagedError(
         f"checkpoint file {path} cannot be read ({type(error).__name__}: {first}): it is truncated or damaged. "
@@ -270,10 +267,16 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
             state_valid=sg.state_valid,
             scalars={k: _scalar_to_json(v) for k, v in sg.scalars.items()},
         )
+    # Which parameters hold numbers: a QLoRA base is bitsandbytes' packed 4-bit data stored in the model dtype,
+    # whose bytes read as that dtype are arbitrary (some are NaN), so only the finite check skips it.
+    packed = {name for name, p in engine.module.named_parameters() if getattr(p, "quant_state", None) is not None}
     parameters = []
     for rec in sorted(ps.records.values(), key=lambda r: r.extent.offset):
         name, shape = names[rec.ds_id]
-        parameters.append({"name": name, "shape": shape, "partition_numel": rec.numel, "offset": rec.extent.offset})
+        entry = {"name": name, "shape": shape, "partition_numel": rec.numel, "offset": rec.extent.offset}
+        if name in packed:
+            entry["values"] = False
+        parameters.append(entry)
     manifest = {
         "format": FORMAT,
         "rank": runtime.rank,
@@ -348,9 +351,14 @@ def read_manifest(load_dir: str, tag: str, rank: int) -> tuple:
             "missing): it was not saved by an aidaptiv run with this many ranks; resume it with the config "
             "and world size that saved it"
         )
-    with open(path, encoding="utf-8") as f:
-        manifest = json.load(f)
-    fmt = manifest.get("format")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        fmt = manifest.get("format")
+    except (ValueError, AttributeError) as e:  # not JSON, or not an object
+        raise CheckpointDamagedError(
+            f"checkpoint manifest {path} cannot be read ({e}): the checkpoint is damaged; resume from another one"
+        ) from None
     if fmt != FORMAT:
         old = (
             " (keyed by DeepSpeed's process-wide parameter ids, tied to the process and budget that saved it)"
@@ -372,7 +380,7 @@ def read_manifest(load_dir: str, tag: str, rank: int) -> tuple:
         p = os.path.join(folder, name)
         size = os.path.getsize(p) if os.path.exists(p) else -1
         if size < manifest[key]:
-            raise CheckpointMismatchError(
+            raise CheckpointDamagedError(
                 f"checkpoint file {p} has {max(size, 0)} bytes, its manifest says {manifest[key]}: the checkpoint "
                 "is damaged (not written by a completed save); resume from another one"
             )

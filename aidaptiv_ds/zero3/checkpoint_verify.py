@@ -35,8 +35,14 @@ UNLISTED_DIRS = ("aidaptiv", "hf")  # covered by the manifests / written after t
 READ_BLOCK = 16 << 20  # bytes read at a time when verifying (plain reads, outside the host budget)
 
 
-class CheckpointDamagedError(ValueError):
-    """A checkpoint file that is not what its save wrote: changed, truncated, planted or holding NaN/inf."""
+class CheckpointMismatchError(ValueError):
+    """A checkpoint this run cannot load: another model, dtype or world size, or a format this version does not
+    read."""
+
+
+class CheckpointDamagedError(CheckpointMismatchError):
+    """A checkpoint file that is not what its save wrote: changed, truncated, planted or holding NaN/inf. Every
+    rank raises it together (see aidaptiv_ds.zero3.engine_hooks), so --resume auto skips the tag on all."""
 
 
 AGAIN = "resume from another checkpoint (--resume auto takes the newest one that verifies)"
@@ -45,29 +51,55 @@ AGAIN = "resume from another checkpoint (--resume auto takes the newest one that
 Range = Tuple[int, int, torch.dtype, str]
 
 
+def _valid_numel(manifest: dict) -> Dict[str, int]:
+    """Elements of each parameter's partition on this rank that belong to the parameter: ZeRO pads the last
+    ranks' partitions, and the padding holds whatever its buffer held (not values; training never reads it)."""
+    rank = manifest.get("rank", 0)
+    out = {}
+    for p in manifest["parameters"]:
+        total = 1
+        for d in p["shape"]:
+            total *= int(d)
+        out[p["name"]] = max(0, min(p["partition_numel"], total - rank * p["partition_numel"]))
+    return out
+
+
 def param_ranges(manifest: dict) -> List[Range]:
-    """The ranges of params.bin holding each parameter's partition (in the model dtype)."""
+    """The ranges of params.bin holding each parameter's partition (in the model dtype), without ZeRO's padding
+    and without parameters that do not hold numbers (a QLoRA base's packed 4-bit data: ``"values": false``)."""
     dtype = getattr(torch, manifest["model_dtype"])
     size = torch.tensor([], dtype=dtype).element_size()
-    out = [(p["offset"], p["partition_numel"] * size, dtype, f"parameter {p['name']}") for p in manifest["parameters"]]
+    valid = _valid_numel(manifest)
+    out = [
+        (p["offset"], valid[p["name"]] * size, dtype, f"parameter {p['name']}")
+        for p in manifest["parameters"]
+        if p.get("values", True) and valid[p["name"]] > 0
+    ]
     return sorted(out)
 
 
 def optim_ranges(manifest: dict) -> List[Range]:
     """The ranges of optim.bin holding each chunk's fp32 master (unless the parameter is the master) and
-    optimizer state, without the padding that aligns each part to 4 KiB."""
+    optimizer state: each piece of a parameter in a chunk's parts, without ZeRO's padding and without the
+    padding that aligns each part to 4 KiB."""
+    valid = _valid_numel(manifest)
+    packed = {p["name"] for p in manifest["parameters"] if not p.get("values", True)}
     out = []
     for g in manifest["sub_groups"]:
         # A sub-group that never stepped holds no state yet (its slots are not values); its master always is.
         names = list(g.get("state_keys") or ["state 0", "state 1"])
-        valid = [bool(g.get("state_valid"))] * len(names)
+        holds = [bool(g.get("state_valid"))] * len(names)
         if not manifest["master_is_parameter"]:
-            names, valid = ["fp32 master"] + names, [True] + valid
+            names, holds = ["fp32 master"] + names, [True] + holds
         for i, c in enumerate(g["chunks"]):
-            for k, what in enumerate(names):
-                if not valid[k]:
+            for name, start, numel, flat in c["pieces"]:
+                n = max(0, min(start + numel, valid.get(name, start + numel)) - start)
+                if n == 0 or name in packed:
                     continue
-                out.append((c["offset"] + k * c["part"], c["numel"] * 4, torch.float32, f"{what} of chunk {i}"))
+                for k, what in enumerate(names):
+                    if holds[k]:
+                        offset = c["offset"] + k * c["part"] + flat * 4
+                        out.append((offset, n * 4, torch.float32, f"{what} of {name} (chunk {i})"))
     return sorted(out)
 
 
@@ -250,8 +282,11 @@ def verify_tag_files(tag_dir: str) -> bool:
             f"checkpoint {tag_dir} holds files its save did not write ({', '.join(extra[:5])}): they were added "
             f"after the save and are not loaded; {AGAIN}"
         )
-    for rel, (size, crc) in sorted(files.items()):
+    for rel, entry in sorted(files.items()):
         full = os.path.join(tag_dir, rel)
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, int) for x in entry)):
+            raise CheckpointDamagedError(f"checkpoint file {path} is malformed (entry {rel!r}): {AGAIN}")
+        size, crc = entry
         if not os.path.isfile(full) or os.path.islink(full):
             raise CheckpointDamagedError(f"checkpoint file {full} is missing: {AGAIN}")
         got_size, got_crc = file_crc32(full)
@@ -268,7 +303,15 @@ def verify_tag(tag_dir: str, folder: str, manifest: dict) -> None:
     (``folder`` and its ``manifest``). Raises :class:`CheckpointDamagedError` naming the file, and logs a
     warning when the tag predates checksums."""
     files_checked = verify_tag_files(tag_dir)
-    state_checked = verify_rank(folder, manifest)
+    try:
+        state_checked = verify_rank(folder, manifest)
+    except CheckpointMismatchError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest changed by hand or damaged
+        raise CheckpointDamagedError(
+            f"checkpoint manifest {os.path.join(folder, 'manifest.json')} is malformed ({type(e).__name__}: {e}): "
+            f"{AGAIN}"
+        ) from None
     if not (files_checked and state_checked):
         log.warning(
             "aidaptiv: checkpoint %s has no checksums (saved before aidaptiv-ds wrote them): its files are not "

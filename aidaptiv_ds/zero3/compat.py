@@ -142,6 +142,20 @@ def checkpoint_engine_is_decoupled(engine) -> bool:
     return bool(ce is not None and ce.is_decoupled())
 
 
+def worst_on_any_rank(engine, value: int) -> int:
+    """The largest of every rank's ``value`` (an all-reduce MAX on the engine's device); ``value`` alone when
+    the run has one rank. What makes every rank decide alike about a checkpoint one of them found bad."""
+    from deepspeed import comm as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    import torch
+
+    flag = torch.tensor([value], dtype=torch.int32, device=engine.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
 def checkpoint_data_classes() -> list:
     """The classes DeepSpeed 0.19.8 pickles into a ZeRO-3 checkpoint besides tensors and plain data (its
     optimizer states hold the loss scaler and the ZeRO stage): what a load with ``weights_only=True`` must

@@ -48,7 +48,17 @@ def attach(engine, runtime) -> None:
         # (it rewrites it in place): it is replaced atomically once the tag's folder is in place. A save past
         # ulimit -f fails with EFBIG, not SIGXFSZ.
         with runtime.writing():
-            checkpoint.save(engine, runtime, save_dir, staging)
+            problem = None
+            try:
+                checkpoint.save(engine, runtime, save_dir, staging)
+            except checkpoint_verify.CheckpointDamagedError as e:  # non-finite state: nothing is published
+                problem = e
+            # Every rank stops together (the others would wait for it in DeepSpeed's save otherwise).
+            if compat.worst_on_any_rank(engine, int(problem is not None)):
+                raise problem or checkpoint_verify.CheckpointDamagedError(
+                    f"not saved: another rank's state holds a non-finite value (its message says where); the "
+                    f"last checkpoint in {save_dir} stays the one to resume from"
+                )
             with compat.checkpoint_file_hooks(engine, durable.crash_point, durable.hooks_active()):
                 ds_save(
                     save_dir,
@@ -67,14 +77,30 @@ def attach(engine, runtime) -> None:
     @functools.wraps(ds_load)
     def load_checkpoint(load_dir, tag=None, **kwargs):
         resolved = checkpoint.resolve_tag(load_dir, tag)
+        problem = None
         if resolved is not None:
             durable.recover(load_dir, resolved)
             if os.path.isdir(os.path.join(load_dir, resolved)):  # (a missing one: DeepSpeed returns None)
                 # Refuse a checkpoint this version cannot load, or one that is not what its save wrote, before
                 # DeepSpeed changes anything.
-                folder, manifest = checkpoint.read_manifest(load_dir, resolved, runtime.rank)
-                checkpoint_verify.verify_tag(os.path.join(load_dir, resolved), folder, manifest)
-                checkpoint.check_fits_this_run(engine, runtime, folder, manifest)
+                try:
+                    folder, manifest = checkpoint.read_manifest(load_dir, resolved, runtime.rank)
+                    checkpoint_verify.verify_tag(os.path.join(load_dir, resolved), folder, manifest)
+                    checkpoint.check_fits_this_run(engine, runtime, folder, manifest)
+                except checkpoint_verify.CheckpointMismatchError as e:
+                    problem = e
+        # Every rank loads the tag or none does, and refuses it alike (damaged: 2, which --resume auto skips on
+        # all ranks together; another mismatch: 1), whichever rank found the problem in its own files.
+        kind = 2 if isinstance(problem, checkpoint_verify.CheckpointDamagedError) else int(problem is not None)
+        worst = compat.worst_on_any_rank(engine, kind)
+        if worst:
+            if problem is not None and (worst == 2) == isinstance(problem, checkpoint_verify.CheckpointDamagedError):
+                raise problem
+            cls = checkpoint_verify.CheckpointDamagedError if worst == 2 else checkpoint_verify.CheckpointMismatchError
+            raise cls(
+                f"checkpoint {os.path.join(load_dir, str(resolved))} was refused by another rank (its message says "
+                "why): resume from another checkpoint (--resume auto takes the newest one that verifies)"
+            )
         # Every file DeepSpeed unpickles is loaded as data only: a planted object is refused, not run.
         with compat.checkpoint_loads_as_data(engine, checkpoint.refused_file):
             load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)

@@ -71,7 +71,7 @@ class Job:
         fault: str = "none",
         step: int = FAULT_STEP,
         delay: float = 0.0,
-        resume: bool = False,
+        resume=False,  # True: --resume-from the save dir; "auto": --resume auto
     ):
         self.metrics = os.path.join(folder, f"{name}.json")
         self.save = os.path.join(folder, "ckpt")
@@ -88,7 +88,9 @@ class Job:
             "--save-every",
             str(SAVE_EVERY),
         ]
-        if resume:
+        if resume == "auto":
+            args += ["--resume", "auto"]
+        elif resume:
             args += ["--resume-from", self.save]
         cmd = [sys.executable, os.path.join(HERE, "fault_job.py"), fault, str(step), str(delay), "--", *args]
         self.t0 = time.time()
@@ -260,6 +262,143 @@ def _two_jobs(folder, ref_losses, rng):
     return row
 
 
+class _Payload:
+    """Unpickling this runs exec(): what a planted checkpoint would do (it writes ``marker``)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('the payload ran')",))
+
+
+def _plant_payload(tag: str, rng) -> None:
+    """A pickle payload added to DeepSpeed's model_states.pt, with the tag's checksums rewritten as an attacker
+    would, so only the data-only load stands between it and a run."""
+    import glob
+
+    import torch
+
+    from aidaptiv_ds.zero3.checkpoint_verify import write_tag_checksums
+
+    path = glob.glob(os.path.join(tag, "*model_states.pt"))[0]
+    sd = torch.load(path, weights_only=False)  # the test wrote it: trusted here
+    sd["planted"] = _Payload(os.path.join(os.path.dirname(os.path.dirname(tag)), "payload_ran"))
+    torch.save(sd, path)
+    write_tag_checksums(tag)
+
+
+def _flip_bit(name: str):
+    def damage(tag: str, rng) -> None:
+        path = os.path.join(tag, "aidaptiv", "rank0", name)
+        with open(os.path.join(tag, "aidaptiv", "rank0", "manifest.json")) as f:
+            size = json.load(f)["params_bytes" if name == "params.bin" else "optim_bytes"]
+        offset = rng.randrange(size)
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ (1 << rng.randrange(8))]))
+
+    return damage
+
+
+def _nan_weight(tag: str, rng) -> None:
+    folder = os.path.join(tag, "aidaptiv", "rank0")
+    with open(os.path.join(folder, "manifest.json")) as f:
+        p = rng.choice(json.load(f)["parameters"])
+    with open(os.path.join(folder, "params.bin"), "r+b") as f:  # fp32: 4 bytes a value
+        f.seek(p["offset"] + 4 * rng.randrange(p["partition_numel"]))
+        f.write(b"\x00\x00\xc0\x7f")  # a quiet NaN
+
+
+def _truncate_model_states(tag: str, rng) -> None:
+    import glob
+
+    path = glob.glob(os.path.join(tag, "*model_states.pt"))[0]
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _damaged(damage: Callable, words):
+    """The newest checkpoint damaged after its save: ``--resume auto`` refuses it, says which file and why,
+    and resumes the one before onto the uninterrupted losses (a damaged tag never loads as a success)."""
+
+    def run(folder, ref_losses, rng):
+        config = write_config(folder)
+        job = Job(folder, config, "saved").finish()
+        tag = job.latest()
+        row = {"rc": job.rc, "hang": job.hang, "crash": job.rc != 0, "latest": tag}
+        if job.rc != 0 or tag is None:
+            row.update(intact=False, clear_error=False, log=job.log[-1500:])
+            return row
+        damage(os.path.join(job.save, tag), rng)
+        resumed = Job(folder, config, "resumed", resume="auto").finish()
+        skipped = [ln for ln in resumed.log.splitlines() if "--resume auto: skipped" in ln]
+        row.update(
+            resume_rc=resumed.rc,
+            hang=resumed.hang,
+            crash=resumed.rc not in (0, 1),
+            seconds=round(job.seconds + resumed.seconds, 1),
+            status=(skipped[-1] if skipped else resumed.status)[-400:],
+            payload_ran=os.path.exists(os.path.join(folder, "payload_ran")),
+        )
+        row["clear_error"] = bool(skipped) and any(w in skipped[-1] for w in words) and tag in skipped[-1]
+        try:
+            with open(resumed.metrics) as f:
+                first_step = json.load(f).get("first_step")
+        except (OSError, ValueError):
+            first_step = None
+        previous = int(tag[len("step") :]) - SAVE_EVERY
+        row["intact"] = (
+            resumed.rc == 0 and not row["payload_ran"] and first_step == previous and same(resumed.losses(), ref_losses)
+        )
+        if not row["intact"]:
+            row["resume_log"] = resumed.log[-1500:]
+        return row
+
+    return run
+
+
+def _budgets(folder, ref_losses, rng):
+    """The same job under the fault suite's 40 MiB budget and under 16 times that: the larger budget writes no
+    more to the disk per step and trains the same losses (a larger budget never does worse)."""
+    small = Job(folder, write_config(folder), "small").finish()
+    large_cfg = os.path.join(folder, "large.json")
+    with open(write_config(folder)) as f:
+        cfg = json.load(f)
+    cfg["aidaptiv"]["host_memory_budget"] = "640MiB"
+    with open(large_cfg, "w") as f:
+        json.dump(cfg, f)
+    large = Job(folder, large_cfg, "large").finish()
+
+    def written(job):
+        try:
+            with open(job.metrics) as f:
+                m = json.load(f)
+            return m["nvme_write_bytes"] / max(1, m["nvme_bytes_steps"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    w_small, w_large = written(small), written(large)
+    row = {
+        "rc": large.rc,
+        "hang": small.hang or large.hang,
+        "crash": small.rc != 0 or large.rc != 0,
+        "seconds": round(small.seconds + large.seconds, 1),
+        "status": f"written per step: {w_small} B at 40 MiB, {w_large} B at 640 MiB",
+    }
+    row["clear_error"] = True  # nothing to say: both runs must simply succeed
+    row["intact"] = (
+        w_small is not None
+        and w_large is not None
+        and w_large <= w_small
+        and same(small.losses(), ref_losses)
+        and same(large.losses(), ref_losses)
+    )
+    return row
+
+
 CASES: Dict[str, Dict[str, Callable]] = {
     "eio-read": {
         "fault": "EIO on every read from step 4 (posix backend, seccomp)",
@@ -302,6 +441,30 @@ CASES: Dict[str, Dict[str, Callable]] = {
         "run": _surviving("no-memlock+no-uring", ("page-locking the pinned pool", "posix")),
     },
     "two-jobs": {"fault": "a second job on the same nvme_path and rank while the first runs", "run": _two_jobs},
+    "planted-payload": {
+        "fault": "a pickle payload planted in the newest checkpoint's model_states.pt, its checksums rewritten",
+        "run": _damaged(_plant_payload, ("holds objects other than tensors",)),
+    },
+    "flipped-params": {
+        "fault": "one bit flipped at a random offset of the newest checkpoint's params.bin",
+        "run": _damaged(_flip_bit("params.bin"), ("do not match the checksum", "non-finite")),
+    },
+    "flipped-optim": {
+        "fault": "one bit flipped at a random offset of the newest checkpoint's optim.bin",
+        "run": _damaged(_flip_bit("optim.bin"), ("do not match the checksum", "non-finite")),
+    },
+    "nan-weights": {
+        "fault": "a NaN written into a random parameter of the newest checkpoint's params.bin",
+        "run": _damaged(_nan_weight, ("non-finite value (nan)",)),
+    },
+    "damaged-model-states": {
+        "fault": "the newest checkpoint's model_states.pt cut to half its size",
+        "run": _damaged(_truncate_model_states, ("is not what its save wrote", "cannot be read")),
+    },
+    "budget-monotonicity": {
+        "fault": "none: the same job under a 16 times larger host budget",
+        "run": _budgets,
+    },
 }
 
 

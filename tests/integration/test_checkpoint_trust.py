@@ -227,3 +227,28 @@ def test_resuming_another_model_is_one_sentence(saved):
     assert rc == 1, log[-3000:]
     assert f"checkpoint {tag / 'aidaptiv' / 'rank0'} does not fit this run" in log, log[-3000:]
     assert "Missing key" not in log and "Unexpected key" not in log
+
+
+def test_two_ranks_skip_a_tag_only_one_of_them_finds_damaged(tmp_path):
+    """Rank 1's params.bin of the newest tag is damaged, rank 0's is not: both ranks refuse it together and
+    resume the tag before it (one rank loading step 4 and the other step 2 would train on mixed state)."""
+    from helpers import aidaptiv_config, failure_excerpt
+
+    config = aidaptiv_config(tmp_path, host_memory_budget="64MiB")
+    common = ["--config", config, *COMMON, "--save-dir", str(tmp_path / "ck")]
+    rc, log = run_train([*common, "--steps", "4", "--save-every", "2"], cwd=tmp_path, launcher_procs=2)
+    assert rc == 0, failure_excerpt(log)
+    with open(tmp_path / "ck" / "step4" / "aidaptiv" / "rank1" / "params.bin", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 0x01]))
+    metrics = tmp_path / "m.json"
+    rc, log = run_train(
+        [*common, "--steps", "5", "--resume", "auto", "--metrics-out", str(metrics)], cwd=tmp_path, launcher_procs=2
+    )
+    assert rc == 0, failure_excerpt(log)
+    assert log.count(f"--resume auto: skipped {tmp_path / 'ck' / 'step4'}") >= 1, failure_excerpt(log)
+    assert "refused by another rank" in log or "rank1/params.bin" in log
+    m = read_metrics(metrics)
+    assert m["first_step"] == 2 and m["resume_skipped"] == [str(tmp_path / "ck" / "step4")]

@@ -10,19 +10,22 @@ from aidaptiv_ds.job.train_plan import checkpoint_candidates
 from aidaptiv_ds.zero3 import checkpoint_verify as V
 
 
-def manifest(master_is_parameter=True, state_valid=True):
+def manifest(master_is_parameter=True, state_valid=True, rank=0):
     return {
+        "rank": rank,
         "model_dtype": "float32",
         "master_is_parameter": master_is_parameter,
         "parameters": [
-            {"name": "w", "partition_numel": 1000, "offset": 0},
-            {"name": "b", "partition_numel": 10, "offset": 8192},
+            {"name": "w", "shape": [1000 * (rank + 1)], "partition_numel": 1000, "offset": 0},
+            {"name": "b", "shape": [10 * (rank + 1)], "partition_numel": 10, "offset": 8192},
         ],
         "sub_groups": [
             {
                 "state_keys": ["exp_avg", "exp_avg_sq"],
                 "state_valid": state_valid,
-                "chunks": [{"offset": 0, "numel": 1010, "part": 4096}],
+                "chunks": [
+                    {"offset": 0, "numel": 1010, "part": 4096, "pieces": [["w", 0, 1000, 0], ["b", 0, 10, 1000]]}
+                ],
             }
         ],
     }
@@ -54,12 +57,30 @@ def test_padding_between_parameters_may_hold_anything():
 
 def test_optimizer_state_is_checked_only_once_it_holds_values():
     ranges = V.optim_ranges(manifest(master_is_parameter=False, state_valid=False))
-    assert [r[3] for r in ranges] == ["fp32 master of chunk 0"]
+    assert [r[3] for r in ranges] == ["fp32 master of w (chunk 0)", "fp32 master of b (chunk 0)"]
     ranges = V.optim_ranges(manifest(master_is_parameter=True, state_valid=True))
-    assert [(r[0], r[3]) for r in ranges] == [(0, "exp_avg of chunk 0"), (4096, "exp_avg_sq of chunk 0")]
+    assert [(r[0], r[1], r[3]) for r in ranges] == [
+        (0, 4000, "exp_avg of w (chunk 0)"),
+        (4000, 40, "exp_avg of b (chunk 0)"),
+        (4096, 4000, "exp_avg_sq of w (chunk 0)"),
+        (8096, 40, "exp_avg_sq of b (chunk 0)"),
+    ]
     insp = V.FileInspector("/ck/optim.bin", ranges)
-    with pytest.raises(V.CheckpointDamagedError, match="exp_avg_sq of chunk 0 at byte offset 4100"):
+    with pytest.raises(V.CheckpointDamagedError, match=r"exp_avg_sq of w \(chunk 0\) at byte offset 4100"):
         insp.see(0, block(8192, at=4100))
+
+
+def test_zero_padding_and_packed_quantized_data_are_not_values():
+    """The last rank's partitions end in ZeRO's padding (left as the buffer held it) and a QLoRA base holds
+    packed 4-bit data: neither is checked for NaN (the CRC still covers their bytes)."""
+    m = manifest(rank=1)
+    m["parameters"][0]["shape"] = [1500]  # rank 1 holds elements 1000..1499: 500 values, 500 padding
+    assert [(r[0], r[1]) for r in V.param_ranges(m)] == [(0, 2000), (8192, 40)]
+    insp = V.FileInspector("/ck/params.bin", V.param_ranges(m))
+    insp.see(0, block(8192, at=2000 + 8))  # NaN in the padding: not refused
+    m["parameters"][0]["values"] = False
+    assert [r[3] for r in V.param_ranges(m)] == ["parameter b"]
+    assert all("of w" not in r[3] for r in V.optim_ranges(m))
 
 
 def test_tag_checksums_refuse_a_changed_or_an_added_file(tmp_path):
