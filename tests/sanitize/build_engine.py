@@ -27,6 +27,9 @@ def liburing() -> tuple[str, str]:
 
 def main() -> None:
     repo, out, flags = sys.argv[1], sys.argv[2], sys.argv[3].split()
+    # This process has the runtime preloaded (to import what it builds); the compilers it starts must not:
+    # g++ under a preloaded ThreadSanitizer runtime crashes.
+    os.environ.pop("LD_PRELOAD", None)
     from torch.utils import cpp_extension
 
     include, archive = liburing()
