@@ -38,13 +38,12 @@ from typing import Dict, List, Optional
 import torch
 
 from aidaptiv_ds.common import durable
-from aidaptiv_ds.swap.budget_split import TRANSFER_MIN
+from aidaptiv_ds.zero3.checkpoint_transfer import Mover, close_file, pread_into, read_into, write_from
 from aidaptiv_ds.zero3.checkpoint_verify import ALGORITHM, CheckpointDamagedError, CheckpointMismatchError, inspectors
 
 log = logging.getLogger(__name__)
 
 FORMAT = 2
-CHUNK = 64 * 1024 * 1024
 MANIFEST = "manifest.json"
 
 
@@ -81,98 +80,6 @@ def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
         return None
     with open(latest, encoding="utf-8") as f:
         return f.read().strip()
-
-
-class _Mover:
-    """Copies between a swap file and a checkpoint file through one pinned buffer."""
-
-    def __init__(self, runtime):
-        self.runtime = runtime
-        # Up to CHUNK, and never more than an eighth of the budget (resident state may hold the rest); where
-        # that much is not free (a LoRA run's pool is its slots and little else, whatever the budget), half as
-        # much, down to TRANSFER_MIN, which the budget split always leaves room for.
-        size = max(TRANSFER_MIN, min(CHUNK, runtime.memory.capacity // 8) // (1 << 20) * (1 << 20))
-        buf = runtime.memory.try_take(size)
-        while buf is None and size > TRANSFER_MIN:
-            size = max(TRANSFER_MIN, size // 2 // (1 << 20) * (1 << 20))
-            buf = runtime.memory.try_take(size)
-        self.buf = buf if buf is not None else runtime.memory.take(size, "checkpoint transfer buffer")
-        self.chunk = size
-
-    def open(self, path: str, create: bool):
-        try:
-            return self.runtime.engine.open(path, create=create, exclusive=create)
-        except OSError as e:
-            if e.errno == 22:  # EINVAL: this filesystem refuses O_DIRECT (e.g. tmpfs)
-                return _BufferedFile(path, create)
-            raise
-
-    def copy(self, src, src_off: int, dst, dst_off: int, nbytes: int, inspect=None) -> None:
-        """src/dst are engine files or _BufferedFile; offsets of engine files are 4 KiB aligned. ``inspect``
-        (a FileInspector's ``see``) is shown each block on its way to ``dst``."""
-        done = 0
-        while done < nbytes:
-            n = min(self.chunk, nbytes - done)
-            view = self.buf[:n]
-            _read(self.runtime, src, src_off + done, view)
-            if inspect is not None:
-                inspect(dst_off + done, view)
-            _write(self.runtime, dst, dst_off + done, view)
-            done += n
-            durable.crash_point(f"copied {done} of {nbytes} bytes")
-
-
-class _BufferedFile:
-    """A checkpoint file through the page cache (where O_DIRECT is refused). Made durable by the caller's
-    fsync of the whole folder before it is published."""
-
-    def __init__(self, path: str, create: bool):
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | ((os.O_CREAT | os.O_EXCL) if create else 0)
-        self.path = path
-        self.fd = os.open(path, flags, 0o600)
-
-    def close(self):
-        os.close(self.fd)
-
-
-def _read(runtime, f, offset: int, view: torch.Tensor) -> None:
-    if isinstance(f, _BufferedFile):
-        _pread_into(f.fd, f.path, offset, view)
-    else:
-        runtime.engine.read(view, f, offset)
-
-
-def _pread_into(fd: int, path: str, offset: int, view: torch.Tensor) -> None:
-    """Fill the uint8 tensor ``view`` with the bytes at ``offset`` of ``fd`` (no intermediate copy)."""
-    mv = memoryview(view.numpy())
-    done = 0
-    while done < len(mv):
-        n = os.preadv(fd, [mv[done:]], offset + done)
-        if n == 0:
-            raise OSError(
-                5,
-                f"checkpoint file {path} is truncated: wanted {len(mv)} bytes at offset {offset}, "
-                f"got {done}: the checkpoint is damaged, resume from another one",
-                path,
-            )
-        done += n
-
-
-def _write(runtime, f, offset: int, view: torch.Tensor) -> None:
-    if isinstance(f, _BufferedFile):
-        mv = memoryview(view.numpy())
-        done = 0
-        while done < len(mv):
-            done += os.pwritev(f.fd, [mv[done:]], offset + done)
-    else:
-        runtime.engine.write(view, f, offset)
-
-
-def _close(runtime, f) -> None:
-    if isinstance(f, _BufferedFile):
-        f.close()
-    else:
-        runtime.engine.close(f)
 
 
 def _scalar_to_json(value):
@@ -292,7 +199,7 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
     # Every block is checksummed on its way out, and parameters and optimizer state must be finite: a run
     # whose weights went NaN fails here instead of publishing them as the checkpoint to resume from.
     seen = inspectors(folder, manifest)
-    mover = _Mover(runtime)
+    mover = Mover(runtime)
     try:
         # Parameters: the live part of the swap file, in its own layout (cached groups are written through).
         pf = mover.open(os.path.join(folder, "params.bin"), create=True)
@@ -300,7 +207,7 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
         try:
             mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated, seen["params.bin"].see)
         finally:
-            _close(runtime, pf)
+            close_file(runtime, pf)
         durable.crash_point("params.bin written")
         # Optimizer sub-groups: the chunk images (master and state slots), from host memory when resident.
         of = mover.open(os.path.join(folder, "optim.bin"), create=True)
@@ -311,12 +218,12 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
                 if sg.resident:
                     image = sg.image[: sg.region.reserved]
                     seen["optim.bin"].see(offset, image)
-                    _write(runtime, of, offset, image)
+                    write_from(runtime, of, offset, image)
                     durable.crash_point(f"resident sub-group {sg.index} written")
                 else:
                     mover.copy(osw.file.handle, sg.region.offset, of, offset, sg.region.reserved, seen["optim.bin"].see)
         finally:
-            _close(runtime, of)
+            close_file(runtime, of)
         durable.crash_point("optim.bin written")
         manifest["checksums"] = {"algorithm": ALGORITHM, **{name: insp.blocks for name, insp in seen.items()}}
         with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
@@ -406,7 +313,7 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
     same = [[(c["numel"], c["pieces"]) for c in g["chunks"]] for g in layout] == [
         [(c["numel"], c["pieces"]) for c in g["chunks"]] for g in manifest["sub_groups"]
     ]
-    mover = _Mover(runtime)
+    mover = Mover(runtime)
     try:
         _load_params(runtime, ps, mover, folder, manifest, saved_params, names)
         ps.cache.drop_cache()  # again, now that the disk holds the loaded bytes: groups in use are re-read
@@ -448,7 +355,7 @@ def _load_params(runtime, ps, mover, folder, manifest, saved_params, names) -> N
                     r.extent.reserved,
                 )
     finally:
-        _close(runtime, pf)
+        close_file(runtime, pf)
 
 
 def _load_images(runtime, osw, mover, folder, manifest) -> None:
@@ -458,11 +365,11 @@ def _load_images(runtime, osw, mover, folder, manifest) -> None:
         for sg, saved in zip(osw.by_index, manifest["sub_groups"]):
             src = saved["offset"]
             if sg.resident:
-                _read(runtime, of, src, sg.image[: saved["bytes"]])
+                read_into(runtime, of, src, sg.image[: saved["bytes"]])
             else:
                 mover.copy(of, src, osw.file.handle, sg.region.offset, saved["bytes"])
     finally:
-        _close(runtime, of)
+        close_file(runtime, of)
 
 
 def _rechunk_images(runtime, osw, folder, manifest, names) -> None:
@@ -490,7 +397,7 @@ def _rechunk_images(runtime, osw, folder, manifest, names) -> None:
                         for k in range(c.parts):
                             src = off + k * part + (flat + lo - start) * 4
                             dst = k * c.part + (p.flat + lo - p.start) * 4
-                            _pread_into(fd, path, src, buf[dst : dst + (hi - lo) * 4])
+                            pread_into(fd, path, src, buf[dst : dst + (hi - lo) * 4])
                 if not sg.resident:
                     runtime.engine.write(buf[: c.image_bytes], osw.file.handle, c.offset)
                     del buf
