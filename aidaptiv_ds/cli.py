@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "plan": ("aidaptiv_ds.planner.command", "before launch: does a job fit, how fast will it run, with which config"),
     "train": ("aidaptiv_ds.job.train", "fine-tune a causal LM with DeepSpeed ZeRO-3 (and our NVMe swapper)"),
     "export": ("aidaptiv_ds.job.export", "write a checkpoint's model as a Hugging Face folder (safetensors shards)"),
+    "generate": ("aidaptiv_ds.inference.command", "generate text, weights streamed from NVMe, prompts cached on SSD"),
     "io-bench": ("aidaptiv_ds.harness.io_bench", "measure NVMe read/write bandwidth of the I/O engines"),
     "sweep": ("aidaptiv_ds.harness.sweep", "run a batch x sequence x GPU grid against the baselines"),
     "report": ("aidaptiv_ds.harness.report", "make tables and plots from a sweep's results.jsonl"),

@@ -26,6 +26,11 @@ LAYERS = [
         "`deepspeed.initialize` honour the block",
     ),
     (
+        ("inference",),
+        "`aidaptiv-ds generate`: weights streamed from the swap space, prompts' keys and values on the SSD "
+        "(reads checkpoints with job's export reader)",
+    ),
+    (
         ("harness", "job"),
         "harness: sweeps, reports, io-bench, driving the product as a user does (processes, the CLI, "
         "files); job: `aidaptiv-ds train` / `export` and their parts",

@@ -64,6 +64,15 @@ def parse_size(value, what: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+def format_size(n: float) -> str:
+    """Bytes for a person: "512.0 MiB", "2.05 GiB" (powers of 1024, the units parse_size reads back)."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / KiB:.1f} KiB" if n >= KiB else f"{int(n)} B"
+
+
 def align_up(n: int, a: int = ALIGN) -> int:
     """``n`` rounded up to a multiple of ``a``."""
     return (n + a - 1) // a * a

@@ -1,0 +1,222 @@
+"""Generate text with a model larger than the host memory given to it, its weights streamed from NVMe.
+
+  aidaptiv-ds generate --model out/model --prompt "Once upon a time" --max-new-tokens 64
+  aidaptiv-ds generate --model ckpt/ --prompts prompts.jsonl --host-budget 1GiB --nvme-path /nvme/swap
+  aidaptiv-ds generate --model out/model --prompt "$(cat report.txt) Summary:" --kv-cache /nvme/kv
+
+The model is a Hugging Face folder (safetensors weights, config.json, tokenizer files; what 'aidaptiv-ds export'
+writes) or a checkpoint of 'aidaptiv-ds train' (a --save-dir or a tag folder). Weights that fit --host-budget
+stay in memory; the rest are laid once into the swap space under --nvme-path and streamed layer by layer
+through pinned buffers while the model computes (see aidaptiv_ds.inference.streamed). With --kv-cache, the
+keys and values of each prompt are kept on the SSD and a later prompt sharing a prefix with it reads them back
+instead of computing them (see aidaptiv_ds.inference.kv_store).
+
+Completions go to stdout (token by token when prompts run one at a time); figures (time to first token,
+tokens/s, bytes read) to stderr, and with --metrics-out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import List
+
+HELP_EPILOG = """exit codes:
+  0  every prompt completed
+  1  bad input (model folder, prompt, sizes), or an I/O error, said in one message
+  2  bad command line"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model and prompts")
+    m.add_argument("--model", required=True, metavar="HF_DIR|CHECKPOINT", help="the model to run")
+    m.add_argument(
+        "--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat the flag for several)"
+    )
+    m.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help='prompts, one per line: {"prompt": TEXT} or a JSON string (added after any --prompt)',
+    )
+    g = p.add_argument_group("decoding")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0, help="with --sample (default 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="with --sample: keep the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="with --sample: nucleus mass (default 1.0: all)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="prompts decoded together, the weights streamed once per step for all (default 8; 1 with --kv-cache)",
+    )
+    s = p.add_argument_group("memory and disk")
+    s.add_argument(
+        "--host-budget",
+        default="auto",
+        metavar="SIZE",
+        help="host memory for weights ('1GiB', bytes; default auto: all of them if they fit half of the memory "
+        "this process may use, its cgroup's limit included, else that half)",
+    )
+    s.add_argument(
+        "--nvme-path",
+        default=None,
+        metavar="DIR",
+        help="folder on the NVMe SSD for the weights that do not fit the budget (needed only then)",
+    )
+    s.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when there is one")
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights' dtype in memory (default auto: as stored)",
+    )
+    k = p.add_argument_group("prompt cache")
+    k.add_argument("--kv-cache", default=None, metavar="DIR", help="keep prompts' keys and values here (on the SSD)")
+    k.add_argument("--kv-cache-size", default="8GiB", metavar="SIZE", help="disk cap of --kv-cache (default 8GiB)")
+    k.add_argument(
+        "--kv-host-budget",
+        default="512MiB",
+        metavar="SIZE",
+        help="entries of --kv-cache also kept in RAM for the next prompt (default 512MiB; 0: none)",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--metrics-out", default=None, metavar="FILE", help="write the figures and completions as JSON")
+    o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def read_prompts(args: argparse.Namespace) -> List[str]:
+    prompts = list(args.prompt)
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{args.prompts} line {n} is not JSON ({e.msg})") from None
+                text = rec.get("prompt") if isinstance(rec, dict) else rec
+                if not isinstance(text, str):
+                    raise ValueError(f'{args.prompts} line {n}: expected {{"prompt": TEXT}} or a JSON string')
+                prompts.append(text)
+    if not prompts:
+        raise ValueError("no prompt: give --prompt TEXT or --prompts FILE.jsonl")
+    return prompts
+
+
+def _progress(quiet: bool):
+    last = [0.0]
+
+    def say(message: str) -> None:
+        now = time.monotonic()
+        if not quiet and now - last[0] >= 2.0:
+            last[0] = now
+            print(f"aidaptiv-ds generate: {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def run(args: argparse.Namespace) -> int:
+    from aidaptiv_ds.common.sizes import format_size
+    from aidaptiv_ds.inference.generate import Generator
+
+    def err(message: str) -> int:
+        print(f"aidaptiv-ds generate: {message}", file=sys.stderr)
+        return 1
+
+    try:
+        prompts = read_prompts(args)
+    except (OSError, ValueError) as e:
+        return err(str(e))
+    if args.batch_size < 1:
+        return err(f"--batch-size {args.batch_size}: give 1 or more")
+    started = time.perf_counter()
+    try:
+        gen = Generator(
+            args.model,
+            host_budget=args.host_budget,
+            nvme_path=args.nvme_path,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache=args.kv_cache,
+            kv_cache_size=args.kv_cache_size,
+            kv_host_budget=args.kv_host_budget,
+            progress=_progress(args.quiet),
+        )
+    except (OSError, ValueError) as e:
+        return err(str(e))
+    try:
+        st = gen.stats()
+        if not args.quiet:
+            print(
+                f"aidaptiv-ds generate: {format_size(st['weight_bytes'])} of weights, {format_size(st['resident_bytes'])} "
+                f"resident, {format_size(st['streamed_bytes_per_pass'])} streamed per step through {st['slots']} "
+                f"slots (host budget {format_size(st['host_budget'])}, laid out in {st['layout_s']:.1f} s, {st['device']})",
+                file=sys.stderr,
+                flush=True,
+            )
+        one_at_a_time = len(prompts) == 1 or args.kv_cache or args.batch_size == 1
+        shown = set()
+
+        def on_text(i: int, piece: str) -> None:
+            if len(prompts) > 1 and i not in shown:
+                shown.add(i)
+                sys.stdout.write(f"\n--- prompt {i + 1}/{len(prompts)} ---\n")
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        try:
+            results = gen.generate(
+                prompts,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=args.sample,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                batch_size=1 if one_at_a_time else args.batch_size,
+                on_text=on_text,
+            )
+        except (OSError, ValueError) as e:
+            return err(str(e))
+        sys.stdout.write("\n")
+        st = gen.stats()
+    finally:
+        gen.close()
+    new = sum(r.new_tokens for r in results)
+    for i, r in enumerate(results):
+        reuse = f", {r.reused_prefix_tokens} prompt tokens read from the KV cache" if r.reused_prefix_tokens else ""
+        print(
+            f"aidaptiv-ds generate: prompt {i + 1}: {r.prompt_tokens} prompt tokens, {r.new_tokens} new, first token "
+            f"after {r.time_to_first_token_s:.3f} s, {r.tokens_per_s:.2f} tokens/s{reuse}",
+            file=sys.stderr,
+        )
+    if args.metrics_out:
+        record = {
+            "model": args.model,
+            "wall_s": time.perf_counter() - started,
+            "new_tokens": new,
+            "stats": st,
+            "results": [
+                {
+                    "prompt": r.prompt,
+                    "text": r.text,
+                    "token_ids": r.token_ids,
+                    "prompt_tokens": r.prompt_tokens,
+                    "new_tokens": r.new_tokens,
+                    "time_to_first_token_s": r.time_to_first_token_s,
+                    "decode_s": r.decode_s,
+                    "tokens_per_s": r.tokens_per_s,
+                    "reused_prefix_tokens": r.reused_prefix_tokens,
+                }
+                for r in results
+            ],
+        }
+        with open(args.metrics_out, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+    return 0

@@ -1,0 +1,338 @@
+"""Generation from a model larger than the host memory given to it: the Python face of ``aidaptiv-ds generate``.
+
+    from aidaptiv_ds.inference import Generator
+
+    with Generator("out/model", host_budget="1GiB", nvme_path="/nvme/swap", kv_cache="/nvme/kv") as gen:
+        for r in gen.generate(["Once upon a time"], max_new_tokens=32):
+            print(r.text, r.tokens_per_s, r.time_to_first_token_s)
+
+The model is built empty from its config.json, its weights laid out by
+:class:`aidaptiv_ds.inference.streamed.StreamedWeights` (resident when they fit ``host_budget``, streamed from
+the swap space when not), and generation is transformers' own ``generate`` on that model (greedy, or sampled
+with temperature / top-k / top-p), so the tokens are those the in-memory model gives.
+
+With ``kv_cache`` each prompt runs alone (batch 1): a prompt sharing a prefix with one seen before reads that
+prefix's keys and values from :class:`aidaptiv_ds.inference.kv_store.PrefixKVStore` and computes only the rest;
+after it, the prompt's own keys and values are stored. Without it prompts run in batches of ``batch_size``
+(left-padded), each step streaming the weights once for the whole batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from aidaptiv_ds.common.sizes import parse_size
+from aidaptiv_ds.inference.sources import ModelSourceError, WeightSource, open_source
+
+DEFAULT_KV_CACHE_SIZE = "8GiB"
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_HOST_BUDGET = "512MiB"
+
+
+class GenerationError(ValueError):
+    """Bad input to generation (a prompt too long, a missing swap path, ...), with what to do."""
+
+
+@dataclass
+class Result:
+    """One prompt's completion and how it went."""
+
+    prompt: str
+    text: str
+    token_ids: List[int]
+    prompt_tokens: int
+    new_tokens: int
+    time_to_first_token_s: float
+    decode_s: float  # from the first new token to the last
+    reused_prefix_tokens: int = 0  # read back from the KV cache instead of computed
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: new tokens after the first, per second of decoding (0 with fewer than two)."""
+        return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+
+def _tokenizer_identity(files_dir: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(os.listdir(files_dir)):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges", "added_tokens")) or f.endswith(".model"):
+            h.update(f.encode())
+            with open(os.path.join(files_dir, f), "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def default_host_budget(weight_bytes: int) -> int:
+    """All the weights when they fit half the memory this process may use (its cgroup's limit included),
+    else that half."""
+    from aidaptiv_ds.config.host import total_ram_bytes
+
+    return min(weight_bytes + (64 << 20), max(512 << 20, total_ram_bytes() // 2))
+
+
+class _StepClock:
+    """A logits processor that only notes when each new token's logits are ready (it changes nothing)."""
+
+    def __init__(self):
+        self.times: List[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+class _TextStream:
+    """transformers' streamer protocol (put, end) turned into text pieces for ``on_text``: the first put is
+    the prompt (skipped), then one token at a time; text is given when it decodes whole (no cut UTF-8)."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None]):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.ids: List[int] = []
+        self.shown = 0
+        self.prompt_seen = False
+
+    def put(self, value):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return  # a character cut between tokens: wait for the rest
+        if len(text) > self.shown:
+            self.on_text(text[self.shown :])
+            self.shown = len(text)
+
+    def end(self):
+        text = self.tokenizer.decode(self.ids)
+        if len(text) > self.shown:
+            self.on_text(text[self.shown :])
+        self.shown = len(text)
+
+
+class Generator:
+    """A model ready to generate (see the module's docstring). ``model`` is a Hugging Face folder (safetensors)
+    or a checkpoint of ``aidaptiv-ds train``; sizes are bytes or strings such as "1GiB"."""
+
+    def __init__(
+        self,
+        model: str,
+        host_budget=None,
+        nvme_path: Optional[str] = None,
+        device: Optional[str] = None,
+        dtype: Optional[str] = None,
+        kv_cache: Optional[str] = None,
+        kv_cache_size=DEFAULT_KV_CACHE_SIZE,
+        kv_host_budget=DEFAULT_KV_HOST_BUDGET,
+        progress: Optional[Callable[[str], None]] = None,
+    ):
+        from aidaptiv_ds.models.tokenizer import HFTokenizer
+
+        self.source: WeightSource = open_source(model)
+        self.config = self.source.config()
+        try:
+            self.tokenizer = HFTokenizer(self.source.files_dir)
+        except (OSError, ValueError) as e:
+            raise ModelSourceError(
+                f"{self.source.files_dir} has no tokenizer transformers can load ({e}): a folder written by "
+                "'aidaptiv-ds export' or save_pretrained holds one"
+            ) from None
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if (dtype or "auto") not in DTYPES:
+            raise GenerationError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[dtype or "auto"]
+        budget = (
+            default_host_budget(self.source.nbytes)
+            if host_budget in (None, "auto")
+            else parse_size(host_budget, "--host-budget")
+        )
+        self.model = self._build_empty()
+        from aidaptiv_ds.inference.streamed import StreamedWeights
+
+        self.weights = StreamedWeights(
+            self.model, self.source, budget, nvme_path, device=self.device, dtype=self.dtype, progress=progress
+        )
+        self.weights.attach()
+        self.kv = None
+        if kv_cache:
+            from aidaptiv_ds.inference.kv_store import PrefixKVStore
+
+            self.kv = PrefixKVStore(
+                kv_cache,
+                self.source.identity,
+                _tokenizer_identity(self.source.files_dir),
+                parse_size(kv_cache_size, "--kv-cache-size"),
+                parse_size(kv_host_budget, "--kv-host-budget"),
+                engine=self.weights.engine,
+            )
+
+    def _build_empty(self):
+        from accelerate import init_empty_weights
+
+        from aidaptiv_ds.models.presets import _model_class
+
+        with init_empty_weights():
+            model = _model_class(self.config)(self.config)
+        model.tie_weights()  # tied embeddings share one tensor (transformers ties them at load, not at build)
+        model.eval()
+        model.requires_grad_(False)
+        if self.device != "cpu":
+            for name, buf in list(model.named_buffers()):  # buffers are real (rotary frequencies): move them
+                module, attr = model, name
+                *path, attr = name.split(".")
+                for part in path:
+                    module = getattr(module, part)
+                module._buffers[attr] = buf.to(self.device)
+        return model
+
+    @property
+    def max_context(self) -> Optional[int]:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def encode(self, prompt: str) -> List[int]:
+        return self.tokenizer.encode(prompt, add_bos=True, add_eos=False)
+
+    def check_prompts(self, prompts: Sequence[str], max_new_tokens: int) -> List[List[int]]:
+        """Token ids of every prompt; GenerationError listing every prompt too long for the model's context."""
+        ids = [self.encode(p) for p in prompts]
+        limit = self.max_context
+        problems = []
+        for i, t in enumerate(ids):
+            if not t:
+                problems.append(f"prompt {i + 1} is empty")
+            elif limit and len(t) + max_new_tokens > limit:
+                problems.append(
+                    f"prompt {i + 1} has {len(t)} tokens; with --max-new-tokens {max_new_tokens} that is more than "
+                    f"the model's context of {limit} tokens"
+                )
+        if problems:
+            raise GenerationError("; ".join(problems) + ": shorten the prompt or ask for fewer new tokens")
+        return ids
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int = 64,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        batch_size: int = 8,
+        on_text: Optional[Callable[[int, str], None]] = None,
+    ) -> List[Result]:
+        """Completions of ``prompts``, in order. ``on_text(i, piece)`` receives prompt i's text as it comes
+        (token by token when prompts run one at a time, whole at the end of a batch)."""
+        if max_new_tokens < 1:
+            raise GenerationError(f"--max-new-tokens {max_new_tokens}: ask for at least one token")
+        ids = self.check_prompts(prompts, max_new_tokens)
+        if seed is not None:
+            torch.manual_seed(seed)
+        sampling = dict(do_sample=do_sample)
+        if do_sample:
+            sampling.update(temperature=temperature, top_k=top_k or None, top_p=top_p)
+        results: List[Result] = []
+        step = 1 if (self.kv is not None or batch_size <= 1) else batch_size
+        for first in range(0, len(ids), step):
+            batch = list(range(first, min(first + step, len(ids))))
+            results.extend(self._run(prompts, ids, batch, max_new_tokens, sampling, on_text))
+        return results
+
+    def _run(self, prompts, ids, batch, max_new_tokens, sampling, on_text) -> List[Result]:
+        from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+
+        tok = self.tokenizer
+        start = time.perf_counter()
+        cache, reused = None, 0
+        if self.kv is not None:
+            hit = self.kv.lookup(ids[batch[0]])
+            if hit is not None:
+                reused, layers = hit
+                cache = DynamicCache(config=self.config)
+                for i, (k, v) in enumerate(layers):
+                    cache.update(k.to(self.device), v.to(self.device), i)
+        width = max(len(ids[i]) for i in batch)
+        input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            input_ids[row, width - len(ids[i]) :] = torch.tensor(ids[i])
+            mask[row, width - len(ids[i]) :] = 1
+        clock = _StepClock()
+        streamer = _TextStream(tok, lambda piece: on_text(batch[0], piece)) if (on_text and len(batch) == 1) else None
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            bos_token_id=tok.bos_token_id,
+            use_cache=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([clock]),
+                streamer=streamer,
+                past_key_values=cache,
+            )
+        results = []
+        first_token = (clock.times[0] - start) if clock.times else float("nan")
+        decode = (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else 0.0
+        for row, i in enumerate(batch):
+            new = out.sequences[row, width:].tolist()
+            if tok.eos_token_id is not None and tok.eos_token_id in new:
+                new = new[: new.index(tok.eos_token_id) + 1]
+            text = tok.decode(new)
+            if on_text and streamer is None:
+                on_text(i, text)
+            results.append(
+                Result(prompts[i], text, new, len(ids[i]), len(new), first_token, decode, reused if row == 0 else 0)
+            )
+        if self.kv is not None and reused < len(ids[batch[0]]) - 1:
+            self._store_prefix(ids[batch[0]], out.past_key_values)
+        return results
+
+    def _store_prefix(self, prompt_ids: List[int], cache) -> None:
+        n = len(prompt_ids) - 1
+        layers = [(layer.keys[:, :, :n].cpu(), layer.values[:, :, :n].cpu()) for layer in cache.layers]
+        self.kv.save(prompt_ids[:n], layers)
+
+    def stats(self) -> dict:
+        """What moved: the weights' streaming counters, their split, and the KV cache's counters."""
+        w = self.weights
+        out = dict(w.stats)
+        out.update(
+            weight_bytes=self.source.nbytes,
+            resident_bytes=w.resident_bytes,
+            streamed_bytes_per_pass=w.streamed_bytes,
+            slots=w.slot_count,
+            slot_bytes=w.slot_bytes,
+            host_budget=w.host_budget,
+            device=str(self.device),
+        )
+        if self.kv is not None:
+            out["kv_cache"] = dict(self.kv.stats)
+        return out
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.engine = None  # the weights' engine: closed with them
+            self.kv = None
+        if getattr(self, "weights", None) is not None:
+            self.weights.close()
+            self.weights = None
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

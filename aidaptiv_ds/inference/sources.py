@@ -1,0 +1,211 @@
+"""Where a model's weights come from for generation: a Hugging Face folder's safetensors files, or one of our
+checkpoints (the per-rank ``params.bin`` files the export reads), as one table of tensors whose bytes are
+known pieces of files.
+
+Nothing is loaded here: :class:`WeightSource` reads the safetensors headers (or the checkpoint manifests), so
+the table of a 70B model costs kilobytes, and :meth:`WeightSource.read_into` copies one tensor's bytes into a
+buffer the caller owns (a pinned slot), so no tensor is ever held twice. Each folder's problems are said in
+one :class:`ModelSourceError`: no weights, weights only in pickle files, a LoRA checkpoint whose adapters are
+not merged, a header that is not safetensors'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+# safetensors' dtype names, and torch's names as our checkpoint manifests write them
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own limit on a header
+
+
+class ModelSourceError(ValueError):
+    """A model folder or checkpoint that cannot be generated from, with what to do about it."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the source: its shape, dtype and the (file, offset, nbytes) pieces its bytes are in."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    pieces: Tuple[Tuple[str, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.pieces)
+
+
+class WeightSource:
+    """The tensors of a model folder or checkpoint, and the folder holding its config and tokenizer files.
+
+    ``kind`` is "hf" or "checkpoint"; ``files_dir`` has config.json and the tokenizer; ``tensors`` maps
+    names to :class:`TensorEntry`; ``identity`` is a digest of the config and of every weight file's header,
+    size and modification time (a different model, or the same folder rewritten, gets another identity)."""
+
+    def __init__(self, kind: str, path: str, files_dir: str, tensors: Dict[str, TensorEntry], identity: str):
+        self.kind, self.path, self.files_dir, self.tensors, self.identity = kind, path, files_dir, tensors, identity
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.files_dir, local_files_only=True)
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy tensor ``name``'s bytes into ``out`` (a contiguous CPU uint8 tensor of exactly its size)."""
+        entry = self.tensors[name]
+        if out.numel() != entry.nbytes or out.dtype != torch.uint8:
+            raise ValueError(f"read_into {name}: buffer of {out.numel()} bytes for a tensor of {entry.nbytes}")
+        raw = memoryview(out.numpy())
+        pos = 0
+        for path, offset, nbytes in entry.pieces:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                done = 0
+                while done < nbytes:
+                    got = os.preadv(fd, [raw[pos + done : pos + nbytes]], offset + done)
+                    if got <= 0:
+                        raise ModelSourceError(
+                            f"weight file {path} ends at byte {offset + done}, tensor {name} needs {nbytes - done} "
+                            "more: the file is truncated; copy or export the model again"
+                        )
+                    done += got
+            finally:
+                os.close(fd)
+            pos += nbytes
+
+
+def _file_identity(path: str, header: bytes) -> str:
+    st = os.stat(path)
+    return f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}:{hashlib.sha256(header).hexdigest()}"
+
+
+def _digest(parts: List[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def read_safetensors_header(path: str) -> Tuple[dict, int, bytes]:
+    """(header, byte offset of the data, raw header bytes) of one safetensors file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelSourceError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _HEADER_LIMIT:
+            raise ModelSourceError(f"{path} is not a safetensors file (its header would be {n:,} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelSourceError(f"{path} is not a safetensors file (its header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ModelSourceError(f"{path} is not a safetensors file (its header is not a JSON object)")
+    return header, 8 + n, raw
+
+
+def from_hf_folder(folder: str) -> WeightSource:
+    """The safetensors weights of a Hugging Face model folder (one file, or shards with or without an index)."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelSourceError(
+            f"{folder} has no config.json: give a Hugging Face model folder (config.json, *.safetensors, tokenizer "
+            "files), a folder written by 'aidaptiv-ds export', or a checkpoint of 'aidaptiv-ds train'"
+        )
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        pickles = [f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth"))]
+        raise ModelSourceError(
+            f"{folder} has no *.safetensors weights"
+            + (
+                f" (only {', '.join(pickles[:3])}: pickle files are not read, they can run code; convert them with "
+                "transformers' save_pretrained(safe_serialization=True))"
+                if pickles
+                else ": the folder holds no model weights"
+            )
+        )
+    tensors: Dict[str, TensorEntry] = {}
+    identity = [open(os.path.join(folder, "config.json"), "rb").read().decode(errors="replace")]
+    for fname in files:
+        path = os.path.join(folder, fname)
+        header, data_start, raw = read_safetensors_header(path)
+        identity.append(_file_identity(path, raw))
+        size = os.path.getsize(path)
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_DTYPES.get(meta.get("dtype"))
+            begin, end = meta.get("data_offsets", (0, -1))
+            if dtype is None or not 0 <= begin <= end or data_start + end > size:
+                raise ModelSourceError(
+                    f"{path}: tensor {name} has dtype {meta.get('dtype')} and bytes {begin}..{end} of a file of "
+                    f"{size:,}: the file is damaged or of an unknown dtype"
+                )
+            if name in tensors:
+                raise ModelSourceError(f"{folder}: tensor {name} is in two weight files; keep one copy of the shards")
+            tensors[name] = TensorEntry(name, tuple(meta["shape"]), dtype, ((path, data_start + begin, end - begin),))
+    return WeightSource("hf", folder, folder, tensors, _digest(identity))
+
+
+def from_checkpoint(path: str) -> WeightSource:
+    """The model of one of our checkpoints (a save dir, its latest tag, or a tag folder)."""
+    from aidaptiv_ds.job.export import Checkpoint, ExportError, resolve_checkpoint
+    from aidaptiv_ds.job.model_files import MODEL_FILES
+
+    try:
+        tag = resolve_checkpoint(path)
+        ck = Checkpoint(tag)
+    except ExportError as e:
+        raise ModelSourceError(str(e)) from None
+    if ck.has_adapters:
+        raise ModelSourceError(
+            f"checkpoint {tag} holds LoRA adapters: merge them first with 'aidaptiv-ds export {path} --out DIR "
+            "--merge-lora' and generate from DIR"
+        )
+    files_dir = os.path.join(tag, MODEL_FILES)
+    if not os.path.isfile(os.path.join(files_dir, "config.json")):
+        raise ModelSourceError(
+            f"checkpoint {tag} has no {MODEL_FILES}/config.json (saved by an older aidaptiv-ds): export it with "
+            "'aidaptiv-ds export --model PRESET' and generate from the folder"
+        )
+    dtype = getattr(torch, ck.dtype)
+    tensors = {
+        name: TensorEntry(name, tuple(p["shape"]), dtype, tuple(ck.pieces(name))) for name, p in ck.parameters.items()
+    }
+    identity = [open(os.path.join(files_dir, "config.json"), "rb").read().decode(errors="replace")]
+    for folder in ck.folders:
+        for f in ("manifest.json", "params.bin"):
+            p = os.path.join(folder, f)
+            identity.append(_file_identity(p, b"") if os.path.exists(p) else f)
+    return WeightSource("checkpoint", tag, files_dir, tensors, _digest(identity))
+
+
+def open_source(path: str) -> WeightSource:
+    """A Hugging Face folder or a checkpoint of ours, told apart by what the folder holds."""
+    if not os.path.isdir(path):
+        raise ModelSourceError(
+            f"--model {path} is not a folder: give a Hugging Face model folder or a checkpoint of 'aidaptiv-ds train'"
+        )
+    if os.path.isdir(os.path.join(path, "aidaptiv")) or os.path.isfile(os.path.join(path, "latest")):
+        return from_checkpoint(path)
+    return from_hf_folder(path)

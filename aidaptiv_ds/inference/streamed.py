@@ -1,0 +1,450 @@
+"""A causal LM whose weights live in the swap space and are streamed through a few pinned slots, layer group by
+layer group, while the model computes.
+
+    weights = StreamedWeights(model, source, host_budget, nvme_path)   # lays the weights out once
+    weights.attach()                                                   # hooks: model(...) now streams
+    ...                                                                # generate as usual
+    weights.close()
+
+The model is built with empty parameters (``accelerate.init_empty_weights``: no tensor allocated). Its
+parameters fall into *groups*: each element of a decoder's layer list is one group (a layer's attention, MLP
+and norms), and every other module with parameters of its own (embeddings, final norm, LM head) is a group of
+those. Groups run in the model's module order, once per forward pass.
+
+Which groups stay resident: all of them when they fit the host budget. Otherwise the groups outside the layer
+list (used at every step; the embedding lookup needs a few rows of a large table) and as many layers as fit stay
+resident, and the other layers are laid into one swap file of the swap space, each layer one contiguous, 4 KiB
+aligned extent, so that bringing one in is one request of the I/O engine. Those layers are streamed through a
+ring of equal slots taken from the same pinned pool: a layer's forward pre-hook waits for its read, binds its
+parameters to views of the slot, and issues reads of the next streamed layers into every free slot (cyclic: the
+last layer's read-ahead is the first streamed layer of the next token), and its forward hook gives the slot
+back. At least two slots, so one layer computes while the next is read; more when the budget allows.
+
+On CUDA each slot has a twin on the GPU: a read slot is copied to its twin on a copy stream (an event orders the
+compute after it), the pinned slot is reused only after that copy's event, and a twin only after the compute of
+the layer it held (an event recorded by the forward hook).
+
+Why not the training cache (:class:`aidaptiv_ds.swap.layer_group_cache.LayerGroupCache`): its bookkeeping is for
+parameter partitions that the optimizer writes back; generation only reads, in one fixed cyclic order, so a
+ring of slots is all it needs. The engine, the swap space (its lock, its checked allocation that reports a full
+disk when the file grows) and the pinned pool are the training path's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from aidaptiv_ds.common.sizes import ALIGN, align_up, format_size
+from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.inference.sources import WeightSource
+from aidaptiv_ds.swap.space import SwapSpace
+
+log = logging.getLogger(__name__)
+
+_TENSOR_ALIGN = 64  # every tensor of a group starts on a cache line, whatever the dtype
+
+
+class HostBudgetTooSmall(ValueError):
+    """The host budget cannot hold what generation needs resident plus two streamed slots."""
+
+
+@dataclass(eq=False)
+class _Member:
+    module: torch.nn.Module
+    attr: str
+    name: str  # the source tensor it is read from
+    shape: tuple
+    dtype: torch.dtype
+    offset: int  # in the group's bytes
+    nbytes: int
+    tied_to: Optional[tuple] = None  # (module, attr) of the parameter this one is tied to (name is "" then)
+
+
+@dataclass(eq=False)
+class _Group:
+    index: int
+    label: str
+    module: torch.nn.Module
+    members: List[_Member] = field(default_factory=list)
+    nbytes: int = 0  # aligned size of the group's bytes
+    is_layer: bool = False
+    resident: bool = True
+    buffer: Optional[torch.Tensor] = None  # resident groups: their bytes
+    extent: object = None  # streamed groups: their extent of the swap file
+
+
+@dataclass(eq=False)
+class _Slot:
+    host: torch.Tensor
+    group: Optional[_Group] = None
+    request: object = None  # the engine's read in flight into ``host``
+    ready: bool = False  # bytes of ``group`` are in ``host`` (and on the device, for CUDA)
+    device: Optional[torch.Tensor] = None
+    copied: object = None  # CUDA event: host -> device copy done
+    computed: object = None  # CUDA event: the layer that used the device twin has run
+
+
+def _groups_of(model: torch.nn.Module) -> List[_Group]:
+    """The model's parameter groups in module order: each element of a ModuleList whose elements own
+    parameters (the decoder layers), and each other module with parameters of its own."""
+    groups: List[_Group] = []
+    inside: set = set()
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if isinstance(module, torch.nn.ModuleList):
+            for i, child in enumerate(module):
+                if any(True for _ in child.parameters()):
+                    groups.append(_Group(len(groups), f"{name}.{i}", child, is_layer=True))
+            inside.add(name)
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            groups.append(_Group(len(groups), name or "(model)", module))
+    return groups
+
+
+class StreamedWeights:
+    """The weights of ``model`` (built empty) from ``source``, resident or streamed as the budget allows.
+
+    ``dtype`` converts floating-point weights when they are laid out (None keeps the source's).
+    ``stats`` counts what moved: ``bytes_read`` (from the swap file), ``reads``, ``wait_s`` (time the compute
+    waited for a read), ``layout_s`` and ``layout_bytes``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        source: WeightSource,
+        host_budget: int,
+        nvme_path: Optional[str],
+        device: str = "cpu",
+        dtype: Optional[torch.dtype] = None,
+        max_slots: int = 4,
+        progress=None,
+    ):
+        self.model, self.source, self.device = model, source, torch.device(device)
+        self.host_budget = int(host_budget)
+        self.stats = {"bytes_read": 0, "reads": 0, "wait_s": 0.0, "layout_s": 0.0, "layout_bytes": 0}
+        self._hooks: list = []
+        self._progress = progress or (lambda msg: None)
+        self.groups = _groups_of(model)
+        self._bind_sources(dtype)
+        self._plan(max_slots)
+        self.pool = PinnedPool(self._pool_bytes())
+        self.engine = IOEngine(pool=self.pool)
+        self.space: Optional[SwapSpace] = None
+        self.file = None
+        self.slots: List[_Slot] = []
+        try:
+            self._lay_out(nvme_path)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def _bind_sources(self, dtype: Optional[torch.dtype]) -> None:
+        """Match every parameter of the model to a source tensor (tied parameters once, to the first group that
+        names them), and place it in its group's bytes."""
+        tensors = self.source.tensors
+        seen = {}  # id(parameter) -> (module, attr) of its first owner
+        expected = set()
+        for g in self.groups:
+            prefix = "" if g.label == "(model)" else g.label + "."
+            offset = 0
+            params = (
+                g.module.named_parameters()
+                if g.is_layer
+                else ((n, p) for n, p in g.module.named_parameters(recurse=False))
+            )
+            for rel, p in params:
+                full = prefix + rel
+                owner, attr = self._owner(g.module, rel)
+                if id(p) in seen:
+                    g.members.append(_Member(owner, attr, "", tuple(p.shape), p.dtype, -1, 0, tied_to=seen[id(p)]))
+                    continue
+                seen[id(p)] = (owner, attr)
+                expected.add(full)
+                entry = tensors.get(full)
+                if entry is None:
+                    continue  # reported below, all at once
+                if tuple(entry.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"{self.source.path}: tensor {full} has shape {list(entry.shape)}, the model built from its "
+                        f"config.json wants {list(p.shape)}: the weights are of another model"
+                    )
+                want = dtype if (dtype is not None and entry.dtype.is_floating_point) else entry.dtype
+                nbytes = p.numel() * want.itemsize
+                offset = align_up(offset, _TENSOR_ALIGN)
+                g.members.append(_Member(owner, attr, full, tuple(p.shape), want, offset, nbytes))
+                offset += nbytes
+            g.nbytes = align_up(max(offset, 1), ALIGN)
+        missing = sorted(n for n in expected if n not in tensors)
+        extra = sorted(n for n in tensors if n not in expected and not self._tied_name(n))
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} of the model's tensors are missing ({', '.join(missing[:4])}, ...)")
+            if extra:
+                parts.append(f"{len(extra)} tensors are not the model's ({', '.join(extra[:4])}, ...)")
+            raise ValueError(
+                f"{self.source.path}: the weights do not match the model its config.json describes: "
+                + "; ".join(parts)
+                + ": the weights are of another model, or the folder mixes two"
+            )
+
+    def _tied_name(self, name: str) -> bool:
+        """A tensor the file holds under a name the model ties to another (lm_head.weight with tied embeddings)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        unique = dict(self.model.named_parameters())
+        return name in params and name not in unique
+
+    @staticmethod
+    def _owner(module: torch.nn.Module, rel: str):
+        *path, attr = rel.split(".")
+        for part in path:
+            module = getattr(module, part)
+        return module, attr
+
+    def _plan(self, max_slots: int) -> None:
+        """Choose resident groups and the number of slots within the host budget."""
+        total = sum(g.nbytes for g in self.groups)
+        self.slot_bytes, self.slot_count = 0, 0
+        if total <= self.host_budget:
+            return  # everything resident, read once
+        # A tie must bind one tensor for good, so layers taking part in one are not streamed.
+        tied = {id(m.tied_to[0]) for g in self.groups for m in g.members if m.tied_to is not None}
+        layers = [
+            g
+            for g in self.groups
+            if g.is_layer and not any(m.tied_to is not None or id(m.module) in tied for m in g.members)
+        ]
+        others = sum(g.nbytes for g in self.groups if g not in layers)
+        if not layers:
+            raise HostBudgetTooSmall(
+                f"host budget {format_size(self.host_budget)} is below the model's {format_size(total)} and the "
+                "model has no layer list to stream: give --host-budget of at least the model's size"
+            )
+        slot = max(g.nbytes for g in layers)
+        need = others + 2 * slot
+        if need > self.host_budget:
+            raise HostBudgetTooSmall(
+                f"host budget {format_size(self.host_budget)} is too small for this model: it needs at least "
+                f"{format_size(need)} (embeddings, final norm and head resident, {format_size(others)}, plus two "
+                f"layers in flight, {format_size(slot)} each): give --host-budget {format_size(need)} or more"
+            )
+        left = self.host_budget - others
+        # Read-ahead first (up to max_slots), then as many resident layers as the rest holds.
+        slots = max(2, min(max_slots, left // slot, len(layers)))
+        left -= slots * slot
+        for g in layers:
+            g.resident = g.nbytes <= left
+            if g.resident:
+                left -= g.nbytes
+        streamed = [g for g in layers if not g.resident]
+        if len(streamed) <= slots:  # the slots could hold every streamed layer: keep them instead
+            for g in streamed:
+                g.resident = True
+            return
+        self.slot_bytes, self.slot_count = slot, slots
+
+    def _pool_bytes(self) -> int:
+        resident = sum(g.nbytes for g in self.groups if g.resident)
+        return max(ALIGN, resident + self.slot_count * self.slot_bytes)
+
+    @property
+    def streamed_groups(self) -> List[_Group]:
+        return [g for g in self.groups if not g.resident]
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes read from the swap file per forward pass (the weights not resident)."""
+        return sum(g.nbytes for g in self.streamed_groups)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups if g.resident)
+
+    # ------------------------------------------------------------------------------------------ lay-out
+
+    def _fill(self, g: _Group, out: torch.Tensor) -> None:
+        """The group's bytes from the source into ``out`` (uint8, g.nbytes), converting dtypes where asked."""
+        for m in g.members:
+            if not m.name:
+                continue
+            entry = self.source.tensors[m.name]
+            dst = out[m.offset : m.offset + m.nbytes]
+            if entry.dtype == m.dtype:
+                self.source.read_into(m.name, dst)
+            else:
+                tmp = torch.empty(entry.nbytes, dtype=torch.uint8)
+                self.source.read_into(m.name, tmp)
+                dst.view(m.dtype).copy_(tmp.view(entry.dtype))
+
+    def _lay_out(self, nvme_path: str) -> None:
+        start = time.perf_counter()
+        for g in self.groups:
+            if g.resident:
+                g.buffer = self.pool.allocate(g.nbytes)
+                self._fill(g, g.buffer)
+                if self.device.type != "cpu":
+                    g.buffer = g.buffer.to(self.device)
+                self._bind(g, g.buffer)
+        self.stats["layout_bytes"] = self.resident_bytes
+        streamed = self.streamed_groups
+        if streamed and not nvme_path:
+            raise HostBudgetTooSmall(
+                f"the weights ({format_size(self.source.nbytes)}) do not fit the host budget "
+                f"{format_size(self.host_budget)}: give --nvme-path DIR (a folder on the NVMe SSD) to stream "
+                f"{format_size(self.streamed_bytes)} of them from, or a --host-budget above "
+                f"{format_size(sum(g.nbytes for g in self.groups))}"
+            )
+        if streamed:
+            os.makedirs(nvme_path, exist_ok=True)
+            self.space = SwapSpace(nvme_path, rank=0)
+            self.file = self.space.create_file("weights", self.engine)
+            for _ in range(self.slot_count):
+                slot = _Slot(self.pool.allocate(self.slot_bytes))
+                if self.device.type == "cuda":
+                    slot.device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                self.slots.append(slot)
+            # Write through two slots: one fills from the source while the other is being written.
+            pending = [None] * len(self.slots)
+            for i, g in enumerate(streamed):
+                k = i % len(self.slots)
+                if pending[k] is not None:
+                    pending[k].wait()
+                g.extent = self.file.allocate(g.nbytes)
+                buf = self.slots[k].host[: g.nbytes]
+                self._fill(g, buf)
+                pending[k] = self.engine.write_async(buf, self.file.handle, g.extent.offset)
+                self.stats["layout_bytes"] += g.nbytes
+                self._progress(f"laid out {g.label} ({i + 1}/{len(streamed)})")
+            for p in pending:
+                if p is not None:
+                    p.wait()
+            # Until a streamed group is first read its parameters are views of a slot (never used: the hooks
+            # bind the right bytes first), so model.device and dtype read right before the first forward.
+            for g in streamed:
+                self._bind(g, self.slots[0].device if self.slots[0].device is not None else self.slots[0].host)
+        for g in self.groups:  # tied parameters: the very tensor of their first owner (both groups resident)
+            for m in g.members:
+                if m.tied_to is not None:
+                    module, attr = m.tied_to
+                    m.module._parameters[m.attr] = module._parameters[attr]
+        self.stats["layout_s"] = time.perf_counter() - start
+
+    @staticmethod
+    def _bind(g: _Group, buffer: torch.Tensor) -> None:
+        for m in g.members:
+            if not m.name:
+                continue
+            view = buffer[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
+            m.module._parameters[m.attr] = torch.nn.Parameter(view, requires_grad=False)
+
+    # ------------------------------------------------------------------------------------------ streaming
+
+    def attach(self) -> None:
+        """Register the hooks that stream the non-resident groups (nothing to do when all are resident)."""
+        if not self.slots or self._hooks:
+            return
+        self._order = self.streamed_groups
+        self._position = {g.index: i for i, g in enumerate(self._order)}
+        self._next_to_issue = 0  # index into _order of the next read to issue
+        if self.device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(self.device)
+        for g in self._order:
+            self._hooks.append(g.module.register_forward_pre_hook(self._make_pre_hook(g)))
+            self._hooks.append(g.module.register_forward_hook(self._make_post_hook(g)))
+        self._issue_reads()
+
+    def _slot_of(self, g: _Group) -> Optional[_Slot]:
+        for s in self.slots:
+            if s.group is g:
+                return s
+        return None
+
+    def _issue_reads(self) -> None:
+        """Issue reads of the next groups in cyclic order into every free slot."""
+        for s in self.slots:
+            if s.group is not None:
+                continue
+            g = self._order[self._next_to_issue]
+            if self._slot_of(g) is not None:
+                return  # every streamed group is already in a slot
+            if s.copied is not None:  # CUDA: the host bytes may still be on their way to the twin
+                s.copied.synchronize()
+                s.copied = None
+            s.group, s.ready = g, False
+            s.request = self.engine.read_async(s.host[: g.nbytes], self.file.handle, g.extent.offset)
+            self.stats["reads"] += 1
+            self.stats["bytes_read"] += g.nbytes
+            self._next_to_issue = (self._next_to_issue + 1) % len(self._order)
+
+    def _make_pre_hook(self, g: _Group):
+        def pre_hook(module, args):
+            s = self._slot_of(g)
+            if s is None:  # out of the cyclic order (a forward that skipped layers): read it now
+                self._next_to_issue = self._position[g.index]
+                self._issue_reads()
+                s = self._slot_of(g)
+                if s is None:
+                    raise RuntimeError(f"no free slot to read layer group {g.label} into")
+            if not s.ready:
+                t0 = time.perf_counter()
+                s.request.wait()
+                s.request = None
+                if s.device is not None:
+                    with torch.cuda.stream(self._copy_stream):
+                        if s.computed is not None:
+                            self._copy_stream.wait_event(s.computed)
+                        s.device[: g.nbytes].copy_(s.host[: g.nbytes], non_blocking=True)
+                        s.copied = torch.cuda.Event()
+                        s.copied.record(self._copy_stream)
+                    torch.cuda.current_stream(self.device).wait_event(s.copied)
+                self.stats["wait_s"] += time.perf_counter() - t0
+                s.ready = True
+            self._bind(g, s.device if s.device is not None else s.host)
+            return None
+
+        return pre_hook
+
+    def _make_post_hook(self, g: _Group):
+        def post_hook(module, args, output):
+            s = self._slot_of(g)
+            if s is not None:
+                if s.device is not None:
+                    s.computed = torch.cuda.Event()
+                    s.computed.record(torch.cuda.current_stream(self.device))
+                s.group, s.ready = None, False
+            self._issue_reads()
+            return None
+
+        return post_hook
+
+    def close(self) -> None:
+        """Remove the hooks, wait for reads in flight, close the swap space (its file is removed)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for s in self.slots:
+            if s.request is not None:
+                try:
+                    s.request.wait()
+                except OSError:
+                    pass
+                s.request = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.space is not None:
+            self.space.close()
+            self.space = None
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()
+            self.engine = None

@@ -1,0 +1,332 @@
+"""`aidaptiv-ds generate` and `aidaptiv_ds.inference`: weights streamed from the swap space give the in-memory
+model's tokens under greedy decoding; each step reads exactly the streamed layers once; the prompt cache on the
+SSD gives the same tokens from a prefix read back, and never uses a torn, damaged or stale entry; bad input is
+refused with one clear message and leaves nothing behind."""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import child_env, run_train
+
+HIDDEN, LAYERS = 128, 6
+
+
+def _save_model(folder, tied=False, seed=0, layers=LAYERS, context=2048):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aidaptiv_ds.models.tokenizer import save_byte_tokenizer
+
+    cfg = LlamaConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=512,
+        max_position_embeddings=context,
+        tie_word_embeddings=tied,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights: logits that depend on the context, not one token repeated
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    model.save_pretrained(str(folder))
+    save_byte_tokenizer(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "untied": _save_model(root / "untied"),
+        "tied": _save_model(root / "tied", tied=True, seed=1),
+        "other": _save_model(root / "other", seed=2, layers=4),
+    }
+
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far, far away, there lived"]
+BUDGET = "2.5MiB"  # about 0.4 of the 6.1 MiB of weights: two layers in flight, four streamed
+
+
+def _reference(folder, prompts, new, dtype=torch.float32):
+    """Greedy tokens of the in-memory model, the same batch left-padded the same way."""
+    from transformers import AutoModelForCausalLM
+
+    from aidaptiv_ds.models.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    ids = [tok.encode(p, add_bos=True, add_eos=False) for p in prompts]
+    width = max(map(len, ids))
+    x = torch.full((len(ids), width), tok.pad_token_id)
+    mask = torch.zeros_like(x)
+    for r, t in enumerate(ids):
+        x[r, width - len(t) :] = torch.tensor(t)
+        mask[r, width - len(t) :] = 1
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=x,
+            attention_mask=mask,
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    rows = []
+    for r in range(len(ids)):
+        new_ids = out[r, width:].tolist()
+        if tok.eos_token_id in new_ids:
+            new_ids = new_ids[: new_ids.index(tok.eos_token_id) + 1]
+        rows.append(new_ids)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_streamed_greedy_tokens_are_the_in_memory_models(models, tmp_path, kind):
+    from aidaptiv_ds.inference import Generator
+
+    folder = models[kind]
+    with Generator(folder, host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu") as gen:
+        st = gen.stats()
+        assert st["slots"] >= 2 and st["streamed_bytes_per_pass"] > st["weight_bytes"] / 2, st
+        swap_files = [f for _, _, fs in os.walk(tmp_path / "nvme") for f in fs if f == "weights"]
+        assert swap_files, "streamed layers live in the swap space"
+        results = gen.generate(PROMPTS, max_new_tokens=12, batch_size=2)
+        st = gen.stats()
+    assert [r.token_ids for r in results] == _reference(folder, PROMPTS, 12)
+    assert len(set(results[1].token_ids)) > 1  # the test model does not repeat one token
+    # Each forward pass reads every streamed layer once: (passes) x (streamed bytes), plus the read-ahead
+    # of the next pass's first layers that the slots took at the end.
+    passes = max(r.new_tokens for r in results)
+    per_pass = st["streamed_bytes_per_pass"]
+    assert passes * per_pass <= st["bytes_read"] <= passes * per_pass + st["slots"] * st["slot_bytes"], st
+    assert not os.path.exists(tmp_path / "nvme" / "aidaptiv-swap" / "rank0" / "lock")  # closed and cleaned
+
+
+def test_bf16_conversion_matches_the_in_memory_bf16_model(models, tmp_path):
+    from aidaptiv_ds.inference import Generator
+
+    folder = models["untied"]
+    with Generator(folder, host_budget="1.5MiB", nvme_path=str(tmp_path / "nvme"), device="cpu", dtype="bfloat16") as g:
+        assert g.stats()["streamed_bytes_per_pass"] > 0
+        got = [r.token_ids for r in g.generate(PROMPTS[:1], max_new_tokens=8)]
+    assert got == _reference(folder, PROMPTS[:1], 8, dtype=torch.bfloat16)
+
+
+def test_everything_resident_when_it_fits(models, tmp_path):
+    from aidaptiv_ds.inference import Generator
+
+    with Generator(models["untied"], host_budget="64MiB", device="cpu") as gen:  # no --nvme-path needed
+        st = gen.stats()
+        r = gen.generate(PROMPTS[:1], max_new_tokens=4)[0]
+    assert st["streamed_bytes_per_pass"] == 0 and st["bytes_read"] == 0
+    assert r.new_tokens == 4 and r.time_to_first_token_s > 0
+
+
+def test_prompt_cache_reuses_a_prefix_and_gives_the_same_tokens(models, tmp_path):
+    from aidaptiv_ds.inference import Generator
+
+    folder = models["untied"]
+    document = "A long report on the harvest of the year, with every field and every crop listed. " * 12
+    kv = str(tmp_path / "kv")
+    kw = dict(host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu")
+    with Generator(folder, kv_cache=kv, kv_host_budget=0, **kw) as gen:
+        first = gen.generate([document + "Question: which crop?"], max_new_tokens=8)[0]
+        again = gen.generate([document + "Question: which crop?"], max_new_tokens=8)[0]
+        other = gen.generate([document + "Question: how wet was it?"], max_new_tokens=8)[0]
+        stats = gen.stats()["kv_cache"]
+    n_prompt = first.prompt_tokens
+    assert first.reused_prefix_tokens == 0
+    assert again.reused_prefix_tokens == n_prompt - 1  # all but the last token read back
+    assert other.reused_prefix_tokens >= len(document)  # the shared document (bytes = tokens, plus BOS)
+    assert stats["hits"] == 2 and stats["bytes_read"] > 0
+    fresh = _reference(folder, [document + "Question: which crop?", document + "Question: how wet was it?"], 8)
+    assert [first.token_ids, other.token_ids] == [fresh[0][: len(first.token_ids)], fresh[1][: len(other.token_ids)]]
+    assert again.token_ids == first.token_ids
+
+    # A process that starts later reads the same entries (on the SSD, not in the first one's memory).
+    with Generator(folder, kv_cache=kv, **kw) as gen:
+        later = gen.generate([document + "Question: which crop?"], max_new_tokens=8)[0]
+    assert later.reused_prefix_tokens == n_prompt - 1 and later.token_ids == first.token_ids
+
+
+def _entries(kv):
+    return [os.path.join(d, f) for d, _, fs in os.walk(kv) for f in fs if f.endswith(".kv")]
+
+
+def test_prompt_cache_never_uses_a_torn_damaged_or_stale_entry(models, tmp_path):
+    from aidaptiv_ds.inference import Generator
+
+    folder = models["untied"]
+    prompt = "Remember this sentence well, it will come back again and again. " * 8
+    kv = str(tmp_path / "kv")
+    kw = dict(host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu", kv_cache=kv, kv_host_budget=0)
+    with Generator(folder, **kw) as gen:
+        base = gen.generate([prompt], max_new_tokens=6)[0]
+    (entry,) = _entries(kv)
+    good = open(entry, "rb").read()
+
+    # A byte of a block flipped: the CRC catches it; the entry is removed and the prefix computed again.
+    damaged = bytearray(good)
+    damaged[-100] ^= 0x40
+    open(entry, "wb").write(bytes(damaged))
+    with Generator(folder, **kw) as gen:
+        r = gen.generate([prompt], max_new_tokens=6)[0]
+        assert gen.stats()["kv_cache"]["damaged"] == 1
+    assert r.reused_prefix_tokens == 0 and r.token_ids == base.token_ids
+    assert len(_entries(kv)) == 1  # stored again, whole
+
+    # Torn (shorter than its header says) and a crash's temporary file: neither is read.
+    open(entry, "wb").write(good[: len(good) // 2])
+    open(os.path.join(os.path.dirname(entry), ".tmp-999999-x.kv"), "wb").write(good)  # writer long gone
+    with Generator(folder, **kw) as gen:
+        r = gen.generate([prompt], max_new_tokens=6)[0]
+    assert r.reused_prefix_tokens == 0 and r.token_ids == base.token_ids
+    assert not [f for f in os.listdir(os.path.dirname(entry)) if f.startswith(".tmp-")]
+
+    # The same folder rewritten with other weights (same config): another identity, the entry is not used.
+    _save_model(folder + "-changed", seed=7)
+    os.replace(os.path.join(folder + "-changed", "model.safetensors"), os.path.join(folder, "model.safetensors"))
+    try:
+        with Generator(folder, **kw) as gen:
+            r = gen.generate([prompt], max_new_tokens=6)[0]
+        assert r.reused_prefix_tokens == 0
+        assert r.token_ids == _reference(folder, [prompt], 6)[0]
+    finally:
+        _save_model(folder)  # the module's other tests use the original weights
+
+
+def test_prompt_cache_evicts_the_entries_used_longest_ago(models, tmp_path):
+    from aidaptiv_ds.inference import Generator
+
+    kv = str(tmp_path / "kv")
+    prompts = [f"Entry number {i}: " + "words to fill the prompt " * 10 for i in range(3)]
+    with Generator(models["untied"], host_budget="64MiB", device="cpu", kv_cache=kv, kv_cache_size="1MiB") as gen:
+        for p in prompts:
+            gen.generate([p], max_new_tokens=2)
+        st = gen.stats()["kv_cache"]
+    sizes = [os.path.getsize(e) for e in _entries(kv)]
+    assert sum(sizes) <= 1 << 20 and st["evicted"] >= 1, (sizes, st)
+
+
+def test_bad_inputs_are_refused_with_one_message(models, tmp_path):
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.inference.generate import GenerationError
+    from aidaptiv_ds.inference.sources import ModelSourceError
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(open(os.path.join(models["untied"], "config.json")).read())
+    with pytest.raises(ModelSourceError, match="no model weights"):
+        Generator(str(empty))
+    (empty / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ModelSourceError, match="pickle files are not read"):
+        Generator(str(empty))
+
+    # Another model's weights beside this config.
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for f in os.listdir(models["untied"]):
+        src = os.path.join(models["other"] if f == "model.safetensors" else models["untied"], f)
+        (mixed / f).write_bytes(open(src, "rb").read())
+    with pytest.raises(ValueError, match="weights are of another model"):
+        Generator(str(mixed), device="cpu")
+
+    with Generator(models["untied"], host_budget="64MiB", device="cpu") as gen:
+        with pytest.raises(GenerationError, match="more than the model's context of 2048 tokens"):
+            gen.generate(["x" * 2040], max_new_tokens=16)
+    with pytest.raises(ValueError, match="give --nvme-path"):
+        Generator(models["untied"], host_budget=BUDGET, device="cpu")
+    with pytest.raises(ValueError, match=r"needs at least .* give --host-budget"):
+        Generator(models["untied"], host_budget="1MiB", nvme_path=str(tmp_path / "n"), device="cpu")
+
+
+def _generate_cli(args, cwd, limit_file_bytes=None):
+    def limit():
+        if limit_file_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
+
+    return subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", "generate", *args],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit,
+    )
+
+
+def test_command_writes_metrics_and_a_full_disk_leaves_nothing_behind(models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
+    metrics = tmp_path / "m.json"
+    nvme = tmp_path / "nvme"
+    common = ["--model", models["untied"], "--host-budget", BUDGET, "--nvme-path", str(nvme), "--device", "cpu"]
+    p = _generate_cli(
+        [*common, "--prompts", str(prompts), "--max-new-tokens", "5", "--metrics-out", str(metrics)], tmp_path
+    )
+    assert p.returncode == 0, p.stderr
+    m = json.load(open(metrics))
+    assert [r["new_tokens"] for r in m["results"]] == [5, 5]
+    assert m["results"][0]["token_ids"] == _reference(models["untied"], PROMPTS, 5)[0]
+    assert m["stats"]["bytes_read"] >= 5 * m["stats"]["streamed_bytes_per_pass"] > 0
+    assert "tokens/s" in p.stderr and "first token after" in p.stderr
+
+    # No file may grow past 1 MiB (as a full disk refuses the swap file's growth): one message, exit 1,
+    # and the swap folder is left empty.
+    p = _generate_cli([*common, "--prompt", "hi"], tmp_path, limit_file_bytes=1 << 20)
+    assert p.returncode == 1, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("aidaptiv-ds generate:") and "weights" in last, p.stderr
+    left = [f for _, _, fs in os.walk(nvme) for f in fs]
+    assert left == [], left
+
+    p = _generate_cli(["--model", models["untied"]], tmp_path)
+    assert p.returncode == 1 and "no prompt" in p.stderr
+
+
+def test_generates_from_a_checkpoint_as_from_its_export(tmp_path):
+    """A checkpoint of `train` is read in place (its per-rank params.bin), and gives the exported folder's tokens."""
+    from helpers import aidaptiv_config
+
+    from aidaptiv_ds.inference import Generator
+
+    config = aidaptiv_config(tmp_path, host_memory_budget="64MiB")
+    rc, log = run_train(
+        [
+            "--config",
+            config,
+            "--model",
+            "micro",
+            "--seq-len",
+            "64",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--save-dir",
+            str(tmp_path / "ck"),
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=tmp_path,
+    )
+    assert rc == 0, log[-3000:]
+    got = {}
+    for name in ("ck", "out"):
+        with Generator(str(tmp_path / name), host_budget="64MiB", device="cpu") as g:
+            got[name] = g.generate(PROMPTS[:1], max_new_tokens=6)[0].token_ids
+    assert got["ck"] == got["out"] == _reference(str(tmp_path / "out"), PROMPTS[:1], 6)[0]
