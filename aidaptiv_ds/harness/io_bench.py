@@ -1,6 +1,8 @@
 """Measure O_DIRECT write and read bandwidth, and CPU time per GB, of the I/O engines on one disk, in one run.
 
-For each repeat and each engine in turn (round robin: uring, posix, deepspeed, fio, uring, ...), writes
+For each repeat and each engine in turn (round robin, the order reversed every other repeat so that no engine
+always runs first or last on a disk whose state depends on what ran before: uring, posix, deepspeed, fio, then
+fio, deepspeed, posix, uring, ...), writes
 --size-mb MiB to a fresh file with O_DIRECT, reads it back with O_DIRECT (the page cache never answers),
 checks that the bytes read are the bytes written, and removes the file. Reports per engine the median
 GB/s (1 GB = 1e9 bytes) and CPU seconds per GB (process user + system time over the transfer, all threads).
@@ -391,6 +393,7 @@ def measure(engines: List[str], directory: str, size: int, block: int, queue_dep
     live, errors = {}, {}
     samples = {e: {"read": [], "write": []} for e in engines}
     verified: Dict[str, list] = {e: [] for e in engines}
+    positions: Dict[str, list] = {e: [] for e in engines}  # where each sample's engine ran in its repeat (0: first)
     for name in engines:
         try:
             live[name] = make_engine(name, shared, block, queue_depth)
@@ -399,7 +402,8 @@ def measure(engines: List[str], directory: str, size: int, block: int, queue_dep
             progress(f"{name} cannot run: {errors[name]}")
     try:
         for r in range(repeat):
-            for name in engines:
+            order = engines if r % 2 == 0 else engines[::-1]
+            for name in order:
                 if name not in live:
                     continue
                 path = os.path.join(directory, f"io-bench-{name}-{r}-{os.getpid()}.bin")
@@ -417,6 +421,7 @@ def measure(engines: List[str], directory: str, size: int, block: int, queue_dep
                 samples[name]["write"].append(w)
                 samples[name]["read"].append(rd)
                 verified[name].append(ok)
+                positions[name].append(order.index(name))
                 progress(
                     f"[{r + 1}/{repeat}] {name:<9} write {w.gbps:6.2f} GB/s ({w.cpu_s_per_gb:.3f} CPU s/GB), "
                     f"read {rd.gbps:6.2f} GB/s ({rd.cpu_s_per_gb:.3f} CPU s/GB)"
@@ -425,7 +430,10 @@ def measure(engines: List[str], directory: str, size: int, block: int, queue_dep
     finally:
         for engine in live.values():
             engine.close()
-    return {name: summarize(samples[name], verified[name], errors.get(name)) for name in engines}
+    out = {name: summarize(samples[name], verified[name], errors.get(name)) for name in engines}
+    for name in engines:
+        out[name]["positions"] = positions[name]
+    return out
 
 
 def run(args) -> int:
