@@ -25,6 +25,7 @@ from aidaptiv_ds.common.sizes import GiB, parse_size
 from aidaptiv_ds.planner.memory import (
     ACTIVATION_POLICIES,
     BACKENDS,
+    BLOCK_LOSS_CHUNK_TOKENS,
     BackendPlan,
     Hardware,
     Job,
@@ -147,11 +148,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--activations",
         choices=ACTIVATION_POLICIES,
-        default="keep",
-        help="keep: autograd keeps every activation (aidaptiv.activations.policy keep, the default); "
-        "recompute: only layer inputs, recomputed in backward (the HF Trainer's "
-        "gradient_checkpointing, policy recompute); nvme: the layer inputs stored on NVMe and read "
-        "back ahead of the backward (policy nvme, and the least policy auto keeps)",
+        default=None,
+        help="force one mode for every backend. keep: autograd keeps every activation; recompute: only layer "
+        "inputs, recomputed in backward (gradient checkpointing, aidaptiv policy recompute); nvme: the layer "
+        "inputs stored on NVMe and read back ahead of the backward (aidaptiv policy nvme, and the least its "
+        "policy auto keeps; stock DeepSpeed has no such mode). Default: each backend with the first of its "
+        "own modes that fits (stock: keep, recompute; aidaptiv: keep, recompute, nvme), said in its notes",
     )
     p.add_argument(
         "--loss-chunk-tokens",
@@ -297,7 +299,7 @@ def make_plans(
     job: Job, hw: Hardware, rates: Rates, backends: List[str]
 ) -> Tuple[List[BackendPlan], Dict[str, StepPrediction]]:
     plans = [plan_backend(b, job, hw) for b in backends]
-    return plans, {p.backend: predict(p, job, hw, rates) for p in plans}
+    return plans, {p.backend: predict(p, p.job or job, hw, rates) for p in plans}
 
 
 def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
@@ -320,7 +322,7 @@ def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
     }
     # The activations the plan counted, as the block's policy (so the written job holds what was planned).
     activations = {"policy": job.activations} if job.activations != "keep" else {}
-    if job.loss_chunk_tokens:
+    if job.loss_chunk_tokens and job.loss_chunk_tokens != BLOCK_LOSS_CHUNK_TOKENS:
         activations["loss_chunk_tokens"] = job.loss_chunk_tokens
     if activations:
         cfg["aidaptiv"]["activations"] = activations
@@ -436,7 +438,7 @@ def _write_config(args, job: Job, plans: List[BackendPlan], nvme_dirs: List[str]
     if not plan.fits:
         _log(f"--write-config: aidaptiv does not fit ({plan.problems[0]}): nothing written")
         return False
-    cfg = aidaptiv_config(job, plan, nvme_dirs[0] if nvme_dirs else ".")
+    cfg = aidaptiv_config(plan.job or job, plan, nvme_dirs[0] if nvme_dirs else ".")
     from aidaptiv_ds.config import resolve as aconfig
     from aidaptiv_ds.config.ds_config import ConfigError
 

@@ -28,7 +28,7 @@ All figures are bytes per rank unless a name says per node. Nothing here imports
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
 from aidaptiv_ds.common.sizes import GiB, align_up, dtype_bytes
@@ -39,6 +39,14 @@ from aidaptiv_ds.swap.budget_split import BudgetSplit, shrink_layer_groups, spli
 BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
 # The block's words (aidaptiv.activations.policy): one vocabulary for the planner and the block.
 ACTIVATION_POLICIES = ("keep", "recompute", "nvme")
+# The activation modes each backend really has, most memory first: stock DeepSpeed keeps what autograd saves or
+# recomputes through the model's gradient checkpointing; only aidaptiv's activations policy also stores layer
+# inputs on NVMe (its policy "auto" keeps what fits and stores or recomputes the rest).
+STOCK_ACTIVATIONS = ("keep", "recompute")
+BACKEND_ACTIVATIONS = {"aidaptiv": ACTIVATION_POLICIES}
+# The block's default aidaptiv.activations.loss_chunk_tokens (config.schema.ActivationsConfig): a job on the
+# aidaptiv backend computes its loss in chunks of this many tokens unless its config says otherwise.
+BLOCK_LOSS_CHUNK_TOKENS = 1024
 # aidaptiv's "nvme" policy reads stored layer inputs back this many ahead of the backward (the block's
 # activations.read_ahead default): those, and the one being used, are what memory holds of them.
 NVME_ACTIVATIONS_IN_FLIGHT = 3
@@ -150,11 +158,13 @@ class Job:
     micro_batch: int
     grad_accum: int = 1
     dtype: str = "bf16"
-    activations: str = "keep"
+    activations: Optional[str] = "keep"
     """keep, recompute (layer inputs kept, one layer recomputed at a time) or nvme (recompute with the layer
-    inputs on NVMe: aidaptiv's activations policy "nvme", and the least "auto" can hold)."""
+    inputs on NVMe: aidaptiv's activations policy "nvme", and the least "auto" can hold). None: each backend is
+    planned with the first of its own modes that fits (:func:`plan_job`)."""
     loss_chunk_tokens: Optional[int] = None
-    """Tokens per chunk of the LM head and loss (aidaptiv.activations.loss_chunk_tokens); None: unchunked."""
+    """Tokens per chunk of the LM head and loss (aidaptiv.activations.loss_chunk_tokens); None: unchunked, or
+    with ``activations`` None the block's default for aidaptiv."""
     # aidaptiv: None chooses the largest budget host memory allows
     host_budget: Optional[int] = None  # bytes per rank
     layer_group_size: int = 4
@@ -185,6 +195,7 @@ class BackendPlan:
     split: Optional[BudgetSplit] = None
     sub_group_numels: List[int] = field(default_factory=list)  # aidaptiv: this rank's optimizer sub-groups
     deepspeed_estimate: Optional[Dict[str, int]] = None
+    job: Optional[Job] = None  # the job as planned (its activation mode chosen, with activations None)
 
     @property
     def fits(self) -> bool:
@@ -522,8 +533,46 @@ def check(plan: BackendPlan, hw: Hardware) -> BackendPlan:
 def plan_backend(backend: str, job: Job, hw: Hardware) -> BackendPlan:
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is unknown: choose one of {', '.join(BACKENDS)} or all")
+    if job.activations is None:
+        return plan_job(backend, job, hw)
     plan = plan_aidaptiv(job, hw) if backend == "aidaptiv" else plan_deepspeed(backend, job, hw)
+    plan.job = job
+    if job.activations not in activation_modes(backend):
+        plan.problems.append(
+            f"activations {job.activations}: {backend} has no such mode (stock DeepSpeed keeps activations or "
+            "recomputes them with the model's gradient checkpointing; only aidaptiv's activations policy stores "
+            "them on NVMe): plan it with --activations keep or recompute, or leave --activations out"
+        )
     return check(plan, hw)
+
+
+def activation_modes(backend: str) -> tuple:
+    """The activation modes ``backend`` really has, most memory first."""
+    return BACKEND_ACTIVATIONS.get(backend, STOCK_ACTIVATIONS)
+
+
+def plan_job(backend: str, job: Job, hw: Hardware) -> BackendPlan:
+    """``backend``'s plan with the first of its activation modes that fits (all of them tried when none does:
+    the plan of the last, the least memory, with its problems), a note saying which. A job without a loss
+    chunk gets the block's default on aidaptiv (what its run does) and none on stock DeepSpeed."""
+    modes = activation_modes(backend)
+    chunk = job.loss_chunk_tokens
+    if chunk is None and backend == "aidaptiv":
+        chunk = BLOCK_LOSS_CHUNK_TOKENS
+    plan = None
+    for mode in modes:
+        plan = plan_backend(backend, replace(job, activations=mode, loss_chunk_tokens=chunk), hw)
+        if plan.fits:
+            break
+    tried = modes[: modes.index(plan.job.activations)]
+    if plan.fits:
+        why = f" ({' and '.join(tried)} do{'es' if len(tried) == 1 else ''} not fit)" if tried else ""
+        plan.notes.insert(0, f"activations: {plan.job.activations}{why}, of this backend's {', '.join(modes)}")
+    else:
+        plan.notes.insert(
+            0, f"activations: none of this backend's {', '.join(modes)} fits; shown with {plan.job.activations}"
+        )
+    return plan
 
 
 def step_flops(job: Job) -> float:

@@ -37,7 +37,7 @@ def as_dict(
             "micro_batch": job.micro_batch,
             "grad_accum": job.grad_accum,
             "dtype": job.dtype,
-            "activations": job.activations,
+            "activations": job.activations or "per backend",
         },
         "hardware": {
             "gpus_per_node": hw.gpus,
@@ -58,6 +58,8 @@ def as_dict(
         pred = predictions.get(p.backend)
         out["backends"][p.backend] = {
             "fits": p.fits,
+            "activations": (p.job or job).activations,
+            "loss_chunk_tokens": (p.job or job).loss_chunk_tokens,
             "problems": p.problems,
             "notes": p.notes,
             "gpu_bytes_per_rank": p.gpu,
@@ -95,7 +97,11 @@ def table(
         f"model {s.name}: {s.num_parameters / 1e9:.2f}B parameters ({s.layers} layers, hidden {s.hidden}), "
         f"{job.dtype}, micro-batch {job.micro_batch} x sequence {job.seq_len}"
         + (f" x {job.grad_accum} accumulation steps" if job.grad_accum > 1 else "")
-        + f", activations {job.activations}",
+        + (
+            f", activations {job.activations}"
+            if job.activations
+            else ", activations: each backend's first mode that fits (its notes say which)"
+        ),
         f"hardware: {hw.gpus} {'GPU' if hw.gpu_mem is not None else 'CPU rank'}(s) per node x {hw.nodes} node(s); "
         + (f"GPU {_gib(hw.gpu_mem)} each; " if hw.gpu_mem is not None else "training on CPU; ")
         + f"host {_gib(hw.host_mem)} per node; NVMe "

@@ -74,6 +74,38 @@ def test_seeds_a100_node_zero3_does_not_fit_aidaptiv_does(capsys):
     assert out["parameters"] == 6_738_415_616
 
 
+SEEDS_003_CELL = ["--model", "llama2-7b", "--seq-len", "2048", "--micro-batch", "32", "--gpu-mem", "40GB"]
+SEEDS_003_NODE = ["--host-mem", "512GB", "--nvme-free", "1800GB", "--gpus", "1"]
+
+
+def test_seeds_003_cell_by_default_only_aidaptiv_fits_with_its_own_activation_mode(capsys):
+    """seeds/003's cell (Llama-2-7B, sequence 2048, batch 32, one A100-40GB, 512 GB of RAM), which aiDAPTIV+ ran:
+    without --activations each backend is planned with the modes it really has. Stock DeepSpeed keeps or
+    recomputes, neither fits 40 GB; aidaptiv fits by recomputing (its chunked loss, the block's default), and the
+    notes say which mode each backend was planned with."""
+    rc, out = plan_json(capsys, *SEEDS_003_CELL, *SEEDS_003_NODE)
+    assert rc == 0
+    b = out["backends"]
+    assert out["job"]["activations"] == "per backend"
+    for stock in ("zero3", "zero3_cpu_offload", "zero_infinity"):
+        assert not b[stock]["fits"] and "GPU memory" in b[stock]["problems"][0], stock
+        assert b[stock]["activations"] == "recompute" and b[stock]["loss_chunk_tokens"] is None
+        assert "none of this backend's keep, recompute fits" in b[stock]["notes"][0]
+    assert b["aidaptiv"]["fits"]
+    assert b["aidaptiv"]["activations"] == "recompute" and b["aidaptiv"]["loss_chunk_tokens"] == 1024
+    assert b["aidaptiv"]["notes"][0].startswith("activations: recompute (keep does not fit)")
+
+
+def test_forcing_nvme_activations_does_not_make_stock_deepspeed_fit(capsys):
+    """Stock DeepSpeed cannot store a Hugging Face model's activations on NVMe: forcing the mode refuses it."""
+    rc, out = plan_json(capsys, *SEEDS_003_CELL, *SEEDS_003_NODE, "--activations", "nvme")
+    b = out["backends"]
+    for stock in ("zero3_cpu_offload", "zero_infinity"):
+        assert not b[stock]["fits"]
+        assert any("has no such mode" in p for p in b[stock]["problems"]), b[stock]["problems"]
+    assert b["aidaptiv"]["fits"] and b["aidaptiv"]["activations"] == "nvme"
+
+
 def test_table_names_the_bound_and_the_problem(capsys):
     rc = cli.main(
         ["plan", "--model", "llama2-70b", "--seq-len", "256", "--micro-batch", "1", "--backend", "zero3", *A100_NODE]
