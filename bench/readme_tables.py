@@ -9,7 +9,7 @@ Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and
 bench/results/swap_step_time, swap_step_time_small, malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
 bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
-its rows), bench/results/gpu_*/results.jsonl (through the sweep report's
+its rows), bench/results/generate_offload and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
 not links. The settings table (docs/USAGE.md) from the block's pydantic model, aidaptiv_ds.config.schema.
 """
@@ -124,6 +124,14 @@ def step_time_section():
             "python bench/malloc_threshold.py --model small --budget-fraction 0.4 "
             "--variants 1MiB,128KiB --steps 10 --out bench/results/malloc_threshold_small",
         ),
+    ]
+
+
+def generate_section():
+    return [
+        *summary_md("generate_offload", "python bench/generate_offload.py --cap-gib 2"),
+        "",
+        *summary_md("io_order", "python bench/io_order.py"),
     ]
 
 
@@ -482,6 +490,8 @@ def section():
         *repeats_section(),
         "",
         *capacity_section(),
+        "",
+        *generate_section(),
         "",
         *gpu_section(),
         *faults_section(),

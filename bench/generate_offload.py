@@ -1,0 +1,396 @@
+#!/usr/bin/env python3
+"""Generation with weights larger than the host memory given: `aidaptiv-ds generate` against Hugging Face's
+disk offload (accelerate: ``from_pretrained(device_map="auto", max_memory=..., offload_folder=...)``), the
+anchor users would pick instead, on one machine, in one run (the inference issue's targets).
+
+Conditions: a preset shape with random weights saved as a Hugging Face folder (default tinyllama-1.1b, fp32:
+4.4 GB of weights) and a host budget well below it (default 1 GiB: the weights are 4x the budget). Both sides
+get the same budget for weights (ours: --host-budget; accelerate: max_memory={"cpu": budget}) and run in a
+memory cgroup of the same cap (--cap-gib: the budget plus what the framework needs), which charges the page
+cache too, so neither side keeps the weights in RAM through the cache. Before every run the weight files' and
+the offload folder's pages are dropped from the page cache (posix_fadvise DONTNEED), so every side reads from
+the disk. Sides are interleaved, their order alternating over the repeats; greedy decoding of the same prompt.
+
+Measured in the same run: the in-memory model (no cap) for the reference tokens and its decode time per token
+(the compute bound), and the disk's O_DIRECT read bandwidth (aidaptiv-ds io-bench, uring, 1 MiB blocks, queue
+depth 32) for the I/O bound (bytes our side streams per token / bandwidth). Then the prompt cache: a prompt of
+--kv-prefix tokens (a long document) generated twice by `aidaptiv-ds generate --kv-cache`: the first run
+computes the prefix and stores its keys and values, the second reads them back; time to first token of each,
+and the next tokens compared.
+
+    python bench/generate_offload.py [--repeats 3] [--new-tokens 16] [--out bench/results/generate_offload]
+
+Writes one JSON row per run to OUT/rows.jsonl and the medians to OUT/summary.md.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from aidaptiv_ds.common.sizes import format_size, parse_size  # noqa: E402
+from aidaptiv_ds.harness.hostcap import probe_cgroup  # noqa: E402
+from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
+
+PROMPT = "The history of the printing press begins in the fifteenth century, when"
+
+
+def make_model(shape: str, dtype: str, folder: str, context: int) -> str:
+    """A random-weight Hugging Face folder of ``shape`` (kept between runs: a stamp names what it holds)."""
+    stamp = os.path.join(folder, "bench-stamp.json")
+    want = {"shape": shape, "dtype": dtype, "context": context}
+    if os.path.exists(stamp) and json.load(open(stamp)) == want:
+        return folder
+    code = f"""
+import torch, sys
+sys.path.insert(0, {ROOT!r})
+from aidaptiv_ds.models import presets
+from aidaptiv_ds.models.tokenizer import save_byte_tokenizer
+spec = presets.resolve({shape!r})
+spec.config.max_position_embeddings = {context}
+torch.manual_seed(0)
+model = presets.build_model(spec, getattr(torch, {dtype!r}))
+model.save_pretrained({folder!r}, max_shard_size="2GB")
+save_byte_tokenizer({folder!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    json.dump(want, open(stamp, "w"))
+    return folder
+
+
+def drop_page_cache(*paths: str) -> None:
+    """Drop the clean pages of every file under ``paths`` from the page cache."""
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        for f in files:
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+ACCELERATE_CHILD = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM, LogitsProcessorList
+sys.path.insert(0, ROOT)
+from aidaptiv_ds.models.tokenizer import HFTokenizer
+model_dir, budget, offload, new, dtype, mode = sys.argv[1:7]
+t0 = time.perf_counter()
+kw = dict(dtype=getattr(torch, dtype))
+if mode == "offload":
+    kw.update(device_map="auto", max_memory={"cpu": int(budget)}, offload_folder=offload, offload_state_dict=True)
+model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).eval()
+load_s = time.perf_counter() - t0
+tok = HFTokenizer(model_dir)
+ids = torch.tensor([tok.encode(PROMPT, add_bos=True, add_eos=False)])
+times = []
+def clock(input_ids, scores):
+    times.append(time.perf_counter())
+    return scores
+start = time.perf_counter()
+with torch.inference_mode():
+    out = model.generate(ids, max_new_tokens=int(new), do_sample=False, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, logits_processor=LogitsProcessorList([clock]))
+new_ids = out[0, ids.shape[1]:].tolist()
+devices = sorted(set(str(v) for v in getattr(model, "hf_device_map", {}).values()))
+print(json.dumps({"token_ids": new_ids, "load_s": load_s, "ttft_s": times[0] - start,
+                  "decode_s": times[-1] - times[0], "new_tokens": len(new_ids), "devices": devices}))
+"""
+
+
+def run_capped(cmd, cap_bytes, factory, name):
+    """Run ``cmd`` in a fresh memory cgroup of ``cap_bytes``; (returncode, stdout, stderr, peak bytes, oom kills)."""
+    cg = factory.create(f"aidaptiv-gen-bench-{os.getpid()}-{name}", cap_bytes) if factory and cap_bytes else None
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(os.cpu_count()))
+    try:
+        p = subprocess.run(cg.wrap(cmd) if cg else cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        peak = cg.peak_bytes() if cg else None
+        ooms = cg.oom_kills() if cg else 0
+    finally:
+        if cg:
+            cg.remove()
+    return p.returncode, p.stdout, p.stderr, peak, ooms
+
+
+def run_ours(args, model_dir, swap, cap, factory, extra=(), metrics_name="m.json", prompt=PROMPT, new=None):
+    metrics = os.path.join(args.work, metrics_name)
+    if os.path.exists(metrics):
+        os.unlink(metrics)
+    cmd = [
+        sys.executable,
+        "-m",
+        "aidaptiv_ds",
+        "generate",
+        "--model",
+        model_dir,
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(new or args.new_tokens),
+        "--host-budget",
+        str(args.budget_bytes),
+        "--nvme-path",
+        swap,
+        "--device",
+        "cpu",
+        "--metrics-out",
+        metrics,
+        "--quiet",
+        *extra,
+    ]
+    t0 = time.perf_counter()
+    rc, out, err, peak, ooms = run_capped(cmd, cap, factory, "ours")
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        return {"rc": rc, "error": err[-1500:], "peak_bytes": peak, "oom_kills": ooms}
+    m = json.load(open(metrics))
+    r = m["results"][0]
+    return {
+        "rc": 0,
+        "token_ids": r["token_ids"],
+        "ttft_s": r["time_to_first_token_s"],
+        "decode_s": r["decode_s"],
+        "new_tokens": r["new_tokens"],
+        "tokens_per_s": r["tokens_per_s"],
+        "reused_prefix_tokens": r["reused_prefix_tokens"],
+        "streamed_bytes_per_token": m["stats"]["streamed_bytes_per_pass"],
+        "bytes_read": m["stats"]["bytes_read"],
+        "read_wait_s": m["stats"]["wait_s"],
+        "layout_s": m["stats"]["layout_s"],
+        "resident_bytes": m["stats"]["resident_bytes"],
+        "kv_cache": m["stats"].get("kv_cache"),
+        "peak_bytes": peak,
+        "wall_s": wall,
+    }
+
+
+def run_hf(args, model_dir, offload, cap, factory, mode):
+    code = f"ROOT = {ROOT!r}\nPROMPT = {PROMPT!r}\n" + ACCELERATE_CHILD
+    cmd = [
+        sys.executable,
+        "-c",
+        code,
+        model_dir,
+        str(args.budget_bytes),
+        offload,
+        str(args.new_tokens),
+        args.dtype,
+        mode,
+    ]
+    t0 = time.perf_counter()
+    rc, out, err, peak, ooms = run_capped(cmd, cap if mode == "offload" else None, factory, mode)
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        return {"rc": rc, "error": err[-1500:], "peak_bytes": peak, "oom_kills": ooms}
+    r = json.loads(out.strip().splitlines()[-1])
+    r.update(rc=0, peak_bytes=peak, wall_s=wall)
+    r["tokens_per_s"] = (r["new_tokens"] - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0
+    return r
+
+
+def disk_read_gbps(swap: str) -> float:
+    p = subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", "io-bench", "--dir", swap, "--engines", "uring", "--size-mb", "1024",
+         "--repeat", "1", "--json"],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), check=True, cwd=ROOT,
+    )  # fmt: skip
+    return json.loads(p.stdout)["engines"]["uring"]["read_gbps"]
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="tinyllama-1.1b", help="a preset of aidaptiv_ds.models.presets")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--budget", default="1GiB", help="host memory for weights, both sides")
+    ap.add_argument("--cap-gib", type=float, default=3.0, help="memory cgroup cap of every capped run, both sides")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv-prefix", type=int, default=8192, help="prompt tokens of the prompt-cache runs (0: skip)")
+    ap.add_argument("--kv-repeats", type=int, default=2)
+    ap.add_argument(
+        "--kv-cap-gib",
+        type=float,
+        default=4.0,
+        help="cgroup cap of the prompt-cache runs (a long prefill's activations)",
+    )
+    ap.add_argument("--summary-only", action="store_true", help="write OUT/summary.md from OUT/rows.jsonl")
+    ap.add_argument("--kv-only", action="store_true", help="measure the prompt cache again, keeping OUT's other rows")
+    ap.add_argument("--work", default=os.path.join(ROOT, ".bench_work", "generate"), help="model and swap folder")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "generate_offload"))
+    args = ap.parse_args()
+    args.budget_bytes = parse_size(args.budget, "--budget")
+    os.makedirs(args.work, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    context = max(2048, args.kv_prefix + 256)
+    model_dir = make_model(args.shape, args.dtype, os.path.join(args.work, f"{args.shape}-{args.dtype}"), context)
+    weight_bytes = sum(
+        os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors")
+    )
+    swap, offload = os.path.join(args.work, "swap"), os.path.join(args.work, "offload")
+    os.makedirs(swap, exist_ok=True)
+    cap = int(args.cap_gib * (1 << 30))
+    factory, where = probe_cgroup()
+    if factory is None:
+        sys.exit(f"no usable memory cgroup ({where}): this bench needs one to give both sides the same memory")
+    rows_path = os.path.join(args.out, "rows.jsonl")
+    common = {
+        "shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes, "budget_bytes": args.budget_bytes,
+        "cap_bytes": cap, "new_tokens": args.new_tokens, "machine": summary(machine_info(swap)),
+    }  # fmt: skip
+    rows = []
+
+    def record(row):
+        row.update(common)
+        rows.append(row)
+        with open(rows_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        brief = {k: row.get(k) for k in ("side", "repeat", "rc", "tokens_per_s", "ttft_s", "peak_bytes")}
+        print(json.dumps(brief), flush=True)
+
+    if args.summary_only:
+        rows = [json.loads(line) for line in open(rows_path)]
+        ref = next(r for r in rows if r["side"] == "in_memory")
+        gbps = next(r for r in rows if r["side"] == "disk")["read_gbps"]
+        kv_rows = [r for r in rows if r["side"] == "kv_prefix"]
+        write_summary(args, rows, weight_bytes, gbps, ref, kv_rows)
+        return
+    if args.kv_only:  # keep the throughput rows, measure the prompt cache again
+        kept = [json.loads(line) for line in open(rows_path)] if os.path.exists(rows_path) else []
+        kept = [r for r in kept if r["side"] != "kv_prefix"]
+        with open(rows_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        rows.extend(kept)
+        args.repeats = 0
+    else:
+        open(rows_path, "w").close()
+        drop_page_cache(model_dir)
+        record(dict(run_hf(args, model_dir, offload, None, factory, "memory"), side="in_memory", repeat=0))
+        record({"side": "disk", "repeat": 0, "rc": 0, "read_gbps": disk_read_gbps(swap)})
+    ref = next(r for r in rows if r["side"] == "in_memory")
+    gbps = next(r for r in rows if r["side"] == "disk")["read_gbps"]
+    for rep in range(args.repeats):
+        order = ("aidaptiv", "accelerate") if rep % 2 == 0 else ("accelerate", "aidaptiv")
+        for side in order:
+            drop_page_cache(model_dir, offload)
+            r = (
+                run_ours(args, model_dir, swap, cap, factory)
+                if side == "aidaptiv"
+                else run_hf(args, model_dir, offload, cap, factory, "offload")
+            )
+            r["same_tokens_as_in_memory"] = r.get("token_ids") == ref.get("token_ids")
+            record(dict(r, side=side, repeat=rep))
+    kv_rows = []
+    if args.kv_prefix:
+        document = ("In the year of the long rains the river rose above its banks and the valley farmers moved "
+                    "their herds to the hills. ")  # fmt: skip
+        text = (document * (args.kv_prefix // len(document) + 1))[: args.kv_prefix - 1 - 24] + " What happened next?"
+        kv_dir = os.path.join(args.work, "kv")
+        for rep in range(args.kv_repeats):
+            subprocess.run(["rm", "-rf", kv_dir], check=True)
+            for phase in ("compute", "read_back"):
+                drop_page_cache(model_dir, kv_dir)
+                extra = ("--kv-cache", kv_dir, "--kv-host-budget", "0", "--kv-cache-size", "64GiB")
+                kv_cap = int(args.kv_cap_gib * (1 << 30))
+                r = run_ours(args, model_dir, swap, kv_cap, factory, extra=extra, prompt=text, new=4)
+                r["phase"] = phase
+                record(dict(r, side="kv_prefix", repeat=rep, prompt_tokens=args.kv_prefix))
+                kv_rows.append(r)
+    write_summary(args, rows, weight_bytes, gbps, ref, kv_rows)
+
+
+def write_summary(args, rows, weight_bytes, gbps, ref, kv_rows):
+    args.repeats = len({r["repeat"] for r in rows if r["side"] == "aidaptiv"})
+    ours = [r for r in rows if r["side"] == "aidaptiv" and r["rc"] == 0]
+    acc = [r for r in rows if r["side"] == "accelerate" and r["rc"] == 0]
+    t_ours = median([r["tokens_per_s"] for r in ours])
+    pairs = [
+        a["tokens_per_s"] / b["tokens_per_s"]
+        for a in ours
+        for b in acc
+        if a["repeat"] == b["repeat"] and b["tokens_per_s"]
+    ]
+    streamed = median([r["streamed_bytes_per_token"] for r in ours])
+    compute_s = ref["decode_s"] / max(1, ref["new_tokens"] - 1) if ref.get("rc") == 0 else None
+    io_s = streamed / (gbps * 1e9) if streamed else None
+    bound_s = max(x for x in (compute_s, io_s) if x is not None) if (compute_s or io_s) else None
+    step_s = 1 / t_ours if t_ours else None
+    lines = [
+        f"# Generation beyond host memory: aidaptiv-ds generate vs accelerate's disk offload ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Model: `{args.shape}` shape, random weights, {args.dtype}, {format_size(weight_bytes)} of weights; host budget "
+        f"for weights {format_size(args.budget_bytes)} on both sides ({weight_bytes / args.budget_bytes:.1f}x smaller "
+        f"than the weights); every capped run in a memory cgroup of {args.cap_gib:g} GiB (page cache charged); page "
+        f"cache of the weight files dropped before each run; greedy, {args.new_tokens} new tokens, "
+        f"{args.repeats} interleaved repeats (order alternating). Machine: {rows[0]['machine']}.",
+        "",
+        "| side | tokens/s (median, min-max) | time to first token s | peak cgroup memory | tokens = in-memory |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rs in (("aidaptiv-ds generate", ours), ("accelerate disk offload", acc)):
+        if not rs:
+            fails = [r for r in rows if r["side"] == ("aidaptiv" if name.startswith("aid") else "accelerate")]
+            lines.append(f"| {name} | failed: {fails[0].get('error', '')[-200:] if fails else '?'} | | | |")
+            continue
+        tps = [r["tokens_per_s"] for r in rs]
+        lines.append(
+            f"| {name} | {median(tps):.3f} ({min(tps):.3f}-{max(tps):.3f}) | {median([r['ttft_s'] for r in rs]):.2f} | "
+            f"{format_size(max(r['peak_bytes'] or 0 for r in rs))} | {all(r['same_tokens_as_in_memory'] for r in rs)} |"
+        )
+    if ref.get("rc") == 0:
+        lines.append(f"| in-memory model (no cap) | {ref['tokens_per_s']:.3f} | {ref['ttft_s']:.2f} | | reference |")
+    lines.append("")
+    if pairs:
+        lines.append(
+            f"**aidaptiv / accelerate tokens/s: {statistics.median(pairs):.2f}x** (repeat pairs {min(pairs):.2f}-"
+            f"{max(pairs):.2f}x)."
+        )
+    if bound_s and step_s:
+        lines.append(
+            f"Bound per token: max(compute {compute_s:.3f} s (the in-memory model's decode step), I/O {io_s:.3f} s "
+            f"({format_size(streamed)} streamed per token / {gbps:.2f} GB/s O_DIRECT read, io-bench in this run)) = "
+            f"{bound_s:.3f} s; ours {step_s:.3f} s a token: **{step_s / bound_s:.2f}x the bound**."
+        )
+    if kv_rows:
+        comp = [r for r in kv_rows if r["phase"] == "compute" and r["rc"] == 0]
+        back = [r for r in kv_rows if r["phase"] == "read_back" and r["rc"] == 0]
+        if comp and back:
+            same = all(b["token_ids"] == c["token_ids"] for c, b in zip(comp, back))
+            tc, tb = median([r["ttft_s"] for r in comp]), median([r["ttft_s"] for r in back])
+            lines += [
+                "",
+                f"Prompt cache, a prompt of {args.kv_prefix} tokens (same model and budget, cap {args.kv_cap_gib:g} GiB; "
+                f"{args.kv_repeats} repeats): "
+                f"time to first token computing the prefix {tc:.1f} s, reading it back from the SSD {tb:.2f} s "
+                f"(**{tc / tb:.1f}x faster**; {back[0]['reused_prefix_tokens']} tokens reused, "
+                f"{format_size(back[0]['kv_cache']['bytes_read'])} read); next tokens identical: {same}.",
+            ]
+        else:
+            lines += ["", f"Prompt cache runs failed: {[r.get('error', '')[-300:] for r in kv_rows if r['rc']]}"]
+    flags = [a for a in sys.argv[1:] if a not in ("--kv-only", "--summary-only")]
+    command = "python bench/generate_offload.py " + " ".join(flags)
+    lines += ["", f"Command: `{command}`; the prompt-cache rows measured again with `{command} --kv-only`", ""]
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
