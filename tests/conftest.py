@@ -13,6 +13,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import REPO  # noqa: E402
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the session's own rates cache (pytest_sessionstart made it), so runs leave no folder in /tmp."""
+    import shutil
+
+    folder = os.environ.get("AIDAPTIV_DS_CACHE_DIR", "")
+    if os.path.basename(folder).startswith("aidaptiv-tests-cache-"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def pytest_sessionstart(session):
     """Keep the run apart from this machine's cache of measured rates and tuned I/O settings (aidaptiv_ds.
     machine_cache): with a developer's cache the swapper picks other block sizes and queue depths than in CI,

@@ -198,7 +198,8 @@ class Run:
         """--gradient-checkpointing with an "aidaptiv" block: the block's activation policy does the
         checkpointing (one mechanism, and "nvme" stores what it keeps), so the flag becomes policy "recompute"
         where the block names none; "recompute" and "nvme" already checkpoint; an explicit "keep" contradicts
-        the flag. Without the block the flag is applied to the model in build()."""
+        the flag. "auto" (the shipped configs' policy) is a default, not a choice the flag contradicts: the flag
+        makes it "recompute" too. Without the block the flag is applied to the model in build()."""
         block = cfg.get("aidaptiv")
         if not isinstance(block, dict) or not block.get("enabled"):
             return cfg
@@ -210,7 +211,7 @@ class Run:
                 'aidaptiv.activations.policy is "keep": drop the flag, or set the policy to '
                 '"recompute" (or "nvme", which also stores the checkpoints on NVMe)'
             )
-        if policy is None and isinstance(activations, dict):
+        if policy in (None, "auto") and isinstance(activations, dict):
             cfg = copy.deepcopy(cfg)
             cfg["aidaptiv"]["activations"] = {**activations, "policy": "recompute"}
             policy = "recompute"
