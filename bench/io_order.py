@@ -115,7 +115,7 @@ def main():
         f"Medians over all pairs: uring read {med('uring_read_gbps'):.2f} GB/s, write {med('uring_write_gbps'):.2f}; "
         f"deepspeed read {med('deepspeed_read_gbps'):.2f}, write {med('deepspeed_write_gbps'):.2f}.",
         "",
-        "Command: `python bench/io_order.py " + " ".join(sys.argv[1:]) + "`",
+        "Command: `" + " ".join(["python bench/io_order.py", *sys.argv[1:]]) + "`",
         "",
     ]
     with open(os.path.join(args.out, "summary.md"), "w") as f:

@@ -9,7 +9,7 @@ Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and
 bench/results/swap_step_time, swap_step_time_small, malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
 bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
-its rows), bench/results/generate_offload and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
+its rows), bench/results/long_sequence, generate_offload and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
 not links. The settings table (docs/USAGE.md) from the block's pydantic model, aidaptiv_ds.config.schema.
 """
@@ -129,6 +129,8 @@ def step_time_section():
 
 def generate_section():
     return [
+        *summary_md("long_sequence", "python bench/long_sequence.py"),
+        "",
         *summary_md("generate_offload", "python bench/generate_offload.py --cap-gib 2"),
         "",
         *summary_md("io_order", "python bench/io_order.py"),
