@@ -31,6 +31,18 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const OutOfPinnedMemory& e) {
       PyErr_SetString(PyExc_MemoryError, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const std::bad_alloc& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
+    } catch (const c10::Error& e) {
+      // torch's own (a tensor check in a binding): its message without the C++ backtrace, as torch raises it.
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      // Anything else this module's functions can throw (the standard library's). Caught here so that no other
+      // module's translator in pybind11's shared list is ever asked to translate an exception of ours: one
+      // built against other internals can crash on it (the H100's SIGSEGV, ../shared/gpu-probe).
+      PyErr_SetString(PyExc_RuntimeError, e.what());
     }
   });
 
@@ -89,6 +101,19 @@ PYBIND11_MODULE(_C, m) {
   // them in a child process. Never call these in a job.
   m.def("_testing_fail_next_submits", &aidaptiv::detail::testing::fail_next_submits, py::arg("errno"),
         py::arg("count") = 1, "TEST HOOK: the next `count` io_uring submissions fail with errno.");
+  m.def(
+      "_testing_throw",
+      [](const std::string& kind) {
+        if (kind == "system") throw SystemError(ENOENT, "/nonexistent/aidaptiv", "open failed: ENOENT (test)");
+        if (kind == "invalid") throw InvalidArgument("invalid argument (test)");
+        if (kind == "pinned") throw OutOfPinnedMemory("out of pinned memory (test)");
+        if (kind == "error") throw Error("engine error (test)");
+        if (kind == "bad_alloc") throw std::bad_alloc();
+        if (kind == "c10") TORCH_CHECK(false, "torch check failed (test)");
+        if (kind == "std") throw std::out_of_range("standard library error (test)");
+        throw InvalidArgument("_testing_throw: unknown kind " + kind);
+      },
+      py::arg("kind"), "TEST HOOK: throw one exception of the given kind from C++ (the translator's test).");
   m.def("_testing_throw_in_next_completions", &aidaptiv::detail::testing::throw_in_next_completions, py::arg("count") = 1,
         "TEST HOOK: the next `count` completion checks (io_uring reaper, POSIX workers) throw std::bad_alloc.");
 

@@ -74,8 +74,9 @@ def test_seeds_a100_node_zero3_does_not_fit_aidaptiv_does(capsys):
     assert out["parameters"] == 6_738_415_616
 
 
-SEEDS_003_CELL = ["--model", "llama2-7b", "--seq-len", "2048", "--micro-batch", "32", "--gpu-mem", "40GB"]
-SEEDS_003_NODE = ["--host-mem", "512GB", "--nvme-free", "1800GB", "--gpus", "1"]
+SEEDS_003_CELL = ["--model", "llama2-7b", "--seq-len", "2048", "--micro-batch", "32"]
+# The A100 node's rates (nothing probed), with the 512 GB of RAM of seeds/003's machine.
+SEEDS_003_NODE = [*A100_NODE[:2], "--host-mem", "512GB", *A100_NODE[4:], "--gpus", "1"]
 
 
 def test_seeds_003_cell_by_default_only_aidaptiv_fits_with_its_own_activation_mode(capsys):

@@ -1,9 +1,10 @@
 // Errors of the aidaptiv engine and the checks that raise them.
 //
 // Every error is one sentence: what file or setting, the value, what was expected, what to do.
-// Three kinds reach Python (see bindings.cpp): InvalidArgument -> ValueError, SystemError -> OSError
-// with errno and filename (so FileNotFoundError, PermissionError, ... come out naturally), and
-// OutOfPinnedMemory -> MemoryError. Nothing here aborts the process.
+// They reach Python through bindings.cpp's translator: InvalidArgument -> ValueError, SystemError -> OSError
+// with errno and filename (so FileNotFoundError, PermissionError, ... come out naturally), OutOfPinnedMemory
+// -> MemoryError, any other Error -> RuntimeError (and std::bad_alloc -> MemoryError, every other
+// std::exception -> RuntimeError). Nothing here aborts the process.
 #pragma once
 
 #include <cerrno>
