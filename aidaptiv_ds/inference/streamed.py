@@ -18,7 +18,7 @@ aligned extent, so that bringing one in is one request of the I/O engine. Those 
 ring of equal slots taken from the same pinned pool: a layer's forward pre-hook waits for its read, binds its
 parameters to views of the slot, and issues reads of the next streamed layers into every free slot (cyclic: the
 last layer's read-ahead is the first streamed layer of the next token), and its forward hook gives the slot
-back. At least two slots, so one layer computes while the next is read; more when the budget allows.
+back. Two slots, so one layer computes while the next is read; the rest of the budget holds resident layers.
 
 On CUDA each slot has a twin on the GPU: a read slot is copied to its twin on a copy stream (an event orders the
 compute after it), the pinned slot is reused only after that copy's event, and a twin only after the compute of
@@ -124,7 +124,7 @@ class StreamedWeights:
         nvme_path: Optional[str],
         device: str = "cpu",
         dtype: Optional[torch.dtype] = None,
-        max_slots: int = 4,
+        max_slots: int = 2,
         progress=None,
     ):
         self.model, self.source, self.device = model, source, torch.device(device)
@@ -239,7 +239,9 @@ class StreamedWeights:
                 f"layers in flight, {format_size(slot)} each): give --host-budget {format_size(need)} or more"
             )
         left = self.host_budget - others
-        # Read-ahead first (up to max_slots), then as many resident layers as the rest holds.
+        # Two slots keep the disk busy (while layer i computes, layer i+1 is read; when i ends, i+2 is issued
+        # before i+1 is waited for); a byte beyond them is worth more as part of a resident layer, never read
+        # again, than as deeper read-ahead. ``max_slots`` allows more.
         slots = max(2, min(max_slots, left // slot, len(layers)))
         left -= slots * slot
         for g in layers:
