@@ -26,7 +26,10 @@ bool cuda_host_register(void* ptr, size_t nbytes, std::string* note) {
 }
 
 void cuda_host_unregister(void* ptr) {
-  // At interpreter exit the CUDA runtime may be gone already; nothing to do about an error then.
+  // Copies from or into the pool may still be in flight on any stream (a non_blocking copy of a slot, one of
+  // DeepSpeed's prefetches): wait for the device before the pages are unregistered and then unmapped. At
+  // interpreter exit the CUDA runtime may be gone already; nothing to do about an error then.
+  if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
   if (cudaHostUnregister(ptr) != cudaSuccess) cudaGetLastError();
 }
 
