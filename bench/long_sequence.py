@@ -2,8 +2,9 @@
 """A long sequence with the shipped config, without naming a policy: does it train under a memory cap?
 
 `aidaptiv-ds train --config ds_configs/aidaptiv.json --model tiny --seq-len 12000 --micro-batch 1` three ways:
-with the config's activations policy replaced by "keep" (what the shipped config did before it said "auto"),
-uncapped and under a memory cgroup of --cap-gib, and the shipped config (policy "auto") under the same cap.
+with the config's activations policy set to "keep" (what the job did before it planned a block without a
+policy with "auto"), uncapped and under a memory cgroup of --cap-gib, and the shipped config as is (no policy
+named: the train job runs "auto") under the same cap.
 Each run's exit, peak RSS (the job's), the cgroup's peak and OOM kills, step time and the auto policy's plan line.
 
     python bench/long_sequence.py [--seq-len 12000] [--cap-gib 5] [--steps 2] [--out bench/results/long_sequence]

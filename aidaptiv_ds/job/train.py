@@ -133,6 +133,8 @@ class Run:
         )
         if getattr(a, "gradient_checkpointing", False):
             cfg = self.checkpointing_in_block(cfg)
+        else:
+            cfg = self.auto_activations_by_default(cfg)
         for block in ds_config.nvme_blocks(cfg):  # relative paths mean the working directory, as in DeepSpeed;
             if block["nvme_path"]:  # made absolute so that logs and metrics are unambiguous
                 block["nvme_path"] = os.path.abspath(block["nvme_path"])
@@ -194,12 +196,32 @@ class Run:
             device="cuda" if self.cuda else "cpu",
         )
 
+    @staticmethod
+    def auto_activations_by_default(cfg: dict) -> dict:
+        """A block that names no activations policy runs this job with policy "auto": the job's models all have
+        the block list auto plans over, so a long sequence trains within the memory the process may use (its
+        cgroup's limit included) without the user naming a policy, and a short one keeps everything as "keep"
+        would. The block's own default stays "keep" for other programs (a plain script's model may have no
+        block list), and the shipped configs do not write "auto": the Hugging Face Trainer and accelerate take
+        any "auto" string in a DeepSpeed config for one of theirs to fill, and refuse it."""
+        block = cfg.get("aidaptiv")
+        if not isinstance(block, dict) or not block.get("enabled"):
+            return cfg
+        activations = block.get("activations")
+        if activations is None:
+            activations = {}
+        if not isinstance(activations, dict) or "policy" in activations:
+            return cfg
+        cfg = copy.deepcopy(cfg)
+        cfg["aidaptiv"]["activations"] = {**activations, "policy": "auto"}
+        return cfg
+
     def checkpointing_in_block(self, cfg: dict) -> dict:
         """--gradient-checkpointing with an "aidaptiv" block: the block's activation policy does the
         checkpointing (one mechanism, and "nvme" stores what it keeps), so the flag becomes policy "recompute"
         where the block names none; "recompute" and "nvme" already checkpoint; an explicit "keep" contradicts
-        the flag. "auto" (the shipped configs' policy) is a default, not a choice the flag contradicts: the flag
-        makes it "recompute" too. Without the block the flag is applied to the model in build()."""
+        the flag. An explicit "auto" becomes "recompute" too (the flag is the more specific wish). Without the
+        block the flag is applied to the model in build()."""
         block = cfg.get("aidaptiv")
         if not isinstance(block, dict) or not block.get("enabled"):
             return cfg

@@ -112,10 +112,11 @@ PLANNER_ACTIVATIONS = {"keep": "keep", "recompute": "recompute", "nvme": "nvme",
 
 
 def config_activations(cfg: dict) -> Tuple[str, Optional[int]]:
-    """(the planner's activation mode, loss chunk tokens or None) of a DeepSpeed config: an "aidaptiv" block's
-    activations (its defaults where it sets none: keep, and the loss in chunks of 1024 tokens); "keep" and
-    unchunked for any other config. A block that does not validate is taken as its defaults (train's own
-    validation reports it)."""
+    """(the planner's activation mode, loss chunk tokens or None) of a DeepSpeed config as `aidaptiv-ds train`
+    runs it (the sweep's cells): an "aidaptiv" block's activations, a block naming no policy as the job runs it
+    (policy auto, see job.train's auto_activations_by_default), the loss in chunks of 1024 tokens unless it says
+    otherwise; "keep" and unchunked for any other config. A block that does not validate is taken as its
+    defaults (train's own validation reports it)."""
     from aidaptiv_ds.config.schema import ActivationsConfig, block_of, is_enabled
 
     if not is_enabled(cfg):
@@ -125,7 +126,8 @@ def config_activations(cfg: dict) -> Tuple[str, Optional[int]]:
         act = ActivationsConfig.model_validate(block.get("activations") or {})
     except ValueError:
         act = ActivationsConfig()
-    return PLANNER_ACTIVATIONS[act.policy], act.loss_chunk_tokens or None
+    named = isinstance(block.get("activations"), dict) and "policy" in block["activations"]
+    return PLANNER_ACTIVATIONS[act.policy if named else "auto"], act.loss_chunk_tokens or None
 
 
 def predicted_oom(

@@ -327,7 +327,7 @@ def test_config_activations_follow_the_aidaptiv_block():
 
     assert config_activations({"zero_optimization": {"stage": 3}}) == ("keep", None)
     block = {"enabled": True, "nvme_path": "/x"}
-    assert config_activations({"aidaptiv": block}) == ("keep", 1024)  # the block's defaults
+    assert config_activations({"aidaptiv": block}) == ("nvme", 1024)  # no policy: the train job runs auto
     for policy, mode in (("recompute", "recompute"), ("nvme", "nvme"), ("auto", "nvme")):
         cfg = {"aidaptiv": {**block, "activations": {"policy": policy, "loss_chunk_tokens": 0}}}
         assert config_activations(cfg) == (mode, None), policy
