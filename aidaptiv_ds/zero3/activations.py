@@ -17,6 +17,7 @@ import time
 from aidaptiv_ds.activations import policy as activation_policy
 from aidaptiv_ds.activations.store import ActivationStore
 from aidaptiv_ds.common.sizes import ALIGN, MiB
+from aidaptiv_ds.swap.host_memory import aligned_empty
 
 ACTIVATION_FILE = "activations.swp"
 # The bandwidth probe of the auto plan when the rates cache has none for the disk: small enough to be quick
@@ -41,7 +42,12 @@ def nvme_bandwidth(runtime, store: ActivationStore):
             f"the rates cache ({entry.get('when', 'measured')})",
         )
     nbytes = max(ALIGN, min(PROBE_BYTES, runtime.memory.capacity // 8) // ALIGN * ALIGN)
-    buf = runtime.memory.take(nbytes, "activation bandwidth probe")  # back to the pool when dropped
+    # From the pool when it has room (back to it when dropped); a budget the job already fills (a small one,
+    # or every slot taken) must not fail the job over a one-off measurement: then an ordinary aligned buffer,
+    # a few MiB for the moment of the probe.
+    buf = runtime.memory.try_take(nbytes)
+    if buf is None:
+        buf = aligned_empty(nbytes)
     extent = store.file.allocate(nbytes)
     try:
         t0 = time.perf_counter()
