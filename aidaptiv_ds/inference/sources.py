@@ -78,28 +78,19 @@ class WeightSource:
         entry = self.tensors[name]
         if out.numel() != entry.nbytes or out.dtype != torch.uint8:
             raise ValueError(f"read_into {name}: buffer of {out.numel()} bytes for a tensor of {entry.nbytes}")
-        raw = memoryview(out.numpy())
-        pos = 0
-        for path, offset, nbytes in entry.pieces:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(fd, [raw[pos + done : pos + nbytes]], offset + done)
-                    if got <= 0:
-                        raise ModelSourceError(
-                            f"weight file {path} ends at byte {offset + done}, tensor {name} needs {nbytes - done} "
-                            "more: the file is truncated; copy or export the model again"
-                        )
-                    done += got
-            finally:
-                os.close(fd)
-            pos += nbytes
+        from aidaptiv_ds.job.export import read_pieces
+
+        read_pieces(entry.pieces, memoryview(out.numpy()), f"tensor {name}", ModelSourceError)
 
 
 def _file_identity(path: str, header: bytes) -> str:
     st = os.stat(path)
     return f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}:{hashlib.sha256(header).hexdigest()}"
+
+
+def _config_text(folder: str) -> str:
+    with open(os.path.join(folder, "config.json"), "rb") as f:
+        return f.read().decode(errors="replace")
 
 
 def _digest(parts: List[str]) -> str:
@@ -145,7 +136,7 @@ def from_hf_folder(folder: str) -> WeightSource:
             )
         )
     tensors: Dict[str, TensorEntry] = {}
-    identity = [open(os.path.join(folder, "config.json"), "rb").read().decode(errors="replace")]
+    identity = [_config_text(folder)]
     for fname in files:
         path = os.path.join(folder, fname)
         header, data_start, raw = read_safetensors_header(path)
@@ -192,7 +183,7 @@ def from_checkpoint(path: str) -> WeightSource:
     tensors = {
         name: TensorEntry(name, tuple(p["shape"]), dtype, tuple(ck.pieces(name))) for name, p in ck.parameters.items()
     }
-    identity = [open(os.path.join(files_dir, "config.json"), "rb").read().decode(errors="replace")]
+    identity = [_config_text(files_dir)]
     for folder in ck.folders:
         for f in ("manifest.json", "params.bin"):
             p = os.path.join(folder, f)

@@ -177,24 +177,29 @@ def read_tensor(ck: Checkpoint, name: str):
 
     p = ck.parameters[name]
     t = torch.empty(p["numel"], dtype=getattr(torch, ck.dtype))
-    raw = memoryview(t.view(torch.uint8).numpy())
+    read_pieces(ck.pieces(name), memoryview(t.view(torch.uint8).numpy()), f"parameter {name}", ExportError)
+    return t.view(p["shape"])
+
+
+def read_pieces(pieces, raw: memoryview, what: str, error=ExportError) -> None:
+    """Copy the (file, byte offset, byte count) ``pieces`` one after another into ``raw``; a file that ends
+    early raises ``error`` naming the file, the offset and ``what`` needed the bytes."""
     pos = 0
-    for src, offset, nbytes in ck.pieces(name):
+    for src, offset, nbytes in pieces:
         fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
         try:
             done = 0
             while done < nbytes:
                 got = os.preadv(fd, [raw[pos + done : pos + nbytes]], offset + done)
                 if got <= 0:
-                    raise ExportError(
-                        f"checkpoint file {src} ends at byte {offset + done}, parameter {name} needs "
-                        f"{nbytes - done} more: the checkpoint is damaged"
+                    raise error(
+                        f"file {src} ends at byte {offset + done}, {what} needs {nbytes - done} more: it is "
+                        "truncated or damaged; copy, export or save it again"
                     )
                 done += got
         finally:
             os.close(fd)
         pos += nbytes
-    return t.view(p["shape"])
 
 
 def _numel(shape) -> int:
