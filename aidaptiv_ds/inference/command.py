@@ -18,6 +18,7 @@ tokens/s, bytes read) to stderr, and with --metrics-out as JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -202,20 +203,7 @@ def run(args: argparse.Namespace) -> int:
             "wall_s": time.perf_counter() - started,
             "new_tokens": new,
             "stats": st,
-            "results": [
-                {
-                    "prompt": r.prompt,
-                    "text": r.text,
-                    "token_ids": r.token_ids,
-                    "prompt_tokens": r.prompt_tokens,
-                    "new_tokens": r.new_tokens,
-                    "time_to_first_token_s": r.time_to_first_token_s,
-                    "decode_s": r.decode_s,
-                    "tokens_per_s": r.tokens_per_s,
-                    "reused_prefix_tokens": r.reused_prefix_tokens,
-                }
-                for r in results
-            ],
+            "results": [dict(dataclasses.asdict(r), tokens_per_s=r.tokens_per_s) for r in results],
         }
         with open(args.metrics_out, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -51,7 +51,6 @@ class Result:
     time_to_first_token_s: float
     decode_s: float  # from the first new token to the last
     reused_prefix_tokens: int = 0  # read back from the KV cache instead of computed
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,14 +163,18 @@ class Generator:
         if kv_cache:
             from aidaptiv_ds.inference.kv_store import PrefixKVStore
 
-            self.kv = PrefixKVStore(
-                kv_cache,
-                self.source.identity,
-                _tokenizer_identity(self.source.files_dir),
-                parse_size(kv_cache_size, "--kv-cache-size"),
-                parse_size(kv_host_budget, "--kv-host-budget"),
-                engine=self.weights.engine,
-            )
+            try:
+                self.kv = PrefixKVStore(
+                    kv_cache,
+                    self.source.identity,
+                    _tokenizer_identity(self.source.files_dir),
+                    parse_size(kv_cache_size, "--kv-cache-size"),
+                    parse_size(kv_host_budget, "--kv-host-budget"),
+                    engine=self.weights.engine,
+                )
+            except BaseException:
+                self.close()  # the weights' swap space (and its lock) go now, not when collected
+                raise
 
     def _build_empty(self):
         from accelerate import init_empty_weights
@@ -184,12 +187,10 @@ class Generator:
         model.eval()
         model.requires_grad_(False)
         if self.device != "cpu":
-            for name, buf in list(model.named_buffers()):  # buffers are real (rotary frequencies): move them
-                module, attr = model, name
-                *path, attr = name.split(".")
-                for part in path:
-                    module = getattr(module, part)
-                module._buffers[attr] = buf.to(self.device)
+            for module in model.modules():  # buffers are real (rotary frequencies): move them
+                for attr, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[attr] = buf.to(self.device)
         return model
 
     @property

@@ -110,12 +110,18 @@ def test_a_training_run_throws_no_engine_exception(tmp_path):
     lib = tmp_path / "libthrowlog.so"
     subprocess.run(["g++", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src), "-ldl"], check=True)
     log = tmp_path / "throws.txt"
+    # The logger itself, checked: an engine exception thrown on purpose is in its log.
+    probe = "import torch\nfrom aidaptiv_ds.engine import _C\ntry:\n    _C._testing_throw('std')\nexcept RuntimeError:\n    pass"
+    env = child_env(LD_PRELOAD=str(lib), AIDAPTIV_THROW_LOG=str(log))
+    subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=300)
+    assert "std::out_of_range" in log.read_text().splitlines(), log.read_text()
+    log.unlink()
     config = aidaptiv_config(tmp_path, host_memory_budget="48MiB")
     p = subprocess.run(
         [sys.executable, "-m", "aidaptiv_ds", "train", "--config", config, "--model", "micro", "--seq-len", "64",
          "--steps", "3", "--warmup", "0", "--no-progress"],
         cwd=tmp_path,
-        env=child_env(LD_PRELOAD=str(lib), AIDAPTIV_THROW_LOG=str(log)),
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
