@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         default=None,
         metavar="FILE|DIR",
-        help="instruction records (Dolly, Alpaca, prompt/response or chat messages) in a .jsonl, .json, "
+        help='records (Dolly, Alpaca, prompt/response, chat messages, or {"text"} passages) in a .jsonl, .json, '
         ".csv or .parquet file or a datasets save_to_disk folder; default: the set packaged with "
         "aidaptiv_ds",
     )

@@ -7,6 +7,8 @@ reads them). Accepted record shapes:
 - Alpaca:  {"instruction", "input", "output"}       (input may be empty)
 - pair:    {"prompt", "response"}
 - chat:    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+- text:    {"text"}   (a passage for continued training, as the studio makes from documents: its text as it
+  is, framed by BOS/EOS, never through a template)
 
 Every record becomes one text with a fixed template (TEMPLATE below), framed by BOS/EOS; with a tokenizer that
 has a chat template (a Hugging Face model directory whose tokenizer_config.json carries ``chat_template``), the
@@ -86,7 +88,7 @@ def _instruction_fields(rec: dict, where: str) -> tuple[str, str, str]:
     else:
         raise DataError(
             f"{where}: unrecognised record with keys {sorted(rec)}; expected instruction/context/"
-            "response (Dolly), instruction/input/output (Alpaca), prompt/response, or messages"
+            "response (Dolly), instruction/input/output (Alpaca), prompt/response, messages, or text"
         )
     return instruction, extra, response
 
@@ -96,9 +98,16 @@ def _check_object(rec, where: str) -> None:
         raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
 
 
+def _is_text(rec: dict) -> bool:
+    """A plain passage: a "text" field and none of the instruction or chat shapes' keys."""
+    return "text" in rec and not ({"messages", "instruction", "prompt"} & rec.keys())
+
+
 def format_record(rec, where: str = "record") -> str:
     """One training text from one record of any accepted shape (the fixed template, no chat template)."""
     _check_object(rec, where)
+    if _is_text(rec):
+        return _text_field(rec, "text", where)
     if "messages" in rec:
         return "\n\n".join(f"### {m['role'].capitalize()}:\n{m['content']}" for m in _chat(rec, where))
     instruction, extra, response = _instruction_fields(rec, where)
@@ -120,7 +129,9 @@ def record_messages(rec, where: str = "record") -> list[dict]:
 
 def record_tokens(rec, tokenizer, where: str = "record") -> list[int]:
     """One record's token ids: through the tokenizer's chat template when it has one, else the fixed
-    template framed by BOS/EOS."""
+    template framed by BOS/EOS; a text record's passage as it is, framed by BOS/EOS."""
+    if _is_text(rec):
+        return tokenizer.encode(format_record(rec, where))
     if getattr(tokenizer, "has_chat_template", False):
         return tokenizer.encode_chat(record_messages(rec, where))
     return tokenizer.encode(format_record(rec, where))

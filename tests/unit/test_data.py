@@ -11,6 +11,7 @@ from aidaptiv_ds.job.data import (
     build_batches,
     format_record,
     load_texts,
+    record_tokens,
 )
 from aidaptiv_ds.models.tokenizer import ByteTokenizer
 
@@ -51,11 +52,28 @@ def test_chat_messages_record():
     assert text == "### System:\nBe brief.\n\n### User:\nHi\n\n### Assistant:\nHello."
 
 
+def test_text_record_is_its_passage_framed_by_bos_eos_even_with_a_chat_template():
+    assert format_record({"text": "Chapter 1.\nIt was cold."}) == "Chapter 1.\nIt was cold."
+    tok = ByteTokenizer()
+    assert record_tokens({"text": "ab"}, tok) == [tok.BOS, ord("a"), ord("b"), tok.EOS]
+
+    class ChatTokenizer(ByteTokenizer):
+        has_chat_template = True
+
+        def encode_chat(self, messages):
+            raise AssertionError("a passage must not go through the chat template")
+
+    assert record_tokens({"text": "ab"}, ChatTokenizer()) == [tok.BOS, ord("a"), ord("b"), tok.EOS]
+    # A record with instruction keys stays an instruction record, whatever else it carries.
+    assert format_record({"prompt": "Q?", "response": "A.", "text": "x"}).startswith("### Instruction:")
+
+
 @pytest.mark.parametrize(
     "record, fragment",
     [
         ({"instruction": "x"}, "unrecognised record"),
         ({"instruction": 3, "response": "y"}, "'instruction' must be a string"),
+        ({"text": 5}, "'text' must be a string"),
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
         ({"messages": [{"role": "user"}]}, "messages[0]"),
