@@ -754,14 +754,15 @@ class Run:
                 before = M.proc_io()
                 self.run_eval(step + 1, monitor)
                 after = M.proc_io()
-                if before and after:  # the held-out forwards are not the training steps' traffic
+                # The held-out forwards are not the training steps' traffic (counted once the window is open).
+                if before and after and io_start:
                     for k in io_excluded:
                         io_excluded[k] += after[k] - before[k]
             if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
                 before = M.proc_io()
                 self.save(step + 1, position, losses)
                 after = M.proc_io()
-                if before and after:  # checkpoint bytes are not swap traffic
+                if before and after and io_start:  # checkpoint bytes are not swap traffic (inside the window)
                     for k in io_excluded:
                         io_excluded[k] += after[k] - before[k]
             if bar is not None:
