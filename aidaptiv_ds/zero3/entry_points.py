@@ -10,7 +10,8 @@
   partitioned straight into our swap space.
 
 It also mends one DeepSpeed 0.19 bug that makes ZeRO-3 train in a dtype the config did not ask for, for
-every config (ours and the baselines alike): see :func:`honour_explicit_dtype`.
+every config (ours and the baselines alike): see :func:`honour_explicit_dtype`; and it answers DeepSpeed's
+repeated questions about the CPU once per process (:func:`remember_cpu_info`), seconds of every start-up.
 
 :mod:`aidaptiv_ds.autoload` calls it right after ``import deepspeed``. DeepSpeed's own functions stay
 reachable through :mod:`aidaptiv_ds.zero3.originals`, which is what our initialize calls.
@@ -18,6 +19,7 @@ reachable through :mod:`aidaptiv_ds.zero3.originals`, which is what our initiali
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 
@@ -68,11 +70,40 @@ def honour_explicit_dtype(deepspeed) -> None:
     setattr(init_cls, compat.ZERO_INIT_SET_DTYPE, set_dtype)
 
 
+def remember_cpu_info() -> None:
+    """Make ``cpuinfo.get_cpu_info()`` ask once per process (idempotent; a no-op without py-cpuinfo).
+
+    DeepSpeed 0.19.8 calls it five times in a process that builds CPU Adam and async_io (CPU Adam's
+    constructor, and each CPU op builder's ``cpu_arch`` and ``simd_width`` while it loads the op), and every
+    call starts a Python process that times the CPU: about 1.2 s each, 6 s of a rank's start-up on a small
+    machine. The CPU does not change while a process runs, so the first answer is kept; each caller gets a copy
+    of it (a caller that edits its dict cannot change what the next one reads)."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    original = cpuinfo.get_cpu_info
+    if is_wrapped(original):
+        return
+    answer = []
+
+    @functools.wraps(original)
+    def get_cpu_info():
+        if not answer:
+            answer.append(original())
+        return copy.deepcopy(answer[0])
+
+    setattr(get_cpu_info, WRAPPED, True)
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def patch_deepspeed(deepspeed) -> None:
-    """Wrap ``deepspeed.initialize`` and ``deepspeed.zero.Init``, and mend Init's dtype choice (idempotent)."""
+    """Wrap ``deepspeed.initialize`` and ``deepspeed.zero.Init``, mend Init's dtype choice and ask the CPU's
+    features once (idempotent)."""
     from aidaptiv_ds.config.ds_config import lookalike_blocks
     from aidaptiv_ds.config.schema import is_enabled
 
+    remember_cpu_info()
     honour_explicit_dtype(deepspeed)
 
     original_initialize = deepspeed.initialize
