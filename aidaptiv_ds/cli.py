@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "io-bench": ("aidaptiv_ds.harness.io_bench", "measure NVMe read/write bandwidth of the I/O engines"),
     "sweep": ("aidaptiv_ds.harness.sweep", "run a batch x sequence x GPU grid against the baselines"),
     "report": ("aidaptiv_ds.harness.report", "make tables and plots from a sweep's results.jsonl"),
+    "studio": ("aidaptiv_ds.studio.command", "the workflow in a browser: data, plan and train, runs, compare"),
     "env": ("aidaptiv_ds.harness.environment", "print what a bug report needs: versions, CPU, GPU, disk, limits"),
 }
 

@@ -26,6 +26,11 @@ LAYERS = [
         "`deepspeed.initialize` honour the block",
     ),
     (
+        ("studio",),
+        "`aidaptiv-ds studio`: the workflow in a browser, driving the product through its commands' processes "
+        "and files (reads data files with job's record reader, run curves with harness's)",
+    ),
+    (
         ("inference",),
         "`aidaptiv-ds generate`: weights streamed from the swap space, prompts' keys and values on the SSD "
         "(reads checkpoints with job's export reader)",
@@ -55,7 +60,10 @@ LAYERS = [
     (("common",), "leaves that import nothing of ours: sizes, durable files, heap settings, metrics"),
 ]
 # Wings a wing must never import although the rows would allow it.
-FORBIDDEN = {"harness": ("zero3", "activations", "swap")}
+FORBIDDEN = {
+    "harness": ("zero3", "activations", "swap"),
+    "studio": ("inference", "face", "zero3", "planner", "activations", "config", "swap", "engine"),
+}
 # The one documented inversion, which is a run-time registration, not an import.
 INVERSIONS = [
     'config asks "training on the CPU?" (which caps the reduce bucket) through a probe that `zero3` '

@@ -1,0 +1,521 @@
+"""The studio's page (Gradio Blocks): Data, Train, Runs and Compare tabs over one Workspace.
+
+Every handler turns the page's values into calls of documents/data_sets/qa/runs/compare, which drive the
+product through `aidaptiv-ds` processes and files; a StudioError (or the product's own message) is shown in
+the tab's message line, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+from pathlib import Path
+
+from aidaptiv_ds.studio import compare, data_sets, documents, qa
+from aidaptiv_ds.studio.runs import ACTIVE, Runs, RunSettings, run_plan
+from aidaptiv_ds.studio.workspace import StudioError, Workspace, safe_name
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls home from a lab's workstation
+
+
+def _error(e: Exception) -> str:
+    return f"**Error:** {e}"
+
+
+def _guarded(fn):
+    """Handlers return their outputs; on a StudioError the message goes to the last output (the tab's message
+    line) and every other output is left as it was."""
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        try:
+            return fn(*args)
+        except StudioError as e:
+            import gradio as gr
+
+            n = getattr(wrapper, "n_outputs", 1)
+            return tuple([gr.update()] * (n - 1) + [_error(e)]) if n > 1 else _error(e)
+
+    return wrapper
+
+
+def _outputs(n):
+    def deco(fn):
+        w = _guarded(fn)
+        w.n_outputs = n
+        return w
+
+    return deco
+
+
+def _size(n: float) -> str:
+    from aidaptiv_ds.common.sizes import format_size
+
+    return format_size(n)
+
+
+# ---------------------------------------------------------------- Data
+
+
+def add_files(ws: Workspace, files, rows, tokenizer_model: str, passage_tokens, qa_model: str):
+    """Uploaded files -> rows appended to the table; returns (rows, message)."""
+    if not files:
+        raise StudioError("choose one or more files first")
+    rows = [list(r) for r in _rows(rows)]
+    count, _tok = data_sets.token_counter(ws.model_argument(tokenizer_model))
+    notes, new_passages = [], []
+    for f in files:
+        src = Path(f if isinstance(f, str) else f.name)
+        kept = ws.uploads / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe_name(src.name, 'file name')}"
+        shutil.copyfile(src, kept)
+        got = documents.extract(kept)
+        if got.kind == "records":
+            rows += [data_sets.record_row(rec, src.name) for rec in got.records]
+            notes.append(f"{src.name}: {len(got.records)} records")
+            continue
+        parts = documents.passages(got.text, int(passage_tokens), count)
+        rows += [[True, src.name, "text", "", "", "", p] for p in parts]
+        new_passages += parts
+        pages = f", {got.pages} pages" if got.pages else ""
+        notes.append(f"{src.name}: {len(parts)} passages{pages}" + "".join(f" ({n})" for n in got.notes))
+    if qa_model and qa_model != "none" and new_passages:
+        records, skipped, _ = qa.generate_records(ws.model_argument(qa_model), new_passages)
+        rows += [data_sets.record_row(rec, f"questions by {qa_model}") for rec in records]
+        notes.append(
+            f"{qa_model} wrote {len(records)} question/answer records from {len(new_passages)} passages"
+            + (f"; {skipped} completions held no question and answer and were left out" if skipped else "")
+        )
+    return rows, "Added: " + "; ".join(notes)
+
+
+def _rows(table) -> list:
+    if table is None:
+        return []
+    if hasattr(table, "values"):  # a pandas DataFrame from the page
+        return [list(r) for r in table.values.tolist() if any(str(c).strip() for c in r[1:])]
+    return [list(r) for r in table]
+
+
+def save_set(ws: Workspace, rows, name: str, tokenizer_model: str) -> str:
+    records = data_sets.rows_to_records(_rows(rows))
+    path = ws.data / f"{safe_name(name, 'data set name')}.jsonl"
+    data_sets.save(records, path)
+    s = data_sets.summary(records, ws.model_argument(tokenizer_model))
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(s["kinds"].items()))
+    return (
+        f"Saved **{ws.relative(path)}**: {s['records']} records ({kinds}), {_size(s['bytes'])}, "
+        f"{s['tokens']:,} tokens for {tokenizer_model} (template and BOS/EOS included). "
+        f"Train on it with `aidaptiv-ds train --data {path}` or in the Train tab."
+    )
+
+
+# ---------------------------------------------------------------- Train
+
+
+def settings_from(ws: Workspace, values: dict) -> RunSettings:
+    steps = int(values["steps"] or 0) or None
+    epochs = float(values["epochs"] or 0) or None
+    swap = ws.inside(values["nvme_path"] or "swap", "swap folder")
+    return RunSettings(
+        name=safe_name(values["name"], "run name"),
+        model=ws.model_argument(values["model"]),
+        data=str(ws.inside(values["data"], "data set")) if values["data"] else "",
+        mode="lora" if str(values["mode"]).lower().startswith("lora") else "full",
+        lora_r=int(values["lora_r"]),
+        seq_len=int(values["seq_len"]),
+        micro_batch=int(values["micro_batch"]),
+        steps=steps,
+        epochs=epochs,
+        lr=float(values["lr"]),
+        dtype=values["dtype"],
+        nvme_path=str(swap),
+        host_budget=(values["host_budget"] or "").strip(),
+        save_every=int(values["save_every"]),
+        eval_fraction=float(values["eval_fraction"] or 0),
+    )
+
+
+def render_plan(plan: dict, mode: str) -> str:
+    """The plan's verdict per backend as a table, then aidaptiv's memory breakdown."""
+    lines = [
+        "| backend | fits | activations | host / rank | NVMe / node | GPU / rank | predicted tokens/s | why not |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, b in plan["backends"].items():
+        t = b.get("totals", {})
+        pred = (b.get("prediction") or {}).get("tokens_per_s")
+        lines.append(
+            f"| {name} | {'yes' if b['fits'] else '**no**'} | {b.get('activations', '')} | "
+            f"{_size(t.get('host_per_rank', 0))} | {_size(t.get('nvme_per_node', 0))} | "
+            f"{_size(t.get('gpu_per_rank', 0))} | {f'{pred:,.0f}' if pred else '-'} | "
+            f"{'; '.join(b.get('problems', [])) or ''} |"
+        )
+    ours = plan["backends"].get("aidaptiv", {})
+    lines += ["", "**aidaptiv's memory, per rank**", "", "| where | what | bytes |", "|---|---|---|"]
+    for where, key in (
+        ("host (pinned)", "host_pinned_bytes_per_rank"),
+        ("host", "host_pageable_bytes_per_rank"),
+        ("NVMe", "nvme_bytes_per_rank"),
+        ("GPU", "gpu_bytes_per_rank"),
+    ):
+        for what, n in (ours.get(key) or {}).items():
+            lines.append(f"| {where} | {what} | {_size(n)} |")
+    if ours.get("notes"):
+        lines += ["", "Notes: " + "; ".join(ours["notes"])]
+    if mode == "lora":
+        lines += ["", "The plan counts full fine-tuning of every weight; LoRA trains adapters only and needs less."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- Runs
+
+
+def runs_table(runs: Runs) -> list[list]:
+    out = []
+    for name in runs.names():
+        s, st, m = runs.settings(name), runs.status(name), runs.metrics(name)
+        curves = runs.curves(name)
+        loss = curves.get("loss", [])
+        out.append(
+            [
+                name,
+                os.path.basename(s.model),
+                s.mode,
+                st.get("state"),
+                loss[-1][0] if loss else 0,
+                round(loss[-1][1], 4) if loss else "",
+                round(m["tokens_per_s"], 1) if m.get("tokens_per_s") else "",
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(st["started"])) if st.get("started") else "",
+            ]
+        )
+    return out
+
+
+def curve_frame(curves: dict, names: tuple[str, ...]):
+    import pandas as pd
+
+    rows = [(step, value, name) for name in names for step, value in curves.get(name, [])]
+    return pd.DataFrame(rows, columns=["step", "value", "series"])
+
+
+def run_view(runs: Runs, name: str):
+    """(status markdown, loss frame, speed frame, NVMe frame, memory frame, log) of one run."""
+    if not name:
+        return ("Pick a run.", curve_frame({}, ()), curve_frame({}, ()), curve_frame({}, ()), curve_frame({}, ()), "")
+    s, st, m, curves = runs.settings(name), runs.status(name), runs.metrics(name), runs.curves(name)
+    loss = curves.get("loss", [])
+    lines = [f"**{name}**: {st.get('state')} (attempt {st.get('attempt', 0)})"]
+    goal = f" of {s.steps}" if s.steps else ""
+    lines.append(
+        f"step {loss[-1][0] if loss else 0}{goal}; {s.mode}, {os.path.basename(s.model)}, data {os.path.basename(s.data)}"
+    )
+    if loss:
+        lines.append(f"loss {loss[0][1]:.4f} -> {loss[-1][1]:.4f}")
+    if m.get("tokens_per_s"):
+        lines.append(f"last attempt: {m['tokens_per_s']:.1f} tokens/s, peak RSS {m.get('peak_rss_mb', 0):.0f} MB")
+    if st.get("message"):
+        lines.append(f"**{st['message']}**")
+    if st.get("state") == "failed":
+        lines.append("**It failed**: the log below says why, in the product's words.")
+    memory = {k: [(x, y / 2**20) for x, y in curves.get(k, [])] for k in ("pinned_bytes", "host_budget_bytes")}
+    memory["gpu_mem_mb"] = curves.get("gpu_mem_mb", [])
+    return (
+        "  \n".join(lines),
+        curve_frame(curves, ("loss", "eval_loss")),
+        curve_frame(curves, ("tokens_per_s",)),
+        curve_frame(curves, ("nvme_read_GBps", "nvme_write_GBps")),
+        curve_frame(memory, ("pinned_bytes", "host_budget_bytes", "gpu_mem_mb")),
+        runs.log_tail(name),
+    )
+
+
+def sweep_folders(ws: Workspace) -> list[str]:
+    return [ws.relative(p.parent) for p in sorted(ws.sweeps.glob("**/results.jsonl"))]
+
+
+def sweep_report(ws: Workspace, folder: str):
+    """(report markdown, figure paths) of a sweep folder; the report is made when missing or older than the
+    results."""
+    import subprocess
+    import sys
+
+    d = ws.inside(folder, "sweep folder")
+    results, report = d / "results.jsonl", d / "report.md"
+    if not results.exists():
+        raise StudioError(f"{folder} has no results.jsonl: it is no sweep folder")
+    if not report.exists() or report.stat().st_mtime < results.stat().st_mtime:
+        done = subprocess.run(
+            [sys.executable, "-m", "aidaptiv_ds", "report", str(d)], capture_output=True, text=True, timeout=600
+        )
+        if done.returncode != 0:
+            raise StudioError(f"aidaptiv-ds report failed: {done.stderr.strip()[-800:]}")
+    return report.read_text(), [str(p) for p in sorted((d / "figures").glob("*.png"))]
+
+
+# ---------------------------------------------------------------- the page
+
+
+def build(root: str):
+    import gradio as gr
+
+    ws = Workspace(root)
+    runs = Runs(ws)
+    models = ws.model_choices
+    folders = ws.model_folders
+
+    with gr.Blocks(title="aidaptiv-ds studio") as page:
+        gr.Markdown(
+            f"# aidaptiv-ds studio\nFine-tune models larger than this machine's memory. Everything lives under "
+            f"`{ws.root}`."
+        )
+        with gr.Tab("Data", id="data"):
+            with gr.Row():
+                files = gr.File(
+                    label="Documents (txt, md, pdf, docx, html) or records (jsonl, json, csv, parquet)",
+                    file_count="multiple",
+                    file_types=list(documents.ACCEPTED),
+                    elem_id="upload",
+                )
+                with gr.Column():
+                    tok_model = gr.Dropdown(models(), value="micro", label="Model the set is for (its tokenizer)")
+                    passage_tokens = gr.Number(256, label="Passage length (tokens)", precision=0)
+                    qa_model = gr.Dropdown(
+                        ["none"] + folders(), value="none", label="Write question/answer records with (a local model)"
+                    )
+                    add = gr.Button("Add to the set", elem_id="add-files")
+            table = gr.Dataframe(
+                headers=data_sets.COLUMNS,
+                datatype=["bool", "str", "str", "str", "str", "str", "str"],
+                interactive=True,
+                wrap=True,
+                label="Records (edit cells; untick keep to drop a row)",
+                elem_id="records",
+            )
+            with gr.Row():
+                set_name = gr.Textbox("my-data", label="Data set name", elem_id="set-name")
+                save = gr.Button("Save data set", variant="primary", elem_id="save-set")
+                saved = gr.Dropdown(ws.data_sets(), label="Open a saved set", value=None)
+                open_set = gr.Button("Open")
+            data_msg = gr.Markdown(elem_id="data-msg")
+
+        with gr.Tab("Train", id="train"):
+            with gr.Row():
+                run_name = gr.Textbox(f"run-{time.strftime('%m%d-%H%M')}", label="Run name", elem_id="run-name")
+                model = gr.Dropdown(models(), value="micro", label="Model (preset: random weights; or a folder)")
+                data = gr.Dropdown(ws.data_sets(), label="Data set", elem_id="train-data")
+                mode = gr.Radio(["LoRA", "Full"], value="LoRA", label="Fine-tuning", elem_id="mode")
+            with gr.Row():
+                lora_r = gr.Number(8, label="LoRA rank", precision=0)
+                seq_len = gr.Number(256, label="Sequence (tokens)", precision=0, elem_id="seq-len")
+                micro_batch = gr.Number(1, label="Batch (sequences)", precision=0)
+                steps = gr.Number(20, label="Steps (0: by epochs)", precision=0, elem_id="steps")
+                epochs = gr.Number(0, label="Epochs (0: by steps)")
+                lr = gr.Number(1e-4, label="Learning rate")
+            with gr.Row():
+                dtype = gr.Dropdown(["fp32", "bf16"], value="fp32", label="Precision")
+                nvme = gr.Textbox("swap", label="Swap folder (on the SSD; under the root)")
+                host_budget = gr.Textbox("", label="Host budget (e.g. 2GiB; empty: as planned)")
+                save_every = gr.Number(5, label="Checkpoint every (steps)", precision=0, elem_id="save-every")
+                eval_fraction = gr.Number(0, label="Held-out fraction")
+            with gr.Row():
+                plan_btn = gr.Button("Plan", elem_id="plan")
+                launch_btn = gr.Button("Launch", variant="primary", elem_id="launch")
+            plan_out = gr.Markdown(elem_id="plan-out")
+            train_msg = gr.Markdown(elem_id="train-msg")
+
+        with gr.Tab("Runs", id="runs"):
+            runs_df = gr.Dataframe(
+                headers=["run", "model", "mode", "state", "step", "loss", "tokens/s", "started"],
+                interactive=False,
+                label="Runs",
+                elem_id="runs-table",
+            )
+            with gr.Row():
+                run_pick = gr.Dropdown(runs.names(), label="Run", elem_id="run-pick")
+                stop_btn = gr.Button("Stop", elem_id="stop")
+                resume_btn = gr.Button("Resume", elem_id="resume")
+                export_btn = gr.Button("Export", elem_id="export")
+            run_status = gr.Markdown(elem_id="run-status")
+            with gr.Row():
+                loss_plot = gr.LinePlot(x="step", y="value", color="series", title="loss", elem_id="loss-plot")
+                speed_plot = gr.LinePlot(x="step", y="value", color="series", title="tokens/s")
+            with gr.Row():
+                nvme_plot = gr.LinePlot(x="step", y="value", color="series", title="NVMe GB/s")
+                mem_plot = gr.LinePlot(x="step", y="value", color="series", title="memory (MiB)")
+            log = gr.Textbox(label="Log (tail)", lines=12, max_lines=12, elem_id="run-log")
+            runs_msg = gr.Markdown(elem_id="runs-msg")
+            with gr.Accordion("Sweeps", open=False):
+                sweep_pick = gr.Dropdown(sweep_folders(ws), label="Sweep folder (under sweeps/)")
+                sweep_btn = gr.Button("Show report")
+                sweep_md = gr.Markdown()
+                sweep_figs = gr.Gallery(label="Figures")
+            timer = gr.Timer(2.0)
+
+        with gr.Tab("Compare", id="compare"):
+            with gr.Row():
+                model_a = gr.Dropdown(folders(), label="Model A (e.g. the base)", elem_id="model-a")
+                model_b = gr.Dropdown(folders(), label="Model B (e.g. the fine-tuned)", elem_id="model-b")
+            prompt = gr.Textbox("Once upon a time", label="Prompt", lines=3, elem_id="prompt")
+            with gr.Row():
+                max_new = gr.Number(32, label="New tokens", precision=0)
+                cmp_budget = gr.Textbox("", label="Host budget per model (empty: auto)")
+                cmp_btn = gr.Button("Compare", variant="primary", elem_id="compare-btn")
+            with gr.Row():
+                out_a = gr.Textbox(label="A", lines=8, elem_id="out-a")
+                out_b = gr.Textbox(label="B", lines=8, elem_id="out-b")
+            with gr.Row():
+                fig_a = gr.Markdown(elem_id="fig-a")
+                fig_b = gr.Markdown(elem_id="fig-b")
+            cmp_msg = gr.Markdown(elem_id="cmp-msg")
+
+        # -------- Data handlers
+        @_outputs(2)
+        def on_add(files_, rows, tok, n, qa_m):
+            rows, msg = add_files(ws, files_, rows, tok, n, qa_m)
+            return rows, msg
+
+        add.click(on_add, [files, table, tok_model, passage_tokens, qa_model], [table, data_msg])
+
+        @_outputs(3)
+        def on_save(rows, name, tok):
+            msg = save_set(ws, rows, name, tok)
+            sets = ws.data_sets()
+            return gr.update(choices=sets), gr.update(choices=sets, value=sets[0]), msg
+
+        save.click(on_save, [table, set_name, tok_model], [saved, data, data_msg])
+
+        @_outputs(2)
+        def on_open(path):
+            p = ws.inside(path, "data set")
+            return data_sets.load_rows(p), f"Opened {ws.relative(p)}"
+
+        open_set.click(on_open, [saved], [table, data_msg])
+
+        # -------- Train handlers
+        train_inputs = [
+            run_name, model, data, mode, lora_r, seq_len, micro_batch, steps, epochs, lr, dtype, nvme,
+            host_budget, save_every, eval_fraction,
+        ]  # fmt: skip
+        keys = [
+            "name", "model", "data", "mode", "lora_r", "seq_len", "micro_batch", "steps", "epochs", "lr", "dtype",
+            "nvme_path", "host_budget", "save_every", "eval_fraction",
+        ]  # fmt: skip
+
+        @_outputs(2)
+        def on_plan(*values):
+            s = settings_from(ws, dict(zip(keys, values)))
+            plan = run_plan(s, ws.runs / ".plans" / s.name)
+            fits = plan["backends"].get("aidaptiv", {}).get("fits")
+            verdict = "aidaptiv **fits**" if fits else "aidaptiv **does not fit**: see why below"
+            return render_plan(plan, s.mode), f"Plan: {verdict}."
+
+        plan_btn.click(on_plan, train_inputs, [plan_out, train_msg])
+
+        @_outputs(4)
+        def on_launch(*values):
+            s = settings_from(ws, dict(zip(keys, values)))
+            problems = s.check()
+            if problems:
+                raise StudioError("cannot launch: " + "; ".join(problems))
+            folder = runs.folder(s.name)
+            if (folder / "settings.json").exists():
+                raise StudioError(f"a run named {s.name} exists: pick another name, or resume it in the Runs tab")
+            plan = run_plan(s, folder)
+            ours = plan["backends"].get("aidaptiv", {})
+            if not ours.get("fits"):
+                shutil.rmtree(folder, ignore_errors=True)
+                raise StudioError("the plan says aidaptiv cannot fit this job: " + "; ".join(ours.get("problems", [])))
+            runs.create(s)
+            runs.launch(s.name)
+            names = runs.names()
+            return (
+                render_plan(plan, s.mode),
+                gr.update(choices=names, value=s.name),
+                gr.update(value=f"run-{time.strftime('%m%d-%H%M%S')}"),
+                f"Launched **{s.name}**: follow it in the Runs tab.",
+            )
+
+        launch_btn.click(on_launch, train_inputs, [plan_out, run_pick, run_name, train_msg])
+
+        # -------- Runs handlers
+        def refresh(name):
+            return (runs_table(runs),) + run_view(runs, name)
+
+        view_outputs = [runs_df, run_status, loss_plot, speed_plot, nvme_plot, mem_plot, log]
+        timer.tick(refresh, [run_pick], view_outputs)
+        run_pick.change(refresh, [run_pick], view_outputs)
+
+        @_outputs(1)
+        def on_stop(name):
+            if not name:
+                raise StudioError("pick a run")
+            return runs.stop(name)
+
+        stop_btn.click(on_stop, [run_pick], [runs_msg])
+
+        @_outputs(1)
+        def on_resume(name):
+            if not name:
+                raise StudioError("pick a run")
+            st = runs.launch(name)
+            return f"Resumed {name}: attempt {st['attempt']} continues from the last checkpoint"
+
+        resume_btn.click(on_resume, [run_pick], [runs_msg])
+
+        @_outputs(3)
+        def on_export(name):
+            if not name:
+                raise StudioError("pick a run")
+            written = runs.export(name)
+            choices = ws.model_folders()
+            return (
+                gr.update(choices=choices),
+                gr.update(choices=choices),
+                "Exported to " + ", ".join(f"**{w}**" for w in written) + ": compare them in the Compare tab",
+            )
+
+        export_btn.click(on_export, [run_pick], [model_a, model_b, runs_msg])
+
+        @_outputs(3)
+        def on_sweep(folder):
+            md, figs = sweep_report(ws, folder)
+            return md, figs, ""
+
+        sweep_btn.click(on_sweep, [sweep_pick], [sweep_md, sweep_figs, runs_msg])
+
+        # -------- Compare handler
+        def on_compare(a, b, text, n, budget):
+            try:
+                if not a or not b:
+                    raise StudioError("pick two models (export a run first to get its model folder)")
+                pa, pb = str(ws.inside(a, "model folder")), str(ws.inside(b, "model folder"))
+                for out in compare.side_by_side(pa, pb, text, int(n), budget or None, str(ws.swap)):
+                    yield out + ("",)
+            except StudioError as e:
+                yield "", "", "", "", _error(e)
+
+        cmp_btn.click(
+            on_compare, [model_a, model_b, prompt, max_new, cmp_budget], [out_a, out_b, fig_a, fig_b, cmp_msg]
+        )
+
+        def on_load():
+            sets, names, mf = ws.data_sets(), runs.names(), ws.model_folders()
+            return (
+                gr.update(choices=sets),
+                gr.update(choices=sets),
+                gr.update(choices=names),
+                gr.update(choices=mf),
+                gr.update(choices=mf),
+                gr.update(choices=["none"] + mf),
+                gr.update(choices=sweep_folders(ws)),
+            )
+
+        page.load(on_load, None, [saved, data, run_pick, model_a, model_b, qa_model, sweep_pick])
+    return page
+
+
+def active_runs(root: str) -> list[str]:
+    runs = Runs(Workspace(root))
+    return [n for n in runs.names() if runs.status(n).get("state") in ACTIVE]

@@ -1,0 +1,97 @@
+"""Two models answer one prompt side by side: one ``aidaptiv-ds generate`` process each, started together,
+their text read as they print it (token by token), their figures from --metrics-out at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from aidaptiv_ds.studio.workspace import StudioError
+
+
+class _Side:
+    """One generate process, its output gathered by a reader thread."""
+
+    def __init__(self, model: str, prompt: str, max_new_tokens: int, folder: Path, tag: str, host_budget, nvme_path):
+        self.metrics = folder / f"{tag}.json"
+        argv = [sys.executable, "-m", "aidaptiv_ds", "generate", "--model", model, "--prompt", prompt]
+        argv += ["--max-new-tokens", str(max_new_tokens), "--metrics-out", str(self.metrics)]
+        if host_budget:
+            argv += ["--host-budget", host_budget]
+        if nvme_path:
+            argv += ["--nvme-path", str(Path(nvme_path) / f"compare-{tag}")]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        self.text, self.err = "", ""
+        self._out = threading.Thread(target=self._read_out, daemon=True)
+        self._err = threading.Thread(target=self._read_err, daemon=True)
+        self._out.start()
+        self._err.start()
+
+    def _read_out(self):
+        import codecs
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := self.proc.stdout.read1(4096):
+            self.text += decoder.decode(chunk)
+        self.text += decoder.decode(b"", final=True)
+
+    def _read_err(self):
+        self.err = self.proc.stderr.read().decode("utf-8", errors="replace")
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None and not self._out.is_alive()
+
+    def summary(self) -> str:
+        if not self.done():
+            return "generating ..."
+        self._err.join(timeout=5)
+        if self.proc.returncode != 0:
+            return "failed: " + " ".join(self.err.strip().splitlines()[-3:])
+        try:
+            r = json.loads(self.metrics.read_text())["results"][0]
+        except (OSError, json.JSONDecodeError, KeyError, IndexError):
+            return "finished (no figures written)"
+        return (
+            f"{r['new_tokens']} tokens, {r['tokens_per_s']:.2f} tokens/s, first token after "
+            f"{r['time_to_first_token_s']:.2f} s"
+        )
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def side_by_side(
+    model_a: str,
+    model_b: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    host_budget: str | None = None,
+    nvme_path: str | None = None,
+    every_s: float = 0.25,
+) -> Iterator[tuple[str, str, str, str]]:
+    """Yields (text A, text B, figures A, figures B) as they grow, until both processes have ended."""
+    if not prompt.strip():
+        raise StudioError("type a prompt first")
+    with tempfile.TemporaryDirectory(prefix="aidaptiv-studio-compare-") as tmp:
+        sides = [
+            _Side(m, prompt, max_new_tokens, Path(tmp), tag, host_budget, nvme_path)
+            for m, tag in ((model_a, "a"), (model_b, "b"))
+        ]
+        try:
+            while True:
+                finished = all(s.done() for s in sides)
+                yield sides[0].text, sides[1].text, sides[0].summary(), sides[1].summary()
+                if finished:
+                    return
+                time.sleep(every_s)
+        finally:
+            for s in sides:
+                s.kill()

@@ -1,0 +1,64 @@
+"""The supervisor of one training attempt (``python -m aidaptiv_ds.studio.supervise RUN_DIR ATTEMPT``): runs the
+train command the studio wrote (argv-attemptK.json), appends its output to train.log, and writes status.json
+when it starts and when it ends, so the studio can leave and come back. Started detached (its own session) by
+aidaptiv_ds.studio.runs; it outlives the studio's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from aidaptiv_ds.common.durable import write_text_atomically
+
+KILL_AFTER_S = 30.0  # after a stop request, the train process gets this long to clean up before SIGKILL
+
+
+def _write(folder: Path, status: dict) -> None:
+    write_text_atomically(str(folder / "status.json"), json.dumps(status))
+
+
+def main(argv: list[str]) -> int:
+    folder, attempt = Path(argv[0]), int(argv[1])
+    cmd = json.loads((folder / f"argv-attempt{attempt}.json").read_text())
+    status = {"state": "running", "attempt": attempt, "supervisor_pid": os.getpid(), "supervisor_started": time.time()}
+    with open(folder / "train.log", "ab") as log:
+        log.write(f"\n===== attempt {attempt}: {' '.join(cmd)}\n".encode())
+        log.flush()
+        # Its own process group, so a stop interrupts the job (and any rank it starts) and nothing else.
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        status.update(train_pid=proc.pid, train_started=time.time(), started=time.time())
+        _write(folder, status)
+        # A signal to the supervisor (the studio's machine shutting down) goes on to the job.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda s, _f: os.killpg(proc.pid, s))
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                stop = folder / "stop-requested"
+                if stop.exists() and time.time() - stop.stat().st_mtime > KILL_AFTER_S:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    stopped = (folder / "stop-requested").exists()
+    status.update(exit_code=rc, ended=time.time())
+    status["state"] = "stopped" if stopped else "finished" if rc == 0 else "failed"
+    try:
+        metrics = json.loads((folder / "metrics.json").read_text())
+        if metrics.get("error") and not stopped:
+            status["message"] = str(metrics["error"])
+    except (OSError, json.JSONDecodeError):
+        pass
+    _write(folder, status)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
