@@ -202,21 +202,24 @@ def passages(text: str, max_tokens: int, count: Callable[[str], int]) -> list[st
     """Whole paragraphs packed into passages of at most ``max_tokens`` (by ``count``); see the docstring."""
     if max_tokens < 8:
         raise StudioError(f"passage length {max_tokens} tokens is too short: give at least 8")
-    pieces = []
+    pieces = []  # (text, starts a paragraph)
     for para in text.split("\n\n"):
         if count(para) <= max_tokens:
-            pieces.append(para)
+            pieces.append((para, True))
             continue
+        first = True
         for sentence in _SENTENCE_END.split(para):
             while count(sentence) > max_tokens:
                 cut = _cut_at(sentence, max_tokens, count)
-                pieces.append(sentence[:cut].strip())
-                sentence = sentence[cut:].strip()
+                pieces.append((sentence[:cut].strip(), first))
+                sentence, first = sentence[cut:].strip(), False
             if sentence:
-                pieces.append(sentence)
+                pieces.append((sentence, first))
+                first = False
     out, current = [], ""
-    for piece in pieces:
-        joined = f"{current}\n\n{piece}" if current else piece
+    for piece, new_paragraph in pieces:
+        # Sentences of one paragraph stay one paragraph; paragraphs keep their blank line.
+        joined = f"{current}{chr(10) * 2 if new_paragraph else ' '}{piece}" if current else piece
         if current and count(joined) > max_tokens:
             out.append(current)
             current = piece

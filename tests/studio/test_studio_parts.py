@@ -1,0 +1,271 @@
+"""The studio's parts without a browser: the root's path gate, documents to passages (txt, md, pdf, docx, html,
+record files), the data set table to JSONL the job reads, question/answer parsing and its generate process,
+a run whose supervisor vanished, and the refusal to listen beyond localhost without a password."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import REPO, child_env
+
+from aidaptiv_ds.studio import data_sets, documents, qa
+from aidaptiv_ds.studio.runs import Runs, RunSettings
+from aidaptiv_ds.studio.workspace import StudioError, Workspace, safe_name
+
+
+def byte_count(text: str) -> int:
+    return len(text.encode())
+
+
+# ---------------------------------------------------------------- the root
+
+
+def test_paths_stay_under_the_root(tmp_path):
+    ws = Workspace(tmp_path / "root")
+    assert ws.inside("data/x.jsonl") == ws.root / "data" / "x.jsonl"
+    for bad in ("../outside.txt", "/etc/passwd", "data/../../x"):
+        with pytest.raises(StudioError, match="outside the studio's root"):
+            ws.inside(bad)
+    (tmp_path / "secret").mkdir()
+    os.symlink(tmp_path / "secret", ws.root / "data" / "link")
+    with pytest.raises(StudioError, match="outside"):
+        ws.inside("data/link/file")
+    assert safe_name("my data/../x") == "my-data-..-x" and safe_name("a/b") == "a-b"
+    with pytest.raises(StudioError):
+        safe_name("../")
+
+
+# ---------------------------------------------------------------- documents
+
+
+def minimal_pdf(pages: list[list[str]]) -> bytes:
+    """A PDF with a text layer: each page's lines in Helvetica, top to bottom."""
+    objs = ["<< /Type /Catalog /Pages 2 0 R >>", None, "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    kids = []
+    for lines in pages:
+        body = "BT /F1 11 Tf 72 760 Td 14 TL " + " ".join(
+            "(" + ln.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)") + ") Tj T*" for ln in lines
+        )
+        body += " ET"
+        objs.append(f"<< /Length {len(body)} >>\nstream\n{body}\nendstream")
+        content = len(objs)
+        objs.append(
+            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents {content} 0 R "
+            "/Resources << /Font << /F1 3 0 R >> >> >>"
+        )
+        kids.append(f"{len(objs)} 0 R")
+    objs[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {len(kids)} >>"
+    out, offsets = b"%PDF-1.4\n", []
+    for i, obj in enumerate(objs, start=1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n{obj}\nendobj\n".encode("latin-1")
+    xref = len(out)
+    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
+    out += "".join(f"{o:010d} 00000 n \n" for o in offsets).encode()
+    out += f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+def test_pdf_text_without_running_headers_page_numbers_or_broken_words(tmp_path):
+    pages = [
+        ["ACME Storage Manual", f"Chapter {i}: the swap space holds every exam-", f"ple layer {i} on the SSD.", str(i)]
+        for i in range(1, 5)
+    ]
+    path = tmp_path / "manual.pdf"
+    path.write_bytes(minimal_pdf(pages))
+    got = documents.extract(path)
+    assert got.kind == "document" and got.pages == 4
+    assert "ACME Storage Manual" not in got.text, got.text
+    assert "Chapter 2: the swap space holds every example layer 2 on the SSD." in got.text
+    assert not any(line.strip().isdigit() for line in got.text.splitlines())
+    assert any("repeated on most pages" in n for n in got.notes)
+
+
+def test_docx_paragraphs_and_tables(tmp_path):
+    import docx
+
+    d = docx.Document()
+    d.add_paragraph("First paragraph about pinned memory.")
+    d.add_paragraph("Second paragraph about the disk.")
+    table = d.add_table(rows=1, cols=2)
+    table.rows[0].cells[0].text, table.rows[0].cells[1].text = "budget", "2 GiB"
+    d.save(tmp_path / "notes.docx")
+    text = documents.extract(tmp_path / "notes.docx").text
+    assert text.split("\n\n") == [
+        "First paragraph about pinned memory.",
+        "Second paragraph about the disk.",
+        "budget | 2 GiB",
+    ]
+
+
+def test_html_keeps_visible_text_only(tmp_path):
+    (tmp_path / "p.html").write_text(
+        "<html><head><style>p{}</style><script>var x=1;</script></head><body><nav>Home | About</nav>"
+        "<h1>Swap</h1><p>Layers are read &amp; written ahead.</p><footer>(c) 2026</footer></body></html>"
+    )
+    assert documents.extract(tmp_path / "p.html").text == "Swap\n\nLayers are read & written ahead."
+
+
+def test_bad_documents_are_refused_with_the_reason(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(StudioError, match="not UTF-8"):
+        documents.extract(tmp_path / "latin1.txt")
+    (tmp_path / "x.exe").write_bytes(b"MZ")
+    with pytest.raises(StudioError, match="reads .txt"):
+        documents.extract(tmp_path / "x.exe")
+    (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.4 nothing")
+    with pytest.raises(StudioError, match="broken.pdf"):
+        documents.extract(tmp_path / "broken.pdf")
+    (tmp_path / "empty.md").write_text("\n\n   \n")
+    with pytest.raises(StudioError, match="holds no text"):
+        documents.extract(tmp_path / "empty.md")
+    (tmp_path / "bad.jsonl").write_text('{"instruction": "x"}\n{"prompt": "q", "response": "a"}\n')
+    with pytest.raises(StudioError, match="1 record\\(s\\) the job cannot train on: .*bad.jsonl:1"):
+        documents.extract(tmp_path / "bad.jsonl")
+
+
+def test_record_files_come_through_the_jobs_reader(tmp_path):
+    import pandas as pd
+
+    pd.DataFrame([{"instruction": "Add.", "input": "2 and 3", "output": "5"}]).to_parquet(tmp_path / "a.parquet")
+    got = documents.extract(tmp_path / "a.parquet")
+    assert got.kind == "records" and got.records == [{"instruction": "Add.", "input": "2 and 3", "output": "5"}]
+    (tmp_path / "c.csv").write_text("prompt,response\nQ?,A.\n")
+    assert documents.extract(tmp_path / "c.csv").records == [{"prompt": "Q?", "response": "A."}]
+
+
+def test_passages_keep_paragraphs_whole_and_respect_the_limit():
+    paras = ["Short one.", "Another short one.", "A much longer paragraph. " * 20, "Tail."]
+    out = documents.passages("\n\n".join(paras), 64, byte_count)
+    assert all(byte_count(p) <= 64 for p in out)
+    assert out[0].startswith("Short one.\n\nAnother short one.\n\n")  # packed together, paragraphs intact
+    assert "paragraph.\n\nA much" not in "".join(out)  # a long paragraph's sentences stay one paragraph
+    assert out[-1].endswith("Tail.")
+    assert " ".join(out).split() == " ".join(paras).split()  # nothing lost, nothing added
+    one_word = documents.passages("x" * 200, 64, byte_count)
+    assert [len(p) for p in one_word] == [64, 64, 64, 8]
+    with pytest.raises(StudioError, match="too short"):
+        documents.passages("text", 4, byte_count)
+
+
+# ---------------------------------------------------------------- the data set
+
+
+def test_rows_to_the_jsonl_the_job_trains_on(tmp_path):
+    from aidaptiv_ds.job.data import load_texts
+
+    rows = [
+        [True, "doc.md", "text", "", "", "", "A passage."],
+        [False, "doc.md", "text", "", "", "", "Dropped."],
+        [True, "a.jsonl", "instruction", "Add.", "2 and 3", "5", ""],
+        [True, "c.jsonl", "messages", "", "", "", json.dumps([{"role": "user", "content": "Hi"}])],
+    ]
+    records = data_sets.rows_to_records(rows)
+    assert records == [
+        {"text": "A passage."},
+        {"instruction": "Add.", "context": "2 and 3", "response": "5"},
+        {"messages": [{"role": "user", "content": "Hi"}]},
+    ]
+    path = data_sets.save(records, tmp_path / "data" / "set.jsonl")
+    texts = load_texts(str(path))
+    assert texts[0] == "A passage." and texts[1].startswith("### Instruction:\nAdd.")
+    assert [r[2] for r in data_sets.load_rows(path)] == ["text", "instruction", "messages"]
+    s = data_sets.summary(records, "micro")
+    assert (
+        s["records"] == 3
+        and s["bytes"] == path.stat().st_size
+        and s["kinds"] == {"text": 1, "instruction": 1, "messages": 1}
+    )
+    assert s["tokens"] > len("A passage.") + 2
+
+
+def test_every_bad_row_is_listed():
+    rows = [
+        [True, "", "text", "", "", "", ""],
+        [True, "", "instruction", "Q", "", "", ""],
+        [True, "", "messages", "", "", "", "not json"],
+        [True, "", "poem", "", "", "", "x"],
+    ]
+    with pytest.raises(StudioError) as e:
+        data_sets.rows_to_records(rows)
+    for fragment in ("row 1", "row 2", "row 3", "row 4", "kind 'poem'"):
+        assert fragment in str(e.value)
+    with pytest.raises(StudioError, match="no kept rows"):
+        data_sets.rows_to_records([[False, "", "text", "", "", "", "x"]])
+
+
+# ---------------------------------------------------------------- questions and answers
+
+
+def test_question_and_answer_parsing():
+    assert qa.parse(" What holds the layers?\nAnswer: The SSD.\nQuestion: more") == (
+        "What holds the layers?",
+        "The SSD.",
+    )
+    assert qa.parse("What?\nAnswer: That.") == ("What?", "That.")
+    assert qa.parse("no answer here") is None
+    assert qa.parse("Q\nAnswer:   ") is None
+
+
+def test_questions_from_a_local_model_run_as_one_generate_process(tmp_path):
+    """A random-weight model writes no question/answer form: every completion is counted as left out, none
+    is guessed into a record. (No model that writes real questions can be downloaded here.)"""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aidaptiv_ds.models.tokenizer import save_byte_tokenizer
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                      vocab_size=300, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    save_byte_tokenizer(str(tmp_path / "m"))
+    records, skipped, _ = qa.generate_records(
+        str(tmp_path / "m"), ["The SSD holds layers.", "Pinned memory."], max_new_tokens=8
+    )
+    assert records == [] and skipped == 2
+    with pytest.raises(StudioError, match="generate failed"):
+        qa.generate_records(str(tmp_path / "nowhere"), ["x"])
+
+
+# ---------------------------------------------------------------- runs and the command
+
+
+def test_a_run_whose_supervisor_is_gone_is_shown_as_lost(tmp_path):
+    ws = Workspace(tmp_path / "root")
+    data = ws.data / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    runs = Runs(ws)
+    runs.create(RunSettings(name="r", model="micro", data=str(data), nvme_path=str(ws.swap)))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (ws.runs / "r" / "status.json").write_text(
+        json.dumps({"state": "running", "attempt": 1, "supervisor_pid": dead.pid, "supervisor_started": time.time()})
+    )
+    st = runs.status("r")
+    assert st["state"] == "lost" and "resume it" in st["message"]
+    with pytest.raises(StudioError, match="exists"):
+        runs.create(RunSettings(name="r", model="micro", data=str(data), nvme_path=str(ws.swap)))
+    with pytest.raises(StudioError) as e:
+        runs.create(RunSettings(name="s", model="micro", data="/nope.jsonl", nvme_path="x", seq_len=0, steps=None))
+    assert "seq len must be at least 1" in str(e.value) and "give steps or epochs" in str(e.value)
+    assert "not a file" in str(e.value)
+
+
+def test_listening_beyond_localhost_needs_a_password(tmp_path):
+    env = child_env()
+    env.pop("AIDAPTIV_STUDIO_PASSWORD", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", "studio", "--host", "0.0.0.0", "--root", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "without a password" in done.stderr, done.stderr
