@@ -34,6 +34,18 @@ import statistics
 import time
 
 
+def rss_mb() -> float | None:
+    """This process's resident memory now (VmRSS), MiB; None where /proc is unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_mb() -> float:
     """Peak RSS of this process, MiB. VmHWM belongs to the program (a new one at exec); getrusage's ru_maxrss
     survives fork and exec on Linux, so a run started by a bigger process (the planner's probe inside
@@ -235,6 +247,7 @@ MONITOR_SERIES = (
     "nvme_write_GBps",
     "host_budget_bytes",
     "pinned_bytes",
+    "host_rss_mb",
     "gpu_mem_mb",
 )
 MONITOR_PREFIX = "aidaptiv/"
@@ -251,6 +264,7 @@ def monitor_events(
     host_budget: int | None,
     pinned: int | None,
     gpu_mb: float | None,
+    rss_mb: float | None = None,
 ) -> list:
     """[(name, value, step)] of one optimizer step, as DeepSpeed's MonitorMaster.write_events takes them;
     what this run cannot measure (no swapper: no budget or pinned bytes; no CUDA: no GPU memory; no
@@ -268,6 +282,7 @@ def monitor_events(
         "nvme_write_GBps": io_bytes[1] / s / 1e9 if io_bytes and s > 0 else None,
         "host_budget_bytes": host_budget,
         "pinned_bytes": pinned,
+        "host_rss_mb": rss_mb,
         "gpu_mem_mb": gpu_mb,
     }
     return [(MONITOR_PREFIX + k, float(values[k]), step) for k in MONITOR_SERIES if values[k] is not None]

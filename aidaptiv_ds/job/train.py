@@ -658,6 +658,7 @@ class Run:
                 host_budget=self.host_budget,
                 pinned=stats.get("pinned_bytes") if stats else None,
                 gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None,
+                rss_mb=M.rss_mb(),
             ),
             self.engine,
         )

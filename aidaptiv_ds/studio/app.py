@@ -220,13 +220,14 @@ def run_view(runs: Runs, name: str):
     if st.get("state") == "failed":
         lines.append("**It failed**: the log below says why, in the product's words.")
     memory = {k: [(x, y / 2**20) for x, y in curves.get(k, [])] for k in ("pinned_bytes", "host_budget_bytes")}
+    memory["host_rss_mb"] = curves.get("host_rss_mb", [])
     memory["gpu_mem_mb"] = curves.get("gpu_mem_mb", [])
     return (
         "  \n".join(lines),
         curve_frame(curves, ("loss", "eval_loss")),
         curve_frame(curves, ("tokens_per_s",)),
         curve_frame(curves, ("nvme_read_GBps", "nvme_write_GBps")),
-        curve_frame(memory, ("pinned_bytes", "host_budget_bytes", "gpu_mem_mb")),
+        curve_frame(memory, ("host_rss_mb", "pinned_bytes", "host_budget_bytes", "gpu_mem_mb")),
         runs.log_tail(name),
     )
 

@@ -30,6 +30,7 @@ EXPECTED = [
         "nvme_write_GBps",
         "host_budget_bytes",
         "pinned_bytes",
+        "host_rss_mb",
     )
 ]
 

@@ -21,6 +21,7 @@ def test_monitor_events_of_a_step():
         host_budget=2**30,
         pinned=2**20,
         gpu_mb=None,
+        rss_mb=512.0,
     )
     got = {name: (value, step) for name, value, step in ev}
     assert {s for s in got} == {"aidaptiv/" + s for s in M.MONITOR_SERIES if s != "gpu_mem_mb"}
@@ -28,6 +29,7 @@ def test_monitor_events_of_a_step():
     assert got["aidaptiv/loss"][0] == 3.5 and got["aidaptiv/tokens_per_s"][0] == 500.0
     assert got["aidaptiv/nvme_read_GBps"][0] == 2.0 and got["aidaptiv/nvme_write_GBps"][0] == 1.0
     assert got["aidaptiv/backward_s"][0] == 1.0 and got["aidaptiv/host_budget_bytes"][0] == 2**30
+    assert got["aidaptiv/host_rss_mb"][0] == 512.0
 
 
 def test_what_was_not_measured_is_left_out_not_zero():
