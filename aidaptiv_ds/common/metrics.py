@@ -34,29 +34,30 @@ import statistics
 import time
 
 
-def rss_mb() -> float | None:
-    """This process's resident memory now (VmRSS), MiB; None where /proc is unavailable."""
+def _status_mib(field: str) -> float | None:
+    """A memory line of /proc/self/status (``VmRSS``, ``VmHWM``) in MiB; None where /proc is unavailable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024.0  # kB
     except OSError:
         pass
     return None
 
 
+def rss_mb() -> float | None:
+    """This process's resident memory now (VmRSS), MiB."""
+    return _status_mib("VmRSS")
+
+
 def peak_rss_mb() -> float:
     """Peak RSS of this process, MiB. VmHWM belongs to the program (a new one at exec); getrusage's ru_maxrss
     survives fork and exec on Linux, so a run started by a bigger process (the planner's probe inside
     ``aidaptiv-ds plan``, a notebook) would report its parent's size."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0  # kB
-    except OSError:
-        pass
+    hwm = _status_mib("VmHWM")
+    if hwm is not None:
+        return hwm
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 

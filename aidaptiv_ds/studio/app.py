@@ -50,6 +50,12 @@ def _outputs(n):
     return deco
 
 
+def picked(name: str) -> str:
+    if not name:
+        raise StudioError("pick a run first")
+    return name
+
+
 def _size(n: float) -> str:
     from aidaptiv_ds.common.sizes import format_size
 
@@ -252,7 +258,12 @@ def sweep_report(ws: Workspace, folder: str):
         )
         if done.returncode != 0:
             raise StudioError(f"aidaptiv-ds report failed: {done.stderr.strip()[-800:]}")
-    return report.read_text(), [str(p) for p in sorted((d / "figures").glob("*.png"))]
+    # The report's image links are relative to its folder, which the page cannot follow: the figures go to the
+    # gallery instead, and each link becomes its caption.
+    import re
+
+    md = re.sub(r"!\[([^\]]*)\]\([^)]*\)", r"*(figure: \1, in the gallery below)*", report.read_text())
+    return md, [str(p) for p in sorted((d / "figures").glob("*.png"))]
 
 
 # ---------------------------------------------------------------- the page
@@ -348,10 +359,10 @@ def build(root: str):
             log = gr.Textbox(label="Log (tail)", lines=12, max_lines=12, elem_id="run-log")
             runs_msg = gr.Markdown(elem_id="runs-msg")
             with gr.Accordion("Sweeps", open=False):
-                sweep_pick = gr.Dropdown(sweep_folders(ws), label="Sweep folder (under sweeps/)")
-                sweep_btn = gr.Button("Show report")
-                sweep_md = gr.Markdown()
-                sweep_figs = gr.Gallery(label="Figures")
+                sweep_pick = gr.Dropdown(sweep_folders(ws), label="Sweep folder (under sweeps/)", elem_id="sweep-pick")
+                sweep_btn = gr.Button("Show report", elem_id="sweep-show")
+                sweep_md = gr.Markdown(elem_id="sweep-report")
+                sweep_figs = gr.Gallery(label="Figures", elem_id="sweep-figures")
             timer = gr.Timer(2.0)
 
         with gr.Tab("Compare", id="compare"):
@@ -417,12 +428,7 @@ def build(root: str):
         @_outputs(4)
         def on_launch(*values):
             s = settings_from(ws, dict(zip(keys, values)))
-            problems = s.check()
-            if problems:
-                raise StudioError("cannot launch: " + "; ".join(problems))
-            folder = runs.folder(s.name)
-            if (folder / "settings.json").exists():
-                raise StudioError(f"a run named {s.name} exists: pick another name, or resume it in the Runs tab")
+            folder = runs.check_new(s)
             plan = run_plan(s, folder)
             ours = plan["backends"].get("aidaptiv", {})
             if not ours.get("fits"):
@@ -450,26 +456,20 @@ def build(root: str):
 
         @_outputs(1)
         def on_stop(name):
-            if not name:
-                raise StudioError("pick a run")
-            return runs.stop(name)
+            return runs.stop(picked(name))
 
         stop_btn.click(on_stop, [run_pick], [runs_msg])
 
         @_outputs(1)
         def on_resume(name):
-            if not name:
-                raise StudioError("pick a run")
-            st = runs.launch(name)
+            st = runs.launch(picked(name))
             return f"Resumed {name}: attempt {st['attempt']} continues from the last checkpoint"
 
         resume_btn.click(on_resume, [run_pick], [runs_msg])
 
         @_outputs(3)
         def on_export(name):
-            if not name:
-                raise StudioError("pick a run")
-            written = runs.export(name)
+            written = runs.export(picked(name))
             choices = ws.model_folders()
             return (
                 gr.update(choices=choices),

@@ -167,13 +167,19 @@ class Runs:
                 return name
         return None
 
-    def create(self, s: RunSettings) -> Path:
+    def check_new(self, s: RunSettings) -> Path:
+        """The folder of a new run with these settings; StudioError listing every problem, or naming the run
+        that has this name already."""
         problems = s.check()
         if problems:
             raise StudioError("cannot launch: " + "; ".join(problems))
         folder = self.folder(s.name)
         if (folder / "settings.json").exists():
             raise StudioError(f"a run named {s.name} exists: pick another name, or resume it in the Runs tab")
+        return folder
+
+    def create(self, s: RunSettings) -> Path:
+        folder = self.check_new(s)
         s.name = folder.name
         folder.mkdir(parents=True, exist_ok=True)  # plan.json and config.json may be there already
         write_text_atomically(str(folder / "settings.json"), json.dumps(dataclasses.asdict(s), indent=1))

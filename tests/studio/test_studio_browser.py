@@ -2,7 +2,7 @@
 upload a document, build and save a data set, plan, launch a short LoRA and a full fine-tune of the micro
 preset, watch the loss curve grow, stop and resume the full run, export, and compare the base with the
 fine-tuned model, then restart the studio and find the runs again. A screenshot of each tab is taken (to
-docs/studio/ when AIDAPTIV_STUDIO_SCREENSHOTS names that folder: `python bench/studio_screenshots.py`).
+docs/studio/ with `AIDAPTIV_STUDIO_SCREENSHOTS=docs/studio pytest tests/studio/test_studio_browser.py`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -133,6 +134,8 @@ def test_the_workflow_in_a_browser(tmp_path):
     root, shots = tmp_path / "studio", shots_dir(tmp_path)
     doc = tmp_path / "swap-notes.md"
     doc.write_text(DOC * 4)
+    (root / "sweeps").mkdir(parents=True)
+    shutil.copytree(Path(REPO) / "bench" / "results" / "cpu_small", root / "sweeps" / "cpu_small")
     studio = Studio(root)
     try:
         with sync_playwright() as p:
@@ -148,10 +151,16 @@ def test_the_workflow_in_a_browser(tmp_path):
             expect(page.locator("#data-msg")).to_contain_text("swap-notes.md:", timeout=60_000)
             n_passages = int(re.search(r"(\d+) passages", page.locator("#data-msg").inner_text()).group(1))
             assert n_passages >= 2
+            # Drop the second row (untick keep; the first checkbox is the column's own) before saving.
+            boxes = page.locator("#records input[type=checkbox]")
+            expect(boxes).to_have_count(n_passages + 1)
+            boxes.nth(2).click()
+            expect(boxes.nth(2)).not_to_be_checked()
             page.locator("#save-set").click()
             expect(page.locator("#data-msg")).to_contain_text("Saved", timeout=60_000)
             saved = [json.loads(line) for line in (root / "data" / "notes.jsonl").read_text().splitlines()]
-            assert len(saved) == n_passages and all(set(r) == {"text"} for r in saved)
+            assert len(saved) == n_passages - 1 and all(set(r) == {"text"} for r in saved)
+            assert f"{n_passages - 1} records" in page.locator("#data-msg").inner_text()
             assert "read ahead of the compute" in " ".join(r["text"] for r in saved)
             page.screenshot(path=str(shots / "data.png"), full_page=True)
 
@@ -189,6 +198,7 @@ def test_the_workflow_in_a_browser(tmp_path):
 
             wait_for(grown, 300, "the loss curve to grow past step 12 over two refreshes")
             assert page.locator("#loss-plot canvas, #loss-plot svg").count() > 0
+            expect(page.locator("#run-status")).to_contain_text("running")
             page.screenshot(path=str(shots / "runs.png"), full_page=True)
             page.locator("#stop").click()
             expect(page.locator("#runs-msg")).to_contain_text("stopping full-run")
@@ -221,6 +231,18 @@ def test_the_workflow_in_a_browser(tmp_path):
             expect(page.locator("#fig-a")).to_contain_text("tokens/s", timeout=120_000)
             expect(page.locator("#fig-b")).to_contain_text("tokens/s", timeout=120_000)
             page.screenshot(path=str(shots / "compare.png"), full_page=True)
+
+            # A sweep folder under the root is shown as its report's tables and figures.
+            tab(page, "Runs")
+            page.get_by_text("Sweeps").click()
+            page.locator("#sweep-pick input").click()
+            page.locator('#sweep-pick [role=option][aria-label="sweeps/cpu_small"]').click()
+            page.locator("#sweep-show").click()
+            expect(page.locator("#sweep-report")).to_contain_text("aidaptiv", timeout=120_000)
+            expect(page.locator("#sweep-figures img").first).to_be_visible(timeout=30_000)
+            assert "(figure:" in page.locator("#sweep-report").inner_text()
+            page.locator("#sweep-report").scroll_into_view_if_needed()
+            page.screenshot(path=str(shots / "sweep.png"))
             browser.close()
         studio.stop()
 
