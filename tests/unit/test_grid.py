@@ -180,6 +180,7 @@ def test_presets_cover_the_contract():
         "llama2-70b",
         "llama3.1-8b",
         "llama3.1-70b",
+        "qwen2.5-3b",
         "qwen2.5-7b",
         "qwen2.5-72b",
     }
