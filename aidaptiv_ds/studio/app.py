@@ -144,7 +144,7 @@ def settings_from(ws: Workspace, values: dict) -> RunSettings:
 
 
 def render_plan(plan: dict, mode: str) -> str:
-    """The plan's verdict per backend as a table, then aidaptiv's memory breakdown."""
+    """The plan's verdict per backend as a table, then each backend's memory item by item."""
     lines = [
         "| backend | fits | activations | host / rank | NVMe / node | GPU / rank | predicted tokens/s | why not |",
         "|---|---|---|---|---|---|---|---|",
@@ -158,18 +158,18 @@ def render_plan(plan: dict, mode: str) -> str:
             f"{_size(t.get('gpu_per_rank', 0))} | {f'{pred:,.0f}' if pred else '-'} | "
             f"{'; '.join(b.get('problems', [])) or ''} |"
         )
-    ours = plan["backends"].get("aidaptiv", {})
-    lines += ["", "**aidaptiv's memory, per rank**", "", "| where | what | bytes |", "|---|---|---|"]
-    for where, key in (
-        ("host (pinned)", "host_pinned_bytes_per_rank"),
-        ("host", "host_pageable_bytes_per_rank"),
-        ("NVMe", "nvme_bytes_per_rank"),
-        ("GPU", "gpu_bytes_per_rank"),
-    ):
-        for what, n in (ours.get(key) or {}).items():
-            lines.append(f"| {where} | {what} | {_size(n)} |")
-    if ours.get("notes"):
-        lines += ["", "Notes: " + "; ".join(ours["notes"])]
+    for name, b in plan["backends"].items():
+        lines += ["", f"**{name}: memory per rank**", "", "| where | what | bytes |", "|---|---|---|"]
+        for where, key in (
+            ("host (pinned)", "host_pinned_bytes_per_rank"),
+            ("host", "host_pageable_bytes_per_rank"),
+            ("NVMe", "nvme_bytes_per_rank"),
+            ("GPU", "gpu_bytes_per_rank"),
+        ):
+            for what, n in (b.get(key) or {}).items():
+                lines.append(f"| {where} | {what} | {_size(n)} |")
+        if b.get("notes"):
+            lines += ["", "Notes: " + "; ".join(b["notes"])]
     if mode == "lora":
         lines += ["", "The plan counts full fine-tuning of every weight; LoRA trains adapters only and needs less."]
     return "\n".join(lines)

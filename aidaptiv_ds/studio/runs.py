@@ -176,7 +176,16 @@ class Runs:
         folder = self.folder(s.name)
         if (folder / "settings.json").exists():
             raise StudioError(f"a run named {s.name} exists: pick another name, or resume it in the Runs tab")
+        self._check_swap_free(s.nvme_path, s.name)
         return folder
+
+    def _check_swap_free(self, nvme_path: str, run: str) -> None:
+        other = self.busy_swap(nvme_path, except_run=run)
+        if other:
+            raise StudioError(
+                f"run {other} is training on the swap folder {nvme_path}: one training at a time per swap disk; "
+                "wait for it, stop it, or give this run another swap folder"
+            )
 
     def create(self, s: RunSettings) -> Path:
         folder = self.check_new(s)
@@ -191,12 +200,7 @@ class Runs:
         st = self.status(name)
         if st.get("state") in ACTIVE:
             raise StudioError(f"run {name} is {st['state']}: stop it first")
-        other = self.busy_swap(s.nvme_path, except_run=name)
-        if other:
-            raise StudioError(
-                f"run {other} is training on the swap folder {s.nvme_path}: one training at a time per swap disk; "
-                "wait for it, stop it, or give this run another swap folder"
-            )
+        self._check_swap_free(s.nvme_path, name)
         attempt = int(st.get("attempt", 0)) + 1
         base = json.loads((plan_config or folder / "config.json").read_text())
         # Each attempt its own CSV monitor job, so a resumed attempt's steps never mix into the last one's file.

@@ -188,6 +188,11 @@ def test_the_workflow_in_a_browser(tmp_path):
             expect(page.locator("#train-msg")).to_contain_text(
                 "Launched **full-run**".replace("**", ""), timeout=120_000
             )
+            # A second run on the same swap folder is refused while the first trains (before any plan is made).
+            fill(page, "run-name", "second-run")
+            page.locator("#launch").click()
+            expect(page.locator("#train-msg")).to_contain_text("one training at a time per swap disk")
+            assert not (root / "runs" / "second-run").exists()
             tab(page, "Runs")
             expect(page.locator("#run-pick input")).to_have_value("full-run")
             seen = set()
