@@ -86,6 +86,8 @@ def main():
     t0 = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     initialize_s = time.perf_counter() - t0
+    # What start-up read from the swap files (our swapper's counter; None on other backends).
+    init_stats = engine.aidaptiv_stats() if callable(getattr(engine, "aidaptiv_stats", None)) else None
     rank = int(os.environ.get("RANK", "0"))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
 
@@ -129,6 +131,7 @@ def main():
         "io_bytes": ([e - s for s, e in zip(io_start, io_end)] if io_start and io_end else None),
         "io_steps": len(steps) - args.warmup if io_start else None,
         "aidaptiv_stats": stats,
+        "initialize_read_bytes": init_stats["nvme_read_bytes"] if init_stats else None,
     }
     if rank == 0:
         print(f"mean step after {args.warmup} warm-up steps: {record['mean_step_s']:.3f} s")

@@ -45,6 +45,10 @@ def _runtime_of(module):
     return None
 
 
+def _no_gather(param_list=None, async_op=False, hierarchy=0):
+    return None
+
+
 class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def __init__(self, module, init_optimizer, param_names, *args, ds_config=None, **kwargs):
         # Whether our swappers run; the runtime itself is found in _configure_tensor_swapping, after
@@ -54,6 +58,24 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         super().__init__(module, init_optimizer, param_names, *args, ds_config=ds_config, **kwargs)
 
     # ------------------------------------------------------------------ set-up
+    def create_reduce_and_remove_grad_hooks(self):
+        # DeepSpeed 0.19.8 gathers every parameter before it registers the parameter's gradient hook (and
+        # partitions it again after). With torch >= 2.1 the hook is register_post_accumulate_grad_hook, which needs
+        # no data; with our swapper each gather is a read of that parameter from NVMe, so start-up read the
+        # whole model once, one parameter at a time (10.8 s of 38 s for tinyllama-1.1b here). Gathers are
+        # skipped while the hooks are made; partition() leaves a parameter that is not gathered as it is.
+        if not self._aidaptiv_enabled or not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return super().create_reduce_and_remove_grad_hooks()
+        params = [p for group in self.fp16_groups for p in group]
+        gathers = [p.all_gather for p in params]
+        try:
+            for p in params:
+                p.all_gather = _no_gather
+            return super().create_reduce_and_remove_grad_hooks()
+        finally:
+            for p, gather in zip(params, gathers):
+                p.all_gather = gather
+
     def _configure_tensor_swapping(self, offload_optimizer_config, aio_config):
         if not self._aidaptiv_enabled:
             return super()._configure_tensor_swapping(offload_optimizer_config, aio_config)
