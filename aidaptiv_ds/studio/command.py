@@ -64,6 +64,8 @@ def run(args) -> int:
         )
         return 1
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    # Uploads land under the root too (Gradio's default is /tmp/gradio), before the page copies them to uploads/.
+    os.environ["GRADIO_TEMP_DIR"] = os.path.join(os.path.abspath(args.root), "uploads", ".incoming")
     from aidaptiv_ds.studio.app import active_runs, build
 
     page = build(args.root)

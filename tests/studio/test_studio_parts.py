@@ -269,3 +269,49 @@ def test_listening_beyond_localhost_needs_a_password(tmp_path):
         timeout=120,
     )
     assert done.returncode == 1 and "without a password" in done.stderr, done.stderr
+
+
+def test_uploads_are_capped_and_land_under_the_root(tmp_path):
+    import socket
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = tmp_path / "root"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aidaptiv_ds",
+            "studio",
+            "--root",
+            str(root),
+            "--port",
+            str(port),
+            "--max-upload",
+            "1KB",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/gradio_api/upload"
+        deadline = time.time() + 120
+        while True:
+            try:
+                small = httpx.post(url, files={"files": ("small.txt", b"x" * 500)}, timeout=10)
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None, "the studio did not start"
+                time.sleep(0.5)
+        assert small.status_code == 200, small.text
+        assert all(p.startswith(str(root.resolve())) for p in small.json()), small.json()
+        big = httpx.post(url, files={"files": ("big.txt", b"x" * 3000)}, timeout=10)
+        assert big.status_code == 413, big.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
