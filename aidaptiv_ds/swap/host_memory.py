@@ -156,16 +156,35 @@ class WriteBehind:
 
 class SlotPool:
     """``count`` equal buffers of ``slot_bytes`` carved from the host budget once. Any free slot fits any
-    user, so however users come and go the slots never fragment."""
+    user, so however users come and go the slots never fragment.
+
+    ``fence`` (None on the CPU): on an accelerator, copies from a slot to the device run behind the host, so a
+    slot's bytes may be changed (a read into it, an update written through) or the slot handed to another
+    group only once those copies are done. ``device_reads_issued(slot)`` marks that copies from the slot may
+    be queued (the fence records an event on the copying streams); ``before_change(slot)`` waits for them.
+    :meth:`take` does so for every slot it hands out."""
 
     def __init__(self, memory: "HostMemory", count: int, slot_bytes: int):
         self.count = count
         self.slot_bytes = align_up(slot_bytes)
         self.region = memory.take(count * self.slot_bytes, f"{count} layer-group slots", large=True)
         self._free = list(range(count - 1, -1, -1))
+        self.fence = None
 
     def take(self) -> Optional[int]:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        index = self._free.pop()
+        self.before_change(index)
+        return index
+
+    def device_reads_issued(self, index: int) -> None:
+        if self.fence is not None:
+            self.fence.record(index)
+
+    def before_change(self, index: int) -> None:
+        if self.fence is not None:
+            self.fence.wait(index)
 
     def give(self, index: int) -> None:
         self._free.append(index)
@@ -193,3 +212,27 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor's storage."""
     return t.reshape(-1).view(torch.uint8)
+
+
+class CudaSlotFence:
+    """Per slot, CUDA events recorded after the copies from it that the streams ``streams()`` returns may have
+    queued; waited on the host before the slot changes. DeepSpeed's ZeRO-3 copies a fetched partition on its
+    all-gather stream and releases the parameter after waiting on the default stream only, so the event is
+    recorded on both (aidaptiv_ds.zero3 passes them)."""
+
+    def __init__(self, streams):
+        self._streams = streams
+        self._events: dict = {}
+
+    def record(self, slot: int) -> None:
+        # The newest event on a stream covers all the work queued on it before: it replaces older ones.
+        events = []
+        for stream in self._streams():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        self._events[slot] = events
+
+    def wait(self, slot: int) -> None:
+        for event in self._events.pop(slot, ()):
+            event.synchronize()

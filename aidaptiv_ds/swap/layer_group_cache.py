@@ -205,10 +205,13 @@ class LayerGroupCache:
             g.last_used = next(self._clock)
 
     def unpublish(self, g: LayerGroup) -> None:
-        """One user fewer; the group is now the most recently used."""
+        """One user fewer; the group is now the most recently used. On an accelerator the copies of its
+        partitions to the device may still be running: the slot's fence records them."""
         with self.lock:
             g.users -= 1
             g.last_used = next(self._clock)
+            if g.slot is not None:
+                self.slots.device_reads_issued(g.slot)
 
     def note_use(self, g: LayerGroup, backward: bool) -> None:
         """``g`` was just published by the forward (``backward`` False) or the backward. A retained group
@@ -335,14 +338,16 @@ class LayerGroupCache:
                 g = run[0][0].group
                 if r.group is not None:
                     # Write through: a read of the cached copy still in flight must land first, or it would
-                    # bring back old values.
+                    # bring back old values; a copy from it to the device, or it would take new ones.
                     self.wait_group(r.group)
+                    self.slots.before_change(r.group.slot)
                     r.buffer = r.group.buffer[r.lo - r.group.offset : r.hi - r.group.offset]
                 elif g is not None and g.ghost:
                     # Evicted while a write-through from its slot is in flight: the next read of the group
                     # takes that slot back as it is, so these bytes must land in it too. Written from the
                     # slot, the write also keeps the slot from being given away before it completes.
                     r.group = g
+                    self.slots.before_change(g.slot)
                     r.buffer = self.slots.view(g.slot, g.nbytes)[r.lo - g.offset : r.hi - g.offset]
                 else:
                     r.buffer = (
@@ -378,6 +383,7 @@ class LayerGroupCache:
                     g.pins -= 1
                     return None
                 r.group, r.pinned = g, True
+                self.slots.before_change(g.slot)  # the step updates the slot in place
                 r.buffer = g.buffer[r.lo - g.offset : r.hi - g.offset]
                 return r
             return self._stage_run(run, r, None, blocking)
@@ -411,6 +417,7 @@ class LayerGroupCache:
                 # Staged while its group had no slot, and the group was read into one since (a read-ahead):
                 # that copy was read before this write, so it gets the updated bytes here.
                 self.wait_group(g)
+                self.slots.before_change(g.slot)
                 g.buffer[r.lo - g.offset : r.hi - g.offset].copy_(r.buffer[: r.hi - r.lo])
             t = self.store.write_span(self.params_file, r.lo, r.buffer, f"updated partitions from {r.lo}")
             # A view of a cached group frees nothing when written; a staging buffer does.
@@ -470,6 +477,8 @@ class LayerGroupCache:
                 if g.slot is not None:
                     self.slots.give(g.slot)
                     g.slot = None
+            for g in reread:
+                self.slots.before_change(g.slot)
             tickets = [
                 self.store.read_span(self.params_file, g.offset, g.buffer, f"layer group {g.name} (reloaded)")
                 for g in reread

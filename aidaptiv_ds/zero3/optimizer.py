@@ -113,6 +113,14 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._aidaptiv_positions = positions
         self.optimizer_swapper = swapper
         coordinator = self.parameter_offload.get_param_coordinator()
+        if current_stream is not None:
+            # DeepSpeed copies fetched partitions out of our slots on its all-gather stream and releases them
+            # after waiting on the default stream only: a slot may change only once both have passed the copies.
+            from aidaptiv_ds.swap.host_memory import CudaSlotFence
+
+            gather_stream = getattr(coordinator, "_PartitionedParameterCoordinator__allgather_stream", None)
+            streams = [s for s in (gather_stream,) if s is not None]
+            runtime.param_swapper.cache.slots.fence = CudaSlotFence(lambda: [current_stream(), *streams])
         runtime.prefetcher = LayerGroupPrefetcher(runtime, self.module)
         runtime.prefetcher.attach(coordinator)
         if dist.get_rank() == 0:

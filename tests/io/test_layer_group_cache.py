@@ -194,6 +194,82 @@ def test_dropping_the_cache_forgets_every_group_nobody_uses():
     assert cached(cache) == [1] and cache.slots.free_count() == 2
 
 
+# ---------------------------------------------------------------- copies to a device still running
+class FillingStore(FakeStore):
+    """A read really changes the slot it lands in (each read its own byte value)."""
+
+    def read_span(self, file, offset, buf, what=""):
+        buf.fill_(len(self.reads) % 250 + 1)
+        return super().read_span(file, offset, buf, what)
+
+
+class CheckingFence:
+    """Stands in for CUDA. ``record(slot)``: copies from the slot to the device are queued, and the device
+    reads the slot's bytes whenever it gets to them, until ``wait(slot)``. The bytes are kept at the first
+    record; a slot whose bytes differ at its wait (or at the end, for copies never waited for) was changed
+    (a read into it, an update written through or in place, a reload) while a copy could still read it."""
+
+    def __init__(self, pool):
+        self.pool, self.in_flight, self.violations, self.waits = pool, {}, [], 0
+
+    def _bytes(self, slot):
+        return self.pool.view(slot, self.pool.slot_bytes)
+
+    def record(self, slot):
+        self.in_flight.setdefault(slot, self._bytes(slot).clone())
+
+    def wait(self, slot):
+        before = self.in_flight.pop(slot, None)
+        if before is not None:
+            self.waits += 1
+            if not torch.equal(before, self._bytes(slot)):
+                self.violations.append(slot)
+
+    def finish(self):
+        for slot in list(self.in_flight):
+            self.wait(slot)
+        return self.violations
+
+
+def every_slot_change_after_the_device_copies(cache):
+    """Reads into evicted slots, a write-through, an in-place update and its write-back, a reload in place."""
+    g0, g1, g2, g3 = cache.groups
+    use(cache, g0)
+    a = g0.records[0]
+    cache.write_pieces([(a, 0, a.numel, torch.full((a.numel,), 3.0))])  # written through into g0's slot
+    use(cache, g0)
+    use(cache, g1)
+    use(cache, g2)  # evicts g0: its slot is read into
+    use(cache, g3)  # evicts g1
+    b = g3.records[1]
+    r = cache.load_run([(b, 0, b.numel)], blocking=True)  # updated in place in g3's slot
+    cache.wait_run(r)
+    r.view(b, 0, b.numel).fill_(7.0)
+    cache.store_run(r)
+    cache.publish(g2, "test")
+    cache.drop_cache()  # g2 is in use: read again in place
+
+
+def test_no_slot_changes_while_a_device_copy_from_it_may_run():
+    cache = fake_cache(groups=4, slots=2)
+    cache.store = FillingStore()
+    fence = cache.slots.fence = CheckingFence(cache.slots)
+    every_slot_change_after_the_device_copies(cache)
+    assert fence.finish() == [] and fence.waits >= 4
+
+
+def test_the_checker_finds_a_slot_changed_under_a_running_copy(monkeypatch):
+    """The same sequence with the waits taken out: the checker sees the slots change under the copies."""
+    from aidaptiv_ds.swap.host_memory import SlotPool
+
+    monkeypatch.setattr(SlotPool, "before_change", lambda self, index: None)
+    cache = fake_cache(groups=4, slots=2)
+    cache.store = FillingStore()
+    fence = cache.slots.fence = CheckingFence(cache.slots)
+    every_slot_change_after_the_device_copies(cache)
+    assert len(fence.finish()) >= 2
+
+
 # ---------------------------------------------------------------- on the real engine
 class Pending:
     """A write-through that has not completed yet (the ghost window is otherwise a matter of timing)."""
