@@ -3,8 +3,9 @@ training run throws none on its routine paths.
 
 The H100's crash (../shared/gpu-probe) had the signature of another module's exception translator in
 pybind11's shared list being asked to translate one of ours. Here a "hostile neighbour" (a pybind11 module
-built against the same internals, loaded first) registers a shared translator that turns every exception it
-is asked about into KeyError; the engine's own translator must answer first for every kind it can throw.
+built against the same internals, loaded first, and a second one loaded after the engine) registers a shared
+translator that turns every exception it is asked about into KeyError; the engine's own translator must answer
+first for every kind it can throw.
 The throw count uses an LD_PRELOAD interposer of ``__cxa_throw`` that logs each C++ throw's type."""
 
 import os
@@ -43,13 +44,26 @@ CHILD = textwrap.dedent(
     from aidaptiv_ds.engine import _C
     expected = {"system": FileNotFoundError, "invalid": ValueError, "pinned": MemoryError, "error": RuntimeError,
                 "bad_alloc": MemoryError, "c10": RuntimeError, "std": RuntimeError}
-    for kind, cls in expected.items():
-        try:
-            _C._testing_throw(kind)
-        except KeyError as e:
-            print(f"{kind}: reached the neighbour ({e})")
-        except Exception as e:
-            print(f"{kind}: {type(e).__name__}: {e}", "ok" if isinstance(e, cls) else f"WRONG, expected {cls.__name__}")
+    def check(when):
+        for kind, cls in expected.items():
+            try:
+                _C._testing_throw(kind)
+            except KeyError as e:
+                print(f"{when}{kind}: reached the neighbour ({e})")
+            except Exception as e:
+                verdict = "ok" if isinstance(e, cls) else f"WRONG, expected {cls.__name__}"
+                print(f"{when}{kind}: {type(e).__name__}: {e}", verdict)
+    check("")
+    # A neighbour loaded after the engine: in pybind11's shared list its translator would be asked first.
+    late = cpp_extension.load_inline(
+        "hostile_late", cpp_sources=[open(sys.argv[1]).read().replace("hostile_neighbour", "hostile_late")],
+        build_directory=sys.argv[2], verbose=False
+    )
+    try:
+        late.throw_std()
+    except KeyError:
+        print("late neighbour active")
+    check("late ")
     """
 )
 
@@ -67,9 +81,12 @@ def test_engine_errors_arrive_as_their_python_exceptions_beside_a_hostile_transl
     )
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     lines = p.stdout.splitlines()
-    assert "neighbour active" in lines, p.stdout  # its translator is in the shared list, and answers
+    # Both neighbours' translators are in the shared list, and answer for their own modules' exceptions.
+    assert "neighbour active" in lines and "late neighbour active" in lines, p.stdout
     kinds = [line for line in lines if ":" in line]
-    assert len(kinds) == 7 and all(line.endswith("ok") for line in kinds), p.stdout
+    # The engine's translator is module-local (csrc/bindings.cpp): pybind11 asks it before any shared one about
+    # exceptions from the engine's functions, so a neighbour's translator, loaded before or after, never is.
+    assert len(kinds) == 14 and all(line.endswith("ok") for line in kinds), p.stdout
     assert "system: FileNotFoundError" in p.stdout and "/nonexistent/aidaptiv" in p.stdout
     assert "torch check failed (test)" in p.stdout and "Exception raised from" not in p.stdout  # no C++ backtrace
 
