@@ -41,7 +41,10 @@ def child_env() -> dict:
     }
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(REPO, ".torch_extensions"))
-    env.setdefault("OMP_NUM_THREADS", "2")
+    # One OpenMP thread: the models are tiny, and two threads a process oversubscribe a 2-core machine as soon
+    # as two ranks (or anything else) run; libgomp's spinning then made the same job take 15 to 67 s, where one
+    # thread takes 14 to 17 (tests/faults/test_checkpoint_crash.py: 82 s with 2, 48 s with 1).
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
