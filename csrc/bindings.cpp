@@ -47,6 +47,14 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.attr("ALIGNMENT") = kAlignment;
+  // What this build was compiled with, checked against torch at import (aidaptiv_ds/engine/io.py): a different
+  // libstdc++ string ABI would pass std::string and c10::Error across the boundary with another layout.
+  m.attr("GLIBCXX_USE_CXX11_ABI") = bool(_GLIBCXX_USE_CXX11_ABI);
+#if defined(__clang__)
+  m.attr("COMPILER") = std::string("Clang ") + __clang_version__;
+#else
+  m.attr("COMPILER") = std::string("GCC ") + __VERSION__;
+#endif
 #ifdef AIDAPTIV_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

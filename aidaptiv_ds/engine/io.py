@@ -44,6 +44,13 @@ if int(_C.ALIGNMENT) != ALIGN:
         f"aidaptiv_ds.engine._C was built with O_DIRECT alignment {int(_C.ALIGNMENT)} but the package "
         f"aligns to {ALIGN}: rebuild the extension (pip install -e .)"
     )
+# The C++ string ABI must be torch's: the engine hands std::string and torch's c10::Error across that boundary.
+if hasattr(_C, "GLIBCXX_USE_CXX11_ABI") and bool(_C.GLIBCXX_USE_CXX11_ABI) != bool(torch._C._GLIBCXX_USE_CXX11_ABI):
+    raise ImportError(
+        f"aidaptiv_ds.engine._C was built with _GLIBCXX_USE_CXX11_ABI={int(_C.GLIBCXX_USE_CXX11_ABI)} ({_C.COMPILER}) "
+        f"but this torch {torch.__version__} uses {int(torch._C._GLIBCXX_USE_CXX11_ABI)}: rebuild the engine "
+        "against this torch (pip install --no-build-isolation -e .)"
+    )
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_THREADS = 4

@@ -43,14 +43,21 @@ def _version(name: str) -> Optional[str]:
 
 
 def engine_facts() -> dict:
-    """The compiled engine: whether it imports, with the CUDA copy path or not, its O_DIRECT alignment."""
+    """The compiled engine: whether it imports, with the CUDA copy path or not, its O_DIRECT alignment, the
+    compiler and C++ string ABI it was built with."""
     try:
         import torch  # noqa: F401  (the engine links against torch's libraries)
 
         from aidaptiv_ds.engine import _C
     except ImportError as e:
         return {"built": False, "error": str(e)}
-    return {"built": True, "with_cuda": bool(_C.WITH_CUDA), "alignment": int(_C.ALIGNMENT)}
+    return {
+        "built": True,
+        "with_cuda": bool(_C.WITH_CUDA),
+        "alignment": int(_C.ALIGNMENT),
+        "compiler": getattr(_C, "COMPILER", None),
+        "cxx11_abi": bool(_C.GLIBCXX_USE_CXX11_ABI) if hasattr(_C, "GLIBCXX_USE_CXX11_ABI") else None,
+    }
 
 
 def torch_facts() -> dict:
@@ -59,6 +66,13 @@ def torch_facts() -> dict:
     except ImportError as e:
         return {"error": str(e)}
     out = {"cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(), "devices": []}
+    # The compiler torch was built with (its build summary names it), beside the engine's: a C++ runtime
+    # mismatch is the first thing to rule out in a crash report.
+    import re
+
+    m = re.search(r"^\s*-\s*((?:GCC|Clang|clang)\s+[\d.]+)", torch.__config__.show(), re.MULTILINE)
+    out["compiler"] = m.group(1) if m else None
+    out["cxx11_abi"] = bool(torch._C._GLIBCXX_USE_CXX11_ABI)
     if out["cuda_available"]:
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)

@@ -13,6 +13,9 @@ def test_env_reports_versions_engine_disk_and_limits(tmp_path, capsys):
     facts = json.loads(capsys.readouterr().out)
     assert facts["packages"]["aidaptiv-ds"] and facts["packages"]["torch"] and facts["packages"]["deepspeed"]
     assert facts["engine"]["built"] is True and facts["engine"]["alignment"] == 4096
+    # The engine's compiler and C++ string ABI beside torch's (the ABI must agree, or the engine refuses to load).
+    assert facts["engine"]["compiler"] and facts["torch"]["compiler"].startswith(("GCC", "Clang", "clang"))
+    assert facts["engine"]["cxx11_abi"] == facts["torch"]["cxx11_abi"]
     assert facts["swap_disk"]["path"] == str(swap) and facts["swap_disk"]["free_gb"] > 0
     from aidaptiv_ds.engine.disk import MEMORY_FILESYSTEMS
 
@@ -33,3 +36,17 @@ def test_env_text_says_where_o_direct_fails(tmp_path, capsys, monkeypatch):
     assert cli.main(["env", "--nvme-path", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "o_direct: --dir" in out and "tmpfs" in out and "packages:" in out and "limits:" in out
+
+
+def test_an_engine_built_with_another_cxx_string_abi_than_torch_is_refused_at_import():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "torch._C._GLIBCXX_USE_CXX11_ABI = not torch._C._GLIBCXX_USE_CXX11_ABI\n"
+        "import aidaptiv_ds.engine.io\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "ImportError" in p.stderr, p.stderr[-2000:]
+    assert "_GLIBCXX_USE_CXX11_ABI" in p.stderr and "rebuild the engine" in p.stderr, p.stderr[-2000:]
