@@ -6,7 +6,7 @@
     python bench/readme_tables.py --print    # prints both sections instead
 
 Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), the summary.md of
-bench/results/swap_step_time, swap_step_time_small, malloc_threshold and malloc_threshold_small (each written from its
+bench/results/swap_step_time, swap_step_time_small, swap_step_time_1b, malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
 bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
 its rows), bench/results/long_sequence, generate_offload and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
@@ -115,6 +115,13 @@ def step_time_section():
             "swap_step_time_small",
             "python bench/swap_step_time.py --model small --budget-fraction 0.4 "
             "--repeats 3 --steps 10 --out bench/results/swap_step_time_small",
+        ),
+        "",
+        *summary_md(
+            "swap_step_time_1b",
+            "python bench/swap_step_time.py --model tinyllama-1.1b --seq-len 128 --micro-batch 1 "
+            "--budget-fraction 0.125 --backends zero_infinity_eqmem,aidaptiv --repeats 2 --steps 3 --warmup 1 "
+            "--out bench/results/swap_step_time_1b",
         ),
         "",
         *summary_md("malloc_threshold", "python bench/malloc_threshold.py"),
