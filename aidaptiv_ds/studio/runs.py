@@ -14,8 +14,8 @@ its folder when it starts again).
 
 A launch starts ``python -m aidaptiv_ds.studio.supervise RUN_DIR``, detached in its own session; the supervisor
 starts the train command (an argument list, never a shell line), waits for it and records how it ended. Stop
-writes ``stop-requested`` and interrupts the train process (SIGINT, so it cleans its swap files up; the
-supervisor kills it if it is still there 30 s later); resume starts a new attempt with ``--resume auto``,
+writes ``stop-requested``; the supervisor then interrupts the train process once (SIGINT, so it cleans its swap
+files up) and kills it if it is still there 30 s later; resume starts a new attempt with ``--resume auto``,
 which continues from the last checkpoint.
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -233,13 +232,9 @@ class Runs:
         folder, st = self.folder(name), self.status(name)
         if st.get("state") not in ACTIVE:
             raise StudioError(f"run {name} is {st.get('state')}, not running")
+        # The supervisor sees the file within half a second and interrupts the job once (SIGINT, so it removes
+        # its swap files), then kills it if it is still there 30 s later.
         (folder / "stop-requested").write_text(str(time.time()))
-        pid = st.get("train_pid")
-        if pid and _alive(pid, st.get("train_started")):
-            try:
-                os.killpg(pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
         return f"stopping {name}: its last checkpoint is kept; Resume continues from it"
 
     def curves(self, name: str) -> dict:

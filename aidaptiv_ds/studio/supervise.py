@@ -39,17 +39,25 @@ def main(argv: list[str]) -> int:
         # A signal to the supervisor (the studio's machine shutting down) goes on to the job.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda s, _f: os.killpg(proc.pid, s))
+        interrupted = False
         while True:
             try:
                 rc = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
                 stop = folder / "stop-requested"
-                if stop.exists() and time.time() - stop.stat().st_mtime > KILL_AFTER_S:
+                if not stop.exists():
+                    continue
+                # The studio interrupts the job itself; this covers a stop asked before the job's pid was known.
+                if not interrupted:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    interrupted = True
+                if time.time() - stop.stat().st_mtime > KILL_AFTER_S:
                     os.killpg(proc.pid, signal.SIGKILL)
     stopped = (folder / "stop-requested").exists()
     status.update(exit_code=rc, ended=time.time())
-    status["state"] = "stopped" if stopped else "finished" if rc == 0 else "failed"
+    # A run that completed is finished even when a stop came too late to interrupt it.
+    status["state"] = "finished" if rc == 0 else "stopped" if stopped else "failed"
     try:
         metrics = json.loads((folder / "metrics.json").read_text())
         if metrics.get("error") and not stopped:
