@@ -268,3 +268,7 @@ def test_the_workflow_in_a_browser(tmp_path):
             browser.close()
     finally:
         studio.stop()
+        # Runs are detached processes: a test that failed half-way must not leave one training (its
+        # supervisor sees the request and interrupts it).
+        for run in (root / "runs").glob("*/status.json"):
+            (run.parent / "stop-requested").write_text(str(time.time()))
