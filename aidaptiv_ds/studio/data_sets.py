@@ -92,10 +92,9 @@ def summary(records: list[dict], model: str) -> dict:
     _, tok = token_counter(model)
     tokens = sum(len(record_tokens(rec, tok)) for rec in records)
     text = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
-    kinds = {}
-    for rec in records:
-        k = "text" if "text" in rec and "instruction" not in rec else "messages" if "messages" in rec else "instruction"
-        kinds[k] = kinds.get(k, 0) + 1
+    from collections import Counter
+
+    kinds = dict(Counter(record_row(rec, "")[2] for rec in records))  # the table's own kind of each record
     return {"records": len(records), "bytes": len(text.encode()), "tokens": tokens, "kinds": kinds}
 
 
