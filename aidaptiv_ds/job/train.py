@@ -318,6 +318,7 @@ class Run:
             micro_batch=micro,
             cuda=self.cuda,
             ram_bytes=total_ram_bytes(),
+            lora=self.lora is not None,
         )
         if not problems:
             return

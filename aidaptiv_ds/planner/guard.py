@@ -45,9 +45,11 @@ def launch_problems(
     cuda: bool,
     ram_bytes: int,
     disk_free: Callable[[str], int] = lambda p: shutil.disk_usage(p).free,
+    lora: bool = False,
 ) -> List[str]:
     """Problems that make the job impossible on this node, with the numbers (empty: nothing refused).
-    ``cfg`` is the DeepSpeed config the job runs with; ``ram_bytes`` the memory the node's ranks may use."""
+    ``cfg`` is the DeepSpeed config the job runs with; ``ram_bytes`` the memory the node's ranks may use;
+    ``lora``: the base is frozen (adapters trained), so its parameters are all the state that is certain."""
     backend = dsc.backend(cfg)
     if backend not in ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv"):
         return []
@@ -73,6 +75,8 @@ def launch_problems(
         paths = [settings.nvme_path]
     else:
         paths = [b["nvme_path"] for b in dsc.nvme_blocks(cfg) if b.get("nvme_path")]
+    if lora:
+        return _frozen_base_problems(shape, backend, job.dtype, paths, world_size, local, ram_bytes, disk_free)
     plan = plan_backend(backend, job, hw)
     if plan.split is not None and not plan.split.fits:
         problems.append(plan.split.shortfall())
@@ -104,6 +108,29 @@ def launch_problems(
             "smaller host budget, or more nodes"
         )
     return problems
+
+
+def _frozen_base_problems(shape, backend, dtype, paths, world_size, local, ram_bytes, disk_free) -> List[str]:
+    """A LoRA job's certain needs: the frozen base's own bytes (no gradient, master copy or moments; the
+    adapters are a fraction of a percent), on the swap disk where the backend puts parameters there, else in
+    host memory. The planner's memory model is full fine-tuning's, so nothing else is refused."""
+    from aidaptiv_ds.common.sizes import dtype_bytes
+
+    need = dtype_bytes(dtype) * -(-shape.num_parameters // max(1, world_size)) * local
+    what = f"the frozen base of {shape.name} ({shape.num_parameters / 1e9:.2f}B parameters, {dtype}, {local} rank(s))"
+    if paths:
+        free = disk_free(_existing(paths[0]))
+        if need > free:
+            return [
+                f"swap space: {paths[0]} has {free / GiB:.1f} GiB free but {backend} needs {need / GiB:.1f} GiB for "
+                f"{what}: free space or choose a larger disk"
+            ]
+    elif need > ram_bytes:
+        return [
+            f"host memory: {backend} keeps {what} in memory, {need / GiB:.1f} GiB, but the ranks may use "
+            f"{ram_bytes / GiB:.1f} GiB: use aidaptiv (the base streamed from NVMe) or a smaller model"
+        ]
+    return []
 
 
 # aidaptiv.activations.policy -> the planner's activation mode. "auto" keeps what its activation budget holds

@@ -25,10 +25,11 @@ from aidaptiv_ds.config.ds_config import load as load_config
 log = logging.getLogger(__name__)
 
 
-def _model_numel(model) -> int:
+def _model_numel(model, trainable: bool) -> int:
+    """Elements of the model's trainable (or frozen) parameters, partitioned ones counted whole."""
     if model is None:
         return 0
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad == trainable)
 
 
 def _swap_bytes_written(ds_config: Dict[str, Any]) -> int:
@@ -55,11 +56,14 @@ def needed_swap_bytes(
     """NVMe bytes the model state of this node's ranks still needs (None when the model is unknown): every rank
     on the node (``local_ranks``, from the launcher's environment when None) swaps to the same filesystem, so
     the free space must hold all their shares, less what their swap folders already take."""
-    numel = _model_numel(model)
-    if not numel:
+    trained, frozen = _model_numel(model, trainable=True), _model_numel(model, trainable=False)
+    if not trained + frozen:
         return None
     local = max(1, min(local_ranks or host.local_rank_count(), max(1, world_size)))
-    per_rank = state_bytes_per_param(dtype_bytes(dtype_name(ds_config))) * -(-numel // max(1, world_size))
+    param_bytes = dtype_bytes(dtype_name(ds_config))
+    world = max(1, world_size)
+    # A frozen parameter (a LoRA base) is only its own bytes on the disk: no gradient, master copy or moments.
+    per_rank = state_bytes_per_param(param_bytes) * -(-trained // world) + param_bytes * -(-frozen // world)
     return max(0, per_rank * local - _swap_bytes_written(ds_config))
 
 

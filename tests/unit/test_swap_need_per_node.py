@@ -67,3 +67,38 @@ def test_launch_guard_counts_the_ranks_of_the_node(tmp_path):
     two = launch_problems(shape, cfg, local_world_size=2, **common)
     assert any("swap space" in p and "2 rank(s) on this node" in p for p in two), two
     assert not [p for p in launch_problems(shape, cfg, local_world_size=1, **common) if "swap space" in p]
+
+
+def test_a_frozen_parameter_needs_only_its_own_bytes(tmp_path, monkeypatch):
+    # A LoRA base is streamed read-only: no gradient, master copy or moments on the disk for it. A 7B base
+    # counted at 20 bytes a parameter would ask 140 GB of a disk that holds its 28 GB.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    base, adapter = torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 8, bias=False)
+    base.requires_grad_(False)
+    model = torch.nn.Sequential(base, adapter)
+    need = needed_swap_bytes(model, _cfg(tmp_path), world_size=1, local_ranks=1)
+    assert need == 4 * 1_001_000 + 20 * 8_000
+    bf16 = dict(_cfg(tmp_path), bf16={"enabled": True})
+    assert needed_swap_bytes(model, bf16, world_size=1, local_ranks=1) == 2 * 1_001_000 + 18 * 8_000
+
+
+def test_launch_guard_counts_a_lora_base_at_its_own_bytes(tmp_path):
+    from aidaptiv_ds.planner.guard import launch_problems
+    from aidaptiv_ds.planner.shapes import resolve_shape
+
+    shape = resolve_shape("llama2-7b")
+    cfg = {
+        "zero_optimization": {"stage": 3},
+        "aidaptiv": {"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "2GiB"},
+    }
+    base = 4 * shape.num_parameters  # fp32
+    common = dict(world_size=1, local_world_size=1, seq_len=128, micro_batch=1, cuda=False, ram_bytes=16 << 30)
+    roomy = launch_problems(shape, cfg, disk_free=lambda p: base + (1 << 30), lora=True, **common)
+    assert roomy == []  # full fine-tuning's 20 bytes a parameter would refuse this disk
+    assert any("swap space" in p for p in launch_problems(shape, cfg, disk_free=lambda p: base + (1 << 30), **common))
+    short = launch_problems(shape, cfg, disk_free=lambda p: base // 2, lora=True, **common)
+    assert len(short) == 1 and "frozen base of llama2-7b" in short[0] and "GiB free" in short[0]
+    zero3 = {"zero_optimization": {"stage": 3}}
+    in_ram = launch_problems(shape, zero3, disk_free=lambda p: 0, lora=True, **common)
+    assert len(in_ram) == 1 and "host memory" in in_ram[0] and "use aidaptiv" in in_ram[0]
