@@ -261,6 +261,25 @@ def test_extents_are_aligned_grow_the_file_and_are_reused(tmp_path, engine):
     assert f.allocate(100).offset == 0
 
 
+def test_released_neighbours_merge_so_a_relocated_group_reuses_them(tmp_path, engine):
+    # Layer groups relocated at start (LoRA adapters partitioned after the base, at the file's end) free their
+    # partitions one by one; merged, two freed groups take the next, so the file does not double.
+    space = SwapSpace(str(tmp_path), rank=0)
+    f = space.create_file("x.swp", engine)
+    parts = [f.allocate(4 * ALIGN) for _ in range(6)]  # three groups of two partitions
+    end = f.allocated
+    for p in (parts[1], parts[0], parts[3], parts[2]):  # out of order: merged both ways
+        f.release(p)
+    assert f._free == [(0, 16 * ALIGN)]
+    group = f.allocate(12 * ALIGN)  # larger than any one partition or group freed
+    assert group.offset == 0 and f.allocated == end  # reused, the file did not grow
+    f.release(parts[5])
+    f.release(group)
+    assert f._free == [(0, 16 * ALIGN), (20 * ALIGN, 4 * ALIGN)]  # parts[4] in between keeps them apart
+    f.release(parts[4])
+    assert f._free == [(0, 24 * ALIGN)]
+
+
 def test_read_after_write_and_write_after_read_are_ordered(tmp_path, engine):
     space = SwapSpace(str(tmp_path), rank=0)
     store = SwapStore(engine, space)
