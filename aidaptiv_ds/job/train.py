@@ -907,7 +907,12 @@ def run(args) -> int:
             metrics["traceback"] = where
     else:  # what close() did with the swap files
         metrics.update({k: job.info[k] for k in ("swap_kept", "swap_removed") if k in job.info})
-    _write_metrics(job, metrics, failed=status != "ok")
+    try:
+        _write_metrics(job, metrics, failed=status != "ok")
+    except OSError as e:  # a full disk (often the failure itself): say so and keep where the error came from
+        print(f"aidaptiv-ds train: cannot write --metrics-out {args.metrics_out}: {e}", file=sys.stderr, flush=True)
+        if where:
+            print(where, file=sys.stderr, flush=True)
     if job.rank == 0 or status != "ok":
         print(one_line(metrics) if job.rank == 0 else f"rank {job.rank}: {one_line(metrics)}", flush=True)
     return {"ok": EXIT_OK, "oom": EXIT_OOM, "refused": EXIT_OOM}.get(status, EXIT_ERROR)
