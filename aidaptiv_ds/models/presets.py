@@ -372,27 +372,40 @@ def _keep_rope_dtype():
 
 
 @contextlib.contextmanager
-def _torch_default_init():
+def _torch_default_init(tied_embedding_std: float | None = None):
     """Leave weights as torch's module constructors draw them (Linear: kaiming-uniform, Embedding: N(0, 1),
     norms: ones) and skip transformers' post-init re-initialisation.
+
+    ``tied_embedding_std``: embeddings drawn from N(0, std) instead, for a model whose output layer is its
+    embedding (Qwen2.5-3B). N(0, 1) rows as the output layer give logits of standard deviation sqrt(hidden)
+    (45 at hidden 2048): a first loss of about 1200 instead of ln(vocab), 12.
 
     Under zero.Init each submodule is partitioned as soon as its own __init__ returns, so by the time
     transformers' post_init runs on the whole model every weight is an empty partition stub; its init either
     does nothing or fails (indexing the padding row of an empty embedding). The constructors' draws happen on
     whole tensors before partitioning, so they give the same model with and without ZeRO-3 for a given seed.
     """
+    import torch
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.init_weights
+    original_embedding_init = torch.nn.Embedding.reset_parameters
 
     def tie_only(self):
         self.tie_weights(recompute_mapping=False)
 
+    def small_embedding_init(self):
+        torch.nn.init.normal_(self.weight, mean=0.0, std=tied_embedding_std)
+        self._fill_padding_idx_with_zero()
+
     PreTrainedModel.init_weights = tie_only
+    if tied_embedding_std is not None:
+        torch.nn.Embedding.reset_parameters = small_embedding_init
     try:
         yield
     finally:
         PreTrainedModel.init_weights = original
+        torch.nn.Embedding.reset_parameters = original_embedding_init
 
 
 def build_model(spec: ModelSpec, dtype, init_context=None, ds_config: dict | None = None):
@@ -418,9 +431,11 @@ def build_model(spec: ModelSpec, dtype, init_context=None, ds_config: dict | Non
         model._aidaptiv_hf_ds_config = hf_ds
         return model
     cls = _model_class(spec.config)
+    tied = bool(getattr(spec.config, "tie_word_embeddings", False))
+    std = float(getattr(spec.config, "initializer_range", 0.02)) if tied else None
     if init_context is None:
-        with _torch_default_init():
+        with _torch_default_init(std):
             return cls(spec.config).to(dtype)
     # zero.Init casts to the dtype of the DeepSpeed config itself (bf16 block on -> bf16, else fp32).
-    with _torch_default_init(), _keep_rope_dtype(), init_context:
+    with _torch_default_init(std), _keep_rope_dtype(), init_context:
         return cls(spec.config)

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -98,6 +100,25 @@ def test_build_without_zero_is_deterministic_per_seed():
         assert torch.equal(pa, pb), name
     # torch's constructors drew the weights (no transformers re-init): the embedding is N(0, 1).
     assert 0.9 < float(a.model.embed_tokens.weight.detach().std()) < 1.1
+
+
+def test_a_tied_preset_starts_near_the_uniform_loss():
+    # Qwen2.5-3B's output layer is its embedding: N(0, 1) rows there gave a first loss of ~1200 at hidden 2048.
+    # The preset's family at a few layers' width, tied: the embedding is drawn from N(0, initializer_range).
+    cfg = preset_config("qwen2.5-3b")
+    cfg.num_hidden_layers, cfg.vocab_size = 1, 4096
+    assert cfg.tie_word_embeddings
+    embedding_init = torch.nn.Embedding.reset_parameters
+    torch.manual_seed(0)
+    model = models.build_model(models.ModelSpec(name="tied", config=cfg), torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert 0.015 < float(model.model.embed_tokens.weight.detach().std()) < 0.025
+    ids = torch.randint(0, cfg.vocab_size, (1, 16))
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, labels=ids).loss)
+    assert abs(loss - math.log(cfg.vocab_size)) < 1.0, loss
+    # torch's own initialiser is back for everything built after (untied presets keep torch's N(0, 1) draws)
+    assert torch.nn.Embedding.reset_parameters is embedding_init
 
 
 def test_counts_of_another_architecture_come_from_a_meta_build(tmp_path):
