@@ -264,7 +264,13 @@ class AidaptivConfig(BaseModel):
         "unit of prefetch, contiguous on disk. Groups "
         "shrink when the budget cannot prefetch them.",
     )
-    prefetch_depth: int = Field(1, ge=0, le=16, description="Layer groups read ahead of the one computing.")
+    prefetch_depth: int = Field(
+        1,
+        ge=0,
+        le=16,
+        description="Layer groups read ahead of the one computing (at most: lowered, down to 0, when the "
+        "budget cannot hold a slot of the largest group for each).",
+    )
     optimizer_chunk_numel: Union[int, str] = Field(
         "auto",
         description="Elements per optimizer chunk (and DeepSpeed's sub_group_size): the unit of optimizer "

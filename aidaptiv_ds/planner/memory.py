@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 from aidaptiv_ds.common.sizes import GiB, align_up, dtype_bytes
 from aidaptiv_ds.config.settings import auto_chunk
 from aidaptiv_ds.planner.shapes import ModelShape
-from aidaptiv_ds.swap.budget_split import BudgetSplit, shrink_layer_groups, split_budget
+from aidaptiv_ds.swap.budget_split import BudgetSplit, fit_prefetch_depth, shrink_layer_groups, split_budget
 
 BACKENDS = ("zero3", "zero3_cpu_offload", "zero_infinity", "aidaptiv")
 # The block's words (aidaptiv.activations.policy): one vocabulary for the planner and the block.
@@ -379,8 +379,11 @@ def aidaptiv_split(job: Job, hw: Hardware, budget: int):
         lambda n: _layer_group_bytes(job.shape, hw.world, job.elsize, n),
     )
     parts = 2 if job.dtype == "fp32" else 3  # chunk image parts (fp32: the parameter is the master)
-    split = split_budget(
-        budget, group_bytes, subs, chunk, job.elsize, parts, job.prefetch_depth, job.cache_optimizer_state
+    split = fit_prefetch_depth(
+        job.prefetch_depth,
+        lambda depth: split_budget(
+            budget, group_bytes, subs, chunk, job.elsize, parts, depth, job.cache_optimizer_state
+        ),
     )
     return split, size, group_bytes, subs, chunk
 
@@ -476,7 +479,7 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
     plan.settings = {
         "host_memory_budget": int(budget),
         "layer_group_size": size,
-        "prefetch_depth": job.prefetch_depth,
+        "prefetch_depth": split.prefetch_depth,
         "optimizer_chunk_numel": int(chunk),
         "resident_sub_groups": len(split.resident),
         "sub_groups": len(subs),

@@ -83,6 +83,23 @@ class BudgetSplit:
         )
 
 
+def fit_prefetch_depth(prefetch_depth: int, split_for: Callable[[int], "BudgetSplit"]) -> "BudgetSplit":
+    """The split at the configured ``prefetch_depth`` or, when its minimum does not fit the budget, at the
+    deepest lower depth whose minimum does (0: each group is read when it is needed, none ahead): like the
+    group size, the depth is an upper bound. A model whose largest group is its embedding (Qwen2.5-3B's 1.2 GB)
+    needs a slot of that size per group in flight, so a budget that trains it without read-ahead would
+    otherwise be refused. When no depth fits, the configured depth's split (its shortfall says what to do).
+    ``split_for(depth)`` gives the split at a depth."""
+    first = split_for(prefetch_depth)
+    if first.fits:
+        return first
+    for depth in range(prefetch_depth - 1, -1, -1):
+        split = split_for(depth)
+        if split.fits:
+            return split
+    return first
+
+
 def retention_slots(budget: int, minimum: int, general: int, slot: int, groups: int) -> int:
     """Layer groups that can be retained across the forward/backward turn: whole slots of what the budget
     holds beyond ``minimum`` and a second ``general`` (the room for gradients and optimizer chunks that

@@ -21,7 +21,7 @@ import torch
 
 from aidaptiv_ds.common.sizes import MiB, dtype_bytes
 from aidaptiv_ds.config.ds_config import ConfigError
-from aidaptiv_ds.swap.budget_split import shrink_layer_groups, split_budget
+from aidaptiv_ds.swap.budget_split import fit_prefetch_depth, shrink_layer_groups, split_budget
 from aidaptiv_ds.swap.chunk_layout import PARTS
 from aidaptiv_ds.swap.retention import plan_retention
 from aidaptiv_ds.zero3.layer_groups import partition_into_groups
@@ -43,6 +43,7 @@ class RunPlan:
     resident_bytes: int = 0
     retained_groups: int = 0  # the last layer groups of the forward, kept until the backward uses them
     retained_bytes: int = 0
+    prefetch_depth: int = 1  # the configured depth, or lower where the budget cannot hold its slots
 
     def describe(self) -> str:
         res = self.resident_bytes
@@ -95,25 +96,40 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
             budget / MiB,
         )
     parts = 2 if runtime.model_dtype == torch.float32 else PARTS  # chunk image parts (fp32: no master)
-    args = (
-        budget,
-        group_bytes,
-        sub_group_numels,
-        cfg.optimizer_chunk_numel,
-        dtype_bytes(runtime.model_dtype),
-        parts,
-        cfg.prefetch_depth,
-        cfg.cache_optimizer_state,
-    )
-    split = split_budget(*args)
+
+    def args(depth):
+        return (
+            budget,
+            group_bytes,
+            sub_group_numels,
+            cfg.optimizer_chunk_numel,
+            dtype_bytes(runtime.model_dtype),
+            parts,
+            depth,
+            cfg.cache_optimizer_state,
+        )
+
+    # The configured prefetch depth is an upper bound too (see budget_split.fit_prefetch_depth).
+    split = fit_prefetch_depth(cfg.prefetch_depth, lambda depth: split_budget(*args(depth)))
     if not split.fits:
         raise ConfigError([split.shortfall()])
+    if split.prefetch_depth != cfg.prefetch_depth:
+        log.warning(
+            "aidaptiv: prefetch depth %d instead of %d: the %.1f MiB host budget cannot hold %d slots of the "
+            "largest layer group (%.1f MiB); reads ahead need %.1f MiB",
+            split.prefetch_depth,
+            cfg.prefetch_depth,
+            budget / MiB,
+            cfg.prefetch_depth + 2,
+            split.slot / MiB,
+            split_budget(*args(cfg.prefetch_depth)).minimum / MiB,
+        )
     if cfg.retention_budget:
         try:
             retention = plan_retention(cfg.retention_budget, split, group_bytes)
         except ValueError as err:
             raise ConfigError([str(err)]) from None
-        split = split_budget(*args, retain_groups=retention.groups)
+        split = split_budget(*args(split.prefetch_depth), retain_groups=retention.groups)
     return RunPlan(
         budget,
         split.pool,
@@ -127,4 +143,5 @@ def plan_run(runtime, module, sub_group_numels: List[int]) -> RunPlan:
         split.resident_bytes,
         split.retained_groups,
         split.retained_bytes,
+        split.prefetch_depth,
     )

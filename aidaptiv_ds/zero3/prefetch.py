@@ -16,7 +16,8 @@ class LayerGroupPrefetcher:
     def __init__(self, runtime, module):
         self.runtime = runtime
         self.cache = runtime.param_swapper.cache
-        self.depth = runtime.cfg.prefetch_depth
+        plan = getattr(runtime, "plan", None)  # the plan may lower the configured depth to fit the budget
+        self.depth = plan.prefetch_depth if plan is not None else runtime.cfg.prefetch_depth
         self.current = None  # the layer group of the last module fetched
         records = runtime.param_swapper.records
         self.module_group = {}

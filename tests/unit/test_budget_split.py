@@ -1,6 +1,6 @@
 """budget_split's arithmetic on small trainable state (LoRA adapters): it stays resident when it fits."""
 
-from aidaptiv_ds.common.sizes import MiB
+from aidaptiv_ds.common.sizes import MiB, align_up
 from aidaptiv_ds.swap.budget_split import split_budget
 
 # The micro preset under --lora r=8 on q_proj,v_proj with a 64 MiB budget, as its run plans it: four layer
@@ -59,3 +59,40 @@ def test_the_tiny_presets_budgets_from_the_report_keep_more_as_they_grow():
     for small, large in zip(kept, kept[1:]):
         assert large[1] >= small[1] and large[2] >= small[2], (small, large)
     assert kept[-1][1] == sum(subs)  # 8 GiB holds tiny's whole optimizer state
+
+
+def test_prefetch_depth_is_lowered_to_what_the_budget_holds():
+    """A large first group (Qwen2.5-3B's 1.2 GB embedding) makes every slot that large: prefetching one group
+    ahead needs three of them. The configured depth is an upper bound, lowered to the deepest that fits; when
+    none does, the configured depth's shortfall is what the run reports."""
+    from aidaptiv_ds.swap.budget_split import fit_prefetch_depth
+
+    groups = [1187 * MiB] + [308 * MiB] * 36
+    args = ([7_000_000] * 4, 1 << 20, 4, 2)
+
+    def split_for(budget):
+        return lambda depth: split_budget(budget, groups, *args, depth, True)
+
+    need = {d: split_for(8 * 2**30)(d).minimum for d in (0, 1, 2)}
+    assert need[0] < need[1] < need[2] and need[1] - need[0] == align_up(1187 * MiB)
+    assert fit_prefetch_depth(2, split_for(need[2])).prefetch_depth == 2  # fits as configured
+    assert fit_prefetch_depth(2, split_for(need[1])).prefetch_depth == 1
+    lowered = fit_prefetch_depth(1, split_for(need[0]))
+    assert lowered.fits and lowered.prefetch_depth == 0 and lowered.min_slots == 2
+    refused = fit_prefetch_depth(1, split_for(need[0] - 1))
+    assert not refused.fits and refused.prefetch_depth == 1 and "prefetch depth 1" in refused.shortfall()
+
+
+def test_the_planner_trains_qwen_3b_without_read_ahead_where_reading_ahead_does_not_fit():
+    from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
+    from aidaptiv_ds.planner.shapes import resolve_shape
+
+    def plan(budget_gib, depth):
+        job = Job(resolve_shape("qwen2.5-3b"), 128, 1, dtype="fp32", host_budget=int(budget_gib * 2**30))
+        job.prefetch_depth = depth
+        return plan_backend("aidaptiv", job, Hardware(gpus=1, host_mem=64 << 30))
+
+    assert plan(4, 0).split.fits
+    lowered = plan(4, 1)  # 4 GiB holds two 1187 MiB slots and the optimizer's room, not three
+    assert lowered.split.fits and lowered.settings["prefetch_depth"] == 0
+    assert plan(6, 1).settings["prefetch_depth"] == 1
