@@ -208,12 +208,15 @@ def _now() -> str:
 class Runner:
     """Runs one attempt as a capped cell of the sweep harness and returns its row."""
 
+    GRID = "capacity_cpu"
+    write_configs = staticmethod(write_configs)
+
     def __init__(self, args, env):
         from aidaptiv_ds.common.sizes import state_bytes_per_param
         from aidaptiv_ds.harness.machine import machine_info
 
         self.args, self.env = args, env
-        self.folders, self.flags = write_configs(args)
+        self.folders, self.flags = self.write_configs(args)
         self.cap = host_cap(args.host_mem_cap_gb, args.host_mem_cap_mechanism)
         if isinstance(self.cap, str):
             raise SystemExit(f"error: {self.cap}")
@@ -223,7 +226,7 @@ class Runner:
         sha, dirty = git_state(ROOT)
         self.ctx = {
             "out": args.out,
-            "grid": "capacity_cpu",
+            "grid": self.GRID,
             "git_sha": sha,
             "git_dirty": dirty,
             "steps": args.steps,
@@ -236,7 +239,7 @@ class Runner:
             "spec": LaunchSpec(),
             "grid_obj": self,
         }
-        self.budget_per_param = args.aidaptiv_state_fraction * state_bytes_per_param()
+        self.budget_per_param = getattr(args, "aidaptiv_state_fraction", 0) * state_bytes_per_param()
 
     def aidaptiv_budget_bytes(self, model: str, gpus: int) -> int:
         """aidaptiv's host budget per rank (what a sweep grid's aidaptiv_state_fraction gives; build_row asks)."""
@@ -250,9 +253,32 @@ class Runner:
     def __call__(self, variant: str, model: str, micro_batch: int, seq_len: int, phase: str, key: str) -> dict:
         backend = "aidaptiv" if variant in AIDAPTIV else variant
         cell = Cell(model, backend, 1, micro_batch, seq_len, 1)
-        spec = LaunchSpec(
-            accelerator="cpu", deepspeed=self.deepspeed, train=train_spec(None), ds_configs=self.folders[variant]
+        return self.run_attempt(
+            cell,
+            variant=variant,
+            ds_configs=self.folders[variant],
+            flags=self.flags[variant],
+            budget=self.budget(variant, model),
+            phase=phase,
+            key=key,
         )
+
+    def run_attempt(
+        self,
+        cell: Cell,
+        *,
+        variant: str,
+        ds_configs: str,
+        flags: list[str],
+        budget,
+        phase: str,
+        key: str,
+        config_for=None,
+    ) -> dict:
+        """Runs ``cell`` capped (the train command with ``flags`` after it; ``budget``: aidaptiv's host budget
+        bytes or None) and returns its row. ``config_for(cell_dir)``: writes a config for this attempt and
+        returns its path (zero_infinity_eqmem), else ds_configs/<backend>.json is used."""
+        spec = LaunchSpec(accelerator="cpu", deepspeed=self.deepspeed, train=train_spec(None), ds_configs=ds_configs)
         cell_dir = os.path.join(self.args.out, "cells", f"{variant}__{cell.id}")
         swap = (
             os.path.join(self.args.swap_root, f"{variant}__{cell.id}.{os.getpid()}")
@@ -265,7 +291,6 @@ class Runner:
         os.makedirs(swap, mode=0o700)
         os.chmod(swap, 0o700)  # model state is private (DESIGN.md); makedirs' mode is masked by the umask
         metrics = os.path.join(cell_dir, "metrics.json")
-        budget = self.budget(variant, model)
         cmd = (
             launch_command(
                 cell,
@@ -276,8 +301,9 @@ class Runner:
                 steps=self.args.steps,
                 warmup=1,
                 host_budget_bytes=budget,
+                config=config_for(cell_dir) if config_for else None,
             )
-            + self.flags[variant]
+            + flags
             + ["--no-progress"]
         )
         cap_gb = self.cap["gb"]
