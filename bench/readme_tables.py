@@ -8,7 +8,7 @@
 Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), the summary.md of
 bench/results/swap_step_time, swap_step_time_small, swap_step_time_1b, malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
-bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
+bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_models/summary.md (bench/capacity_models.py's), bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
 its rows), bench/results/long_sequence, generate_offload and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
 not links. The settings table (docs/USAGE.md) from the block's pydantic model, aidaptiv_ds.config.schema.
@@ -205,7 +205,11 @@ def sweep_section():
 
 
 def capacity_section():
-    return summary_md("capacity_cpu", "python bench/capacity.py")
+    return [
+        *summary_md("capacity_models", "python bench/capacity_models.py"),
+        "",
+        *summary_md("capacity_cpu", "python bench/capacity.py"),
+    ]
 
 
 def gpu_section():
