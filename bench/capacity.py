@@ -373,8 +373,9 @@ def max_seq_text(args):
     return f"{default:,}" + (f" ({'; '.join(rest)})" if rest else "")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def prepare(args) -> dict:
+    """Makes OUT/cells (and --swap-root), removes shared memory leaked by earlier runs, and returns the cells'
+    environment (this checkout first on the path, the build tools of this interpreter first)."""
     args.out = os.path.abspath(args.out)
     os.makedirs(os.path.join(args.out, "cells"), exist_ok=True)
     if args.swap_root:
@@ -383,15 +384,20 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    from aidaptiv_ds import remove_leaked_shared_memory
     from aidaptiv_ds.harness.prebuild import put_build_tools_first
 
     put_build_tools_first(env)
-    runner = Runner(args, env)
-    from aidaptiv_ds import remove_leaked_shared_memory
-
     removed = remove_leaked_shared_memory()
     if removed:
         print(removed, file=sys.stderr)
+    return env
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = prepare(args)
+    runner = Runner(args, env)
     if not args.no_prebuild:
         from aidaptiv_ds.harness.prebuild import prebuild
 
@@ -452,11 +458,16 @@ def main(argv=None) -> int:
         "",
         *C.ratio_lines(found),
     ]
+    return write_summary(args.out, lines, t_start)
+
+
+def write_summary(out: str, lines: list[str], t_start: float) -> int:
+    """OUT/summary.md from ``lines``, also printed; the sweep's time on stderr."""
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "summary.md"), "w") as fh:
+    with open(os.path.join(out, "summary.md"), "w") as fh:
         fh.write(text)
     print(text)
-    print(f"done in {time.monotonic() - t_start:.0f} s; {os.path.join(args.out, 'summary.md')}", file=sys.stderr)
+    print(f"done in {time.monotonic() - t_start:.0f} s; {os.path.join(out, 'summary.md')}", file=sys.stderr)
     return 0
 
 

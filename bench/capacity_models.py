@@ -368,18 +368,10 @@ def summary_lines(results: list[tuple[str, str, str | None, dict | None, list[di
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.out = os.path.abspath(args.out)
-    os.makedirs(os.path.join(args.out, "cells"), exist_ok=True)
-    if args.swap_root:
-        args.swap_root = os.path.abspath(args.swap_root)
-        os.makedirs(args.swap_root, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_extensions"))
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    from aidaptiv_ds.harness.prebuild import prebuild, put_build_tools_first
+    env = seqcap.prepare(args)
+    from aidaptiv_ds.harness.prebuild import prebuild
     from aidaptiv_ds.models.presets import nominal_parameters
 
-    put_build_tools_first(env)
     runner = Runner(args, env)
     if not args.no_prebuild:
         for line in prebuild({eqmem.BASE if v == eqmem.BACKEND else v for v in args.variants}, env):
@@ -410,12 +402,7 @@ def main(argv=None) -> int:
                 continue
             print(f"{mode} {variant}: climbing {', '.join(models)}", file=sys.stderr, flush=True)
             results.append((mode, variant, *climb(models, attempt)))
-    text = "\n".join(summary_lines(results, args, runner)) + "\n"
-    with open(os.path.join(args.out, "summary.md"), "w") as fh:
-        fh.write(text)
-    print(text)
-    print(f"done in {time.monotonic() - t_start:.0f} s; {os.path.join(args.out, 'summary.md')}", file=sys.stderr)
-    return 0
+    return seqcap.write_summary(args.out, summary_lines(results, args, runner), t_start)
 
 
 if __name__ == "__main__":
