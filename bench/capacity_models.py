@@ -39,7 +39,6 @@ the table; bench/readme_tables.py puts it in docs/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil
@@ -121,19 +120,6 @@ def budget_for(model: str, floor: int, seq_len: int) -> int:
             return budget
         budget = max(budget, -(-int(split(budget, 0).minimum * 1.05) // BUDGET_STEP) * BUDGET_STEP)
     return budget
-
-
-def zero_infinity_sized(base_cfg: dict, model: str) -> dict:
-    """zero_infinity.json for ``model`` as DeepSpeed documents it: the parameter swap buffers at least the
-    largest parameter (a smaller buffer_size is refused before training), everything else as shipped."""
-    from aidaptiv_ds.planner.memory import partition_numels
-    from aidaptiv_ds.planner.shapes import resolve_shape
-
-    cfg = copy.deepcopy(base_cfg)
-    op = cfg.setdefault("zero_optimization", {}).setdefault("offload_param", {})
-    largest = max(partition_numels(resolve_shape(model), 1))
-    op["buffer_size"] = max(int(op.get("buffer_size", 0)), largest)
-    return cfg
 
 
 def climb(models: list[str], attempt) -> tuple[str | None, dict | None, list[dict]]:
@@ -257,7 +243,7 @@ class Runner(seqcap.Runner):
             return self._write_config(cell_dir, eqmem.eqmem_config(self._zi_base(), sizing))
 
         def zero_infinity_config(cell_dir):
-            return self._write_config(cell_dir, zero_infinity_sized(self._zi_base(), model))
+            return self._write_config(cell_dir, eqmem.documented_config(self._zi_base(), model))
 
         config_for = {eqmem.BACKEND: eqmem_config, "zero_infinity": zero_infinity_config}.get(variant)
         flags = list(self.flags[variant]) + (["--lora", LORA] if mode == "lora" else [])

@@ -8,6 +8,8 @@ process, a few steps (the first is warm-up, left out of the byte counts). Five s
 - `lora-aidaptiv`: `--lora`, ds_configs/aidaptiv.json (the base streamed read-only, adapters trained)
 - `lora-zero3`: `--lora` (PEFT), stock ZeRO-3 with everything in memory, ds_configs/zero3.json
 - `lora-infinity`: `--lora` (PEFT), stock ZeRO-Infinity (parameters and optimizer on NVMe), ds_configs/zero_infinity.json
+  (on either ZeRO-Infinity side, its parameter buffers sized to the largest parameter where the shipped 20M
+  elements are smaller, as DeepSpeed documents)
 - `full-infinity`: full fine-tuning, ds_configs/zero_infinity.json
 
 Both aidaptiv sides get the same host budget (``--host-budget``). Every figure comes from the run's own metrics
@@ -50,6 +52,10 @@ def run_one(side, args, swap_root, env):
     with open(os.path.join(ROOT, "ds_configs", config_name)) as f:
         cfg = json.load(f)
     cfg["optimizer"]["params"]["lr"] = args.lr
+    if config_name == "zero_infinity.json":  # its buffers sized to the model's largest parameter, as documented
+        from aidaptiv_ds.harness.eqmem import documented_config
+
+        cfg = documented_config(cfg, args.model)
     config = os.path.join(swap, "config.json")
     with open(config, "w") as f:
         json.dump(cfg, f)

@@ -8,7 +8,7 @@
 Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), the summary.md of
 bench/results/swap_step_time, swap_step_time_small, swap_step_time_1b, malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
-bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_models/summary.md (bench/capacity_models.py's), bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
+bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_models/summary.md (bench/capacity_models.py's), bench/results/lora_1b/table.md, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
 its rows), bench/results/long_sequence, generate_offload and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
 not links. The settings table (docs/USAGE.md) from the block's pydantic model, aidaptiv_ds.config.schema.
@@ -209,6 +209,22 @@ def capacity_section():
         *summary_md("capacity_models", "python bench/capacity_models.py"),
         "",
         *summary_md("capacity_cpu", "python bench/capacity.py"),
+    ]
+
+
+def lora_section():
+    """bench/lora_memory.py's table for a base larger than the host budget (its table.md has no title)."""
+    path = os.path.join(ROOT, "bench", "results", "lora_1b", "table.md")
+    if not os.path.exists(path):
+        return ["(no lora_1b rows yet: `python bench/lora_memory.py --model tinyllama-1.1b ...`)"]
+    with open(path) as f:
+        body = f.read().strip().splitlines()
+    return [
+        "**LoRA on a base larger than the host budget** (tinyllama-1.1b's 4.4 GB of fp32 weights, a 1 GiB budget; "
+        "rows in `bench/results/lora_1b/rows.jsonl`). The base is only read: at most once for the forward and once "
+        "for the backward, 8.8 GB a step.",
+        "",
+        *body,
     ]
 
 
@@ -503,6 +519,8 @@ def section():
         *repeats_section(),
         "",
         *capacity_section(),
+        "",
+        *lora_section(),
         "",
         *generate_section(),
         "",

@@ -204,6 +204,17 @@ def size_eqmem(base_cfg: dict, model: str, world: int, budget_bytes: int) -> Eqm
     return best
 
 
+def documented_config(base_cfg: dict, model: str, world: int = 1) -> dict:
+    """``base_cfg`` (zero_infinity.json) for ``model`` as DeepSpeed documents it: the parameter swap buffers at
+    least the largest parameter partition (a smaller buffer_size is refused before training; DeepSpeed itself
+    would assert mid-step), everything else as shipped."""
+    cfg = copy.deepcopy(base_cfg)
+    op = cfg.setdefault("zero_optimization", {}).setdefault("offload_param", {})
+    largest = max(partition_numels(resolve_shape(model), world))
+    op["buffer_size"] = max(int(op.get("buffer_size", 0)), largest)
+    return cfg
+
+
 def eqmem_config(base_cfg: dict, sizing: EqmemSizing) -> dict:
     """``base_cfg`` (zero_infinity.json) with the sized values; everything else as shipped."""
     cfg = copy.deepcopy(base_cfg)

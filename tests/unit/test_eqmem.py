@@ -111,3 +111,17 @@ def test_a_grid_with_eqmem_needs_an_aidaptiv_fraction():
     assert "zero_infinity_eqmem" in str(e.value) and "['tiny']" in str(e.value)
     grid["aidaptiv_state_fraction"] = 0.6
     assert validate_grid(grid).backends == ["aidaptiv", "zero_infinity_eqmem"]
+
+
+def test_documented_config_sizes_the_parameter_buffers_to_the_largest_parameter():
+    from aidaptiv_ds.harness.eqmem import documented_config
+
+    base = BASE
+    shipped = base["zero_optimization"]["offload_param"]["buffer_size"]
+    assert documented_config(base, "tiny") == base  # tiny's largest parameter fits the shipped buffers
+    big = documented_config(base, "tinyllama-1.1b")
+    assert big["zero_optimization"]["offload_param"]["buffer_size"] == 32000 * 2048 > shipped  # the embedding
+    assert documented_config(base, "tinyllama-1.1b", world=2)["zero_optimization"]["offload_param"][
+        "buffer_size"
+    ] == max(shipped, 32000 * 1024)
+    assert base["zero_optimization"]["offload_param"]["buffer_size"] == shipped  # the input is not changed
