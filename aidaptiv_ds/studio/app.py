@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from aidaptiv_ds.studio import compare, data_sets, documents, qa
-from aidaptiv_ds.studio.runs import ACTIVE, Runs, RunSettings, run_plan
+from aidaptiv_ds.studio.runs import ACTIVE, Runs, RunSettings, launch_refusal, run_plan
 from aidaptiv_ds.studio.workspace import StudioError, Workspace, safe_name
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls home from a lab's workstation
@@ -171,7 +171,11 @@ def render_plan(plan: dict, mode: str) -> str:
         if b.get("notes"):
             lines += ["", "Notes: " + "; ".join(b["notes"])]
     if mode == "lora":
-        lines += ["", "The plan counts full fine-tuning of every weight; LoRA trains adapters only and needs less."]
+        lines += [
+            "",
+            "The plan counts full fine-tuning of every weight; LoRA trains adapters only and needs less: the frozen "
+            "base's own bytes on the swap disk, which the train job checks at launch.",
+        ]
     return "\n".join(lines)
 
 
@@ -421,6 +425,11 @@ def build(root: str):
             plan = run_plan(s, ws.runs / ".plans" / s.name)
             fits = plan["backends"].get("aidaptiv", {}).get("fits")
             verdict = "aidaptiv **fits**" if fits else "aidaptiv **does not fit**: see why below"
+            if not fits and s.mode == "lora":
+                verdict = (
+                    "full fine-tuning with aidaptiv **does not fit**; LoRA needs the frozen base only, which the "
+                    "train job checks when launched"
+                )
             return render_plan(plan, s.mode), f"Plan: {verdict}."
 
         plan_btn.click(on_plan, train_inputs, [plan_out, train_msg])
@@ -430,10 +439,10 @@ def build(root: str):
             s = settings_from(ws, dict(zip(keys, values)))
             folder = runs.check_new(s)
             plan = run_plan(s, folder)
-            ours = plan["backends"].get("aidaptiv", {})
-            if not ours.get("fits"):
+            refusal = launch_refusal(plan, s.mode)
+            if refusal:
                 shutil.rmtree(folder, ignore_errors=True)
-                raise StudioError("the plan says aidaptiv cannot fit this job: " + "; ".join(ours.get("problems", [])))
+                raise StudioError(refusal)
             runs.create(s)
             runs.launch(s.name)
             names = runs.names()

@@ -103,6 +103,17 @@ def train_argv(s: RunSettings, run_dir: Path, attempt: int) -> list[str]:
     return argv
 
 
+def launch_refusal(plan: dict, mode: str) -> str | None:
+    """Why the studio will not launch a job of this plan, or None. The plan counts full fine-tuning of every
+    weight, so its verdict decides a full run only; a LoRA run needs the frozen base and the adapters, which
+    the train job's own launch guard checks (its refusal is then the run's error): a 13B LoRA trains under
+    8 GiB on a disk where full fine-tuning of 7B does not fit."""
+    ours = plan["backends"].get("aidaptiv", {})
+    if mode == "full" and not ours.get("fits"):
+        return "the plan says aidaptiv cannot fit this job: " + "; ".join(ours.get("problems", []))
+    return None
+
+
 def run_plan(s: RunSettings, folder: Path, timeout_s: float = 300) -> dict:
     """`aidaptiv-ds plan --json` of the settings; its config is written to folder/config.json."""
     folder.mkdir(parents=True, exist_ok=True)

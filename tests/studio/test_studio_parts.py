@@ -315,3 +315,15 @@ def test_uploads_are_capped_and_land_under_the_root(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_the_plans_full_fine_tuning_verdict_gates_full_runs_only():
+    # `plan` counts full fine-tuning of every weight: llama2-13b's 218 GiB of state is refused on this disk, but
+    # its LoRA (a 48.5 GiB frozen base) trains, and train's own guard checks the base at launch.
+    from aidaptiv_ds.studio.runs import launch_refusal
+
+    no = {"backends": {"aidaptiv": {"fits": False, "problems": ["NVMe space: needs 218.2 GiB per node"]}}}
+    yes = {"backends": {"aidaptiv": {"fits": True, "problems": []}}}
+    assert "cannot fit this job: NVMe space: needs 218.2 GiB" in launch_refusal(no, "full")
+    assert launch_refusal(no, "lora") is None
+    assert launch_refusal(yes, "full") is None and launch_refusal(yes, "lora") is None
