@@ -72,6 +72,7 @@ def launch_problems(
         job.prefetch_depth = settings.prefetch_depth
         job.chunk_numel = settings.optimizer_chunk_numel
         job.cache_optimizer_state = settings.cache_optimizer_state
+        job.heap_returned = settings.malloc_mmap_threshold != 0
         paths = [settings.nvme_path]
     else:
         paths = [b["nvme_path"] for b in dsc.nvme_blocks(cfg) if b.get("nvme_path")]
@@ -91,11 +92,12 @@ def launch_problems(
                 f"{shape.name} ({shape.num_parameters / 1e9:.2f}B parameters, {job.dtype}, {local} rank(s) on this "
                 f"node: {parts}): free space, choose a larger disk, or spread the model over more nodes"
             )
-    # Host memory the model state and pinned buffers alone take (a lower bound: no framework, no activations).
+    # Host memory the model state and pinned buffers alone take (a lower bound: no framework, no activations, and
+    # not aidaptiv's step transient, which is what glibc's heap may keep of freed gradients, not what must be live).
     certain: Dict[str, int] = {
         k: v
         for k, v in {**plan.host_pinned, **plan.host_pageable}.items()
-        if not k.startswith(("framework", "activations", "DeepSpeed buffers"))
+        if not k.startswith(("framework", "activations", "DeepSpeed buffers", "step transient"))
     }
     host = sum(certain.values()) * local
     if host > ram_bytes:

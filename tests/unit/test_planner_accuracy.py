@@ -43,7 +43,17 @@ def test_the_committed_comparison_meets_the_targets(bench, results):
     assert summary["ok_cells"] >= 25 and summary["cells"] >= 30  # both sweeps, every backend
     assert summary["feasibility_right"] >= 0.95, summary["feasibility_misses"]
     assert summary["host_within_15pct"] >= 0.80, summary["host_misses"]
-    assert summary["tokens_within_30pct"] >= 0.80, summary["tokens_misses"]
+    assert summary["tokens_within_30pct"] >= 0.80, summary["tokens_misses"]  # the sweeps' 1-rank cells
+    # With more ranks the model leaves collectives out: what it claims there is a lower bound on step time.
+    assert summary["tokens_cells_more_ranks"] >= 8 and not summary["tokens_faster_than_predicted_more_ranks"]
+
+
+def test_the_plan_holds_host_memory_at_scale(bench, results):
+    """capacity_models' aidaptiv cells, 58M to 3.09B parameters under an 8 GiB cap: the plan counted a step
+    transient per parameter of the model there (28.7 GiB for a 3B run that peaked at 7.2)."""
+    at_scale = [r for r in results if r["sweep"] == "capacity_models" and r["status"] == "ok"]
+    assert {r["key"].split("__")[0] for r in at_scale} >= {"tinyllama-1.1b", "qwen2.5-3b"}
+    assert all(abs(r["host_error"]) <= 0.05 for r in at_scale), {r["key"]: r["host_error"] for r in at_scale}
 
 
 def test_nvme_bytes_per_step_within_20_percent(bench, results):
@@ -55,7 +65,11 @@ def test_nvme_bytes_per_step_within_20_percent(bench, results):
 def test_rows_from_another_machine_are_counted_apart(bench, results):
     rows = bench.load_rows()
     assert bench.rates_cpu("cpu:AMD EPYC 7B13:2:fp32") == "AMD EPYC 7B13"
-    timed = lambda cpu: sum(1 for r, row in zip(results, rows) if "tokens_error" in r and row["machine"]["cpu"] == cpu)
+    timed = lambda cpu: sum(
+        1
+        for r, row in zip(results, rows)
+        if "tokens_error" in r and row["machine"]["cpu"] == cpu and r["sweep"] in bench.SWEEPS
+    )
     cpus = sorted({row["machine"]["cpu"] for row in rows})
     assert len(cpus) == 2 and all(timed(c) > 0 for c in cpus)  # cpu_small on an Intel Xeon, cpu_small_epyc here
     for cpu in cpus:
