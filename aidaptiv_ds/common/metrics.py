@@ -7,6 +7,9 @@ Only measured numbers go in; what this process cannot measure is JSON null, neve
   steps, summed over ranks. These count block-device I/O this process caused (O_DIRECT included, page-cache
   hits excluded; writes are counted when dirtied). Everything the process reads or writes on a block device
   counts, so they are the swap traffic plus anything else (e.g. checkpoints saved inside the window).
+- ``disk_busy``: per swap device, the fraction of the timed steps' wall time it had requests in flight
+  (io_ticks of /sys/class/block/<dev>/stat; the whole device, so other processes' I/O counts too). Near 1
+  the run is bound by the disk; well below it, by compute or by I/O issued too late.
 - ``peak_pinned_mb``, ``phases_s.io_wait``: only from an engine that reports them (``aidaptiv_stats()``);
   such an engine also adds ``phases_s.optimizer_update`` (time applying optimizer updates per step, which
   for fp32 our swapper does inside the next forward) and ``swapper`` (its cumulative counters).
@@ -69,6 +72,31 @@ def proc_io() -> dict | None:
         return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
     except (OSError, KeyError, ValueError):
         return None
+
+
+def disk_busy_ticks(device: str | None) -> tuple[str, float, int] | None:
+    """(device, monotonic seconds now, io_ticks ms) of a block device ("/dev/vda"): io_ticks (the 10th field of
+    /sys/class/block/<dev>/stat) is the time the device had requests in flight, so its growth over a window is
+    how busy the disk was there. None where sysfs does not say (no device, not Linux)."""
+    if not device:
+        return None
+    try:
+        with open(f"/sys/class/block/{os.path.basename(device)}/stat") as f:
+            return device, time.monotonic(), int(f.read().split()[9])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def disk_busy(start: list, end: list) -> list[dict] | None:
+    """Per device, the fraction of the window between two :func:`disk_busy_ticks` readings of the same paths
+    that the device had requests in flight (one entry per distinct device)."""
+    out, seen = [], set()
+    for a, b in zip(start, end):
+        if not a or not b or a[0] != b[0] or a[0] in seen or b[1] <= a[1]:
+            continue
+        seen.add(a[0])
+        out.append({"device": a[0], "fraction": round(min(1.0, (b[2] - a[2]) / 1000 / (b[1] - a[1])), 4)})
+    return out or None
 
 
 def median(values):
@@ -205,6 +233,7 @@ def one_line(m: dict) -> str:
         f"peak_rss_mb={f(m.get('peak_rss_mb'), '.0f')} nvme_r/w_mb="
         f"{f(None if m.get('nvme_read_bytes') is None else m['nvme_read_bytes'] / 2**20, '.1f')}/"
         f"{f(None if m.get('nvme_write_bytes') is None else m['nvme_write_bytes'] / 2**20, '.1f')}"
+        + "".join(f" disk_busy={os.path.basename(d['device'])}:{d['fraction']:.0%}" for d in m.get("disk_busy") or [])
     )
 
 

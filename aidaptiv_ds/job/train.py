@@ -723,9 +723,14 @@ class Run:
         io_excluded = {"read_bytes": 0, "write_bytes": 0}
         engine.train()
         monitor = self.monitor()
+        from aidaptiv_ds.engine.disk import block_device
+
+        swap_devices = [block_device(p)["device"] for p in self.info.get("nvme_paths") or [] if os.path.isdir(p)]
+        busy_start = []
         for i, step in enumerate(range(start, steps)):
             if i == warmup:
                 io_start = M.proc_io()
+                busy_start = [M.disk_busy_ticks(d) for d in swap_devices]
             step_io = M.proc_io() if monitor else None
             self.lrs.append(self.current_lr())  # what this step's update uses
             timer.start_step()
@@ -771,6 +776,7 @@ class Run:
                 bar.update(1)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step / step_s:.0f}")
         io_end = M.proc_io()
+        busy = M.disk_busy(busy_start, [M.disk_busy_ticks(d) for d in swap_devices]) if busy_start else None
         if bar is not None:
             bar.close()
         if a.save_dir and steps_to_run > 0:
@@ -824,6 +830,7 @@ class Run:
                 "eval_losses": self.eval_losses or None,
                 "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
                 "nvme_bytes_steps": (steps_to_run - warmup) if io_start else None,
+                "disk_busy": busy,
             },
         )
 

@@ -1,6 +1,8 @@
 import json
 import math
 
+import pytest
+
 from aidaptiv_ds.common import metrics as M
 
 
@@ -102,6 +104,27 @@ def test_one_line():
         }
     )
     assert "\n" not in line and "tokens/s=12.5" in line and "loss=2.0000->1.0000" in line and "1.0/null" in line
+
+
+def test_disk_busy_is_the_share_of_the_window_with_requests_in_flight(tmp_path):
+    start = [("/dev/vda", 100.0, 5_000), ("/dev/vda", 100.0, 5_000), ("/dev/nvme0n1", 100.0, 0), None]
+    end = [("/dev/vda", 110.0, 12_000), ("/dev/vda", 110.0, 12_000), ("/dev/nvme0n1", 110.0, 20_000), None]
+    # one entry per device (two swap folders on one disk count once); never above 1 (io_ticks rounds up)
+    assert M.disk_busy(start, end) == [
+        {"device": "/dev/vda", "fraction": 0.7},
+        {"device": "/dev/nvme0n1", "fraction": 1.0},
+    ]
+    assert M.disk_busy([None], [None]) is None
+    assert M.disk_busy_ticks(None) is None and M.disk_busy_ticks("/dev/no-such-disk") is None
+    from aidaptiv_ds.engine.disk import block_device
+
+    device = block_device(str(tmp_path))["device"]
+    if device is None:
+        pytest.skip("this filesystem has no block device in sysfs")
+    a = M.disk_busy_ticks(device)
+    assert a is not None and a[0] == device and a[2] >= 0
+    line = M.one_line({"status": "ok", "phases_s": {}, "disk_busy": [{"device": "/dev/vda", "fraction": 0.7}]})
+    assert line.endswith(" disk_busy=vda:70%")
 
 
 def test_swapper_update_share_and_counters_are_reported():
