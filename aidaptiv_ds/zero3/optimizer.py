@@ -135,6 +135,14 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._create_next_swappable_fp32_groups()
         self.initialize_optimizer_states()
         dist.barrier()
+        if self.contiguous_gradients and self._gradients_need_no_bucket():
+            # DeepSpeed copies each gradient into the bucket's flat buffer so that one collective can reduce the
+            # bucket; on one rank on the CPU there is nothing to reduce, and __avg_scatter_grads (below) hands the
+            # gradients over as they are, so the buffer only held a copy of every gradient. Without it ZeRO-3
+            # keeps the bucket's gradients as autograd made them until the bucket is partitioned (the elements
+            # the buffer held). tinyllama-1.1b, 2.75 GB budget, 2 interleaved pairs: peak RSS 3940 MiB against
+            # 4020 (the buffer), backward 10.20 and 8.86 s against 8.49 and 9.24 (no change beyond the noise).
+            self.contiguous_gradients = False
         if self.contiguous_gradients:
             for dtype, bucket in self.ipg_buckets.items():
                 bucket.buffer = torch.empty(
@@ -146,6 +154,10 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             compat.STAGE3_GRAD_PARTITIONS,
             GradientPartitions(self.optimizer_swapper.gradients, self._aidaptiv_positions),
         )
+
+    def _gradients_need_no_bucket(self) -> bool:
+        """One rank reduces nothing, and on the CPU the gradients are host memory already."""
+        return get_accelerator().device_name() == "cpu" and dist.get_world_size(group=self.dp_process_group) == 1
 
     def initialize_optimizer_states(self):
         if self._aidaptiv is None:

@@ -62,3 +62,66 @@ def test_one_rank_gradients_are_handed_over_unchanged(tmp_path):
         timeout=300,
     )
     assert r.returncode == 0 and r.stdout.strip().endswith("same"), r.stderr[-3000:]
+
+
+# One rank on the CPU: ZeRO-3's contiguous reduce bucket is turned off (no copy of every gradient), and the
+# losses are exactly those of a run that keeps it.
+NO_BUCKET = r"""
+import json, sys
+import torch, deepspeed
+import aidaptiv_ds
+from transformers import LlamaConfig, LlamaForCausalLM
+from aidaptiv_ds.zero3.optimizer import AidaptivZeroOptimizer
+
+cfg = json.load(open(sys.argv[1]))
+deepspeed.init_distributed("gloo")
+g = torch.Generator().manual_seed(1)
+BATCHES = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(3)]
+
+
+def run():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, vocab_size=256))
+    engine = aidaptiv_ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    losses = []
+    for b in BATCHES:
+        loss = engine(input_ids=b, labels=b).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    opt = engine.optimizer
+    buffers = [getattr(bucket, "buffer", None) is not None for bucket in opt.ipg_buckets.values()]
+    return {"losses": losses, "contiguous": opt.contiguous_gradients, "buffers": buffers}
+
+
+without = run()
+AidaptivZeroOptimizer._gradients_need_no_bucket = lambda self: False  # DeepSpeed's own behaviour
+kept = run()
+print("RESULT " + json.dumps({"without": without, "kept": kept}))
+"""
+
+
+def test_one_rank_on_cpu_needs_no_contiguous_bucket(tmp_path):
+    import json
+
+    from helpers import _free_port, aidaptiv_config
+
+    script = tmp_path / "no_bucket.py"
+    script.write_text(NO_BUCKET)
+    config = aidaptiv_config(tmp_path, "aidaptiv", host_memory_budget="40MiB", layer_group_size=1)
+    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    p = subprocess.run(
+        [sys.executable, str(script), config],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-4000:]
+    r = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
+    assert r["without"]["contiguous"] is False and not any(r["without"]["buffers"])
+    assert r["kept"]["contiguous"] is True and all(r["kept"]["buffers"])
+    assert r["without"]["losses"] == r["kept"]["losses"]  # the same gradients, bit for bit
