@@ -6,7 +6,7 @@
     python bench/readme_tables.py --print    # prints both sections instead
 
 Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), the summary.md of
-bench/results/swap_step_time, swap_step_time_small, swap_step_time_1b, malloc_threshold and malloc_threshold_small (each written from its
+bench/results/swap_step_time, swap_step_time_small, swap_step_time_1b, swap_step_time_3b(_eighth), malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
 bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_models/summary.md (bench/capacity_models.py's), bench/results/lora_1b/table.md, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
 its rows), bench/results/long_sequence, generate_offload and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
@@ -122,6 +122,18 @@ def step_time_section():
             "python bench/swap_step_time.py --model tinyllama-1.1b --seq-len 128 --micro-batch 1 "
             "--budget-fraction 0.125 --backends zero_infinity_eqmem,aidaptiv --repeats 2 --steps 3 --warmup 1 "
             "--out bench/results/swap_step_time_1b",
+        ),
+        "",
+        *summary_md(
+            "swap_step_time_3b",
+            "python bench/swap_step_time.py --model qwen2.5-3b --backends aidaptiv --budget-fraction 0.0696 "
+            "--seq-len 128 --micro-batch 1 --steps 5 --warmup 2 --repeats 2 --out bench/results/swap_step_time_3b",
+        ),
+        "",
+        *summary_md(
+            "swap_step_time_3b_eighth",
+            "python bench/swap_step_time.py --model qwen2.5-3b --backends aidaptiv --budget-fraction 0.125 "
+            "--seq-len 128 --micro-batch 1 --steps 5 --warmup 2 --repeats 1 --out bench/results/swap_step_time_3b_eighth",
         ),
         "",
         *summary_md("malloc_threshold", "python bench/malloc_threshold.py"),
