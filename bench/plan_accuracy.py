@@ -46,20 +46,22 @@ MISS_CAUSES = (
     "out; cpu_small_aidaptiv_heap re-ran them: 750-933 MiB where they had peaked at 1322-1515), and its 1-rank "
     "cells up to qwen2.5-3b are within 3%. With 2 ranks every gathered parameter is a new whole tensor "
     "(the all-gather output), all of the model at once at the end of the forward under ZeRO-3, the "
-    "current and prefetched layer groups under aidaptiv; the plan counts them per rank. Tokens/s: the 1-rank "
-    "cells the NVMe bounds (zero_infinity, aidaptiv) are within 5% on the rates' machine; the cells the CPU bounds "
+    "current and prefetched layer groups under aidaptiv; the plan counts them per rank. Tokens/s: of the 1-rank "
+    "cells the NVMe bounds on the rates' machine, zero_infinity's are within 2%, aidaptiv's re-run ones 0 to 30% "
+    "faster than predicted (measured a day after the rates, on a disk whose speed varies by day); the cells the CPU bounds "
     "needed ZeRO-3's own work per step (gathering and releasing every parameter, partitioning gradients: the "
     "zero3_cpu rate, from a ZeRO-3 step of the tiny preset less its compute and Adam), without which "
     "they ran 1.3-3x slower than predicted. What is left: CPU-offload's DeepSpeed CPU Adam is faster than the "
-    "foreach AdamW the Adam probe times, so its 1-rank cells on the Xeon ran up to 33% faster; 2-rank aidaptiv "
-    "cells run 37-62% slower than predicted (gloo collectives between 2 ranks on 2 cores are not modelled, nor the "
+    "foreach AdamW the Adam probe times, so its 1-rank cells on the Xeon ran up to 33% faster; the plan gives 2-rank "
+    "aidaptiv cells 61-63% more tokens/s than they made (gloo collectives between 2 ranks on 2 cores are not modelled, nor the "
     "page faults of the fixed mmap threshold: the 2 x 4 x 64 cell took 3.42 and 3.74 s a step as shipped against "
     "3.02 and 2.59 s with glibc's dynamic threshold, interleaved, for 841 against 1492-1510 MiB of peak RSS); "
     "ZeRO-3's work is taken as independent of the tokens, which holds within about 25% from 128 to 256 tokens. "
-    "At scale (capacity_models) all four ran 30-42% faster than predicted: those cells time their second step "
-    "only, which applies the first update, whose moments are zeros and are not read (tinyllama-1.1b and "
-    "qwen2.5-3b read 10.8 and 11.8 B a parameter there, a steady step 20), and the rates here put the disk at "
-    "1.2/1.44 GB/s where it measured 1.9-2.4 GB/s the day those rows ran."
+    "At scale (capacity_models) all four ran 30-42% faster than predicted. tinyllama-1.1b's and qwen2.5-3b's "
+    "steps are bound by the NVMe: those cells time their second step only, which applies the first update, whose "
+    "moments are zeros and are not read (they read 10.8 and 11.8 B a parameter there, a steady step 20), and the "
+    "rates here put the disk at 1.2/1.44 GB/s where it measured 1.9-2.4 GB/s the day those rows ran. tiny's and "
+    "small's (0 and 1.2 GB read a step) are bound by the CPU; why they beat the CPU term was not looked into."
 )
 
 
@@ -173,10 +175,11 @@ def mark_machines(results: list, rows: list, cpu: str) -> None:
 
 
 def summarize(results: list) -> dict:
-    """The targets' fractions. Tokens/s: the model leaves collectives between ranks out (predict.py), so its
-    target is counted over the sweeps' 1-rank cells, and the cells with more ranks are held to what the model
-    claims for them, a lower bound on step time: none may run more than 30% faster than predicted. The at-scale
-    rows (EXTRA) are listed apart: they were not measured beside the rates, on a disk whose speed varies by day."""
+    """The targets' fractions. Tokens/s: the model leaves collectives between ranks out (predict.py), so such
+    cells may run slower than predicted; its target is counted over the sweeps' 1-rank cells, and the cells with
+    more ranks are held to the tolerance on the other side only (none more than 30% faster than predicted). The
+    at-scale rows (EXTRA) are listed apart: they were not measured beside the rates, on a disk whose speed
+    varies by day."""
     ok = [r for r in results if r["status"] == "ok"]
     host = [r for r in ok if "host_error" in r]
     tokens = [r for r in ok if "tokens_error" in r]
@@ -211,7 +214,7 @@ def summarize(results: list) -> dict:
             r["key"]: round(r["tokens_error"], 3) for r in swept if abs(r["tokens_error"]) > TOKENS_TOLERANCE
         },
         "nvme_bytes_error": {
-            r["key"]: {
+            f"{r.get('sweep')}/{r['key']}": {
                 k: round(r["nvme_per_step_predicted"][k] / r["nvme_per_step_measured"][k] - 1, 3)
                 for k in ("read", "write")
             }
@@ -252,8 +255,8 @@ def markdown(summary: dict, results: list, rates: Rates, conditions: dict) -> st
         f"ok sweep cells {pct(summary['tokens_within_30pct_all_swept'])} (rows taken on the rates' machine: "
         f"{pct(summary['tokens_within_30pct_same_machine'])} of {summary['tokens_cells_same_machine']}, on another "
         f"machine: {pct(summary['tokens_within_30pct_other_machine'])} of {summary['tokens_cells_other_machine']}); "
-        f"of the {summary['tokens_cells_more_ranks']} with more ranks, where collectives are not modelled and the "
-        f"prediction is a lower bound on step time, {pct(summary['tokens_within_30pct_more_ranks'])}, and more than 30% "
+        f"of the {summary['tokens_cells_more_ranks']} with more ranks, where collectives are not modelled (such a "
+        f"cell may run slower than predicted), {pct(summary['tokens_within_30pct_more_ranks'])}, and more than 30% "
         "faster than predicted: "
         + (", ".join(f"{k} {v:+.0%}" for k, v in summary["tokens_faster_than_predicted_more_ranks"].items()) or "none"),
         "- tokens/s at scale (capacity_models' aidaptiv cells, 58M-3.09B parameters, measured on 2026-11-27, not "

@@ -106,6 +106,11 @@ def main():
         default=os.path.join(ROOT, "bench", "results", "swap_step_time"),
         help="folder for rows.jsonl and summary.md (bench/results/swap_step_time)",
     )
+    p.add_argument(
+        "--summary-only",
+        action="store_true",
+        help="write OUT/summary.md again from OUT/rows.jsonl and OUT/bound.json (give the run's arguments)",
+    )
     args = p.parse_args()
     bad = [b for b in args.backends.split(",") if b not in BACKENDS]
     if bad:
@@ -115,6 +120,8 @@ def main():
 
     params = count_parameters(preset_config(args.model))
     args.budget_bytes = int(params * STATE_BYTES_PER_PARAM * args.budget_fraction)
+    if args.summary_only:
+        return summary_only(args)
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     print(summary(machine), file=sys.stderr)
     print(
@@ -160,16 +167,51 @@ def main():
             eqmem=sizing.as_row() if b == eqmem.BACKEND else None,
         ),
     )
-    disk_after = measure_disk(args, env)
-    for k in ("read_gbps", "write_gbps"):  # the bound's denominator: the disk before and after the runs
-        if disk.get(k) and disk_after.get(k):
-            disk[k + "_runs"] = [disk[k], disk_after[k]]
-            disk[k] = (disk[k] + disk_after[k]) / 2
-    compute_estimate = None if "zero3" in backends else estimated_compute(args)
-    text = summarize(rows, args, params, machine, sha, disk, sizing, compute_estimate)
+    ok_zero3 = any(r["backend"] == "zero3" and (r.get("metrics") or {}).get("status") == "ok" for r in rows)
+    bound = {
+        "disk_before": disk,
+        "disk_after": measure_disk(args, env),
+        # where in-memory ZeRO-3 did not run (or ran out of memory) the compute term is estimated
+        "compute_estimate": None if ok_zero3 else dict(zip(("seconds", "how"), estimated_compute(args))),
+    }
+    with open(os.path.join(args.out, BOUND_FILE), "w") as f:
+        json.dump(bound, f, indent=1)
+    write_summary(rows, args, params, machine, sha, sizing, bound)
+
+
+BOUND_FILE = "bound.json"  # what the bound was made of, beside rows.jsonl: the disk before and after, the estimate
+
+
+def bound_disk(bound: dict) -> dict:
+    """The bound's denominator: the mean of the disk measured before and after the runs, with both kept."""
+    before, after = bound.get("disk_before") or {}, bound.get("disk_after") or {}
+    disk = dict(before)
+    for k in ("read_gbps", "write_gbps"):
+        if before.get(k) and after.get(k):
+            disk[k + "_runs"] = [before[k], after[k]]
+            disk[k] = (before[k] + after[k]) / 2
+    return disk
+
+
+def write_summary(rows, args, params, machine, sha, sizing, bound):
+    estimate = bound.get("compute_estimate")
+    estimate = (estimate["seconds"], estimate["how"]) if estimate else None
+    text = summarize(rows, args, params, machine, sha, bound_disk(bound), sizing, estimate)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
     print(text)
+
+
+def summary_only(args):
+    """summary.md again from OUT/rows.jsonl and OUT/bound.json, with the run's arguments (no run)."""
+    with open(os.path.join(args.out, "rows.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    with open(os.path.join(args.out, BOUND_FILE)) as f:
+        bound = json.load(f)
+    first = rows[0]
+    args.budget_bytes = first.get("budget_bytes") or args.budget_bytes
+    sizing = eqmem_sizing(ROOT, args.model, args.budget_bytes)[1] if eqmem.BACKEND in args.backends.split(",") else None
+    write_summary(rows, args, first["params"], first["machine"], first["git_sha"], sizing, bound)
 
 
 def measure_disk(args, env):
@@ -222,6 +264,20 @@ def estimated_compute(args):
     return seconds, how
 
 
+def overlap_note(step_bytes, step_s, busy, disk) -> str:
+    """Where the disk moved the step's bytes faster while busy than it reads or writes alone, reads and writes
+    overlapped on it, and the one-after-the-other NVMe time is not a floor."""
+    if not busy or not step_s:
+        return ""
+    rate = step_bytes / (busy * step_s) / 1e9
+    if rate <= max(disk["read_gbps"], disk["write_gbps"]):
+        return ""
+    return (
+        f" While busy the disk moved the step's bytes at {rate:.2f} GB/s, more than it reads or writes alone: reads "
+        "and writes overlap on it, so the one-after-the-other NVMe time is the bound asked for, not a floor."
+    )
+
+
 def figures(rows, key):
     """{(backend, repeat): the run's metric} of the runs that went ok."""
     out = {}
@@ -244,7 +300,7 @@ def summarize(rows, args, params, machine, sha, disk, sizing=None, compute_estim
                 vals.append(v)
         return statistics.median(vals) if vals else None
 
-    def busy(b):
+    def busy_fraction(b):
         """Median over runs of the swap disk's busy share of the timed steps (the train job's disk_busy)."""
         vals = [
             ((r.get("metrics") or {}).get("disk_busy") or [{}])[0].get("fraction")
@@ -252,7 +308,11 @@ def summarize(rows, args, params, machine, sha, disk, sizing=None, compute_estim
             if r["backend"] == b and (r.get("metrics") or {}).get("status") == "ok"
         ]
         vals = [v for v in vals if v is not None]
-        return f"{statistics.median(vals):.0%}" if vals else "-"
+        return statistics.median(vals) if vals else None
+
+    def busy(b):
+        f = busy_fraction(b)
+        return "-" if f is None else f"{f:.0%}"
 
     def fmt(v, scale=1.0, digits=3):
         return "-" if v is None else f"{v * scale:.{digits}f}"
@@ -350,7 +410,8 @@ def summarize(rows, args, params, machine, sha, disk, sizing=None, compute_estim
             f"GB/s write{measured}; reads and writes one after the other): {io:.3f} s. Bound "
             f"{max(compute, io):.3f} s; measured {a:.3f} s (**{a / max(compute, io):.2f}x** the bound); the rest "
             "is I/O that did not overlap compute (the I/O wait column) and compute the disk did not overlap (the "
-            "disk busy column: the share of the timed steps the swap disk had requests in flight).",
+            "disk busy column: the share of the timed steps the swap disk had requests in flight)."
+            + overlap_note(rd / steps_timed + wr / steps_timed, a, busy_fraction("aidaptiv"), disk),
             "With fp32 models aidaptiv applies each update when the next forward fetches the parameters "
             '("of which updates"): its forward includes the optimizer\'s work, and its optimizer column '
             "is only what engine.step() takes.",

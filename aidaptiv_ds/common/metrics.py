@@ -8,7 +8,8 @@ Only measured numbers go in; what this process cannot measure is JSON null, neve
   hits excluded; writes are counted when dirtied). Everything the process reads or writes on a block device
   counts, so they are the swap traffic plus anything else (e.g. checkpoints saved inside the window).
 - ``disk_busy``: per swap device, the fraction of the timed steps' wall time it had requests in flight
-  (io_ticks of /sys/class/block/<dev>/stat; the whole device, so other processes' I/O counts too). Near 1
+  (io_ticks of /sys/class/block/<dev>/stat; evaluations and checkpoint saves inside the window are taken
+  out; the whole device, so other processes' I/O counts too). Near 1
   the run is bound by the disk; well below it, by compute or by I/O issued too late.
 - ``peak_pinned_mb``, ``phases_s.io_wait``: only from an engine that reports them (``aidaptiv_stats()``);
   such an engine also adds ``phases_s.optimizer_update`` (time applying optimizer updates per step, which
@@ -87,15 +88,25 @@ def disk_busy_ticks(device: str | None) -> tuple[str, float, int] | None:
         return None
 
 
-def disk_busy(start: list, end: list) -> list[dict] | None:
-    """Per device, the fraction of the window between two :func:`disk_busy_ticks` readings of the same paths
-    that the device had requests in flight (one entry per distinct device)."""
+def disk_busy(start: list, end: list, excluded: list = ()) -> list[dict] | None:
+    """Per device, the fraction of the window between two :func:`disk_busy_ticks` readings of the same devices
+    that the device had requests in flight (one entry per distinct device). ``excluded``: (start, end) reading
+    pairs of spans inside the window that are not the steps (evaluations, checkpoint saves), whose time and
+    busy time are taken out of both."""
     out, seen = [], set()
-    for a, b in zip(start, end):
-        if not a or not b or a[0] != b[0] or a[0] in seen or b[1] <= a[1]:
+    for i, (a, b) in enumerate(zip(start, end)):
+        if not a or not b or a[0] != b[0] or a[0] in seen:
+            continue
+        seconds, busy_ms = b[1] - a[1], b[2] - a[2]
+        for before, after in excluded:
+            x, y = before[i] if i < len(before) else None, after[i] if i < len(after) else None
+            if x and y and x[0] == a[0]:
+                seconds -= y[1] - x[1]
+                busy_ms -= y[2] - x[2]
+        if seconds <= 0:
             continue
         seen.add(a[0])
-        out.append({"device": a[0], "fraction": round(min(1.0, (b[2] - a[2]) / 1000 / (b[1] - a[1])), 4)})
+        out.append({"device": a[0], "fraction": round(max(0.0, min(1.0, busy_ms / 1000 / seconds)), 4)})
     return out or None
 
 

@@ -72,7 +72,6 @@ def launch_problems(
         job.prefetch_depth = settings.prefetch_depth
         job.chunk_numel = settings.optimizer_chunk_numel
         job.cache_optimizer_state = settings.cache_optimizer_state
-        job.heap_returned = settings.malloc_mmap_threshold != 0
         paths = [settings.nvme_path]
     else:
         paths = [b["nvme_path"] for b in dsc.nvme_blocks(cfg) if b.get("nvme_path")]

@@ -157,7 +157,11 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _gradients_need_no_bucket(self) -> bool:
         """One rank reduces nothing, and on the CPU the gradients are host memory already."""
-        return get_accelerator().device_name() == "cpu" and dist.get_world_size(group=self.dp_process_group) == 1
+        return (
+            get_accelerator().device_name() == "cpu"
+            and dist.get_world_size(group=self.dp_process_group) == 1
+            and not getattr(self, "zenflow", False)  # zenflow transposes gradients in that copy
+        )
 
     def initialize_optimizer_states(self):
         if self._aidaptiv is None:

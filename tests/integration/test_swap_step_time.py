@@ -24,6 +24,9 @@ def test_aidaptiv_alone_is_held_to_an_estimated_bound(tmp_path):
     assert metrics["status"] == "ok" and metrics["nvme_read_bytes"] > 0
     busy = metrics["disk_busy"]
     assert busy is None or (len(busy) == 1 and 0 <= busy[0]["fraction"] <= 1)  # None: no block device in sysfs
+    bound = json.loads((out / "bound.json").read_text())  # what the bound was made of, kept beside the rows
+    assert bound["disk_before"]["read_gbps"] > 0 and bound["disk_after"]["write_gbps"] > 0
+    assert bound["compute_estimate"]["seconds"] > 0
     text = (out / "summary.md").read_text()
     assert "estimated (" in text and "measured in this run; in-memory ZeRO-3 cannot hold" in text
     assert "before and after the runs" in text and "x** the bound" in text

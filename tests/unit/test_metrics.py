@@ -115,6 +115,9 @@ def test_disk_busy_is_the_share_of_the_window_with_requests_in_flight(tmp_path):
         {"device": "/dev/nvme0n1", "fraction": 1.0},
     ]
     assert M.disk_busy([None], [None]) is None
+    # an evaluation of 4 s inside the window, the disk busy 3.5 s of it: the steps had 6 s, busy 3.5 s
+    evals = [([("/dev/vda", 102.0, 6_000)], [("/dev/vda", 106.0, 9_500)])]
+    assert M.disk_busy(start[:1], end[:1], evals) == [{"device": "/dev/vda", "fraction": round(3.5 / 6, 4)}]
     assert M.disk_busy_ticks(None) is None and M.disk_busy_ticks("/dev/no-such-disk") is None
     from aidaptiv_ds.engine.disk import block_device
 

@@ -1,7 +1,7 @@
 """The planner against every committed sweep row (bench/plan_accuracy.py): the committed comparison is what the
 code gives with the committed rates, it meets the issue's targets (feasibility right in >= 95% of cells, peak
-host memory within 15% and tokens/s within 30% in >= 80% of ok cells), and NVMe bytes per step are predicted
-within 20%. A change to the planner's model that loses accuracy on the committed rows fails here; new rows or
+host memory within 15% in >= 80% of ok cells, tokens/s within 30% in >= 80% of the sweeps' ok 1-rank cells), and
+NVMe bytes per step are predicted within 20% where the timed steps are steady. A change to the planner's model that loses accuracy on the committed rows fails here; new rows or
 rates are committed together with a re-run of bench/plan_accuracy.py."""
 
 import importlib.util
@@ -40,11 +40,11 @@ def test_committed_comparison_is_what_the_planner_gives(results):
 
 def test_the_committed_comparison_meets_the_targets(bench, results):
     summary = bench.summarize(results)
-    assert summary["ok_cells"] >= 25 and summary["cells"] >= 30  # both sweeps, every backend
+    assert summary["ok_cells"] >= 25 and summary["cells"] >= 30  # every sweep and backend
     assert summary["feasibility_right"] >= 0.95, summary["feasibility_misses"]
     assert summary["host_within_15pct"] >= 0.80, summary["host_misses"]
     assert summary["tokens_within_30pct"] >= 0.80, summary["tokens_misses"]  # the sweeps' 1-rank cells
-    # With more ranks the model leaves collectives out: what it claims there is a lower bound on step time.
+    # With more ranks the model leaves collectives out: those cells may run slower, never much faster.
     assert summary["tokens_cells_more_ranks"] >= 8 and not summary["tokens_faster_than_predicted_more_ranks"]
 
 
