@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -25,16 +26,23 @@ def _error(e: Exception) -> str:
 
 
 def _guarded(fn):
-    """Handlers return their outputs; on a StudioError the message goes to the last output (the tab's message
-    line) and every other output is left as it was."""
+    """Handlers return their outputs; on an error the message goes to the last output (the tab's message line)
+    and every other output is left as it was. A StudioError is the user's to fix and shows as it is; anything
+    else (a half-written file, an empty number field, a child that timed out) shows with its type, and its
+    traceback goes to the studio's log."""
 
     @functools.wraps(fn)
     def wrapper(*args):
         try:
             return fn(*args)
-        except StudioError as e:
+        except Exception as e:
             import gradio as gr
 
+            if not isinstance(e, StudioError):
+                import traceback
+
+                traceback.print_exc()
+                e = StudioError(f"{type(e).__name__}: {e}")
             n = getattr(wrapper, "n_outputs", 1)
             return tuple([gr.update()] * (n - 1) + [_error(e)]) if n > 1 else _error(e)
 
@@ -437,13 +445,13 @@ def build(root: str):
         @_outputs(4)
         def on_launch(*values):
             s = settings_from(ws, dict(zip(keys, values)))
-            folder = runs.check_new(s)
-            plan = run_plan(s, folder)
+            runs.check_new(s)
+            planned = ws.runs / ".plans" / s.name  # never in runs/NAME before the name is claimed
+            plan = run_plan(s, planned)
             refusal = launch_refusal(plan, s.mode)
             if refusal:
-                shutil.rmtree(folder, ignore_errors=True)
                 raise StudioError(refusal)
-            runs.create(s)
+            runs.create(s, planned)
             runs.launch(s.name)
             names = runs.names()
             return (
@@ -457,7 +465,11 @@ def build(root: str):
 
         # -------- Runs handlers
         def refresh(name):
-            return (runs_table(runs),) + run_view(runs, name)
+            try:
+                return (runs_table(runs),) + run_view(runs, name)
+            except Exception as e:  # a file caught mid-write: the next tick reads it whole
+                print(f"aidaptiv-ds studio: refresh skipped: {type(e).__name__}: {e}", file=sys.stderr)
+                return tuple(gr.update() for _ in view_outputs)
 
         view_outputs = [runs_df, run_status, loss_plot, speed_plot, nvme_plot, mem_plot, log]
         timer.tick(refresh, [run_pick], view_outputs)

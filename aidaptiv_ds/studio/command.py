@@ -54,7 +54,22 @@ def password_for(args) -> str | None:
 
 
 def run(args) -> int:
-    password = password_for(args)
+    try:
+        password = password_for(args)
+    except OSError as e:
+        print(f"aidaptiv-ds studio: cannot read --password-file {args.password_file}: {e.strerror}", file=sys.stderr)
+        return 1
+    root = os.path.abspath(args.root)
+    try:
+        os.makedirs(root, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        print(
+            f"aidaptiv-ds studio: cannot use --root {root}: {e.strerror}; choose a folder this user can write",
+            file=sys.stderr,
+        )
+        return 1
     if not is_loopback(args.host) and not password:
         print(
             f"aidaptiv-ds studio: refusing to listen on {args.host} without a password: whoever reaches the page "
@@ -70,7 +85,6 @@ def run(args) -> int:
 
     page = build(args.root)
     running = active_runs(args.root)
-    root = os.path.abspath(args.root)
     print(f"aidaptiv-ds studio: root {root}" + (f"; re-attached to running: {', '.join(running)}" if running else ""))
     auth = None
     if password:
@@ -88,6 +102,7 @@ def run(args) -> int:
         max_file_size=args.max_upload,
         allowed_paths=[root],
         ssr_mode=False,
+        share=False,  # never a public link (Gradio makes one by itself in notebooks, or with GRADIO_SHARE)
         show_error=True,
         quiet=False,
     )

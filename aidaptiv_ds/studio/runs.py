@@ -24,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +145,10 @@ def _alive(pid: int | None, started: float | None) -> bool:
 class Runs:
     """The runs under a workspace: launch, stop, resume, read back."""
 
+    # Gradio runs handlers in threads: a double click or a second tab must not start one run twice, nor claim
+    # one name twice.
+    _lock = threading.Lock()
+
     def __init__(self, ws: Workspace):
         self.ws = ws
 
@@ -163,8 +169,13 @@ class Runs:
             return {"state": "new"}
         st = json.loads(path.read_text())
         if st.get("state") in ACTIVE and not _alive(st.get("supervisor_pid"), st.get("supervisor_started")):
-            st["state"] = "lost"
-            st["message"] = "its supervisor is gone (the machine or the studio's process group was stopped): resume it"
+            if _alive(st.get("train_pid"), st.get("train_started")):
+                # The training process has its own session and outlives a killed supervisor: still running,
+                # and Stop interrupts it directly.
+                st["message"] = "its supervisor is gone but the training goes on: Stop interrupts it"
+            else:
+                st["state"] = "lost"
+                st["message"] = "its supervisor and its training process are gone (the machine was stopped?): resume it"
         return st
 
     def busy_swap(self, nvme_path: str, except_run: str | None = None) -> str | None:
@@ -197,15 +208,24 @@ class Runs:
                 "wait for it, stop it, or give this run another swap folder"
             )
 
-    def create(self, s: RunSettings) -> Path:
-        folder = self.check_new(s)
-        s.name = folder.name
-        folder.mkdir(parents=True, exist_ok=True)  # plan.json and config.json may be there already
-        write_text_atomically(str(folder / "settings.json"), json.dumps(dataclasses.asdict(s), indent=1))
-        return folder
+    def create(self, s: RunSettings, planned: Path | None = None) -> Path:
+        """The run's folder with its settings (and, from ``planned``, the plan's plan.json and config.json)."""
+        with self._lock:
+            folder = self.check_new(s)
+            s.name = folder.name
+            folder.mkdir(parents=True, exist_ok=True)
+            for name in ("plan.json", "config.json") if planned else ():
+                if (planned / name).exists():
+                    write_text_atomically(str(folder / name), (planned / name).read_text())
+            write_text_atomically(str(folder / "settings.json"), json.dumps(dataclasses.asdict(s), indent=1))
+            return folder
 
     def launch(self, name: str, plan_config: Path | None = None) -> dict:
         """Start (or resume: the next attempt) a run's training in a detached supervisor."""
+        with self._lock:
+            return self._launch(name, plan_config)
+
+    def _launch(self, name: str, plan_config: Path | None) -> dict:
         folder, s = self.folder(name), self.settings(name)
         st = self.status(name)
         if st.get("state") in ACTIVE:
@@ -246,6 +266,12 @@ class Runs:
         # The supervisor sees the file within half a second and interrupts the job once (SIGINT, so it removes
         # its swap files), then kills it if it is still there 30 s later.
         (folder / "stop-requested").write_text(str(time.time()))
+        if not _alive(st.get("supervisor_pid"), st.get("supervisor_started")):
+            # No supervisor to see the file: interrupt the training's process group here.
+            try:
+                os.killpg(st["train_pid"], signal.SIGINT)
+            except (KeyError, ProcessLookupError, PermissionError):
+                pass
         return f"stopping {name}: its last checkpoint is kept; Resume continues from it"
 
     def curves(self, name: str) -> dict:

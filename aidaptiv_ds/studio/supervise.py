@@ -27,6 +27,22 @@ def main(argv: list[str]) -> int:
     folder, attempt = Path(argv[0]), int(argv[1])
     cmd = json.loads((folder / f"argv-attempt{attempt}.json").read_text())
     status = {"state": "running", "attempt": attempt, "supervisor_pid": os.getpid(), "supervisor_started": time.time()}
+    # A signal to the supervisor (the studio's machine shutting down) goes on to the job; one that comes before
+    # the job exists is kept and delivered as soon as it does. Installed before the job starts, so no signal
+    # can kill the supervisor and leave the job without one.
+    job: dict = {"pid": None, "pending": None}
+
+    def forward(sig, _frame):
+        if job["pid"] is None:
+            job["pending"] = sig
+            return
+        try:
+            os.killpg(job["pid"], sig)
+        except ProcessLookupError:  # already reaped
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
     with open(folder / "train.log", "ab") as log:
         log.write(f"\n===== attempt {attempt}: {' '.join(cmd)}\n".encode())
         log.flush()
@@ -34,26 +50,24 @@ def main(argv: list[str]) -> int:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        job["pid"] = proc.pid
         status.update(train_pid=proc.pid, train_started=time.time(), started=time.time())
         _write(folder, status)
-        # A signal to the supervisor (the studio's machine shutting down) goes on to the job.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda s, _f: os.killpg(proc.pid, s))
-        interrupted = False
+        if job["pending"] is not None:
+            forward(job["pending"], None)
+        stop_seen = None  # when this supervisor first saw the stop request (clicking Stop again does not delay)
         while True:
             try:
                 rc = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                stop = folder / "stop-requested"
-                if not stop.exists():
+                if not (folder / "stop-requested").exists():
                     continue
-                # The studio interrupts the job itself; this covers a stop asked before the job's pid was known.
-                if not interrupted:
-                    os.killpg(proc.pid, signal.SIGINT)
-                    interrupted = True
-                if time.time() - stop.stat().st_mtime > KILL_AFTER_S:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                if stop_seen is None:
+                    stop_seen = time.time()
+                    forward(signal.SIGINT, None)
+                elif time.time() - stop_seen > KILL_AFTER_S:
+                    forward(signal.SIGKILL, None)
     stopped = (folder / "stop-requested").exists()
     status.update(exit_code=rc, ended=time.time())
     # A run that completed is finished even when a stop came too late to interrupt it.

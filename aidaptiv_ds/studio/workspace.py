@@ -6,7 +6,7 @@ the browser goes through (nothing outside the root is read or written).
     ROOT/runs/NAME/ one training run each (aidaptiv_ds.studio.runs)
     ROOT/models/    Hugging Face model folders the user puts there (bases to fine-tune, compare)
     ROOT/sweeps/    sweep result folders (`aidaptiv-ds sweep --out ROOT/sweeps/NAME`)
-    ROOT/swap/      the default swap folder, unless the user names one on the SSD
+    ROOT/swap/      the default swap folder (another may be named under the root: put the root on the SSD)
 """
 
 from __future__ import annotations

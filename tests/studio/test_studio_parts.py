@@ -1,11 +1,13 @@
 """The studio's parts without a browser: the root's path gate, documents to passages (txt, md, pdf, docx, html,
 record files), the data set table to JSONL the job reads, question/answer parsing and its generate process,
-a run whose supervisor vanished, and the refusal to listen beyond localhost without a password."""
+a run whose supervisor vanished (with and without its training), the supervisor passing signals on, and the
+refusals to listen beyond localhost without a password or to start on a bad root or password file."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -255,6 +257,82 @@ def test_a_run_whose_supervisor_is_gone_is_shown_as_lost(tmp_path):
         runs.create(RunSettings(name="s", model="micro", data="/nope.jsonl", nvme_path="x", seq_len=0, steps=None))
     assert "seq len must be at least 1" in str(e.value) and "give steps or epochs" in str(e.value)
     assert "not a file" in str(e.value)
+
+
+def test_a_training_that_outlived_its_supervisor_is_running_and_stop_interrupts_it(tmp_path):
+    ws = Workspace(tmp_path / "root")
+    data = ws.data / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    runs = Runs(ws)
+    runs.create(RunSettings(name="r", model="micro", data=str(data), nvme_path=str(ws.swap)))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    # a stand-in for the training: its own session, as the supervisor starts it; SIGINT ends it with 130
+    train = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    raise SystemExit(130)",
+        ],
+        start_new_session=True,
+    )
+    try:
+        time.sleep(0.5)
+        status = {"state": "running", "attempt": 1, "supervisor_pid": dead.pid, "supervisor_started": time.time()}
+        status.update(train_pid=train.pid, train_started=time.time())
+        (ws.runs / "r" / "status.json").write_text(json.dumps(status))
+        st = runs.status("r")
+        assert st["state"] == "running" and "Stop interrupts it" in st["message"]
+        with pytest.raises(StudioError, match="stop it first"):
+            runs.launch("r")  # no second training beside it
+        runs.stop("r")
+        assert train.wait(timeout=30) == 130
+    finally:
+        train.kill()
+
+
+def test_the_supervisor_passes_a_signal_on_to_the_training(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    marker = tmp_path / "got-sigterm"
+    code = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(3)))\n"
+        "time.sleep(60)\n"
+    )
+    (folder / "argv-attempt1.json").write_text(json.dumps([sys.executable, "-c", code]))
+    sup = subprocess.Popen([sys.executable, "-m", "aidaptiv_ds.studio.supervise", str(folder), "1"], env=child_env())
+    try:
+        status = folder / "status.json"
+        deadline = time.time() + 60
+        while time.time() < deadline and not (status.exists() and "train_pid" in status.read_text()):
+            time.sleep(0.2)
+        time.sleep(1.0)  # the child has installed its handler
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(timeout=60) == 0
+        assert marker.exists()
+        st = json.loads((folder / "status.json").read_text())
+        assert st["state"] == "failed" and st["exit_code"] == 3
+    finally:
+        sup.kill()
+
+
+def test_a_bad_root_or_password_file_is_refused_with_the_reason(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    for extra, says in (
+        (["--root", str(blocked / "sub")], "cannot use --root"),
+        (["--password-file", str(tmp_path / "missing")], "cannot read --password-file"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "aidaptiv_ds", "studio", "--root", str(tmp_path / "r"), *extra],
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 1 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_listening_beyond_localhost_needs_a_password(tmp_path):
