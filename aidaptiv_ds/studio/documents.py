@@ -6,10 +6,10 @@ not ours), .docx (python-docx: paragraphs and table cells in order), .html/.htm 
 parser: visible text, without scripts, styles and navigation). Records come from .jsonl/.json/.csv/.parquet
 through the training job's own reader and record check, so what the studio accepts the job trains on.
 
-Cleaning, for text extracted from layout formats: Windows line ends, soft hyphens and words hyphenated
-across a line break are mended; lines repeated on most pages of a PDF (running headers and footers) and
-lines holding only a page number are dropped; the lines of one paragraph are joined; runs of spaces become
-one. Passages are whole paragraphs packed up to a token limit (a longer paragraph is cut at sentence ends,
+Cleaning: Windows line ends and soft hyphens are mended everywhere; in a PDF, lines repeated at the edges of
+most pages (running headers and footers) and page numbers at a page's edge are dropped, and words hyphenated
+across a line break are joined; the lines of one paragraph are joined and runs of spaces become one, except in
+Markdown, whose lines are its structure. Passages are whole paragraphs packed up to a token limit (a longer paragraph is cut at sentence ends,
 and a longer sentence at the limit), counted with the tokenizer of the model the set is for.
 """
 
@@ -54,7 +54,7 @@ def extract(path: str | Path) -> Extracted:
     pages = None
     if suffix in TEXT_SUFFIXES:
         try:
-            raw = path.read_text(encoding="utf-8")
+            raw = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not text
         except UnicodeDecodeError as e:
             raise StudioError(f"{path.name} is not UTF-8 text (byte at offset {e.start}): save it as UTF-8") from None
     elif suffix == ".pdf":
@@ -63,9 +63,10 @@ def extract(path: str | Path) -> Extracted:
     elif suffix == ".docx":
         raw = _docx_text(path)
     else:
-        raw = _html_text(path.read_bytes().decode("utf-8", errors="replace"))
+        raw = _html_text(_html_decoded(path))
     out = Extracted(path.name, "document", pages=len(pages) if pages else 0)
-    out.text = clean(raw, pages=pages, notes=out.notes)
+    # Lines of a Markdown file are its structure (lists, tables, code): only other formats' lines are joined.
+    out.text = clean(raw, pages=pages, notes=out.notes, join_lines=suffix not in (".md", ".markdown"))
     if not out.text.strip():
         hint = " (a scanned PDF has no text layer: run OCR on it first)" if suffix == ".pdf" else ""
         raise StudioError(f"{path.name} holds no text{hint}")
@@ -102,7 +103,12 @@ def _pdf_pages(path: Path) -> list[str]:
     try:
         reader = PdfReader(str(path))
         if reader.is_encrypted:
-            raise StudioError(f"{path.name} is an encrypted PDF: save a copy without a password first")
+            try:  # permission-restricted PDFs open with an empty user password
+                opened = reader.decrypt("")
+            except Exception:  # pypdf's errors for an unsupported or broken encryption
+                opened = 0
+            if not opened:
+                raise StudioError(f"{path.name} is an encrypted PDF: save a copy without a password first")
         return [page.extract_text() or "" for page in reader.pages]
     except PdfReadError as e:
         raise StudioError(f"{path.name} is not a readable PDF ({e})") from None
@@ -112,15 +118,19 @@ def _docx_text(path: Path) -> str:
     import zipfile
 
     import docx
+    from docx.opc.exceptions import OpcError
+    from docx.table import Table
 
     try:
         document = docx.Document(str(path))
-    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+    except (zipfile.BadZipFile, KeyError, ValueError, OpcError) as e:
         raise StudioError(f"{path.name} is not a readable .docx file ({e})") from None
-    parts = [p.text for p in document.paragraphs]
-    for table in document.tables:
-        for row in table.rows:
-            parts.append(" | ".join(cell.text for cell in row.cells))
+    parts = []
+    for block in document.iter_inner_content():  # paragraphs and tables in document order
+        if isinstance(block, Table):
+            parts += [" | ".join(cell.text for cell in row.cells) for row in block.rows]
+        else:
+            parts.append(block.text)
     return "\n\n".join(parts)
 
 
@@ -130,13 +140,19 @@ class _VisibleText(HTMLParser):
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
-        self.parts, self.skipping = [], 0
+        self.parts, self.skipping, self.cells_in_row = [], 0, 0
 
     def handle_starttag(self, tag, attrs):
         if tag in self.SKIP:
             self.skipping += 1
+        elif tag in ("td", "th"):
+            if self.cells_in_row:  # cells of a row stay apart, as the .docx reader writes them
+                self.parts.append(" | ")
+            self.cells_in_row += 1
         elif tag in self.BLOCK:
             self.parts.append("\n\n")
+            if tag == "tr":
+                self.cells_in_row = 0
 
     def handle_endtag(self, tag):
         if tag in self.SKIP and self.skipping:
@@ -149,6 +165,23 @@ class _VisibleText(HTMLParser):
             self.parts.append(data)
 
 
+def _html_decoded(path: Path) -> str:
+    """UTF-8 (a byte-order mark allowed), or the charset the page names; refused otherwise, never guessed."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        named = re.search(rb"""charset\s*=\s*["']?([A-Za-z0-9_.:-]+)""", data[:4096])
+        if named:
+            try:
+                return data.decode(named.group(1).decode("ascii"))
+            except (LookupError, UnicodeDecodeError):
+                pass
+        raise StudioError(
+            f"{path.name} is not UTF-8 (byte at offset {e.start}) and names no charset that decodes it: save it as UTF-8"
+        ) from None
+
+
 def _html_text(html: str) -> str:
     parser = _VisibleText()
     parser.feed(html)
@@ -159,40 +192,68 @@ def _html_text(html: str) -> str:
 _PAGE_NUMBER = re.compile(r"^\s*(page\s*)?\d{1,4}(\s*(/|of)\s*\d{1,4})?\s*$", re.IGNORECASE)
 
 
-def clean(text: str, pages: list[str] | None = None, notes: list | None = None) -> str:
-    """Paragraphs separated by one blank line; see the module's docstring for what is mended and dropped."""
+PAGE_EDGE_LINES = 2  # running headers, footers and page numbers sit in a page's first and last lines
+
+
+def clean(text: str, pages: list[str] | None = None, notes: list | None = None, join_lines: bool = True) -> str:
+    """Paragraphs separated by one blank line; see the module's docstring for what is mended and dropped.
+    ``pages`` (a PDF's): the text is taken from them, and a line repeated at the edges of most pages, or a page
+    number there, is dropped at the edges only; words hyphenated across lines are mended. ``join_lines``
+    False keeps every line of a paragraph (Markdown's lists, tables and code)."""
+    if pages:
+        text = "\n\n".join(_without_running_lines(pages, notes))
     text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\u00ad", "").replace("\x0c", "\n\n")
-    repeated = set()
-    if pages and len(pages) >= 3:
-        # A line on most pages is a running header or footer, not content.
-        counts = Counter(line.strip() for page in pages for line in set(page.splitlines()) if line.strip())
-        repeated = {line for line, n in counts.items() if n >= max(3, (len(pages) + 1) // 2)}
-        if repeated and notes is not None:
-            notes.append(f"dropped {len(repeated)} line(s) repeated on most pages (headers, footers)")
     paragraphs, current = [], []
     for line in text.split("\n"):
-        s = line.strip()
-        if s in repeated or (_PAGE_NUMBER.match(s) and s):
-            continue
-        if not s:
+        if not line.strip():
             if current:
                 paragraphs.append(current)
                 current = []
             continue
-        current.append(s)
+        current.append(line.strip() if join_lines else line.rstrip())
     if current:
         paragraphs.append(current)
     out = []
     for lines in paragraphs:
+        if not join_lines:
+            out.append("\n".join(lines))
+            continue
         joined = lines[0]
         for nxt in lines[1:]:
-            # "exam-" + "ple" was one word broken by the layout; "well-" + "Known" keeps its hyphen.
-            if re.search(r"[a-z]-$", joined) and nxt[:1].islower():
+            # In a PDF "exam-" + "ple" was one word broken by the layout; "well-" + "Known" keeps its hyphen.
+            if pages and re.search(r"[a-z]-$", joined) and nxt[:1].islower():
                 joined = joined[:-1] + nxt
             else:
                 joined += " " + nxt
         out.append(re.sub(r"[ \t]+", " ", joined).strip())
     return "\n\n".join(p for p in out if p)
+
+
+def _without_running_lines(pages: list[str], notes: list | None) -> list[str]:
+    """The pages without their running headers and footers (a line at the edges of most pages) and page
+    numbers (at an edge); lines inside a page are kept whatever they say."""
+
+    def edges(lines):
+        filled = [i for i, line in enumerate(lines) if line.strip()]
+        return set(filled[:PAGE_EDGE_LINES] + filled[-PAGE_EDGE_LINES:])
+
+    split = [page.replace("\r\n", "\n").replace("\r", "\n").split("\n") for page in pages]
+    repeated = set()
+    if len(pages) >= 3:
+        counts = Counter(line.strip() for lines in split for line in {lines[i] for i in edges(lines)})
+        repeated = {line for line, n in counts.items() if n >= max(3, (len(pages) + 1) // 2)}
+        if repeated and notes is not None:
+            notes.append(f"dropped {len(repeated)} line(s) repeated on most pages (headers, footers)")
+    out = []
+    for lines in split:
+        edge = edges(lines)
+        kept = [
+            line
+            for i, line in enumerate(lines)
+            if not (i in edge and (line.strip() in repeated or _PAGE_NUMBER.match(line.strip())))
+        ]
+        out.append("\n".join(kept))
+    return out
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

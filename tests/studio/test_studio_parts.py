@@ -88,6 +88,56 @@ def test_pdf_text_without_running_headers_page_numbers_or_broken_words(tmp_path)
     assert any("repeated on most pages" in n for n in got.notes)
 
 
+def test_only_a_pdfs_page_edges_lose_repeated_lines_and_page_numbers(tmp_path):
+    # "Warning: keep the budget" stands inside every page: content, not a header; so does a year on its own line.
+    pages = [
+        ["ACME Manual", f"Section {i} starts here.", "Warning: keep the budget", "2023", f"Section {i} ends.", str(i)]
+        for i in range(1, 5)
+    ]
+    path = tmp_path / "m.pdf"
+    path.write_bytes(minimal_pdf(pages))
+    text = documents.extract(path).text
+    assert "ACME Manual" not in text and text.count("Warning: keep the budget") == 4 and text.count("2023") == 4
+    # other formats lose nothing: a number on its own line, a hyphen at a line end, Markdown's lines
+    (tmp_path / "t.txt").write_text("Released in\n2023\n\nwell-\nknown tools\n")
+    assert documents.extract(tmp_path / "t.txt").text == "Released in 2023\n\nwell- known tools"
+    (tmp_path / "l.md").write_text("# Steps\n\n- read the group\n- apply the update\n\n    code line\n")
+    assert (
+        documents.extract(tmp_path / "l.md").text == "# Steps\n\n- read the group\n- apply the update\n\n    code line"
+    )
+
+
+def test_html_cells_charset_and_docx_order(tmp_path):
+    (tmp_path / "t.html").write_text(
+        "<table><tr><th>Name</th><th>Age</th></tr><tr><td>Ada</td><td>36</td></tr></table>"
+    )
+    assert documents.extract(tmp_path / "t.html").text == "Name | Age\n\nAda | 36"
+    page = '<html><head><meta charset="windows-1252"></head><body><p>caf\xe9</p></body></html>'
+    (tmp_path / "w.html").write_bytes(page.encode("cp1252"))
+    assert documents.extract(tmp_path / "w.html").text == "caf\u00e9"
+    (tmp_path / "x.html").write_bytes("<p>caf\xe9</p>".encode("latin-1"))
+    with pytest.raises(StudioError, match="not UTF-8 .* names no charset"):
+        documents.extract(tmp_path / "x.html")
+    (tmp_path / "bom.txt").write_bytes("\ufeffhello".encode("utf-8"))
+    assert documents.extract(tmp_path / "bom.txt").text == "hello"
+    (tmp_path / "renamed.docx").write_bytes(b"")
+    with pytest.raises(StudioError, match="not a readable .docx"):
+        documents.extract(tmp_path / "renamed.docx")
+    import docx
+
+    d = docx.Document()
+    d.add_paragraph("Before the table.")
+    table = d.add_table(rows=1, cols=2)
+    table.rows[0].cells[0].text, table.rows[0].cells[1].text = "budget", "2 GiB"
+    d.add_paragraph("After the table.")
+    d.save(tmp_path / "o.docx")
+    assert documents.extract(tmp_path / "o.docx").text.split("\n\n") == [
+        "Before the table.",
+        "budget | 2 GiB",
+        "After the table.",
+    ]
+
+
 def test_docx_paragraphs_and_tables(tmp_path):
     import docx
 
