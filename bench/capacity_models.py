@@ -52,6 +52,7 @@ sys.path.insert(0, HERE)
 
 import capacity as seqcap  # noqa: E402  (bench/capacity.py: the capped attempt runner)
 
+from aidaptiv_ds.common.sizes import swap_bytes_per_param  # noqa: E402
 from aidaptiv_ds.harness import capacity as C  # noqa: E402
 from aidaptiv_ds.harness import eqmem  # noqa: E402
 from aidaptiv_ds.harness.grid import Cell  # noqa: E402
@@ -64,7 +65,7 @@ MODES = ("full", "lora")
 LADDER = ("tiny", "small", "tinyllama-1.1b", "qwen2.5-3b", "llama2-7b", "llama2-13b")
 LORA = "r=16,alpha=32,targets=q_proj,v_proj"
 IN_MEMORY = ("zero3", "zero3_cpu_offload")
-SWAP_BYTES_PER_PARAM = {"full": 16, "lora": 4}
+SWAP_BYTES_PER_PARAM = {"full": swap_bytes_per_param(4), "lora": 4}  # fp32: what aidaptiv's own check counts
 EQMEM_LORA = (
     "its sizing is for full fine-tuning's optimizer state; with LoRA's handful of trainable parameters that "
     "sizing makes DeepSpeed 0.19.8 stop at the first step (AssertionError: param 6 already assigned swap buffer "
@@ -211,6 +212,15 @@ class Runner(seqcap.Runner):
             flags[v] = ["--no-fit-check"] + ([] if v == "aidaptiv" else ["--gradient-checkpointing"])
         return folders, flags
 
+    def same_settings(self, row: dict, mode: str, model: str) -> bool:
+        """Whether a logged row was made with this run's host budget (aidaptiv's, and eqmem's sizing) and LoRA
+        spec (rows without the field are from before it was recorded and are taken as they are)."""
+        if row.get("variant") in ("aidaptiv", eqmem.BACKEND) and row.get("status") != "disk":
+            budget = row.get("aidaptiv_host_budget_bytes")
+            if budget is not None and budget != self.aidaptiv_budget_bytes(model, 1):
+                return False
+        return mode != "lora" or row.get("lora") in (None, LORA)
+
     def aidaptiv_budget_bytes(self, model: str, gpus: int) -> int:
         return budget_for(model, self.args.host_budget_bytes, self.args.seq_len)
 
@@ -326,10 +336,17 @@ def summary_lines(results: list[tuple[str, str, str | None, dict | None, list[di
         )
     lines += [
         "",
-        "NVMe bytes are the swap space's reads and writes over the timed steps, per step. With 2 steps that is the "
-        "second, whose forward applies aidaptiv's first (deferred) update: its Adam moments are still zeros and are "
-        "not read, so a steady step reads 8 B a parameter more.",
+        "NVMe bytes are the swap space's reads and writes over the timed steps, per step."
+        + (
+            " With 2 steps that is the second, whose forward applies aidaptiv's first (deferred) update: its Adam "
+            "moments are still zeros and are not read, so a steady step reads 8 B a parameter more."
+            if args.steps == 2
+            else ""
+        ),
     ]
+    shas = sorted({r.get("git_sha", "?")[:7] for *_, rows in results for r in rows if r.get("git_sha")})
+    if shas:
+        lines += ["", f"Rows made at commit(s) {', '.join(shas)} (a row is kept until its cell's settings change)."]
     from aidaptiv_ds.common.sizes import state_bytes_per_param
 
     ram = m.get("ram_gb")
@@ -339,8 +356,10 @@ def summary_lines(results: list[tuple[str, str, str | None, dict | None, list[di
             lines += [
                 "",
                 f"aidaptiv's largest model in full fine-tuning, {largest}, has {state:.1f} GiB of training state "
-                f"(fp32 parameter, gradient, master copy and two Adam moments: {state_bytes_per_param()} B a "
-                f"parameter) against {ram} GiB of RAM, and trained inside the {args.host_mem_cap_gb:g} GiB cap.",
+                f"as ZeRO-3 counts it (fp32 parameter, gradient, master copy and two Adam moments: "
+                f"{state_bytes_per_param()} B a parameter; aidaptiv's swap space holds {swap_bytes_per_param()} B of it, "
+                f"an fp32 parameter being its own master) against {ram} GiB of RAM, and trained inside the "
+                f"{args.host_mem_cap_gb:g} GiB cap.",
             ]
         if variant == "aidaptiv" and largest and mode == "lora":
             base = 4 * nominal_parameters(largest) / 2**30
@@ -379,7 +398,9 @@ def main(argv=None) -> int:
             def attempt(model, mode=mode, variant=variant):
                 key = f"{mode}__" + C.attempt_key(variant, model, 1, args.seq_len, runner.cap["gb"], args.steps)
                 row = log.get(key)
-                reused = row is not None
+                # A disk refusal is checked again (space may have been freed since); a row made with another
+                # host budget or LoRA spec than this run's is not this cell's.
+                reused = row is not None and row.get("status") != "disk" and runner.same_settings(row, mode, model)
                 if not reused:
                     row = runner.attempt(variant, mode, model)
                     log.add(row)

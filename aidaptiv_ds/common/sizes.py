@@ -85,6 +85,13 @@ def dtype_bytes(dtype) -> int:
     return dtype.itemsize
 
 
+def swap_bytes_per_param(param_bytes: int = 4) -> int:
+    """Bytes aidaptiv's swap space holds per trained parameter: the parameter, its fp32 gradient (spilled for the
+    deferred update), two fp32 moments, and an fp32 master copy unless the parameter is fp32 (then it is its
+    own master: 16 in fp32, 18 in bf16). The planner's NVMe items (planner/memory.py) add up to the same."""
+    return param_bytes + 4 + 4 + 4 + (0 if param_bytes == 4 else 4)
+
+
 def state_bytes_per_param(param_bytes: int = 4) -> int:
     """Bytes of training state one parameter carries under ZeRO-3 with Adam: the parameter itself
     (``param_bytes``: 4 in fp32, 2 in bf16), an fp32 gradient, an fp32 master copy and two fp32 moments.

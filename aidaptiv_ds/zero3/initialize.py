@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from aidaptiv_ds.common.sizes import dtype_bytes, state_bytes_per_param
+from aidaptiv_ds.common.sizes import dtype_bytes, swap_bytes_per_param
 from aidaptiv_ds.config import host, schema
 from aidaptiv_ds.config import resolve as config_resolve
 from aidaptiv_ds.config import settings as config_settings
@@ -63,7 +63,7 @@ def needed_swap_bytes(
     param_bytes = dtype_bytes(dtype_name(ds_config))
     world = max(1, world_size)
     # A frozen parameter (a LoRA base) is only its own bytes on the disk: no gradient, master copy or moments.
-    per_rank = state_bytes_per_param(param_bytes) * -(-trained // world) + param_bytes * -(-frozen // world)
+    per_rank = swap_bytes_per_param(param_bytes) * -(-trained // world) + param_bytes * -(-frozen // world)
     return max(0, per_rank * local - _swap_bytes_written(ds_config))
 
 

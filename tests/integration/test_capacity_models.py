@@ -1,6 +1,7 @@
 """bench/capacity_models.py, the capacity-by-model-size sweep, on a short real ladder: under a 2 GiB cap stock
 ZeRO-3 trains micro and is killed by the cap on tiny, aidaptiv trains both and is stopped by the disk on a 70B
-shape (never started: its swap would not fit any disk here); a second run reuses every row. The full table
+shape (never started: its swap would not fit any disk here); a second run reuses every row but the disk
+refusal, and a row made with another host budget is not reused. The full table
 (tiny to 13B under 8 GiB) is the bench's own run, committed under bench/results/capacity_models."""
 
 import importlib.util
@@ -73,7 +74,16 @@ def test_short_ladder_under_a_cap(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| full | zero3 | micro |" in summary and "tiny: oom" in summary
     assert "| full | aidaptiv | tiny |" in summary and "llama2-70b: disk" in summary
-    # a second run starts nothing: every attempt has its row
+    # a second run trains nothing: every trained or killed attempt has its row; the disk refusal is checked again
+    # (space may have been freed), which starts nothing either
     p = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and p.stderr.count("row kept from an earlier run") == 5, p.stderr[-3000:]
-    assert len(open(out / "rows.jsonl").read().splitlines()) == 5
+    assert p.returncode == 0 and p.stderr.count("row kept from an earlier run") == 4, p.stderr[-3000:]
+    assert "llama2-70b: disk" in p.stderr and len(open(out / "rows.jsonl").read().splitlines()) == 6
+    # a row made with another host budget is not this cell's: micro is trained again under 512 MiB
+    cmd[cmd.index("256MiB")] = "512MiB"
+    cmd[cmd.index("micro,tiny,llama2-70b")] = "micro"
+    p = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "full aidaptiv micro: trained [" in p.stderr, p.stderr[-3000:]
+    assert (
+        "full aidaptiv micro: trained [row kept" not in p.stderr and "full zero3 micro: trained [row kept" in p.stderr
+    )

@@ -14,14 +14,14 @@ def _cfg(path):
 
 
 def test_need_is_per_node_not_per_rank(tmp_path, monkeypatch):
-    model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters, fp32: 20 bytes each with Adam
-    per_rank = 20 * -(-1_001_000 // 8)
+    model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters, fp32: 16 bytes each on the swap disk
+    per_rank = 16 * -(-1_001_000 // 8)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_SIZE", "4")  # the deepspeed launcher: 4 of the 8 ranks on this node
     assert needed_swap_bytes(model, _cfg(tmp_path), world_size=8) == 4 * per_rank
     assert needed_swap_bytes(model, _cfg(tmp_path), world_size=8, local_ranks=2) == 2 * per_rank
     # More local ranks than the world (a stale environment) is the world.
-    assert needed_swap_bytes(model, _cfg(tmp_path), world_size=2, local_ranks=4) == 2 * 20 * 500_500
+    assert needed_swap_bytes(model, _cfg(tmp_path), world_size=2, local_ranks=4) == 2 * 16 * 500_500
 
 
 def test_what_the_node_already_wrote_is_not_counted_twice(tmp_path, monkeypatch):
@@ -41,6 +41,23 @@ def test_what_the_node_already_wrote_is_not_counted_twice(tmp_path, monkeypatch)
     )
     assert written >= 2 << 20
     assert needed_swap_bytes(model, _cfg(tmp_path), world_size=2, local_ranks=2) == base - written
+
+
+def test_the_check_counts_what_the_planner_lays_out(tmp_path):
+    """fp32: the parameter is its own master (16 bytes: parameter, gradient, two moments); the check counted 20
+    and refused runs whose swap files fit (a 3B model: 61.7 GB asked for 49.4 GB of files)."""
+    from aidaptiv_ds.planner.memory import Hardware, Job, plan_backend
+    from aidaptiv_ds.planner.shapes import resolve_shape
+
+    shape = resolve_shape("small")
+    for dtype, cfg in (("fp32", _cfg(tmp_path)), ("bf16", dict(_cfg(tmp_path), bf16={"enabled": True}))):
+        plan = plan_backend(
+            "aidaptiv", Job(shape, 64, 1, dtype=dtype, host_budget=1 << 30), Hardware(gpus=1, host_mem=1 << 40)
+        )
+        model = torch.nn.Linear(1000, 1000)
+        need = needed_swap_bytes(model, cfg, world_size=1, local_ranks=1)
+        per_param = plan.nvme_bytes / shape.num_parameters
+        assert need / 1_001_000 == pytest.approx(per_param, rel=0.01), (dtype, need / 1_001_000, per_param)
 
 
 def test_refusal_names_the_node(tmp_path):
@@ -78,7 +95,7 @@ def test_a_frozen_parameter_needs_only_its_own_bytes(tmp_path, monkeypatch):
     base.requires_grad_(False)
     model = torch.nn.Sequential(base, adapter)
     need = needed_swap_bytes(model, _cfg(tmp_path), world_size=1, local_ranks=1)
-    assert need == 4 * 1_001_000 + 20 * 8_000
+    assert need == 4 * 1_001_000 + 16 * 8_000
     bf16 = dict(_cfg(tmp_path), bf16={"enabled": True})
     assert needed_swap_bytes(model, bf16, world_size=1, local_ranks=1) == 2 * 1_001_000 + 18 * 8_000
 
