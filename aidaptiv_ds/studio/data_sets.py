@@ -110,8 +110,15 @@ def save(records: list[dict], path: Path) -> Path:
 def load_rows(path: Path) -> list[list]:
     """A saved set back as table rows (to edit it again)."""
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                rows.append(record_row(json.loads(line), os.path.basename(path)))
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, start=1):
+                if line.strip():
+                    rows.append(record_row(json.loads(line), os.path.basename(path)))
+    except json.JSONDecodeError as e:
+        raise StudioError(
+            f"{os.path.basename(path)}:{number} is not a JSON record ({e.msg}): fix or remove it"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise StudioError(f"{os.path.basename(path)} is not UTF-8 (byte at offset {e.start})") from None
     return rows

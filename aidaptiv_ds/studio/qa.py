@@ -19,13 +19,18 @@ PROMPT = (
     "Read the passage and write one question that it answers, then the answer, in this form:\n"
     "Question: <the question>\nAnswer: <the answer>\n\nPassage:\n{passage}\n\nQuestion:"
 )
-_QA = re.compile(r"^\s*(?P<q>.+?)\s*\n\s*Answer:\s*(?P<a>.+?)\s*(?:\n\s*Question:|\Z)", re.DOTALL)
+# The answer ends at a blank line or at the next "Label:" line the model goes on with (Question:, Passage:,
+# Explanation:, ...), or at the end of the text.
+_QA = re.compile(
+    r"^\s*(?P<q>.+?)\s*\n\s*Answer:\s*(?P<a>.+?)\s*(?P<end>\n\s*\n|\n\s*[A-Z][A-Za-z ]{0,24}:|\Z)", re.DOTALL
+)
 
 
-def parse(completion: str) -> tuple[str, str] | None:
-    """(question, answer) from a completion that continues after 'Question:'; None when either is missing."""
+def parse(completion: str, cut: bool = False) -> tuple[str, str] | None:
+    """(question, answer) from a completion that continues after 'Question:'; None when either is missing, or
+    when the answer runs to the end of a completion that was ``cut`` at its token limit (it may be half)."""
     m = _QA.match(completion or "")
-    if not m:
+    if not m or (cut and not m.group("end")):
         return None
     q, a = m.group("q").strip(), m.group("a").strip()
     return (q, a) if q and a else None
@@ -63,7 +68,7 @@ def generate_records(
         results = json.loads(metrics.read_text())["results"]
     records, skipped = [], 0
     for passage, result in zip(passages, results):
-        qa = parse(result.get("text", ""))
+        qa = parse(result.get("text", ""), cut=result.get("new_tokens", 0) >= max_new_tokens)
         if qa is None:
             skipped += 1
             continue

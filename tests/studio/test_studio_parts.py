@@ -254,6 +254,13 @@ def test_every_bad_row_is_listed():
 # ---------------------------------------------------------------- questions and answers
 
 
+def test_a_set_that_is_not_jsonl_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "hand.jsonl"
+    path.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(StudioError, match="hand.jsonl:2 is not a JSON record"):
+        data_sets.load_rows(path)
+
+
 def test_question_and_answer_parsing():
     assert qa.parse(" What holds the layers?\nAnswer: The SSD.\nQuestion: more") == (
         "What holds the layers?",
@@ -262,6 +269,11 @@ def test_question_and_answer_parsing():
     assert qa.parse("What?\nAnswer: That.") == ("What?", "That.")
     assert qa.parse("no answer here") is None
     assert qa.parse("Q\nAnswer:   ") is None
+    # the answer ends where the model goes on with something else, and a cut one is not kept
+    assert qa.parse("Why?\nAnswer: Speed.\nExplanation: more text") == ("Why?", "Speed.")
+    assert qa.parse("Why?\nAnswer: Speed.\n\nPassage: x") == ("Why?", "Speed.")
+    assert qa.parse("Why?\nAnswer: because the disk is", cut=True) is None
+    assert qa.parse("Why?\nAnswer: Speed.\nQuestion: next", cut=True) == ("Why?", "Speed.")
 
 
 def test_questions_from_a_local_model_run_as_one_generate_process(tmp_path):
