@@ -112,3 +112,26 @@ def adapter_config(folder, name, budget="64MiB"):
     path = folder / name
     path.write_text(json.dumps(cfg))
     return str(path)
+
+
+def run_one_rank_script(script: str, args, folder, tag: str = "RESULT", timeout: int = 600):
+    """Run a Python script's text as one gloo rank (its own port) in ``folder`` and return the JSON it printed on
+    its last line starting with ``tag``; the run must succeed (its output is the failure's message)."""
+    import json
+    import subprocess
+    import sys
+
+    path = folder / "one_rank_script.py"
+    path.write_text(script)
+    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    p = subprocess.run(
+        [sys.executable, str(path), *map(str, args)],
+        cwd=folder,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    assert p.returncode == 0, p.stdout[-4000:]
+    return json.loads([x for x in p.stdout.splitlines() if x.startswith(tag + " ")][-1][len(tag) + 1 :])

@@ -300,7 +300,8 @@ def test_questions_from_a_local_model_run_as_one_generate_process(tmp_path):
 # ---------------------------------------------------------------- runs and the command
 
 
-def test_a_run_whose_supervisor_is_gone_is_shown_as_lost(tmp_path):
+def run_with_a_dead_supervisor(tmp_path):
+    """A workspace with run "r" created, its data set, and the pid of a process that has ended."""
     ws = Workspace(tmp_path / "root")
     data = ws.data / "d.jsonl"
     data.write_text('{"text": "x"}\n')
@@ -308,6 +309,11 @@ def test_a_run_whose_supervisor_is_gone_is_shown_as_lost(tmp_path):
     runs.create(RunSettings(name="r", model="micro", data=str(data), nvme_path=str(ws.swap)))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    return ws, data, runs, dead
+
+
+def test_a_run_whose_supervisor_is_gone_is_shown_as_lost(tmp_path):
+    ws, data, runs, dead = run_with_a_dead_supervisor(tmp_path)
     (ws.runs / "r" / "status.json").write_text(
         json.dumps({"state": "running", "attempt": 1, "supervisor_pid": dead.pid, "supervisor_started": time.time()})
     )
@@ -322,13 +328,7 @@ def test_a_run_whose_supervisor_is_gone_is_shown_as_lost(tmp_path):
 
 
 def test_a_training_that_outlived_its_supervisor_is_running_and_stop_interrupts_it(tmp_path):
-    ws = Workspace(tmp_path / "root")
-    data = ws.data / "d.jsonl"
-    data.write_text('{"text": "x"}\n')
-    runs = Runs(ws)
-    runs.create(RunSettings(name="r", model="micro", data=str(data), nvme_path=str(ws.swap)))
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    ws, _, runs, dead = run_with_a_dead_supervisor(tmp_path)
     # a stand-in for the training: its own session, as the supervisor starts it; SIGINT ends it with 130
     train = subprocess.Popen(
         [

@@ -103,25 +103,10 @@ print("RESULT " + json.dumps({"without": without, "kept": kept}))
 
 
 def test_one_rank_on_cpu_needs_no_contiguous_bucket(tmp_path):
-    import json
+    from helpers import aidaptiv_config, run_one_rank_script
 
-    from helpers import _free_port, aidaptiv_config
-
-    script = tmp_path / "no_bucket.py"
-    script.write_text(NO_BUCKET)
     config = aidaptiv_config(tmp_path, "aidaptiv", host_memory_budget="40MiB", layer_group_size=1)
-    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    p = subprocess.run(
-        [sys.executable, str(script), config],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stdout[-4000:]
-    r = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT ") :])
+    r = run_one_rank_script(NO_BUCKET, [config], tmp_path)
     assert r["without"]["contiguous"] is False and not any(r["without"]["buffers"])
     assert r["kept"]["contiguous"] is True and all(r["kept"]["buffers"])
     assert r["without"]["losses"] == r["kept"]["losses"]  # the same gradients, bit for bit
