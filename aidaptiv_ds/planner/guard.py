@@ -91,12 +91,11 @@ def launch_problems(
                 f"{shape.name} ({shape.num_parameters / 1e9:.2f}B parameters, {job.dtype}, {local} rank(s) on this "
                 f"node: {parts}): free space, choose a larger disk, or spread the model over more nodes"
             )
-    # Host memory the model state and pinned buffers alone take (a lower bound: no framework, no activations, and
-    # not aidaptiv's step transient, which is what glibc's heap may keep of freed gradients, not what must be live).
+    # Host memory the model state and pinned buffers alone take (a lower bound: no framework, no activations).
     certain: Dict[str, int] = {
         k: v
         for k, v in {**plan.host_pinned, **plan.host_pageable}.items()
-        if not k.startswith(("framework", "activations", "DeepSpeed buffers", "step transient"))
+        if not k.startswith(("framework", "activations", "DeepSpeed buffers"))
     }
     host = sum(certain.values()) * local
     if host > ram_bytes:

@@ -73,20 +73,15 @@ HOST_RESERVE_MIN = 2 * GiB
 # Its parts (autograd's gradients, the optimizer's buffers) are not separated yet; on a GPU these live in GPU
 # memory and are bounded by the reduce bucket, so the term is counted only when training on CPU.
 DS_STEP_TRANSIENT_PER_PARAM = 10.3
-# The same for aidaptiv with glibc's dynamic mmap threshold (aidaptiv.malloc_mmap_threshold 0): the gradients of
-# one gathered layer group at a time, and what glibc's heap keeps of them. A 1-rank run of the tiny preset,
-#   aidaptiv-ds train --config ds_configs/aidaptiv.json --model tiny --seq-len 64 --micro-batch 2 --steps 3
-#     --warmup 1 --host-budget 290000000 --nvme-path DIR
-# held 747 MiB after deepspeed.initialize and peaked (VmHWM) at 1290 MiB in the first backward; less the
-# activations (66 MiB) and the reduce bucket (64 MiB) counted on their own: 413 MiB / 57.8M = 7.5 B per parameter,
-# nearly all of it freed memory the heap kept (mallinfo2: 720 MiB of heap, 156 MiB in use).
-AIDAPTIV_STEP_TRANSIENT_PER_PARAM = 7.5
-# With the threshold fixed (the shipped 1 MiB; common/malloc_threshold.py) freed gradients go back to the system
-# and no such term is left: the same tiny cell peaked at 850 MiB (the plan without it: 854), and the 1-rank
-# cells from 58M to 3.09B parameters (bench/results/cpu_small_aidaptiv_heap, bench/results/capacity_models)
-# peaked within 3% of the plan without it, where the per-parameter term had predicted 11.0 GiB for
-# tinyllama-1.1b (measured 3.3) and 28.7 GiB for qwen2.5-3b (measured 7.2). What a step holds above the steady
-# state then fits in the terms counted on their own (the gathered largest layer, the reduce bucket).
+# aidaptiv has no such term: it fixes glibc's mmap threshold (aidaptiv.malloc_mmap_threshold, 1 MiB shipped;
+# common/malloc_threshold.py), so freed gradients go back to the system. Before it did, a 1-rank tiny run
+# (train --config ds_configs/aidaptiv.json --model tiny --seq-len 64 --micro-batch 2 --host-budget 290000000)
+# peaked 413 MiB (7.5 B per parameter) above its steady state, nearly all freed memory the heap kept; a term
+# fitted on that made plan say qwen2.5-3b needed 28.7 GiB where it peaked at 7.2 GiB. With the threshold the
+# same tiny cell peaked at 850 MiB (the plan without a term: 854), and the 1-rank cells from 58M to 3.09B
+# parameters (bench/results/cpu_small_aidaptiv_heap, bench/results/capacity_models) within 3% of the plan; what
+# a step holds above the steady state fits in the terms counted on their own (the gathered largest layer, the
+# reduce bucket). A run with the threshold set to 0 peaks higher than planned.
 # With more than one rank on CPU, gathering a parameter allocates its whole (unpartitioned) tensor: the
 # all-gather output (on one rank the partition is the parameter and nothing is allocated). Measured on the tiny
 # preset (fp32), ds_configs/zero3.json, 2 ranks under the deepspeed launcher, live tensors listed through gc and
@@ -175,9 +170,6 @@ class Job:
     prefetch_depth: int = 1
     chunk_numel: Optional[int] = None  # None: 'auto' (sized from the budget, as the block does)
     cache_optimizer_state: bool = True
-    heap_returned: bool = True
-    """aidaptiv: glibc's mmap threshold is fixed (aidaptiv.malloc_mmap_threshold not 0, as shipped), so freed
-    gradients go back to the system; False counts the heap's step transient on CPU."""
 
     @property
     def elsize(self) -> int:
@@ -331,12 +323,10 @@ def plan_deepspeed(backend: str, job: Job, hw: Hardware) -> BackendPlan:
     return plan
 
 
-def step_transient_bytes(num_parameters: int, backend: str = "zero3") -> int:
-    """Host bytes a rank holds above its steady state in its steps on CPU (:data:`DS_STEP_TRANSIENT_PER_PARAM`
-    for DeepSpeed's backends, :data:`AIDAPTIV_STEP_TRANSIENT_PER_PARAM` for aidaptiv, both measured): of the
-    whole model, as every rank gathers every layer."""
-    per = AIDAPTIV_STEP_TRANSIENT_PER_PARAM if backend == "aidaptiv" else DS_STEP_TRANSIENT_PER_PARAM
-    return int(per * num_parameters)
+def step_transient_bytes(num_parameters: int) -> int:
+    """Host bytes a rank of DeepSpeed's backends holds above its steady state in its steps on CPU
+    (:data:`DS_STEP_TRANSIENT_PER_PARAM`, measured): of the whole model, as every rank gathers every layer."""
+    return int(DS_STEP_TRANSIENT_PER_PARAM * num_parameters)
 
 
 def _sub_groups(part_numels: List[int], sub_group_size: int) -> List[int]:
@@ -424,10 +414,6 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
     else:
         _device(plan, hw, {"gathered largest layer": 4 * s.largest_layer_params})
     _common(plan, job, hw)
-    if hw.gpu_mem is None and not job.heap_returned:
-        plan.host_pageable["step transient (freed gradients glibc's heap keeps)"] = step_transient_bytes(
-            s.num_parameters, "aidaptiv"
-        )
     # DeepSpeed's reduce bucket, capped by the budget (on CPU only what the gradients touch, in host memory).
     bucket_bytes = lambda b: (
         (
