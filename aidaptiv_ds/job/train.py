@@ -727,6 +727,18 @@ class Run:
 
         swap_devices = [block_device(p)["device"] for p in self.info.get("nvme_paths") or [] if os.path.isdir(p)]
         busy_start, busy_excluded = [], []  # (readings before, after) of evaluations and saves in the window
+
+        def outside_steps(action):
+            """Run an evaluation or a save: inside the timed window its disk bytes and busy time are not the
+            training steps' (held-out forwards, checkpoint files), so they are taken out of both."""
+            before, busy_before = M.proc_io(), [M.disk_busy_ticks(d) for d in swap_devices]
+            action()
+            after = M.proc_io()
+            if before and after and io_start:
+                for k in io_excluded:
+                    io_excluded[k] += after[k] - before[k]
+                busy_excluded.append((busy_before, [M.disk_busy_ticks(d) for d in swap_devices]))
+
         for i, step in enumerate(range(start, steps)):
             if i == warmup:
                 io_start = M.proc_io()
@@ -758,22 +770,9 @@ class Run:
             if monitor:
                 self.write_monitor(monitor, step + 1, timer.steps[-1], losses[-1], tokens_per_step, step_io)
             if self.eval_batches is not None and eval_due(step + 1, a.eval_every, steps):
-                before, busy_before = M.proc_io(), [M.disk_busy_ticks(d) for d in swap_devices]
-                self.run_eval(step + 1, monitor)
-                after = M.proc_io()
-                # The held-out forwards are not the training steps' traffic (counted once the window is open).
-                if before and after and io_start:
-                    for k in io_excluded:
-                        io_excluded[k] += after[k] - before[k]
-                    busy_excluded.append((busy_before, [M.disk_busy_ticks(d) for d in swap_devices]))
+                outside_steps(lambda: self.run_eval(step + 1, monitor))
             if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
-                before, busy_before = M.proc_io(), [M.disk_busy_ticks(d) for d in swap_devices]
-                self.save(step + 1, position, losses)
-                after = M.proc_io()
-                if before and after and io_start:  # checkpoint bytes are not swap traffic (inside the window)
-                    for k in io_excluded:
-                        io_excluded[k] += after[k] - before[k]
-                    busy_excluded.append((busy_before, [M.disk_busy_ticks(d) for d in swap_devices]))
+                outside_steps(lambda: self.save(step + 1, position, losses))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step / step_s:.0f}")
