@@ -13,7 +13,8 @@ tokens/s against the measured, and NVMe bytes per step where the timed steps are
 ``bench/results/plan_accuracy/rows.jsonl`` (one row per cell), ``rates.json`` (the rates used, with how each was
 obtained) and ``summary.md`` (fractions and every miss). The issue's targets: feasibility right in >= 95% of
 cells; host memory within 15% of >= 80% of ok cells; tokens/s within 30% in >= 80% of the sweeps' ok 1-rank cells
-(with more ranks, where collectives are not modelled, the prediction is held as a lower bound on step time).
+(with more ranks, where collectives are not modelled, a cell may run slower than predicted but not more than
+30% faster).
 """
 
 from __future__ import annotations
