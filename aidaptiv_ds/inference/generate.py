@@ -315,6 +315,7 @@ class Generator:
             weight_bytes=self.source.nbytes,
             resident_bytes=w.resident_bytes,
             streamed_bytes_per_pass=w.streamed_bytes,
+            by_rows_bytes=w.by_rows_bytes,
             slots=w.slot_count,
             slot_bytes=w.slot_bytes,
             host_budget=w.host_budget,

@@ -82,6 +82,23 @@ class WeightSource:
 
         read_pieces(entry.pieces, memoryview(out.numpy()), f"tensor {name}", ModelSourceError)
 
+    def read_range_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Copy bytes ``start`` .. ``start + out.numel()`` of tensor ``name`` into ``out`` (contiguous CPU uint8):
+        a table too large for one buffer is laid out piece by piece."""
+        entry = self.tensors[name]
+        end = start + out.numel()
+        if out.dtype != torch.uint8 or start < 0 or end > entry.nbytes:
+            raise ValueError(f"read_range_into {name}: bytes {start}..{end} of a tensor of {entry.nbytes}")
+        from aidaptiv_ds.job.export import read_pieces
+
+        pieces, pos = [], 0  # the part of each piece that falls in [start, end)
+        for src, offset, nbytes in entry.pieces:
+            lo, hi = max(start, pos), min(end, pos + nbytes)
+            if lo < hi:
+                pieces.append((src, offset + lo - pos, hi - lo))
+            pos += nbytes
+        read_pieces(pieces, memoryview(out.numpy()), f"tensor {name}", ModelSourceError)
+
 
 def _file_identity(path: str, header: bytes) -> str:
     st = os.stat(path)

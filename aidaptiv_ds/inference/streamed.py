@@ -12,9 +12,12 @@ and norms), and every other module with parameters of its own (embeddings, final
 those. Groups run in the model's module order, once per forward pass.
 
 Which groups stay resident: all of them when they fit the host budget. Otherwise the groups outside the layer
-list (used at every step; the embedding lookup needs a few rows of a large table) and as many layers as fit stay
-resident, and the other layers are laid into one swap file of the swap space, each layer one contiguous, 4 KiB
-aligned extent, so that bringing one in is one request of the I/O engine. Those layers are streamed through a
+list (used at every step) and as many layers as fit stay resident, and the other layers are laid into one swap
+file of the swap space, each layer one contiguous, 4 KiB aligned extent, so that bringing one in is one request
+of the I/O engine. The exception is an input embedding table not tied to the head: a step needs only the rows of
+its tokens, so the table is laid into the swap file too and its forward reads those rows (a few KiB a token)
+into a small row buffer; the budget it would have held keeps layers resident instead (tinyllama's 262 MB table is
+a layer and a half, read every step otherwise). Those layers are streamed through a
 ring of equal slots taken from the same pinned pool: a layer's forward pre-hook waits for its read, binds its
 parameters to views of the slot, and issues reads of the next streamed layers into every free slot (cyclic: the
 last layer's read-ahead is the first streamed layer of the next token), and its forward hook gives the slot
@@ -48,6 +51,13 @@ from aidaptiv_ds.swap.space import SwapSpace
 log = logging.getLogger(__name__)
 
 _TENSOR_ALIGN = 64  # every tensor of a group starts on a cache line, whatever the dtype
+_ROW_BUFFER_MAX = 8 << 20  # the row buffer of a table read by rows: a long prompt's rows go through it in turns
+
+
+def _row_buffer_bytes(g: "_Group") -> int:
+    """The pinned buffer a table read by rows needs: a sixteenth of the table up to 8 MiB, and at least one row
+    with the 4 KiB pages on either side of it (O_DIRECT reads whole pages)."""
+    return max(align_up(g.row_bytes) + 2 * ALIGN, min(_ROW_BUFFER_MAX, align_up(g.nbytes // 16)))
 
 
 class HostBudgetTooSmall(ValueError):
@@ -75,6 +85,8 @@ class _Group:
     nbytes: int = 0  # aligned size of the group's bytes
     is_layer: bool = False
     resident: bool = True
+    by_rows: bool = False  # an embedding table in the swap file, its rows read per forward
+    row_bytes: int = 0
     buffer: Optional[torch.Tensor] = None  # resident groups: their bytes
     extent: object = None  # streamed groups: their extent of the swap file
 
@@ -113,8 +125,9 @@ class StreamedWeights:
     """The weights of ``model`` (built empty) from ``source``, resident or streamed as the budget allows.
 
     ``dtype`` converts floating-point weights when they are laid out (None keeps the source's).
-    ``stats`` counts what moved: ``bytes_read`` (from the swap file), ``reads``, ``wait_s`` (time the compute
-    waited for a read), ``layout_s`` and ``layout_bytes``."""
+    ``stats`` counts what moved: ``bytes_read`` and ``reads`` (from the swap file, everything), of them
+    ``rows_bytes_read`` and ``rows_reads`` (embedding rows), ``wait_s`` (time the compute waited for a read),
+    ``layout_s`` and ``layout_bytes``."""
 
     def __init__(
         self,
@@ -129,10 +142,20 @@ class StreamedWeights:
     ):
         self.model, self.source, self.device = model, source, torch.device(device)
         self.host_budget = int(host_budget)
-        self.stats = {"bytes_read": 0, "reads": 0, "wait_s": 0.0, "layout_s": 0.0, "layout_bytes": 0}
+        self.stats = {
+            "bytes_read": 0,
+            "reads": 0,
+            "rows_bytes_read": 0,
+            "rows_reads": 0,
+            "wait_s": 0.0,
+            "layout_s": 0.0,
+            "layout_bytes": 0,
+        }
         self._hooks: list = []
         self._progress = progress or (lambda msg: None)
         self.groups = _groups_of(model)
+        self.row_buffer_bytes = 0
+        self.row_buffer: Optional[torch.Tensor] = None
         self._bind_sources(dtype)
         self._plan(max_slots)
         self.pool = PinnedPool(self._pool_bytes())
@@ -224,7 +247,12 @@ class StreamedWeights:
             for g in self.groups
             if g.is_layer and not any(m.tied_to is not None or id(m.module) in tied for m in g.members)
         ]
-        others = sum(g.nbytes for g in self.groups if g not in layers)
+        outside = [g for g in self.groups if g not in layers]
+        for g in outside:
+            g.by_rows = self._reads_by_rows(g, tied)
+            g.resident = not g.by_rows
+        self.row_buffer_bytes = max((_row_buffer_bytes(g) for g in outside if g.by_rows), default=0)
+        others = sum(g.nbytes for g in outside if not g.by_rows) + self.row_buffer_bytes
         if not layers:
             raise HostBudgetTooSmall(
                 f"host budget {format_size(self.host_budget)} is below the model's {format_size(total)} and the "
@@ -235,8 +263,9 @@ class StreamedWeights:
         if need > self.host_budget:
             raise HostBudgetTooSmall(
                 f"host budget {format_size(self.host_budget)} is too small for this model: it needs at least "
-                f"{format_size(need)} (embeddings, final norm and head resident, {format_size(others)}, plus two "
-                f"layers in flight, {format_size(slot)} each): give --host-budget {format_size(need)} or more"
+                f"{format_size(need)} (what every step uses resident, {format_size(others)}: "
+                f"{self._outside_words(outside)}; plus two layers in flight, {format_size(slot)} each): give "
+                f"--host-budget {format_size(need)} or more"
             )
         left = self.host_budget - others
         # Two slots keep the disk busy (while layer i computes, layer i+1 is read; when i ends, i+2 is issued
@@ -255,13 +284,45 @@ class StreamedWeights:
             return
         self.slot_bytes, self.slot_count = slot, slots
 
+    @staticmethod
+    def _reads_by_rows(g: _Group, tied: set) -> bool:
+        """Whether group ``g`` is an input embedding table worth reading by rows: an ``nn.Embedding`` whose one
+        weight no other module shares (a tied head needs the whole table every step) and that does not
+        renormalise rows in place (``max_norm``), at least twice the size of the row buffer it needs instead."""
+        m = g.members
+        if not isinstance(g.module, torch.nn.Embedding) or len(m) != 1 or g.module.max_norm is not None:
+            return False
+        if m[0].tied_to is not None or not m[0].name or id(g.module) in tied or len(m[0].shape) != 2:
+            return False
+        g.row_bytes = m[0].shape[1] * m[0].dtype.itemsize
+        return g.nbytes >= 2 * _row_buffer_bytes(g)
+
+    def _outside_words(self, outside: List[_Group]) -> str:
+        kept = [g.label for g in outside if not g.by_rows]
+        rows = [g.label for g in outside if g.by_rows]
+        words = ", ".join(kept) or "nothing"
+        if rows:
+            words += f", and a row buffer for {', '.join(rows)} (read by rows)"
+        return words
+
     def _pool_bytes(self) -> int:
         resident = sum(g.nbytes for g in self.groups if g.resident)
-        return max(ALIGN, resident + self.slot_count * self.slot_bytes)
+        return max(ALIGN, resident + self.slot_count * self.slot_bytes + self.row_buffer_bytes)
 
     @property
     def streamed_groups(self) -> List[_Group]:
-        return [g for g in self.groups if not g.resident]
+        """The layers read whole every forward pass, in order."""
+        return [g for g in self.groups if not g.resident and not g.by_rows]
+
+    @property
+    def row_groups(self) -> List[_Group]:
+        """The embedding tables read by rows."""
+        return [g for g in self.groups if g.by_rows]
+
+    @property
+    def by_rows_bytes(self) -> int:
+        """Bytes of the tables read by rows (in the swap file, not in memory)."""
+        return sum(g.nbytes for g in self.row_groups)
 
     @property
     def streamed_bytes(self) -> int:
@@ -299,17 +360,25 @@ class StreamedWeights:
                 self._bind(g, g.buffer)
         self.stats["layout_bytes"] = self.resident_bytes
         streamed = self.streamed_groups
-        if streamed and not nvme_path:
+        if (streamed or self.row_groups) and not nvme_path:
             raise HostBudgetTooSmall(
                 f"the weights ({format_size(self.source.nbytes)}) do not fit the host budget "
                 f"{format_size(self.host_budget)}: give --nvme-path DIR (a folder on the NVMe SSD) to stream "
                 f"{format_size(self.streamed_bytes)} of them from, or a --host-budget above "
                 f"{format_size(sum(g.nbytes for g in self.groups))}"
             )
-        if streamed:
+        if streamed or self.row_groups:
             os.makedirs(nvme_path, exist_ok=True)
             self.space = SwapSpace(nvme_path, rank=0)
             self.file = self.space.create_file("weights", self.engine)
+        if self.row_groups:
+            self.row_buffer = self.pool.allocate(self.row_buffer_bytes)
+            for g in self.row_groups:
+                self._lay_out_rows(g)
+                self._bind_placeholder(g)
+                self.stats["layout_bytes"] += g.nbytes
+                self._progress(f"laid out {g.label} (read by rows)")
+        if streamed:
             for _ in range(self.slot_count):
                 slot = _Slot(self.pool.allocate(self.slot_bytes))
                 if self.device.type == "cuda":
@@ -341,6 +410,100 @@ class StreamedWeights:
                     m.module._parameters[m.attr] = module._parameters[attr]
         self.stats["layout_s"] = time.perf_counter() - start
 
+    def _lay_out_rows(self, g: _Group) -> None:
+        """Write table ``g`` into its extent through the row buffer, a buffer's worth at a time."""
+        m = g.members[0]
+        entry = self.source.tensors[m.name]
+        assert m.offset == 0, "a table read by rows is its group's one tensor"
+        g.extent = self.file.allocate(g.nbytes)
+        buf = self.row_buffer
+        chunk = buf.numel()  # a multiple of 4 KiB, so every chunk but the last is whole elements and pages
+        src_item, dst_item = entry.dtype.itemsize, m.dtype.itemsize
+        for b0 in range(0, m.nbytes, chunk):
+            b1 = min(m.nbytes, b0 + chunk)
+            dst = buf[: b1 - b0]
+            if entry.dtype == m.dtype:
+                self.source.read_range_into(m.name, b0, dst)
+            else:
+                tmp = torch.empty((b1 - b0) // dst_item * src_item, dtype=torch.uint8)
+                self.source.read_range_into(m.name, b0 // dst_item * src_item, tmp)
+                dst.view(m.dtype).copy_(tmp.view(entry.dtype))
+            n = align_up(b1 - b0)
+            buf[b1 - b0 : n].zero_()
+            self.engine.write(buf[:n], self.file.handle, g.extent.offset + b0)
+
+    def _bind_placeholder(self, g: _Group) -> None:
+        """Between forwards a table read by rows is one value seen at every position: its parameter keeps the
+        table's shape, dtype and device (``model.device`` and ``model.dtype`` read them) without its bytes."""
+        m = g.members[0]
+        t = torch.zeros(1, dtype=m.dtype, device=self.device).expand(m.shape)
+        m.module._parameters[m.attr] = torch.nn.Parameter(t, requires_grad=False)
+
+    def _read_rows(self, g: _Group, ids: List[int]) -> torch.Tensor:
+        """Rows ``ids`` (sorted, distinct) of table ``g`` from the swap file, as a [len(ids), width] tensor.
+
+        Consecutive ids are one run of bytes; each run is read with the 4 KiB pages around it, runs whose pages
+        touch share one read, and the reads fill the row buffer before they are waited for together."""
+        m = g.members[0]
+        row = g.row_bytes
+        out = torch.empty((len(ids), m.shape[1]), dtype=m.dtype)
+        out_bytes = out.view(-1).view(torch.uint8)
+        buf = self.row_buffer
+        cap = buf.numel()
+        most = max(1, (cap - 2 * ALIGN) // row)  # rows of one run one read can hold
+        spans: list = []  # [position in the buffer, first byte, end byte] of each read
+        copies: list = []  # (first output row, first byte, rows, span index)
+
+        def flush() -> None:
+            if not spans:
+                return
+            t0 = time.perf_counter()
+            requests = [
+                self.engine.read_async(buf[p : p + a1 - a0], self.file.handle, g.extent.offset + a0)
+                for p, a0, a1 in spans
+            ]
+            failed = None
+            for r in requests:  # every read is waited for, so none still writes the buffer when one fails
+                try:
+                    r.wait()
+                except OSError as e:
+                    failed = failed or e
+            self.stats["wait_s"] += time.perf_counter() - t0
+            if failed is not None:
+                raise failed
+            nbytes = sum(a1 - a0 for _, a0, a1 in spans)
+            self.stats["reads"] += len(spans)
+            self.stats["rows_reads"] += len(spans)
+            self.stats["bytes_read"] += nbytes
+            self.stats["rows_bytes_read"] += nbytes
+            for k, start, count, j in copies:
+                p, a0, _ = spans[j]
+                at = p + start - a0
+                out_bytes[k * row : (k + count) * row].copy_(buf[at : at + count * row])
+            spans.clear()
+            copies.clear()
+
+        i, n = 0, len(ids)
+        while i < n:
+            first, count = ids[i], 1
+            while i + count < n and ids[i + count] == first + count and count < most:
+                count += 1
+            start = first * row
+            a0, a1 = start // ALIGN * ALIGN, align_up(start + count * row)
+            last = spans[-1] if spans else None
+            if last is not None and a0 <= last[2] and last[0] + max(a1, last[2]) - last[1] <= cap:
+                last[2] = max(a1, last[2])  # its pages touch the previous read's: one read
+            else:
+                used = last[0] + last[2] - last[1] if last is not None else 0
+                if used + a1 - a0 > cap:
+                    flush()
+                    used = 0
+                spans.append([used, a0, a1])
+            copies.append((i, start, count, len(spans) - 1))
+            i += count
+        flush()
+        return out
+
     @staticmethod
     def _bind(g: _Group, buffer: torch.Tensor) -> None:
         for m in g.members:
@@ -353,7 +516,12 @@ class StreamedWeights:
 
     def attach(self) -> None:
         """Register the hooks that stream the non-resident groups (nothing to do when all are resident)."""
-        if not self.slots or self._hooks:
+        if self._hooks:
+            return
+        for g in self.row_groups:
+            self._hooks.append(g.module.register_forward_pre_hook(self._make_rows_pre_hook(g), with_kwargs=True))
+            self._hooks.append(g.module.register_forward_hook(self._make_rows_post_hook(g)))
+        if not self.slots:
             return
         self._order = self.streamed_groups
         self._position = {g.index: i for i, g in enumerate(self._order)}
@@ -387,6 +555,41 @@ class StreamedWeights:
             self.stats["reads"] += 1
             self.stats["bytes_read"] += g.nbytes
             self._next_to_issue = (self._next_to_issue + 1) % len(self._order)
+
+    def _make_rows_pre_hook(self, g: _Group):
+        m = g.members[0]
+        vocab = m.shape[0]
+
+        def pre_hook(module, args, kwargs):
+            ids = args[0] if args else kwargs["input"]
+            flat = ids.reshape(-1).cpu()
+            rows, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+            if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= vocab):
+                bad = int(rows[0]) if int(rows[0]) < 0 else int(rows[-1])
+                raise IndexError(f"token id {bad} is outside {g.label}'s table of {vocab} rows")
+            table = self._read_rows(g, rows.tolist())
+            if self.device.type != "cpu":
+                table, inverse = table.to(self.device), inverse.to(self.device)
+            m.module._parameters[m.attr] = torch.nn.Parameter(table, requires_grad=False)
+            # The rows are renumbered 0..n-1, so a padding row's number may be past the small table; it only
+            # matters to gradients, and generation has none.
+            module.padding_idx = None
+            inverse = inverse.view(ids.shape)
+            if args:
+                return (inverse, *args[1:]), kwargs
+            return args, dict(kwargs, input=inverse)
+
+        return pre_hook
+
+    def _make_rows_post_hook(self, g: _Group):
+        padding_idx = g.module.padding_idx
+
+        def post_hook(module, args, output):
+            module.padding_idx = padding_idx
+            self._bind_placeholder(g)
+            return None
+
+        return post_hook
 
     def _make_pre_hook(self, g: _Group):
         def pre_hook(module, args):

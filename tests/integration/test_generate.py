@@ -110,7 +110,14 @@ def test_streamed_greedy_tokens_are_the_in_memory_models(models, tmp_path, kind)
     # of the next pass's first layers that the slots took at the end.
     passes = max(r.new_tokens for r in results)
     per_pass = st["streamed_bytes_per_pass"]
-    assert passes * per_pass <= st["bytes_read"] <= passes * per_pass + st["slots"] * st["slot_bytes"], st
+    layers_read = st["bytes_read"] - st["rows_bytes_read"]
+    assert passes * per_pass <= layers_read <= passes * per_pass + st["slots"] * st["slot_bytes"], st
+    if kind == "untied":  # the input embedding is read by rows: a read of a few pages per pass, not the table
+        assert st["by_rows_bytes"] == 512 * HIDDEN * 4 and st["resident_bytes"] < st["weight_bytes"] - per_pass
+        # at most a read per prompt and pass (the prompts' rows share reads), far from the table each pass
+        assert 0 < st["rows_bytes_read"] < passes * st["by_rows_bytes"] / 4 and st["rows_reads"] <= 2 * passes + 1
+    else:  # a table tied to the head is read whole every step anyway: resident
+        assert st["by_rows_bytes"] == 0 and st["rows_bytes_read"] == 0, st
     assert not os.path.exists(tmp_path / "nvme" / "aidaptiv-swap" / "rank0" / "lock")  # closed and cleaned
 
 
@@ -122,6 +129,36 @@ def test_bf16_conversion_matches_the_in_memory_bf16_model(models, tmp_path):
         assert g.stats()["streamed_bytes_per_pass"] > 0
         got = [r.token_ids for r in g.generate(PROMPTS[:1], max_new_tokens=8)]
     assert got == _reference(folder, PROMPTS[:1], 8, dtype=torch.bfloat16)
+
+
+def test_embedding_rows_read_from_the_ssd_are_the_tables(tmp_path):
+    """Rows of a table whose row size does not divide a 4 KiB page, read as one row, a scattered set, the last
+    row, nothing, and the whole table (runs longer than the row buffer, many buffers), equal the saved table; and
+    generation with it equals the in-memory model's."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.models.tokenizer import save_byte_tokenizer
+
+    cfg = LlamaConfig(
+        hidden_size=200, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=3001, max_position_embeddings=256, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    folder = str(tmp_path / "wide")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    save_byte_tokenizer(folder)
+    table = load_file(os.path.join(folder, "model.safetensors"))["model.embed_tokens.weight"]
+    with Generator(folder, host_budget="4MiB", nvme_path=str(tmp_path / "nvme"), device="cpu") as gen:
+        w = gen.weights
+        (g,) = w.row_groups
+        assert g.row_bytes == 800 and w.row_buffer_bytes < g.nbytes / 8
+        for ids in ([7], [0, 5, 6, 7, 900, 901, 2999], [3000], [], list(range(3001))):
+            assert torch.equal(w._read_rows(g, ids), table[ids]), ids
+        assert w.stats["rows_reads"] > 3001 * 800 // w.row_buffer_bytes  # the whole table took many buffers
+        got = [r.token_ids for r in gen.generate(PROMPTS[:1], max_new_tokens=6)]
+    assert got == _reference(folder, PROMPTS[:1], 6)
 
 
 def test_everything_resident_when_it_fits(models, tmp_path):
