@@ -12,6 +12,15 @@ if ! command -v chromium >/dev/null 2>&1 && [ -z "${AIDAPTIV_CHROMIUM:-}" ]; the
   fi
 fi
 venv=${AIDAPTIV_VENV:-.venv}
-# DeepSpeed builds its CPU Adam and async_io ops just in time; keep them between runs.
+# DeepSpeed builds its CPU Adam and async_io ops just in time; keep them between runs, and build them once
+# here (minutes on a fresh clone), so that a failed build is said once, up front, instead of in whichever test
+# first needs an op, and the tests' durations are the tests'.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
+echo "test: building DeepSpeed's just-in-time ops (cached in $TORCH_EXTENSIONS_DIR)"
+"$venv/bin/python" -c 'import os
+from aidaptiv_ds.harness.prebuild import OPS, prebuild, put_build_tools_first
+env = dict(os.environ)
+put_build_tools_first(env)  # the ninja the tests build with (tests/conftest.py): no rebuild in the tests
+for line in prebuild(set(OPS), env):
+    print("test:", line)'
 exec "$venv/bin/python" -m pytest tests "$@"
