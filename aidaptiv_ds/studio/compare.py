@@ -5,6 +5,7 @@ their text read as they print it (token by token), their figures from --metrics-
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,11 +82,13 @@ def side_by_side(
     if not prompt.strip():
         raise StudioError("type a prompt first")
     with tempfile.TemporaryDirectory(prefix="aidaptiv-studio-compare-") as tmp:
-        sides = [
-            _Side(m, prompt, max_new_tokens, Path(tmp), tag, host_budget, nvme_path)
-            for m, tag in ((model_a, "a"), (model_b, "b"))
-        ]
+        # A swap folder of this compare's own (named like its temporary folder), so that two compares at once
+        # (two browser tabs) do not meet on one swap space, removed with what a killed side left in it.
+        swap = Path(nvme_path) / Path(tmp).name if nvme_path else None
+        sides = []
         try:
+            for m, tag in ((model_a, "a"), (model_b, "b")):
+                sides.append(_Side(m, prompt, max_new_tokens, Path(tmp), tag, host_budget, swap))
             while True:
                 finished = all(s.done() for s in sides)
                 yield sides[0].text, sides[1].text, sides[0].summary(), sides[1].summary()
@@ -95,3 +98,7 @@ def side_by_side(
         finally:
             for s in sides:
                 s.kill()
+            for s in sides:
+                s.proc.wait()
+            if swap is not None:
+                shutil.rmtree(swap, ignore_errors=True)

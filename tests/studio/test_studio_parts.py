@@ -467,3 +467,41 @@ def test_the_plans_full_fine_tuning_verdict_gates_full_runs_only():
     assert "cannot fit this job: NVMe space: needs 218.2 GiB" in launch_refusal(no, "full")
     assert launch_refusal(no, "lora") is None
     assert launch_refusal(yes, "full") is None and launch_refusal(yes, "lora") is None
+
+
+def test_two_compares_at_once_use_swap_folders_of_their_own_and_leave_none(tmp_path, monkeypatch):
+    """Two browser tabs comparing at once: each compare's generate processes get a swap folder of their own
+    under the workspace's swap (one would refuse the other's lock otherwise), removed when the compare ends."""
+    import io
+
+    from aidaptiv_ds.studio import compare
+
+    started = []
+
+    class Finished:  # a generate process that has printed its text and ended
+        def __init__(self, argv, **kw):
+            started.append(argv)
+            nvme = argv[argv.index("--nvme-path") + 1]
+            os.makedirs(os.path.join(nvme, "aidaptiv-swap"))  # what a killed side would leave
+            self.stdout, self.stderr, self.returncode = io.BytesIO(b"text"), io.BytesIO(b""), 0
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(compare.subprocess, "Popen", Finished)
+    swap = tmp_path / "swap"
+    first = compare.side_by_side("a", "b", "hello", 4, None, str(swap), every_s=0)
+    second = compare.side_by_side("a", "b", "hello", 4, None, str(swap), every_s=0)
+    shown = next(first), next(second)  # both compares running
+    nvme = [argv[argv.index("--nvme-path") + 1] for argv in started]
+    assert len(nvme) == 4 and len(set(nvme)) == 4, nvme
+    assert all(p.startswith(str(swap)) for p in nvme)
+    assert [out[:2] for out in shown] == [("text", "text")] * 2
+    list(first), list(second)  # both end
+    assert not os.listdir(swap), os.listdir(swap)
