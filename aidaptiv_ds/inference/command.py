@@ -154,12 +154,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         st = gen.stats()
         if not args.quiet:
-            by_rows = f", {format_size(st['by_rows_bytes'])} of embedding read by rows" if st["by_rows_bytes"] else ""
+            split = [f"{format_size(st['resident_bytes'])} resident"]
+            if st["slots"]:
+                split.append(
+                    f"{format_size(st['streamed_bytes_per_pass'])} streamed per step through {st['slots']} slots"
+                )
+            if st["by_rows_bytes"]:
+                split.append(f"{format_size(st['by_rows_bytes'])} of embedding read by rows")
             print(
-                f"aidaptiv-ds generate: {format_size(st['weight_bytes'])} of weights, {format_size(st['resident_bytes'])} "
-                f"resident, {format_size(st['streamed_bytes_per_pass'])} streamed per step through {st['slots']} "
-                f"slots{by_rows} (host budget {format_size(st['host_budget'])}, laid out in {st['layout_s']:.1f} s, "
-                f"{st['device']})",
+                f"aidaptiv-ds generate: {format_size(st['weight_bytes'])} of weights, {', '.join(split)} (host budget "
+                f"{format_size(st['host_budget'])}, laid out in {st['layout_s']:.1f} s, {st['device']})",
                 file=sys.stderr,
                 flush=True,
             )

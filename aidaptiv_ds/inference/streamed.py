@@ -16,7 +16,7 @@ list (used at every step) and as many layers as fit stay resident, and the other
 file of the swap space, each layer one contiguous, 4 KiB aligned extent, so that bringing one in is one request
 of the I/O engine. The exception is an input embedding table not tied to the head: a step needs only the rows of
 its tokens, so the table is laid into the swap file too and its forward reads those rows (a few KiB a token)
-into a small row buffer; the budget it would have held keeps layers resident instead (tinyllama's 262 MB table is
+into a small row buffer, directly rather than behind the layers' read-ahead in the engine's queue; the budget it would have held keeps layers resident instead (tinyllama's 262 MB table is
 a layer and a half, read every step otherwise). Those layers are streamed through a
 ring of equal slots taken from the same pinned pool: a layer's forward pre-hook waits for its read, binds its
 parameters to views of the slot, and issues reads of the next streamed layers into every free slot (cyclic: the
@@ -35,6 +35,7 @@ disk when the file grows) and the pinned pool are the training path's own.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -88,7 +89,7 @@ class _Group:
     by_rows: bool = False  # an embedding table in the swap file, its rows read per forward
     row_bytes: int = 0
     buffer: Optional[torch.Tensor] = None  # resident groups: their bytes
-    extent: object = None  # streamed groups: their extent of the swap file
+    extent: object = None  # streamed groups and tables read by rows: their extent of the swap file
 
 
 @dataclass(eq=False)
@@ -156,6 +157,7 @@ class StreamedWeights:
         self.groups = _groups_of(model)
         self.row_buffer_bytes = 0
         self.row_buffer: Optional[torch.Tensor] = None
+        self._row_fd: Optional[int] = None
         self._bind_sources(dtype)
         self._plan(max_slots)
         self.pool = PinnedPool(self._pool_bytes())
@@ -248,8 +250,12 @@ class StreamedWeights:
             if g.is_layer and not any(m.tied_to is not None or id(m.module) in tied for m in g.members)
         ]
         outside = [g for g in self.groups if g not in layers]
+        try:
+            token_table = self.model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            token_table = None
         for g in outside:
-            g.by_rows = self._reads_by_rows(g, tied)
+            g.by_rows = g.module is token_table and self._reads_by_rows(g, tied)
             g.resident = not g.by_rows
         self.row_buffer_bytes = max((_row_buffer_bytes(g) for g in outside if g.by_rows), default=0)
         others = sum(g.nbytes for g in outside if not g.by_rows) + self.row_buffer_bytes
@@ -286,9 +292,11 @@ class StreamedWeights:
 
     @staticmethod
     def _reads_by_rows(g: _Group, tied: set) -> bool:
-        """Whether group ``g`` is an input embedding table worth reading by rows: an ``nn.Embedding`` whose one
-        weight no other module shares (a tied head needs the whole table every step) and that does not
-        renormalise rows in place (``max_norm``), at least twice the size of the row buffer it needs instead."""
+        """Whether group ``g``, the model's token embedding (``get_input_embeddings``: its forward takes the
+        token ids; a positional table such as OPT's takes a mask and offsets), is worth reading by rows: an
+        ``nn.Embedding`` whose one weight no other module shares (a tied head needs the whole table every step)
+        and that does not renormalise rows in place (``max_norm``), at least twice the size of the row buffer it
+        needs instead."""
         m = g.members
         if not isinstance(g.module, torch.nn.Embedding) or len(m) != 1 or g.module.max_norm is not None:
             return False
@@ -364,7 +372,7 @@ class StreamedWeights:
             raise HostBudgetTooSmall(
                 f"the weights ({format_size(self.source.nbytes)}) do not fit the host budget "
                 f"{format_size(self.host_budget)}: give --nvme-path DIR (a folder on the NVMe SSD) to stream "
-                f"{format_size(self.streamed_bytes)} of them from, or a --host-budget above "
+                f"{format_size(self.streamed_bytes + self.by_rows_bytes)} of them from, or a --host-budget above "
                 f"{format_size(sum(g.nbytes for g in self.groups))}"
             )
         if streamed or self.row_groups:
@@ -458,19 +466,9 @@ class StreamedWeights:
             if not spans:
                 return
             t0 = time.perf_counter()
-            requests = [
-                self.engine.read_async(buf[p : p + a1 - a0], self.file.handle, g.extent.offset + a0)
-                for p, a0, a1 in spans
-            ]
-            failed = None
-            for r in requests:  # every read is waited for, so none still writes the buffer when one fails
-                try:
-                    r.wait()
-                except OSError as e:
-                    failed = failed or e
+            for p, a0, a1 in spans:
+                self._pread_rows(p, a1 - a0, g.extent.offset + a0)
             self.stats["wait_s"] += time.perf_counter() - t0
-            if failed is not None:
-                raise failed
             nbytes = sum(a1 - a0 for _, a0, a1 in spans)
             self.stats["reads"] += len(spans)
             self.stats["rows_reads"] += len(spans)
@@ -504,6 +502,41 @@ class StreamedWeights:
         flush()
         return out
 
+    def _pread_rows(self, at: int, nbytes: int, offset: int) -> None:
+        """Read ``nbytes`` of the swap file at ``offset`` into the row buffer at ``at``, now.
+
+        Not through the engine: its queue is first in, first out, and at the start of a step it holds the
+        read-ahead of the next streamed layers (hundreds of MB), which a lookup of a few KiB would wait behind,
+        with the disk idle while the resident layers compute after it. O_DIRECT where the file system has it, so
+        the page cache holds nothing of the table."""
+        if self._row_fd is None:
+            try:
+                self._row_fd = os.open(self.file.path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._row_fd = os.open(self.file.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._row_view = memoryview(self.row_buffer.numpy())
+        done = 0
+        while done < nbytes:
+            try:
+                got = os.preadv(self._row_fd, [self._row_view[at + done : at + nbytes]], offset + done)
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"reading embedding rows from swap file {self.file.path} at byte {offset + done} failed: "
+                    f"{os.strerror(e.errno)}; check the disk (dmesg) and run again",
+                    self.file.path,
+                ) from None
+            if got == 0:
+                raise OSError(
+                    errno.EIO,
+                    f"swap file {self.file.path} ends at byte {offset + done}, inside the embedding table: it was "
+                    "truncated while this process ran; run again",
+                    self.file.path,
+                )
+            done += got
+
     @staticmethod
     def _bind(g: _Group, buffer: torch.Tensor) -> None:
         for m in g.members:
@@ -520,7 +553,7 @@ class StreamedWeights:
             return
         for g in self.row_groups:
             self._hooks.append(g.module.register_forward_pre_hook(self._make_rows_pre_hook(g), with_kwargs=True))
-            self._hooks.append(g.module.register_forward_hook(self._make_rows_post_hook(g)))
+            self._hooks.append(g.module.register_forward_hook(self._make_rows_post_hook(g), always_call=True))
         if not self.slots:
             return
         self._order = self.streamed_groups
@@ -637,6 +670,9 @@ class StreamedWeights:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._row_fd is not None:
+            os.close(self._row_fd)
+            self._row_fd = None
         for s in self.slots:
             if s.request is not None:
                 try:
