@@ -78,9 +78,7 @@ class WeightSource:
         entry = self.tensors[name]
         if out.numel() != entry.nbytes or out.dtype != torch.uint8:
             raise ValueError(f"read_into {name}: buffer of {out.numel()} bytes for a tensor of {entry.nbytes}")
-        from aidaptiv_ds.job.export import read_pieces
-
-        read_pieces(entry.pieces, memoryview(out.numpy()), f"tensor {name}", ModelSourceError)
+        self.read_range_into(name, 0, out)
 
     def read_range_into(self, name: str, start: int, out: torch.Tensor) -> None:
         """Copy bytes ``start`` .. ``start + out.numel()`` of tensor ``name`` into ``out`` (contiguous CPU uint8):
