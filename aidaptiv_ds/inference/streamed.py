@@ -451,7 +451,8 @@ class StreamedWeights:
         """Rows ``ids`` (sorted, distinct) of table ``g`` from the swap file, as a [len(ids), width] tensor.
 
         Consecutive ids are one run of bytes; each run is read with the 4 KiB pages around it, runs whose pages
-        touch share one read, and the reads fill the row buffer before they are waited for together."""
+        touch share one read, and the reads fill the row buffer before its rows are copied out (a long prompt's
+        rows take several buffer-fulls)."""
         m = g.members[0]
         row = g.row_bytes
         out = torch.empty((len(ids), m.shape[1]), dtype=m.dtype)
