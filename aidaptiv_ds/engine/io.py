@@ -104,7 +104,10 @@ class PinnedPool:
     """One page-locked host allocation with a hard byte budget, handing out 4 KiB-aligned tensors.
 
     Why: O_DIRECT needs aligned buffers; page-locked memory makes host<->GPU copies true DMA; io_uring
-    registers the whole pool once as fixed buffers, saving page pinning on every I/O. Tensors return their
+    registers the whole pool once as fixed buffers, saving page pinning on every I/O. The pool starts on a 2 MiB
+    boundary and asks for transparent huge pages, so a 1 MiB piece of I/O is one physically contiguous DMA
+    segment (in scattered 4 KiB pages the test machine's virtio disk split every piece in two, and reading a
+    3.9 GB file in 176 MiB requests through two reused buffers ran at 1.28 GB/s instead of 2.45). Tensors return their
     block to the pool when freed (the pool lives as long as any of them). Locking is best effort: when the
     locked-memory limit (ulimit -l) is too small the pool still works, and says so once.
     """

@@ -95,3 +95,33 @@ def test_device_copy_needs_a_cuda_build(tmp_path):
         pytest.skip("this build has CUDA: tests/gpu covers the device copies")
     with IOEngine() as engine, pytest.raises(RuntimeError, match="built with CUDA"):
         engine.read_to_device(torch.zeros(10), tmp_path / "x.bin")
+
+
+def _huge_page_bytes(start: int, end: int) -> int:
+    """AnonHugePages of the mappings of this process that overlap [start, end) (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and hi > start
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_pool_is_huge_page_aligned_and_backed():
+    """The pool's base is 2 MiB aligned, and where the kernel offers transparent huge pages the pool is in them
+    (physically contiguous 2 MiB: a 1 MiB I/O piece is one DMA segment, not up to 256)."""
+    pool = PinnedPool(16 << 20)
+    t = pool.allocate(16 << 20)
+    base = t.data_ptr()
+    assert base % (2 << 20) == 0
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages in this kernel")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off on this machine")
+    assert _huge_page_bytes(base, base + t.numel()) > 0
