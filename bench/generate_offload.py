@@ -255,6 +255,7 @@ def main():
     common = {
         "shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes, "budget_bytes": args.budget_bytes,
         "cap_bytes": cap, "new_tokens": args.new_tokens, "machine": summary(machine_info(swap)),
+        "command": " ".join(["python bench/generate_offload.py", *sys.argv[1:]]),
     }  # fmt: skip
     rows = []
 
@@ -400,9 +401,12 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
             ]
         else:
             lines += ["", f"Prompt cache runs failed: {[r.get('error', '')[-300:] for r in kv_rows if r['rc']]}"]
-    flags = [a for a in sys.argv[1:] if a not in ("--kv-only", "--summary-only")]
-    command = "python bench/generate_offload.py " + " ".join(flags)
-    lines += ["", f"Command: `{command}`; the prompt-cache rows measured again with `{command} --kv-only`", ""]
+    # Each row keeps the command that measured it (the prompt cache is often measured again with --kv-only).
+    commands = []
+    for r in rows:
+        if r.get("command") and r["command"] not in commands:
+            commands.append(r["command"])
+    lines += ["", "Commands: " + "; ".join(f"`{c}`" for c in commands), ""]
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

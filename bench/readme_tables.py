@@ -150,7 +150,10 @@ def generate_section():
     return [
         *summary_md("long_sequence", "python bench/long_sequence.py"),
         "",
-        *summary_md("generate_offload", "python bench/generate_offload.py --cap-gib 2"),
+        *summary_md(
+            "generate_offload",
+            "python bench/generate_offload.py --cap-gib 2 --kv-prefix 0 --repeats 5, then --cap-gib 2 --kv-only",
+        ),
         "",
         *summary_md("io_order", "python bench/io_order.py"),
     ]
