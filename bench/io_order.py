@@ -115,6 +115,10 @@ def main():
         f"Medians over all pairs: uring read {med('uring_read_gbps'):.2f} GB/s, write {med('uring_write_gbps'):.2f}; "
         f"deepspeed read {med('deepspeed_read_gbps'):.2f}, write {med('deepspeed_write_gbps'):.2f}.",
         "",
+        "What differs besides the engines: the buffer. Ours is a block of its pinned pool (2 MiB aligned, in "
+        "transparent huge pages where the kernel offers them, so a 1 MiB piece is one DMA segment); DeepSpeed's is "
+        "what its handle's new_cpu_locked_tensor gives (posix_memalign and mlock, 4 KiB pages).",
+        "",
         "Command: `" + " ".join(["python bench/io_order.py", *sys.argv[1:]]) + "`",
         "",
     ]
