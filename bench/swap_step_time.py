@@ -14,7 +14,7 @@ interleaved over the repeats, their order alternating; every figure comes from t
 
     python bench/swap_step_time.py [--repeats 5] [--steps 12] [--out bench/results/swap_step_time]
 
-Writes one JSON row per run to OUT/rows.jsonl and a summary (medians over repeats) to OUT/summary.md.
+Writes one JSON row per run to OUT/rows.jsonl (started afresh) and a summary (medians over repeats) to OUT/summary.md.
 Every run here is our train job; bench/user_paths.py measures the same backends through a plain zero.Init
 script and the Hugging Face Trainer as well.
 """
@@ -156,6 +156,8 @@ def main():
         steps=args.steps,
         warmup=args.warmup,
     )
+    # One run's rows: its bound.json and summary describe it alone (--summary-only reads every row of the file).
+    open(os.path.join(args.out, "rows.jsonl"), "w").close()
     rows = run_interleaved(
         backends,
         args.repeats,
