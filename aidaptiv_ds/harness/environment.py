@@ -4,8 +4,9 @@
 
 Package versions (aidaptiv-ds and its engine, torch, DeepSpeed, transformers, PEFT, accelerate, pydantic),
 the CPU and its flags, GPUs and the driver, the swap disk under ``--nvme-path`` (mount, file system, block
-device, free space, whether O_DIRECT works there), the memlock, open-file and file-size limits and the memory
-cgroup, and the rates this machine's cache holds (what ``aidaptiv-ds plan`` measured). Nothing is written;
+device, free space, whether O_DIRECT works there, how many DMA segments and bytes a request may carry), the
+memlock, open-file and file-size limits, the memory cgroup, the transparent huge page mode (whether the pinned pool
+gets 2 MiB pages), and the rates this machine's cache holds (what ``aidaptiv-ds plan`` measured). Nothing is written;
 nothing imports DeepSpeed (its version is read from the installed distribution).
 """
 
@@ -103,12 +104,47 @@ def _limit(which: int) -> dict:
     return {"soft": fmt(soft), "hard": fmt(hard)}
 
 
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_page_facts(path: str = THP_ENABLED) -> dict:
+    """The transparent huge page mode, and what it means for the pinned pool (which asks for huge pages: a 1 MiB
+    I/O piece is then one DMA segment and neighbours merge into larger requests)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        mode = text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        mode = None
+    if mode in ("always", "madvise"):
+        pool = "2 MiB huge pages"
+    else:
+        pool = (
+            "4 KiB pages (transparent huge pages are off or absent): reads and writes through the pool can run at "
+            f"half speed on disks that take few segments a request; set {path} to madvise"
+        )
+    return {"transparent_huge_pages": mode, "pinned_pool_pages": pool}
+
+
+def _queue_limits(device: Optional[str]) -> dict:
+    """The block device's request limits: a request longer than max_segments DMA segments is split."""
+    out = {}
+    for key in ("max_segments", "max_sectors_kb"):
+        try:
+            with open(f"/sys/block/{device}/queue/{key}", encoding="utf-8") as f:
+                out[key] = int(f.read())
+        except (OSError, ValueError, TypeError):
+            out[key] = None
+    return out
+
+
 def disk_facts(path: str) -> dict:
     """The swap disk under ``path``: what the sweep records of it, its free space, and the O_DIRECT check."""
     from aidaptiv_ds.engine.disk import BenchError, check_dir
     from aidaptiv_ds.harness.machine import disk_of
 
     info = disk_of(path)
+    info.update(_queue_limits(info.get("device")))
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and probe != "/":
         probe = os.path.dirname(probe)
@@ -151,6 +187,7 @@ def collect(nvme_path: str) -> dict:
             "ram_gib": round(total_ram_bytes() / 2**30, 1),
             "cgroup_limit_gib": None if _cgroup_memory_limit() is None else round(_cgroup_memory_limit() / 2**30, 1),
             "memlock_bytes": memlock_limit(),
+            **huge_page_facts(),
         },
         "limits": {
             "memlock": _limit(resource.RLIMIT_MEMLOCK),

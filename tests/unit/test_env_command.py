@@ -24,6 +24,24 @@ def test_env_reports_versions_engine_disk_and_limits(tmp_path, capsys):
     assert set(facts["limits"]) == {"memlock", "open_files", "file_size"}
     assert facts["memory"]["ram_gib"] > 0 and facts["cpu"]["cores"] >= 1
     assert "file" in facts["cached_rates"]
+    if facts["swap_disk"]["device"]:  # a block device: its request limits (how I/O pieces are split)
+        assert facts["swap_disk"]["max_segments"] > 0 and facts["swap_disk"]["max_sectors_kb"] > 0
+
+
+def test_env_says_whether_the_pinned_pool_gets_huge_pages(tmp_path):
+    from aidaptiv_ds.harness.environment import huge_page_facts
+
+    for text, mode, pages in (
+        ("always [madvise] never\n", "madvise", "2 MiB huge pages"),
+        ("[always] madvise never\n", "always", "2 MiB huge pages"),
+        ("always madvise [never]\n", "never", "4 KiB pages"),
+    ):
+        f = tmp_path / "enabled"
+        f.write_text(text)
+        facts = huge_page_facts(str(f))
+        assert facts["transparent_huge_pages"] == mode and facts["pinned_pool_pages"].startswith(pages)
+    missing = huge_page_facts(str(tmp_path / "absent"))
+    assert missing["transparent_huge_pages"] is None and "set " in missing["pinned_pool_pages"]
 
 
 def test_env_text_says_where_o_direct_fails(tmp_path, capsys, monkeypatch):
