@@ -329,17 +329,24 @@ def test_a_run_whose_supervisor_is_gone_is_shown_as_lost(tmp_path):
 
 def test_a_training_that_outlived_its_supervisor_is_running_and_stop_interrupts_it(tmp_path):
     ws, _, runs, dead = run_with_a_dead_supervisor(tmp_path)
-    # a stand-in for the training: its own session, as the supervisor starts it; SIGINT ends it with 130
+    # A stand-in for the training: its own session, as the supervisor starts it; SIGINT ends it with 130. SIGINT at
+    # its default first, as the training has it: the supervisor handles SIGINT, so the process it execs starts with
+    # the default, while this one inherits pytest's, which is "ignored" when the suite runs in the background of a
+    # non-interactive shell (the test then waited out its 30 s). It says when it is inside the try.
     train = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    raise SystemExit(130)",
+            "import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+            "    raise SystemExit(130)",
         ],
         start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
-        time.sleep(0.5)
+        assert train.stdout.readline().strip() == "ready"
         status = {"state": "running", "attempt": 1, "supervisor_pid": dead.pid, "supervisor_started": time.time()}
         status.update(train_pid=train.pid, train_started=time.time())
         (ws.runs / "r" / "status.json").write_text(json.dumps(status))
@@ -351,6 +358,7 @@ def test_a_training_that_outlived_its_supervisor_is_running_and_stop_interrupts_
         assert train.wait(timeout=30) == 130
     finally:
         train.kill()
+        train.stdout.close()
 
 
 def test_the_supervisor_passes_a_signal_on_to_the_training(tmp_path):
@@ -377,6 +385,23 @@ def test_the_supervisor_passes_a_signal_on_to_the_training(tmp_path):
         assert st["state"] == "failed" and st["exit_code"] == 3
     finally:
         sup.kill()
+
+
+def test_the_training_answers_sigint_even_when_the_studio_ignores_it(tmp_path):
+    """A studio started in the background of a script ignores SIGINT, and children inherit "ignored" across exec;
+    the supervisor handles SIGINT, so the training it starts has the default, and Stop (SIGINT) reaches it."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    seen = tmp_path / "sigint"
+    code = f"import signal\nopen({str(seen)!r}, 'w').write(str(signal.getsignal(signal.SIGINT) is signal.default_int_handler))\n"
+    (folder / "argv-attempt1.json").write_text(json.dumps([sys.executable, "-c", code]))
+    done = subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds.studio.supervise", str(folder), "1"],
+        env=child_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        timeout=120,
+    )
+    assert done.returncode == 0 and seen.read_text() == "True"
 
 
 def test_a_bad_root_or_password_file_is_refused_with_the_reason(tmp_path):
