@@ -282,7 +282,10 @@ class Runner(seqcap.Runner):
     def _zi_base(self) -> dict:
         from aidaptiv_ds.config import ds_config
 
-        return ds_config.load(os.path.join(self.folders[eqmem.BACKEND], f"{eqmem.BASE}.json"))
+        # Both ZeRO-Infinity variants write the shipped file under its own name; either folder has it (a run of
+        # --variants zero_infinity alone has no eqmem folder).
+        folder = self.folders.get(eqmem.BACKEND) or self.folders["zero_infinity"]
+        return ds_config.load(os.path.join(folder, f"{eqmem.BASE}.json"))
 
 
 def _gb(v) -> str:

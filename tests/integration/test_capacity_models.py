@@ -26,6 +26,19 @@ def bench():
     return module
 
 
+def test_zero_infinity_alone_finds_its_shipped_config(bench, tmp_path):
+    """--variants zero_infinity without zero_infinity_eqmem: the documented config is built from the shipped file
+    in zero_infinity's own folder (it looked only in eqmem's, a KeyError)."""
+    import argparse
+
+    args = argparse.Namespace(
+        variants=["zero_infinity"], ds_configs=os.path.join(REPO, "ds_configs"), out=str(tmp_path)
+    )
+    runner = bench.Runner.__new__(bench.Runner)  # the config folders only: no cgroup, no prebuild
+    runner.folders, runner.flags = bench.Runner.write_configs(args)
+    assert runner._zi_base()["zero_optimization"]["offload_param"]["device"] == "nvme"
+
+
 def test_climb_stops_at_the_first_size_that_does_not_train(bench):
     tried = []
 
