@@ -92,6 +92,11 @@ def io_bench_section():
         out += [
             "",
             f"All {len(rows)} committed runs (io_uring engine read/write bandwidth ratios): " + "; ".join(runs) + ".",
+            "",
+            "The order reverses every repeat, so the engines at the two ends of it run twice in a row at each turn "
+            "(the first of a repeat writes right after its own write of the last), and on this disk a write right after a "
+            "write tends to run slower, which weighs on those engines' medians. For the ratio of two engines, "
+            "bench/io_order.py pairs them with the order alternating (below).",
         ]
     return out
 
