@@ -128,13 +128,12 @@ def huge_page_facts(path: str = THP_ENABLED) -> dict:
 
 def _queue_limits(device: Optional[str]) -> dict:
     """The block device's request limits: a request longer than max_segments DMA segments is split."""
+    from aidaptiv_ds.harness.machine import _read
+
     out = {}
     for key in ("max_segments", "max_sectors_kb"):
-        try:
-            with open(f"/sys/block/{device}/queue/{key}", encoding="utf-8") as f:
-                out[key] = int(f.read())
-        except (OSError, ValueError, TypeError):
-            out[key] = None
+        text = _read(f"/sys/block/{device}/queue/{key}") if device else None
+        out[key] = int(text) if text and text.isdigit() else None
     return out
 
 
