@@ -27,14 +27,18 @@ constexpr uint64_t kHugePage = 2ull << 20;
 
 // Faults in every page now, so that neither the first I/O nor the page-locking below pays for page faults
 // later (what MAP_POPULATE did, which would fault 4 KiB pages before madvise could ask for huge ones).
-void prefault(char* base, uint64_t length) {
+// Returns 0, or the errno of a kernel that could not back the pool (ENOMEM): said as an error, where touching
+// the pages would have called the OOM killer instead.
+int prefault(char* base, uint64_t length) {
 #ifdef MADV_POPULATE_WRITE
-  if (madvise(base, length, MADV_POPULATE_WRITE) == 0) return;
+  if (madvise(base, length, MADV_POPULATE_WRITE) == 0) return 0;
+  if (errno != EINVAL) return errno;
 #endif
   // Kernels before 5.14: touch one byte a page (anonymous memory reads as zero, so a zero keeps it).
   for (uint64_t off = 0; off < length; off += kAlignment) {
     reinterpret_cast<volatile char*>(base)[off] = 0;
   }
+  return 0;
 }
 
 }  // namespace
@@ -65,7 +69,13 @@ PinnedPool::PinnedPool(uint64_t capacity_bytes) {
   if (raw + map_len > base_ + capacity_) munmap(base_ + capacity_, raw + map_len - (base_ + capacity_));
   // Best effort: with transparent huge pages off ("never") the pool is in 4 KiB pages as before.
   madvise(base_, capacity_, MADV_HUGEPAGE);
-  prefault(base_, capacity_);
+  if (const int err = prefault(base_, capacity_)) {
+    munmap(base_, capacity_);
+    base_ = nullptr;
+    throw SystemError(err, "",
+                      "allocating a pinned pool of " + std::to_string(capacity_) + " bytes failed: " +
+                          errno_text(err) + ": free host memory or ask for a smaller pool");
+  }
   free_[0] = capacity_;
 
   std::string cuda_note;
