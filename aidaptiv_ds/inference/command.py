@@ -71,6 +71,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when there is one")
     s.add_argument(
+        "--gpu-budget",
+        default="auto",
+        metavar="SIZE",
+        help="with cuda: GPU memory for weights, what every step uses, two layers in flight and resident layers "
+        "(default auto: three quarters of the GPU memory free; the rest is for activations and the KV cache)",
+    )
+    s.add_argument(
+        "--gpu-mem-cap-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="with cuda: act as if the GPU had only this much memory (torch.cuda.set_per_process_memory_fraction)",
+    )
+    s.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),
@@ -148,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_size=args.kv_cache_size,
             kv_host_budget=args.kv_host_budget,
             progress=_progress(args.quiet),
+            gpu_budget=args.gpu_budget,
+            gpu_mem_cap_gb=args.gpu_mem_cap_gb,
         )
     except (OSError, ValueError) as e:
         return err(str(e))
@@ -155,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         st = gen.stats()
         if not args.quiet:
             split = [f"{format_size(st['resident_bytes'])} resident"]
+            if st["in_host_bytes_per_pass"]:
+                split.append(f"{format_size(st['in_host_bytes_per_pass'])} copied from host memory per step")
             if st["slots"]:
                 split.append(
                     f"{format_size(st['streamed_bytes_per_pass'])} streamed per step through {st['slots']} slots"
@@ -163,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
                 split.append(f"{format_size(st['by_rows_bytes'])} of embedding read by rows")
             print(
                 f"aidaptiv-ds generate: {format_size(st['weight_bytes'])} of weights, {', '.join(split)} (host budget "
-                f"{format_size(st['host_budget'])}, laid out in {st['layout_s']:.1f} s, {st['device']})",
+                f"{format_size(st['host_budget'])}"
+                + (f", GPU budget {format_size(st['device_budget'])}" if st["device_budget"] is not None else "")
+                + f", laid out in {st['layout_s']:.1f} s, {st['device']})",
                 file=sys.stderr,
                 flush=True,
             )

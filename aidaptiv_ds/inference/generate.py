@@ -8,8 +8,10 @@
 
 The model is built empty from its config.json, its weights laid out by
 :class:`aidaptiv_ds.inference.streamed.StreamedWeights` (resident when they fit ``host_budget``, streamed from
-the swap space when not), and generation is transformers' own ``generate`` on that model (greedy, or sampled
-with temperature / top-k / top-p), so the tokens are those the in-memory model gives.
+the swap space when not; on CUDA resident on the GPU within ``gpu_budget``, default three quarters of the GPU
+memory free, then in pinned host memory within ``host_budget``, then from the swap space), and generation is
+transformers' own ``generate`` on that model (greedy, or sampled with temperature / top-k / top-p), so the
+tokens are those the in-memory model gives.
 
 With ``kv_cache`` each prompt runs alone (batch 1): a prompt sharing a prefix with one seen before reads that
 prefix's keys and values from :class:`aidaptiv_ds.inference.kv_store.PrefixKVStore` and computes only the rest;
@@ -76,6 +78,15 @@ def default_host_budget(weight_bytes: int) -> int:
     return min(weight_bytes + (64 << 20), max(512 << 20, total_ram_bytes() // 2))
 
 
+def default_device_budget(device) -> int:
+    """Three quarters of the GPU memory this process may still take (free on the device and within its
+    per-process fraction, ``--gpu-mem-cap-gb``); the other quarter is left to activations and the KV cache."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+    allowed = int(fraction * total) - torch.cuda.memory_reserved(device)
+    return max(0, min(free, allowed)) * 3 // 4
+
+
 class _StepClock:
     """A logits processor that only notes when each new token's logits are ready (it changes nothing)."""
 
@@ -131,6 +142,8 @@ class Generator:
         kv_cache_size=DEFAULT_KV_CACHE_SIZE,
         kv_host_budget=DEFAULT_KV_HOST_BUDGET,
         progress: Optional[Callable[[str], None]] = None,
+        gpu_budget=None,
+        gpu_mem_cap_gb: Optional[float] = None,
     ):
         from aidaptiv_ds.models.tokenizer import HFTokenizer
 
@@ -152,11 +165,32 @@ class Generator:
             if host_budget in (None, "auto")
             else parse_size(host_budget, "--host-budget")
         )
+        device_budget = None
+        if self.device == "cpu" and (gpu_budget not in (None, "auto") or gpu_mem_cap_gb):
+            raise GenerationError("--gpu-budget and --gpu-mem-cap-gb are for --device cuda")
+        if self.device != "cpu":
+            if not torch.cuda.is_available():
+                raise GenerationError(f"--device {self.device}: this torch sees no GPU; use --device cpu")
+            if gpu_mem_cap_gb:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem_cap_gb * 2**30 / total), self.device)
+            device_budget = (
+                default_device_budget(self.device)
+                if gpu_budget in (None, "auto")
+                else parse_size(gpu_budget, "--gpu-budget")
+            )
         self.model = self._build_empty()
         from aidaptiv_ds.inference.streamed import StreamedWeights
 
         self.weights = StreamedWeights(
-            self.model, self.source, budget, nvme_path, device=self.device, dtype=self.dtype, progress=progress
+            self.model,
+            self.source,
+            budget,
+            nvme_path,
+            device=self.device,
+            dtype=self.dtype,
+            progress=progress,
+            device_budget=device_budget,
         )
         self.weights.attach()
         self.kv = None
@@ -315,6 +349,8 @@ class Generator:
             weight_bytes=self.source.nbytes,
             resident_bytes=w.resident_bytes,
             streamed_bytes_per_pass=w.streamed_bytes,
+            in_host_bytes_per_pass=w.in_host_bytes,
+            device_budget=w.device_budget,
             by_rows_bytes=w.by_rows_bytes,
             slots=w.slot_count,
             slot_bytes=w.slot_bytes,

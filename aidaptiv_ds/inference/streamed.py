@@ -11,21 +11,26 @@ parameters fall into *groups*: each element of a decoder's layer list is one gro
 and norms), and every other module with parameters of its own (embeddings, final norm, LM head) is a group of
 those. Groups run in the model's module order, once per forward pass.
 
-Which groups stay resident: all of them when they fit the host budget. Otherwise the groups outside the layer
-list (used at every step) and as many layers as fit stay resident, and the other layers are laid into one swap
-file of the swap space, each layer one contiguous, 4 KiB aligned extent, so that bringing one in is one request
-of the I/O engine. The exception is an input embedding table not tied to the head: a step needs only the rows of
-its tokens, so the table is laid into the swap file too and its forward reads those rows (a few KiB a token)
-into a small row buffer, directly rather than behind the layers' read-ahead in the engine's queue; the budget it would have held keeps layers resident instead (tinyllama's 262 MB table is
-a layer and a half, read every step otherwise). Those layers are streamed through a
-ring of equal slots taken from the same pinned pool: a layer's forward pre-hook waits for its read, binds its
-parameters to views of the slot, and issues reads of the next streamed layers into every free slot (cyclic: the
-last layer's read-ahead is the first streamed layer of the next token), and its forward hook gives the slot
-back. Two slots, so one layer computes while the next is read; the rest of the budget holds resident layers.
+Which groups stay resident (on CPU; CUDA's tiers are below): all of them when they fit the host budget. Otherwise
+the groups outside the layer list (used at every step) and as many layers as fit stay resident, and the other
+layers are laid into one swap file of the swap space, each layer one contiguous, 4 KiB aligned extent, so that
+bringing one in is one request of the I/O engine. The exception is an input embedding table not tied to the head: a
+step needs only the rows of its tokens, so the table is laid into the swap file too and its forward reads those
+rows (a few KiB a token) into a small row buffer, directly rather than behind the layers' read-ahead in the
+engine's queue; the budget it would have held keeps layers resident instead (tinyllama's 262 MB table is a layer
+and a half, read every step otherwise). Those layers are streamed through a ring of equal slots taken from the same
+pinned pool: a layer's forward pre-hook waits for its read, binds its parameters to views of the slot, and issues
+reads of the next streamed layers into every free slot (cyclic: the last layer's read-ahead is the first streamed
+layer of the next token), and its forward hook gives the slot back. Two slots, so one layer computes while the next
+is read; the rest of the budget holds resident layers.
 
 On CUDA each slot has a twin on the GPU: a read slot is copied to its twin on a copy stream (an event orders the
 compute after it), the pinned slot is reused only after that copy's event, and a twin only after the compute of
-the layer it held (an event recorded by the forward hook).
+the layer it held (an event recorded by the forward hook). There are two budgets: the GPU budget holds the
+groups every step uses, the twins and as many layers as fit (resident on the GPU, staged through unpinned memory
+that is freed at once); the host budget holds the pinned slots and, with what is left, layers kept in pinned
+host memory, which the ring copies to their twin each pass without a disk read; only the rest is read from the
+swap file.
 
 Why not the training cache (:class:`aidaptiv_ds.swap.layer_group_cache.LayerGroupCache`): its bookkeeping is for
 parameter partitions that the optimizer writes back; generation only reads, in one fixed cyclic order, so a
@@ -65,6 +70,10 @@ class HostBudgetTooSmall(ValueError):
     """The host budget cannot hold what generation needs resident plus two streamed slots."""
 
 
+class DeviceBudgetTooSmall(ValueError):
+    """The GPU budget cannot hold what every step uses plus the two slots' GPU twins."""
+
+
 @dataclass(eq=False)
 class _Member:
     module: torch.nn.Module
@@ -85,10 +94,11 @@ class _Group:
     members: List[_Member] = field(default_factory=list)
     nbytes: int = 0  # aligned size of the group's bytes
     is_layer: bool = False
-    resident: bool = True
+    resident: bool = True  # bound for good, on the device the model computes on
+    in_host: bool = False  # CUDA: streamed from pinned host memory (no disk read), not from the swap file
     by_rows: bool = False  # an embedding table in the swap file, its rows read per forward
     row_bytes: int = 0
-    buffer: Optional[torch.Tensor] = None  # resident groups: their bytes
+    buffer: Optional[torch.Tensor] = None  # resident and in-host groups: their bytes
     extent: object = None  # streamed groups and tables read by rows: their extent of the swap file
 
 
@@ -126,6 +136,9 @@ class StreamedWeights:
     """The weights of ``model`` (built empty) from ``source``, resident or streamed as the budget allows.
 
     ``dtype`` converts floating-point weights when they are laid out (None keeps the source's).
+    ``device_budget`` (CUDA only; bytes) bounds what stays on the GPU: the groups every step uses, the resident
+    layers and the slots' GPU twins; the host budget then holds the slots and, beyond them, layers kept in
+    pinned host memory and copied to the GPU each pass; the rest comes from the swap file.
     ``stats`` counts what moved: ``bytes_read`` and ``reads`` (from the swap file, everything), of them
     ``rows_bytes_read`` and ``rows_reads`` (embedding rows), ``wait_s`` (time the compute waited for a read),
     ``layout_s`` and ``layout_bytes``."""
@@ -140,9 +153,11 @@ class StreamedWeights:
         dtype: Optional[torch.dtype] = None,
         max_slots: int = 2,
         progress=None,
+        device_budget: Optional[int] = None,
     ):
         self.model, self.source, self.device = model, source, torch.device(device)
         self.host_budget = int(host_budget)
+        self.device_budget = None if self.device.type == "cpu" or device_budget is None else int(device_budget)
         self.stats = {
             "bytes_read": 0,
             "reads": 0,
@@ -237,10 +252,10 @@ class StreamedWeights:
         return module, attr
 
     def _plan(self, max_slots: int) -> None:
-        """Choose resident groups and the number of slots within the host budget."""
+        """Choose resident groups and the number of slots within the host budget (and, on CUDA, the GPU's)."""
         total = sum(g.nbytes for g in self.groups)
         self.slot_bytes, self.slot_count = 0, 0
-        if total <= self.host_budget:
+        if total <= (self.host_budget if self.device_budget is None else self.device_budget):
             return  # everything resident, read once
         # A tie must bind one tensor for good, so layers taking part in one are not streamed.
         tied = {id(m.tied_to[0]) for g in self.groups for m in g.members if m.tied_to is not None}
@@ -260,11 +275,19 @@ class StreamedWeights:
         self.row_buffer_bytes = max((_row_buffer_bytes(g) for g in outside if g.by_rows), default=0)
         others = sum(g.nbytes for g in outside if not g.by_rows) + self.row_buffer_bytes
         if not layers:
+            if self.device_budget is not None:
+                raise DeviceBudgetTooSmall(
+                    f"GPU budget {format_size(self.device_budget)} is below the model's {format_size(total)} and "
+                    "the model has no layer list to stream: give --gpu-budget of at least the model's size"
+                )
             raise HostBudgetTooSmall(
                 f"host budget {format_size(self.host_budget)} is below the model's {format_size(total)} and the "
                 "model has no layer list to stream: give --host-budget of at least the model's size"
             )
         slot = max(g.nbytes for g in layers)
+        if self.device_budget is not None:
+            self._plan_device(layers, outside, others - self.row_buffer_bytes, slot, max_slots)
+            return
         need = others + 2 * slot
         if need > self.host_budget:
             raise HostBudgetTooSmall(
@@ -287,6 +310,41 @@ class StreamedWeights:
         if len(streamed) <= slots:  # the slots could hold every streamed layer: keep them instead
             for g in streamed:
                 g.resident = True
+            return
+        self.slot_bytes, self.slot_count = slot, slots
+
+    def _plan_device(self, layers: List[_Group], outside: List[_Group], others: int, slot: int, max_slots: int):
+        """The CUDA plan: the groups every step uses (``others`` bytes), the slots' GPU twins and as many layers
+        as fit stay on the GPU; the host budget holds the slots, the row buffer and, with what is left, layers in
+        pinned memory (copied to the GPU each pass, no disk read); the other layers are read from the swap file."""
+        need = others + 2 * slot
+        if need > self.device_budget:
+            raise DeviceBudgetTooSmall(
+                f"GPU budget {format_size(self.device_budget)} is too small for this model: it needs at least "
+                f"{format_size(need)} on the GPU (what every step uses, {format_size(others)}: "
+                f"{self._outside_words(outside)}; plus two layers in flight, {format_size(slot)} each): give "
+                f"--gpu-budget {format_size(need)} or more, or use a GPU with more free memory"
+            )
+        host_need = 2 * slot + self.row_buffer_bytes
+        if host_need > self.host_budget:
+            raise HostBudgetTooSmall(
+                f"host budget {format_size(self.host_budget)} is too small for this model: on CUDA it needs at least "
+                f"{format_size(host_need)} (two pinned slots of {format_size(slot)}"
+                + (f" and a row buffer of {format_size(self.row_buffer_bytes)}" if self.row_buffer_bytes else "")
+                + f"): give --host-budget {format_size(host_need)} or more"
+            )
+        slots = max(2, min(max_slots, (self.device_budget - others) // slot, len(layers)))
+        on_gpu = self.device_budget - others - slots * slot
+        in_host = self.host_budget - self.row_buffer_bytes - slots * slot
+        for g in layers:
+            g.resident = g.nbytes <= on_gpu
+            if g.resident:
+                on_gpu -= g.nbytes
+            else:
+                g.in_host = g.nbytes <= in_host
+                if g.in_host:
+                    in_host -= g.nbytes
+        if all(g.resident for g in layers):
             return
         self.slot_bytes, self.slot_count = slot, slots
 
@@ -314,13 +372,26 @@ class StreamedWeights:
         return words
 
     def _pool_bytes(self) -> int:
-        resident = sum(g.nbytes for g in self.groups if g.resident)
-        return max(ALIGN, resident + self.slot_count * self.slot_bytes + self.row_buffer_bytes)
+        """Pinned host memory: the resident groups on CPU (on CUDA they live on the GPU), the in-host layers, the
+        slots and the row buffer."""
+        resident = self.resident_bytes if self.device.type == "cpu" else 0
+        return max(ALIGN, resident + self.in_host_bytes + self.slot_count * self.slot_bytes + self.row_buffer_bytes)
 
     @property
     def streamed_groups(self) -> List[_Group]:
-        """The layers read whole every forward pass, in order."""
+        """The layers brought in whole every forward pass through the slots, in order (from the swap file, or on
+        CUDA from pinned host memory)."""
         return [g for g in self.groups if not g.resident and not g.by_rows]
+
+    @property
+    def swap_groups(self) -> List[_Group]:
+        """The streamed layers read from the swap file."""
+        return [g for g in self.streamed_groups if not g.in_host]
+
+    @property
+    def in_host_bytes(self) -> int:
+        """Bytes of the layers kept in pinned host memory and copied to the GPU every pass (CUDA only)."""
+        return sum(g.nbytes for g in self.groups if g.in_host)
 
     @property
     def row_groups(self) -> List[_Group]:
@@ -334,8 +405,8 @@ class StreamedWeights:
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes read from the swap file per forward pass (the weights not resident)."""
-        return sum(g.nbytes for g in self.streamed_groups)
+        """Bytes read from the swap file per forward pass (the layers neither resident nor in host memory)."""
+        return sum(g.nbytes for g in self.swap_groups)
 
     @property
     def resident_bytes(self) -> int:
@@ -360,14 +431,23 @@ class StreamedWeights:
     def _lay_out(self, nvme_path: str) -> None:
         start = time.perf_counter()
         for g in self.groups:
-            if g.resident:
+            if g.resident and self.device.type == "cpu":
                 g.buffer = self.pool.allocate(g.nbytes)
                 self._fill(g, g.buffer)
-                if self.device.type != "cpu":
-                    g.buffer = g.buffer.to(self.device)
-                self._bind(g, g.buffer)
-        self.stats["layout_bytes"] = self.resident_bytes
-        streamed = self.streamed_groups
+            elif g.resident:  # staged through unpinned memory freed at once: the GPU holds the group's only copy
+                staging = torch.empty(g.nbytes, dtype=torch.uint8)
+                self._fill(g, staging)
+                g.buffer = staging.to(self.device)
+                del staging
+            elif g.in_host:
+                g.buffer = self.pool.allocate(g.nbytes)
+                self._fill(g, g.buffer)
+                continue
+            else:
+                continue
+            self._bind(g, g.buffer)
+        self.stats["layout_bytes"] = self.resident_bytes + self.in_host_bytes
+        streamed = self.swap_groups
         if (streamed or self.row_groups) and not nvme_path:
             raise HostBudgetTooSmall(
                 f"the weights ({format_size(self.source.nbytes)}) do not fit the host budget "
@@ -386,7 +466,7 @@ class StreamedWeights:
                 self._bind_placeholder(g)
                 self.stats["layout_bytes"] += g.nbytes
                 self._progress(f"laid out {g.label} (read by rows)")
-        if streamed:
+        if self.slot_count:
             for _ in range(self.slot_count):
                 slot = _Slot(self.pool.allocate(self.slot_bytes))
                 if self.device.type == "cuda":
@@ -409,7 +489,7 @@ class StreamedWeights:
                     p.wait()
             # Until a streamed group is first read its parameters are views of a slot (never used: the hooks
             # bind the right bytes first), so model.device and dtype read right before the first forward.
-            for g in streamed:
+            for g in self.streamed_groups:
                 self._bind(g, self.slots[0].device if self.slots[0].device is not None else self.slots[0].host)
         for g in self.groups:  # tied parameters: the very tensor of their first owner (both groups resident)
             for m in g.members:
@@ -581,13 +661,16 @@ class StreamedWeights:
             g = self._order[self._next_to_issue]
             if self._slot_of(g) is not None:
                 return  # every streamed group is already in a slot
-            if s.copied is not None:  # CUDA: the host bytes may still be on their way to the twin
-                s.copied.synchronize()
-                s.copied = None
             s.group, s.ready = g, False
-            s.request = self.engine.read_async(s.host[: g.nbytes], self.file.handle, g.extent.offset)
-            self.stats["reads"] += 1
-            self.stats["bytes_read"] += g.nbytes
+            if g.in_host:  # no read: the pre-hook copies its pinned bytes to the twin
+                s.request = None
+            else:
+                if s.copied is not None:  # CUDA: the host bytes may still be on their way to the twin
+                    s.copied.synchronize()
+                    s.copied = None
+                s.request = self.engine.read_async(s.host[: g.nbytes], self.file.handle, g.extent.offset)
+                self.stats["reads"] += 1
+                self.stats["bytes_read"] += g.nbytes
             self._next_to_issue = (self._next_to_issue + 1) % len(self._order)
 
     def _make_rows_pre_hook(self, g: _Group):
@@ -636,13 +719,15 @@ class StreamedWeights:
                     raise RuntimeError(f"no free slot to read layer group {g.label} into")
             if not s.ready:
                 t0 = time.perf_counter()
-                s.request.wait()
-                s.request = None
+                if s.request is not None:
+                    s.request.wait()
+                    s.request = None
                 if s.device is not None:
+                    source = g.buffer if g.in_host else s.host
                     with torch.cuda.stream(self._copy_stream):
                         if s.computed is not None:
                             self._copy_stream.wait_event(s.computed)
-                        s.device[: g.nbytes].copy_(s.host[: g.nbytes], non_blocking=True)
+                        s.device[: g.nbytes].copy_(source[: g.nbytes], non_blocking=True)
                         s.copied = torch.cuda.Event()
                         s.copied.record(self._copy_stream)
                     torch.cuda.current_stream(self.device).wait_event(s.copied)

@@ -396,3 +396,72 @@ def test_generates_from_a_checkpoint_as_from_its_export(tmp_path):
         with Generator(str(tmp_path / name), host_budget="64MiB", device="cpu") as g:
             got[name] = g.generate(PROMPTS[:1], max_new_tokens=6)[0].token_ids
     assert got["ck"] == got["out"] == _reference(str(tmp_path / "out"), PROMPTS[:1], 6)[0]
+
+
+def _weights_for_a_device(folder, tmp_path, host_budget, device_budget):
+    """StreamedWeights planned and laid out for a device other than the CPU, with a GPU budget: the device is
+    "meta" here (no CUDA needed: the plan and the lay-out are the CUDA path's; only the twins are CUDA's own)."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaForCausalLM
+
+    from aidaptiv_ds.common.sizes import parse_size
+    from aidaptiv_ds.inference.sources import open_source
+    from aidaptiv_ds.inference.streamed import StreamedWeights
+
+    source = open_source(folder)
+    with init_empty_weights():
+        model = LlamaForCausalLM(source.config())
+    return StreamedWeights(
+        model,
+        source,
+        parse_size(host_budget),
+        str(tmp_path / "nvme"),
+        device="meta",
+        device_budget=parse_size(device_budget),
+    )
+
+
+def test_on_a_gpu_layers_go_to_the_gpu_budget_then_host_memory_then_the_swap_file(models, tmp_path):
+    from aidaptiv_ds.inference.streamed import DeviceBudgetTooSmall, HostBudgetTooSmall
+
+    # Layers of about 0.96 MiB; every step uses the head and the final norm (about 0.26 MiB); the token table is
+    # read by rows. GPU 4 MiB: those, two twins and one resident layer. Host 3.5 MiB: two slots, the row buffer
+    # and one layer in pinned memory. The four other layers come from the swap file.
+    w = _weights_for_a_device(models["untied"], tmp_path, "3.5MiB", "4MiB")
+    try:
+        layers = [g for g in w.groups if g.is_layer]
+        slot = w.slot_bytes
+        assert [g.resident for g in layers] == [True, False, False, False, False, False]
+        assert [g.in_host for g in layers] == [False, True, False, False, False, False]
+        assert w.slot_count == 2 and slot == max(g.nbytes for g in layers)
+        assert w.streamed_bytes == sum(g.nbytes for g in layers[2:]) and w.in_host_bytes == layers[1].nbytes
+        assert [g.label for g in w.streamed_groups] == [g.label for g in layers[1:]]
+        assert [g.label for g in w.swap_groups] == [g.label for g in layers[2:]]
+        on_gpu = w.resident_bytes + 2 * slot
+        assert on_gpu <= 4 << 20 and on_gpu + slot > 4 << 20  # one more layer would not fit
+        # The host holds no copy of what lives on the GPU: its pinned memory is the slots, rows and in-host layer.
+        assert w.pool.capacity == layers[1].nbytes + 2 * slot + w.row_buffer_bytes
+        assert w.pool.capacity <= 7 << 19  # the host budget, 3.5 MiB
+        assert all(g.buffer is not None and g.buffer.device.type == "meta" for g in w.groups if g.resident)
+        assert layers[1].buffer.device.type == "cpu" and layers[1].extent is None
+        assert all(g.extent is not None for g in layers[2:])
+    finally:
+        w.close()
+    with pytest.raises(DeviceBudgetTooSmall, match=r"GPU budget .* needs at least .* give --gpu-budget"):
+        _weights_for_a_device(models["untied"], tmp_path, "3.5MiB", "2MiB")
+    with pytest.raises(HostBudgetTooSmall, match=r"on CUDA it needs at least .*two pinned slots.* --host-budget"):
+        _weights_for_a_device(models["untied"], tmp_path, "1MiB", "4MiB")
+    w = _weights_for_a_device(models["untied"], tmp_path, "1MiB", "64MiB")  # all on the GPU: no slot, no file
+    try:
+        assert w.slot_count == 0 and w.streamed_bytes == 0 and w.in_host_bytes == 0 and w.space is None
+        assert w.resident_bytes == sum(g.nbytes for g in w.groups)
+    finally:
+        w.close()
+
+
+def test_gpu_budgets_on_the_cpu_are_refused(models):
+    from aidaptiv_ds.inference import Generator
+
+    for kw in (dict(gpu_budget="1GiB"), dict(gpu_mem_cap_gb=2.0)):
+        with pytest.raises(ValueError, match=r"--gpu-budget and --gpu-mem-cap-gb are for --device cuda"):
+            Generator(models["untied"], host_budget="64MiB", device="cpu", **kw)
