@@ -39,6 +39,17 @@ from aidaptiv_ds.common.sizes import format_size, parse_size  # noqa: E402
 from aidaptiv_ds.harness.hostcap import probe_cgroup  # noqa: E402
 from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
 
+# The sides and their names in the summary: ours, then the baselines.
+SIDES = {
+    "aidaptiv": "aidaptiv-ds generate",
+    "accelerate": "accelerate disk offload",
+    "zero_inference": "DeepSpeed ZeRO-Inference (NVMe)",
+}
+# What the host budget for weights is, on each baseline.
+BUDGET_MEANS = {
+    "accelerate": "accelerate: max_memory",
+    "zero_inference": "ZeRO-Inference: its pinned parameter buffers, as many as fit, each the largest parameter",
+}
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
 
@@ -87,18 +98,32 @@ import json, sys, time, torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 sys.path.insert(0, ROOT)
 from aidaptiv_ds.models.tokenizer import HFTokenizer
-model_dir, budget, offload, new, dtype, mode = sys.argv[1:7]
+model_dir, budget, offload, new, dtype, mode, device, gpu_cap = sys.argv[1:9]
 t0 = time.perf_counter()
 kw = dict(dtype=getattr(torch, dtype))
+memory = {"cpu": int(budget)}
+if device == "cuda" and mode == "offload":  # the GPU first, up to its cap; then the host budget; then the disk
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, float(gpu_cap) / total))
+    memory = {0: int(gpu_cap), "cpu": int(budget)}
 if mode == "offload":
-    kw.update(device_map="auto", max_memory={"cpu": int(budget)}, offload_folder=offload, offload_state_dict=True)
+    kw.update(device_map="auto", max_memory=memory, offload_folder=offload, offload_state_dict=True)
 model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).eval()
+if device == "cuda" and mode == "memory":
+    model = model.cuda()
 load_s = time.perf_counter() - t0
 tok = HFTokenizer(model_dir)
-ids = torch.tensor([tok.encode(PROMPT, add_bos=True, add_eos=False)])
-times = []
+ids = torch.tensor([tok.encode(PROMPT, add_bos=True, add_eos=False)], device="cuda" if device == "cuda" else "cpu")
+times, disk = [], []
+def read_bytes():  # what this process (all its threads) had the block layer read for it
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 def clock(input_ids, scores):
     times.append(time.perf_counter())
+    disk.append(read_bytes())
     return scores
 start = time.perf_counter()
 with torch.inference_mode():
@@ -106,8 +131,77 @@ with torch.inference_mode():
                          eos_token_id=tok.eos_token_id, logits_processor=LogitsProcessorList([clock]))
 new_ids = out[0, ids.shape[1]:].tolist()
 devices = sorted(set(str(v) for v in getattr(model, "hf_device_map", {}).values()))
+decode_read = (disk[-1] - disk[0]) / (len(disk) - 1) if len(disk) > 1 and None not in disk else None
 print(json.dumps({"token_ids": new_ids, "load_s": load_s, "ttft_s": times[0] - start,
-                  "decode_s": times[-1] - times[0], "new_tokens": len(new_ids), "devices": devices}))
+                  "decode_s": times[-1] - times[0], "new_tokens": len(new_ids), "devices": devices,
+                  "disk_read_bytes_per_token": decode_read}))
+"""
+
+
+ZERO_INFERENCE_CHILD = r"""
+import json, os, sys, time, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+import deepspeed
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
+from transformers.integrations import HfDeepSpeedConfig
+sys.path.insert(0, ROOT)
+from aidaptiv_ds.models.presets import largest_parameter_numel
+from aidaptiv_ds.models.tokenizer import HFTokenizer
+model_dir, budget, swap, new, dtype, gpu_cap = sys.argv[1:7]
+if torch.cuda.is_available():
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, float(gpu_cap) / total))
+t0 = time.perf_counter()
+config = AutoConfig.from_pretrained(model_dir)
+h = config.hidden_size
+elem = torch.finfo(getattr(torch, dtype)).bits // 8
+largest = largest_parameter_numel(config)
+# DeepSpeed's ZeRO-Inference example (DeepSpeedExamples inference/huggingface/zero_inference/run_model.py):
+# prefetch and live parameters 2*h*h, persistence threshold h, five parameter buffers, aio queue depth 8.
+# Here the buffers are sized to the budget: as many as fit, each the largest parameter (DeepSpeed asserts
+# when a parameter is larger than its buffer); pinned, as ours are.
+count = int(budget) // (largest * elem)
+cfg = {
+    "train_micro_batch_size_per_gpu": 1,
+    "bf16": {"enabled": dtype == "bfloat16"},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_prefetch_bucket_size": 2 * h * h,
+        "stage3_param_persistence_threshold": h,
+        "stage3_max_live_parameters": 2 * h * h,
+        "offload_param": {"device": "nvme", "nvme_path": swap, "pin_memory": True, "buffer_count": count,
+                          "buffer_size": largest},
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+            "overlap_events": True},
+}
+keep = HfDeepSpeedConfig(cfg)  # from_pretrained builds the model under zero.Init while this lives
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+model = deepspeed.initialize(model=model, config=cfg)[0].module.eval()
+load_s = time.perf_counter() - t0
+tok = HFTokenizer(model_dir)
+ids = torch.tensor([tok.encode(PROMPT, add_bos=True, add_eos=False)], device="cuda" if torch.cuda.is_available() else "cpu")
+times, disk = [], []
+def read_bytes():  # what this process (all its threads) had the block layer read for it
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+def clock(input_ids, scores):
+    times.append(time.perf_counter())
+    disk.append(read_bytes())
+    return scores
+start = time.perf_counter()
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=int(new), do_sample=False, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, logits_processor=LogitsProcessorList([clock]))
+new_ids = out[0, ids.shape[1]:].tolist()
+decode_read = (disk[-1] - disk[0]) / (len(disk) - 1) if len(disk) > 1 and None not in disk else None
+print(json.dumps({"token_ids": new_ids, "load_s": load_s, "ttft_s": times[0] - start,
+                  "decode_s": times[-1] - times[0], "new_tokens": len(new_ids), "buffer_count": count,
+                  "buffer_bytes": count * largest * elem, "disk_read_bytes_per_token": decode_read}))
 """
 
 
@@ -145,7 +239,8 @@ def run_ours(args, model_dir, swap, cap, factory, extra=(), metrics_name="m.json
         "--nvme-path",
         swap,
         "--device",
-        "cpu",
+        args.device,
+        *(["--gpu-mem-cap-gb", f"{args.gpu_cap_bytes / 2**30:g}"] if args.device == "cuda" else []),
         "--metrics-out",
         metrics,
         "--quiet",
@@ -189,10 +284,33 @@ def run_hf(args, model_dir, offload, cap, factory, mode):
         str(args.new_tokens),
         args.dtype,
         mode,
+        args.device,
+        str(args.gpu_cap_bytes),
     ]
     t0 = time.perf_counter()
     rc, out, err, peak, ooms = run_capped(cmd, cap if mode == "offload" else None, factory, mode)
     wall = time.perf_counter() - t0
+    if rc != 0:
+        return {"rc": rc, "error": err[-1500:], "peak_bytes": peak, "oom_kills": ooms}
+    r = json.loads(out.strip().splitlines()[-1])
+    r.update(rc=0, peak_bytes=peak, wall_s=wall)
+    r["tokens_per_s"] = (r["new_tokens"] - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0
+    return r
+
+
+def run_zero_inference(args, model_dir, swap, cap, factory):
+    """DeepSpeed's ZeRO-Inference: the model under ZeRO-3 with its parameters offloaded to NVMe, HF generate."""
+    subprocess.run(["rm", "-rf", swap], check=True)
+    os.makedirs(swap)
+    code = f"ROOT = {ROOT!r}\nPROMPT = {PROMPT!r}\n" + ZERO_INFERENCE_CHILD
+    cmd = [
+        sys.executable, "-c", code, model_dir, str(args.budget_bytes), swap, str(args.new_tokens), args.dtype,
+        str(args.gpu_cap_bytes),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    rc, out, err, peak, ooms = run_capped(cmd, cap, factory, "zero_inference")
+    wall = time.perf_counter() - t0
+    subprocess.run(["rm", "-rf", swap], check=True)
     if rc != 0:
         return {"rc": rc, "error": err[-1500:], "peak_bytes": peak, "oom_kills": ooms}
     r = json.loads(out.strip().splitlines()[-1])
@@ -222,6 +340,20 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--budget", default="1GiB", help="host memory for weights, both sides")
     ap.add_argument("--cap-gib", type=float, default=3.0, help="memory cgroup cap of every capped run, both sides")
+    ap.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help=f"comma-separated, aidaptiv first (default {','.join(SIDES)}); run in this order, reversed every "
+        "other repeat",
+    )
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every side computes")
+    ap.add_argument(
+        "--gpu-cap-gib",
+        type=float,
+        default=1.5,
+        help="with cuda: GPU memory of every capped side (torch.cuda.set_per_process_memory_fraction; accelerate's "
+        "max_memory for the GPU); ours gives three quarters of it to weights",
+    )
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-prefix", type=int, default=8192, help="prompt tokens of the prompt-cache runs (0: skip)")
@@ -238,6 +370,11 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "generate_offload"))
     args = ap.parse_args()
     args.budget_bytes = parse_size(args.budget, "--budget")
+    args.gpu_cap_bytes = int(args.gpu_cap_gib * 2**30) if args.device == "cuda" else 0
+    args.sides = [x.strip() for x in args.sides.split(",") if x.strip()]
+    unknown = sorted(set(args.sides) - set(SIDES))
+    if unknown or "aidaptiv" not in args.sides:
+        ap.error(f"--sides: aidaptiv and any of {', '.join(s for s in SIDES if s != 'aidaptiv')} (got {args.sides})")
     os.makedirs(args.work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     context = max(2048, args.kv_prefix + 256)
@@ -249,12 +386,16 @@ def main():
     os.makedirs(swap, exist_ok=True)
     cap = int(args.cap_gib * (1 << 30))
     factory, where = probe_cgroup()
-    if factory is None:
+    if factory is None and args.device == "cpu":
         sys.exit(f"no usable memory cgroup ({where}): this bench needs one to give both sides the same memory")
+    if factory is None:  # a GPU machine without one: the GPU cap still holds; said in the summary
+        print(f"no usable memory cgroup ({where}): host memory not capped", file=sys.stderr)
+        cap = 0
     rows_path = os.path.join(args.out, "rows.jsonl")
     common = {
         "shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes, "budget_bytes": args.budget_bytes,
         "cap_bytes": cap, "new_tokens": args.new_tokens, "machine": summary(machine_info(swap)),
+        "device": args.device, "gpu_cap_bytes": args.gpu_cap_bytes,
         "command": " ".join(["python bench/generate_offload.py", *sys.argv[1:]]),
     }  # fmt: skip
     rows = []
@@ -295,15 +436,15 @@ def main():
         )  # fmt: skip
     ref = next(r for r in rows if r["side"] == "in_memory")
     disk = next(r for r in rows if r["side"] == "disk")
+    runners = {
+        "aidaptiv": lambda: run_ours(args, model_dir, swap, cap, factory),
+        "accelerate": lambda: run_hf(args, model_dir, offload, cap, factory, "offload"),
+        "zero_inference": lambda: run_zero_inference(args, model_dir, os.path.join(args.work, "zi_swap"), cap, factory),
+    }
     for rep in range(args.repeats):
-        order = ("aidaptiv", "accelerate") if rep % 2 == 0 else ("accelerate", "aidaptiv")
-        for side in order:
+        for side in args.sides if rep % 2 == 0 else args.sides[::-1]:
             drop_page_cache(model_dir, offload)
-            r = (
-                run_ours(args, model_dir, swap, cap, factory)
-                if side == "aidaptiv"
-                else run_hf(args, model_dir, offload, cap, factory, "offload")
-            )
+            r = runners[side]()
             r["same_tokens_as_in_memory"] = r.get("token_ids") == ref.get("token_ids")
             record(dict(r, side=side, repeat=rep))
     kv_rows = []
@@ -329,50 +470,85 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
     gbps = disk["read_gbps"]
     file_words = f"a {disk['file_mb'] / 1024:.1f} GiB file" if "file_mb" in disk else "a 1 GiB file"
     args.repeats = len({r["repeat"] for r in rows if r["side"] == "aidaptiv"})
-    ours = [r for r in rows if r["side"] == "aidaptiv" and r["rc"] == 0]
-    acc = [r for r in rows if r["side"] == "accelerate" and r["rc"] == 0]
+    sides = [side for side in SIDES if any(r["side"] == side for r in rows)]
+    ok = {side: [r for r in rows if r["side"] == side and r["rc"] == 0] for side in sides}
+    ours = ok["aidaptiv"]
     t_ours = median([r["tokens_per_s"] for r in ours])
-    pairs = [
-        a["tokens_per_s"] / b["tokens_per_s"]
-        for a in ours
-        for b in acc
-        if a["repeat"] == b["repeat"] and b["tokens_per_s"]
-    ]
     streamed = median([r["streamed_bytes_per_token"] for r in ours])
     compute_s = ref["decode_s"] / max(1, ref["new_tokens"] - 1) if ref.get("rc") == 0 else None
     io_s = streamed / (gbps * 1e9) if streamed else None
     bound_s = max(x for x in (compute_s, io_s) if x is not None) if (compute_s or io_s) else None
     step_s = 1 / t_ours if t_ours else None
+    baselines = " and ".join(SIDES[side] for side in sides[1:])
+    device, gpu_cap = rows[0].get("device", "cpu"), rows[0].get("gpu_cap_bytes")
+    host_cap = rows[0].get("cap_bytes")
     lines = [
-        f"# Generation beyond host memory: aidaptiv-ds generate vs accelerate's disk offload ({time.strftime('%Y-%m-%d')})",
+        f"# Generation beyond host memory: aidaptiv-ds generate vs {baselines} ({time.strftime('%Y-%m-%d')})",
         "",
         f"Model: `{args.shape}` shape, random weights, {args.dtype}, {format_size(weight_bytes)} of weights; host budget "
-        f"for weights {format_size(args.budget_bytes)} on both sides ({weight_bytes / args.budget_bytes:.1f}x smaller "
-        f"than the weights); every capped run in a memory cgroup of {args.cap_gib:g} GiB (page cache charged); page "
-        f"cache of the weight files dropped before each run; greedy, {args.new_tokens} new tokens, "
-        f"{args.repeats} interleaved repeats (order alternating). Machine: {rows[0]['machine']}.",
+        f"for weights {format_size(args.budget_bytes)} on every side ({weight_bytes / args.budget_bytes:.1f}x smaller "
+        f"than the weights; {'; '.join(BUDGET_MEANS[side] for side in sides[1:])}); "
+        + (
+            f"every capped run in a memory cgroup of {format_size(host_cap)} (page cache charged); "
+            if host_cap
+            else "host memory NOT capped (no usable memory cgroup on this machine: accelerate's offload folder may "
+            "stay in the page cache); "
+        )
+        + (
+            f"computed on the GPU, each side's GPU memory capped at {format_size(gpu_cap)} "
+            "(torch.cuda.set_per_process_memory_fraction; accelerate's max_memory for the GPU; ours gives three "
+            "quarters of it to weights); "
+            if device == "cuda"
+            else ""
+        )
+        + f"page cache of the weight files dropped before each run; greedy, {args.new_tokens} new tokens, "
+        f"{args.repeats} interleaved repeats (order reversed every other repeat). Machine: {rows[0]['machine']}.",
         "",
-        "| side | tokens/s (median, min-max) | time to first token s | peak cgroup memory | tokens = in-memory |",
-        "|---|---|---|---|---|",
+        "| side | tokens/s (median, min-max) | time to first token s | load s | read per token | peak cgroup memory | "
+        "tokens = in-memory |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, rs in (("aidaptiv-ds generate", ours), ("accelerate disk offload", acc)):
+    for side in sides:
+        rs = ok[side]
         if not rs:
-            fails = [r for r in rows if r["side"] == ("aidaptiv" if name.startswith("aid") else "accelerate")]
-            lines.append(f"| {name} | failed: {fails[0].get('error', '')[-200:] if fails else '?'} | | | |")
+            fails = [r for r in rows if r["side"] == side]
+            why = fails[0].get("error", "").strip().splitlines()[-1:] if fails else ["?"]
+            ooms = sum(r.get("oom_kills") or 0 for r in fails)
+            peak = max((r.get("peak_bytes") or 0 for r in fails), default=0)
+            lines.append(
+                f"| {SIDES[side]} | failed in {len(fails)} of {len(fails)} runs: "
+                + (f"{ooms} killed by the cap (out of memory)" if ooms else (why or [""])[0][-200:].replace("|", "/"))
+                + f" | | | | {format_size(peak) if peak else ''} | |"
+            )
             continue
         tps = [r["tokens_per_s"] for r in rs]
+        load = median([r.get("load_s", r.get("layout_s")) for r in rs])
+        # Ours: the bytes its plan streams each token (its engine's count); the others: what the block layer read
+        # for the process between the first and the last token (/proc/self/io), page cache hits not counted.
+        read = median([r.get("streamed_bytes_per_token", r.get("disk_read_bytes_per_token")) for r in rs])
         lines.append(
-            f"| {name} | {median(tps):.3f} ({min(tps):.3f}-{max(tps):.3f}) | {median([r['ttft_s'] for r in rs]):.2f} | "
-            f"{format_size(max(r['peak_bytes'] or 0 for r in rs))} | {all(r['same_tokens_as_in_memory'] for r in rs)} |"
+            f"| {SIDES[side]} | {median(tps):.3f} ({min(tps):.3f}-{max(tps):.3f}) | {median([r['ttft_s'] for r in rs]):.2f} | "
+            f"{'' if load is None else f'{load:.1f}'} | {'' if read is None else format_size(read)} | "
+            f"{format_size(max(r['peak_bytes'] or 0 for r in rs))} | "
+            f"{all(r['same_tokens_as_in_memory'] for r in rs)} |"
         )
     if ref.get("rc") == 0:
-        lines.append(f"| in-memory model (no cap) | {ref['tokens_per_s']:.3f} | {ref['ttft_s']:.2f} | | reference |")
-    lines.append("")
-    if pairs:
         lines.append(
-            f"**aidaptiv / accelerate tokens/s: {statistics.median(pairs):.2f}x** (repeat pairs {min(pairs):.2f}-"
-            f"{max(pairs):.2f}x)."
+            f"| in-memory model (no cap) | {ref['tokens_per_s']:.3f} | {ref['ttft_s']:.2f} | | | | reference |"
         )
+    lines.append("")
+    for side in sides[1:]:
+        pairs = [
+            a["tokens_per_s"] / b["tokens_per_s"]
+            for a in ours
+            for b in ok[side]
+            if a["repeat"] == b["repeat"] and b["tokens_per_s"]
+        ]
+        if pairs:
+            lines.append(
+                f"**aidaptiv / {SIDES[side]} tokens/s: {statistics.median(pairs):.2f}x** (repeat pairs "
+                f"{min(pairs):.2f}-{max(pairs):.2f}x)."
+            )
     if bound_s and step_s:
         lines.append(
             f"Bound per token: max(compute {compute_s:.3f} s (the in-memory model's decode step), I/O {io_s:.3f} s "
@@ -382,8 +558,9 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
             f"read the swap file at {streamed / step_s / 1e9:.2f} GB/s (bytes streamed per token / time per token), "
             f"against io-bench's {gbps:.2f} GB/s on {file_words}"
             + (f" ({disk['read_gbps_1gib']:.2f} GB/s on a 1 GiB file)" if "read_gbps_1gib" in disk else "")
-            + "; both sides stream about the weights the budget leaves out each token, so the ratio to accelerate "
-            "is about the ratio of the two sides' read rates."
+            + ". Read per token: ours, the bytes its plan streams (its engine's count); the others, what the block "
+            "layer read for the process between its first and last token (/proc/self/io; page cache hits not "
+            "counted)."
         )
     if kv_rows:
         comp = [r for r in kv_rows if r["phase"] == "compute" and r["rc"] == 0]

@@ -9,7 +9,7 @@ Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and
 bench/results/swap_step_time, swap_step_time_small, swap_step_time_1b, swap_step_time_3b(_eighth), malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
 bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_models/summary.md (bench/capacity_models.py's), bench/results/lora_1b/table.md, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
-its rows), bench/results/long_sequence, generate_offload and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
+its rows), bench/results/long_sequence, generate_offload, generate_offload_zero_inference and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
 not links. The settings table (docs/USAGE.md) from the block's pydantic model, aidaptiv_ds.config.schema.
 """
@@ -157,7 +157,13 @@ def generate_section():
         "",
         *summary_md(
             "generate_offload",
-            "python bench/generate_offload.py --cap-gib 2 --kv-prefix 0 --repeats 5, then --cap-gib 2 --kv-only",
+            "python bench/generate_offload.py --cap-gib 2 --kv-prefix 0 --repeats 3, then --cap-gib 2 --kv-only",
+        ),
+        "",
+        *summary_md(
+            "generate_offload_zero_inference",
+            "python bench/generate_offload.py --cap-gib 4 --kv-prefix 0 --repeats 2 --sides aidaptiv,zero_inference "
+            "--out bench/results/generate_offload_zero_inference",
         ),
         "",
         *summary_md("io_order", "python bench/io_order.py"),

@@ -4,7 +4,9 @@
 #   Here:    ../shared/device/prepare.sh .device   (DeepSpeed wheel, pydantic, liburing), then
 #            cp /usr/include/libaio.h .device/liburing/include; cp /usr/lib/x86_64-linux-gnu/libaio.so.1 into
 #            .device/liburing/lib as libaio.so and libaio.so.1 (DeepSpeed's async_io needs libaio; the GPU
-#            machine has none)
+#            machine has none); and .venv/bin/python -m pip download -q --no-deps -d .device/whl
+#            accelerate==1.15.0 (generate builds its model empty with accelerate, and accelerate's disk offload is
+#            its baseline; the GPU machine may not have it: the machine phase says)
 #   There:   OUT=<folder> bash bench/gpu/device_check.sh [seconds]     (carry .device)
 #            With 15 minutes of device time: BACKENDS=aidaptiv,zero_infinity_eqmem TEST_S=180 ... 540 (the
 #            H100 session, bench/results/gpu_probe_h100, ran the shipped ZeRO-Infinity too; the baselines
@@ -12,8 +14,10 @@
 #
 # Phases, each logged to $OUT and each allowed to fail without stopping the next: the machine's facts;
 # the engine built with its CUDA copy path while DeepSpeed's JIT ops build beside it; tests/gpu; host<->GPU
-# copy bandwidth and GPU FLOP/s; io-bench on this machine's disk; then the cells of bench/grids/gpu_probe.json
-# (or $GRID) until the deadline, with --resume so a later session carries on from what came back.
+# copy bandwidth and GPU FLOP/s; io-bench on this machine's disk; generation with the GPU capped (ours against
+# accelerate's offload and ZeRO-Inference, the inference issue's GPU figures; GEN_S seconds, 0 skips it); then the
+# cells of bench/grids/gpu_probe.json (or $GRID) until the deadline, with --resume so a later session carries on
+# from what came back.
 set -u
 T0=$(date +%s)
 DEADLINE=${1:-420}
@@ -37,6 +41,7 @@ phase "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
 python3 -c 'import torch, transformers, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)'
+python3 -c 'import accelerate; print("accelerate", accelerate.__version__)' || echo "accelerate MISSING: generate's tests and bench fail"
 nvcc --version | tail -2; nproc; free -g | head -2; df -hT . /tmp | cat; lsblk -d -o NAME,SIZE,ROTA,MODEL | cat
 cat /proc/cpuinfo | grep -m1 "model name"
 
@@ -75,6 +80,18 @@ EOF
 phase "io-bench on this disk"
 [ "$(left)" -gt 100 ] && timeout 60 python3 -m aidaptiv_ds io-bench --size-mb ${IO_MB:-1024} --repeat 1 --engines uring,deepspeed \
   > "$RES/io_bench.txt" 2>&1; echo "io-bench rc=$?"; cat "$RES/io_bench.txt" | tail -8
+
+GEN_S=${GEN_S:-150}
+phase "generate, GPU capped at 1.5 GiB: ours vs accelerate vs ZeRO-Inference (at most $GEN_S s)"
+if [ "$GEN_S" -gt 0 ] && [ "$(left)" -gt $(( GEN_S + 60 )) ]; then
+  # tinyllama-1.1b shape in bf16 (2.2 GB of weights) with 1.5 GiB of GPU and a 1 GiB host budget for weights:
+  # some layers on the GPU, some in host memory, the rest from the disk. Rows are written as they come
+  # (rows.jsonl); a cut run's summary: python bench/generate_offload.py --summary-only --out <its folder>.
+  timeout -s INT "$GEN_S" python3 bench/generate_offload.py --device cuda --dtype bfloat16 --budget 1GiB \
+    --gpu-cap-gib 1.5 --cap-gib 6 --repeats 1 --new-tokens 8 --kv-prefix 2048 --kv-repeats 1 --kv-cap-gib 8 \
+    --work /tmp/gen_work --out "$RES/generate_offload_gpu" > "$OUT/generate.log" 2>&1; echo "generate rc=$?"
+  grep -E '^\{|x\*\*|failed|Error' "$OUT/generate.log" | tail -14
+fi
 
 phase "sweep $GRID until the deadline ($(left) s left)"
 if [ "$(left)" -gt 60 ]; then
