@@ -93,11 +93,42 @@ def drop_page_cache(*paths: str) -> None:
                 os.close(fd)
 
 
+# Prepended to each baseline's child: greedy generation of PROMPT, timed per token by a logits processor, with
+# what the block layer read for the process (all its threads) between the first and the last token.
+TIMED_GENERATE = r"""
+def read_bytes():
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def timed_generate(model, model_dir, new, device, grad_mode):
+    import time, torch
+    from transformers import LogitsProcessorList
+    from aidaptiv_ds.models.tokenizer import HFTokenizer
+    tok = HFTokenizer(model_dir)
+    ids = torch.tensor([tok.encode(PROMPT, add_bos=True, add_eos=False)], device=device)
+    times, disk = [], []
+    def clock(input_ids, scores):
+        times.append(time.perf_counter())
+        disk.append(read_bytes())
+        return scores
+    start = time.perf_counter()
+    with grad_mode():
+        out = model.generate(ids, max_new_tokens=int(new), do_sample=False, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, logits_processor=LogitsProcessorList([clock]))
+    new_ids = out[0, ids.shape[1]:].tolist()
+    read = (disk[-1] - disk[0]) / (len(disk) - 1) if len(disk) > 1 and None not in disk else None
+    return {"token_ids": new_ids, "ttft_s": times[0] - start, "decode_s": times[-1] - times[0],
+            "new_tokens": len(new_ids), "disk_read_bytes_per_token": read}
+"""
+
 ACCELERATE_CHILD = r"""
 import json, sys, time, torch
-from transformers import AutoModelForCausalLM, LogitsProcessorList
+from transformers import AutoModelForCausalLM
 sys.path.insert(0, ROOT)
-from aidaptiv_ds.models.tokenizer import HFTokenizer
 model_dir, budget, offload, new, dtype, mode, device, gpu_cap = sys.argv[1:9]
 t0 = time.perf_counter()
 kw = dict(dtype=getattr(torch, dtype))
@@ -112,29 +143,9 @@ model = AutoModelForCausalLM.from_pretrained(model_dir, **kw).eval()
 if device == "cuda" and mode == "memory":
     model = model.cuda()
 load_s = time.perf_counter() - t0
-tok = HFTokenizer(model_dir)
-ids = torch.tensor([tok.encode(PROMPT, add_bos=True, add_eos=False)], device="cuda" if device == "cuda" else "cpu")
-times, disk = [], []
-def read_bytes():  # what this process (all its threads) had the block layer read for it
-    try:
-        with open("/proc/self/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-def clock(input_ids, scores):
-    times.append(time.perf_counter())
-    disk.append(read_bytes())
-    return scores
-start = time.perf_counter()
-with torch.inference_mode():
-    out = model.generate(ids, max_new_tokens=int(new), do_sample=False, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id, logits_processor=LogitsProcessorList([clock]))
-new_ids = out[0, ids.shape[1]:].tolist()
+out = timed_generate(model, model_dir, new, "cuda" if device == "cuda" else "cpu", torch.inference_mode)
 devices = sorted(set(str(v) for v in getattr(model, "hf_device_map", {}).values()))
-decode_read = (disk[-1] - disk[0]) / (len(disk) - 1) if len(disk) > 1 and None not in disk else None
-print(json.dumps({"token_ids": new_ids, "load_s": load_s, "ttft_s": times[0] - start,
-                  "decode_s": times[-1] - times[0], "new_tokens": len(new_ids), "devices": devices,
-                  "disk_read_bytes_per_token": decode_read}))
+print(json.dumps(dict(out, load_s=load_s, devices=devices)))
 """
 
 
@@ -143,11 +154,10 @@ import json, os, sys, time, torch
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
 os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
 import deepspeed
-from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessorList
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 sys.path.insert(0, ROOT)
 from aidaptiv_ds.models.presets import largest_parameter_numel
-from aidaptiv_ds.models.tokenizer import HFTokenizer
 model_dir, budget, swap, new, dtype, gpu_cap = sys.argv[1:7]
 if torch.cuda.is_available():
     total = torch.cuda.get_device_properties(0).total_memory
@@ -180,28 +190,9 @@ keep = HfDeepSpeedConfig(cfg)  # from_pretrained builds the model under zero.Ini
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 model = deepspeed.initialize(model=model, config=cfg)[0].module.eval()
 load_s = time.perf_counter() - t0
-tok = HFTokenizer(model_dir)
-ids = torch.tensor([tok.encode(PROMPT, add_bos=True, add_eos=False)], device="cuda" if torch.cuda.is_available() else "cpu")
-times, disk = [], []
-def read_bytes():  # what this process (all its threads) had the block layer read for it
-    try:
-        with open("/proc/self/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-def clock(input_ids, scores):
-    times.append(time.perf_counter())
-    disk.append(read_bytes())
-    return scores
-start = time.perf_counter()
-with torch.no_grad():
-    out = model.generate(ids, max_new_tokens=int(new), do_sample=False, pad_token_id=tok.pad_token_id,
-                         eos_token_id=tok.eos_token_id, logits_processor=LogitsProcessorList([clock]))
-new_ids = out[0, ids.shape[1]:].tolist()
-decode_read = (disk[-1] - disk[0]) / (len(disk) - 1) if len(disk) > 1 and None not in disk else None
-print(json.dumps({"token_ids": new_ids, "load_s": load_s, "ttft_s": times[0] - start,
-                  "decode_s": times[-1] - times[0], "new_tokens": len(new_ids), "buffer_count": count,
-                  "buffer_bytes": count * largest * elem, "disk_read_bytes_per_token": decode_read}))
+# ZeRO-3's hooks gather parameters in place, which inference_mode forbids: no_grad, as DeepSpeed's example.
+out = timed_generate(model, model_dir, new, "cuda" if torch.cuda.is_available() else "cpu", torch.no_grad)
+print(json.dumps(dict(out, load_s=load_s, buffer_count=count, buffer_bytes=count * largest * elem)))
 """
 
 
@@ -272,23 +263,11 @@ def run_ours(args, model_dir, swap, cap, factory, extra=(), metrics_name="m.json
     }
 
 
-def run_hf(args, model_dir, offload, cap, factory, mode):
-    code = f"ROOT = {ROOT!r}\nPROMPT = {PROMPT!r}\n" + ACCELERATE_CHILD
-    cmd = [
-        sys.executable,
-        "-c",
-        code,
-        model_dir,
-        str(args.budget_bytes),
-        offload,
-        str(args.new_tokens),
-        args.dtype,
-        mode,
-        args.device,
-        str(args.gpu_cap_bytes),
-    ]
+def run_baseline(child, argv, cap, factory, name):
+    """One baseline's child (``child`` after the shared timing code) in a cgroup of ``cap``: its JSON row."""
+    code = f"ROOT = {ROOT!r}\nPROMPT = {PROMPT!r}\n" + TIMED_GENERATE + child
     t0 = time.perf_counter()
-    rc, out, err, peak, ooms = run_capped(cmd, cap if mode == "offload" else None, factory, mode)
+    rc, out, err, peak, ooms = run_capped([sys.executable, "-c", code, *map(str, argv)], cap, factory, name)
     wall = time.perf_counter() - t0
     if rc != 0:
         return {"rc": rc, "error": err[-1500:], "peak_bytes": peak, "oom_kills": ooms}
@@ -296,27 +275,23 @@ def run_hf(args, model_dir, offload, cap, factory, mode):
     r.update(rc=0, peak_bytes=peak, wall_s=wall)
     r["tokens_per_s"] = (r["new_tokens"] - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0
     return r
+
+
+def run_hf(args, model_dir, offload, cap, factory, mode):
+    """Hugging Face's model: in memory (mode "memory", uncapped) or with accelerate's disk offload."""
+    argv = [model_dir, args.budget_bytes, offload, args.new_tokens, args.dtype, mode, args.device, args.gpu_cap_bytes]
+    return run_baseline(ACCELERATE_CHILD, argv, cap if mode == "offload" else None, factory, mode)
 
 
 def run_zero_inference(args, model_dir, swap, cap, factory):
     """DeepSpeed's ZeRO-Inference: the model under ZeRO-3 with its parameters offloaded to NVMe, HF generate."""
     subprocess.run(["rm", "-rf", swap], check=True)
     os.makedirs(swap)
-    code = f"ROOT = {ROOT!r}\nPROMPT = {PROMPT!r}\n" + ZERO_INFERENCE_CHILD
-    cmd = [
-        sys.executable, "-c", code, model_dir, str(args.budget_bytes), swap, str(args.new_tokens), args.dtype,
-        str(args.gpu_cap_bytes),
-    ]  # fmt: skip
-    t0 = time.perf_counter()
-    rc, out, err, peak, ooms = run_capped(cmd, cap, factory, "zero_inference")
-    wall = time.perf_counter() - t0
-    subprocess.run(["rm", "-rf", swap], check=True)
-    if rc != 0:
-        return {"rc": rc, "error": err[-1500:], "peak_bytes": peak, "oom_kills": ooms}
-    r = json.loads(out.strip().splitlines()[-1])
-    r.update(rc=0, peak_bytes=peak, wall_s=wall)
-    r["tokens_per_s"] = (r["new_tokens"] - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0
-    return r
+    try:
+        argv = [model_dir, args.budget_bytes, swap, args.new_tokens, args.dtype, args.gpu_cap_bytes]
+        return run_baseline(ZERO_INFERENCE_CHILD, argv, cap, factory, "zero_inference")
+    finally:
+        subprocess.run(["rm", "-rf", swap], check=True)
 
 
 def disk_read_gbps(swap: str, size_mb: int) -> float:
