@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             if st["by_rows_bytes"]:
                 split.append(f"{format_size(st['by_rows_bytes'])} of embedding read by rows")
+            # The studio's compare starts its second model when it sees ", laid out in " (studio/compare.py).
             print(
                 f"aidaptiv-ds generate: {format_size(st['weight_bytes'])} of weights, {', '.join(split)} (host budget "
                 f"{format_size(st['host_budget'])}"

@@ -1,5 +1,9 @@
-"""Two models answer one prompt side by side: one ``aidaptiv-ds generate`` process each, started together,
-their text read as they print it (token by token), their figures from --metrics-out at the end.
+"""Two models answer one prompt side by side: one ``aidaptiv-ds generate`` process each, their text read as they
+print it (token by token), their figures from --metrics-out at the end.
+
+The second process starts once the first has laid out its weights (the line generate prints when it has) or
+ended: each sizes its default budgets from the memory free when it starts (on a GPU, three quarters of the GPU
+memory free), so two started together would both plan for the same free memory.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Iterator
 
 from aidaptiv_ds.studio.workspace import StudioError
 
+# What `aidaptiv-ds generate` prints on stderr once its weights are laid out (inference/command.py).
+LAID_OUT = ", laid out in "
+
 
 class _Side:
     """One generate process, its output gathered by a reader thread."""
@@ -30,6 +37,7 @@ class _Side:
             argv += ["--nvme-path", str(Path(nvme_path) / f"compare-{tag}")]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         self.text, self.err = "", ""
+        self.laid_out = threading.Event()  # its weights are in place (or it ended): the other side may start
         self._out = threading.Thread(target=self._read_out, daemon=True)
         self._err = threading.Thread(target=self._read_err, daemon=True)
         self._out.start()
@@ -44,7 +52,14 @@ class _Side:
         self.text += decoder.decode(b"", final=True)
 
     def _read_err(self):
-        self.err = self.proc.stderr.read().decode("utf-8", errors="replace")
+        try:
+            for line in iter(self.proc.stderr.readline, b""):
+                text = line.decode("utf-8", errors="replace")
+                self.err += text
+                if LAID_OUT in text:
+                    self.laid_out.set()
+        finally:
+            self.laid_out.set()
 
     def done(self) -> bool:
         return self.proc.poll() is not None and not self._out.is_alive()
@@ -87,11 +102,14 @@ def side_by_side(
         swap = Path(nvme_path) / Path(tmp).name if nvme_path else None
         sides = []
         try:
-            for m, tag in ((model_a, "a"), (model_b, "b")):
-                sides.append(_Side(m, prompt, max_new_tokens, Path(tmp), tag, host_budget, swap))
+            sides.append(_Side(model_a, prompt, max_new_tokens, Path(tmp), "a", host_budget, swap))
             while True:
-                finished = all(s.done() for s in sides)
-                yield sides[0].text, sides[1].text, sides[0].summary(), sides[1].summary()
+                if len(sides) == 1 and sides[0].laid_out.is_set():
+                    sides.append(_Side(model_b, prompt, max_new_tokens, Path(tmp), "b", host_budget, swap))
+                finished = len(sides) == 2 and all(s.done() for s in sides)
+                b = sides[1] if len(sides) == 2 else None
+                waiting = "waiting for the first model's weights to be laid out"
+                yield sides[0].text, b.text if b else "", sides[0].summary(), b.summary() if b else waiting
                 if finished:
                     return
                 time.sleep(every_s)

@@ -521,12 +521,71 @@ def test_two_compares_at_once_use_swap_folders_of_their_own_and_leave_none(tmp_p
 
     monkeypatch.setattr(compare.subprocess, "Popen", Finished)
     swap = tmp_path / "swap"
-    first = compare.side_by_side("a", "b", "hello", 4, None, str(swap), every_s=0)
-    second = compare.side_by_side("a", "b", "hello", 4, None, str(swap), every_s=0)
-    shown = next(first), next(second)  # both compares running
+    first = compare.side_by_side("a", "b", "hello", 4, None, str(swap), every_s=0.01)
+    second = compare.side_by_side("a", "b", "hello", 4, None, str(swap), every_s=0.01)
+    shown = [next(first), next(second)]  # both compares running
+    for _ in range(500):  # each starts its second side once its first has ended (the stand-in ends at once)
+        if len(started) == 4:
+            break
+        shown = [next(first, shown[0]), next(second, shown[1])]
     nvme = [argv[argv.index("--nvme-path") + 1] for argv in started]
     assert len(nvme) == 4 and len(set(nvme)) == 4, nvme
     assert all(p.startswith(str(swap)) for p in nvme)
-    assert [out[:2] for out in shown] == [("text", "text")] * 2
-    list(first), list(second)  # both end
+    last = [([shown[0]] + list(first))[-1], ([shown[1]] + list(second))[-1]]  # both end
+    assert [out[:2] for out in last] == [("text", "text")] * 2
     assert not os.listdir(swap), os.listdir(swap)
+
+
+def test_the_second_model_starts_once_the_first_has_laid_out_its_weights(tmp_path, monkeypatch):
+    """Each generate process sizes its default budgets from the memory free when it starts (on a GPU, three
+    quarters of it), so the compare starts the second only after the first printed that its weights are laid
+    out: two started together would both plan for the same free memory."""
+    import io
+
+    from aidaptiv_ds.studio import compare
+
+    started = []
+
+    class Running:  # a generate process whose stderr the test writes
+        def __init__(self, argv, **kw):
+            started.append(self)
+            r, self.err_w = os.pipe()
+            self.stdout, self.stderr, self.returncode = io.BytesIO(b""), os.fdopen(r, "rb"), None
+
+        def say(self, line):
+            os.write(self.err_w, line.encode())
+
+        def end(self):
+            os.close(self.err_w)
+            self.returncode = 0
+
+        def poll(self):
+            return self.returncode
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+        def kill(self):
+            if self.returncode is None:
+                self.end()
+
+    monkeypatch.setattr(compare.subprocess, "Popen", Running)
+    gen = compare.side_by_side("a", "b", "hello", 4, None, None, every_s=0.01)
+    for _ in range(20):
+        out = next(gen)
+    assert len(started) == 1 and "waiting for the first model's weights" in out[3]
+    started[0].say("aidaptiv-ds generate: loading\n")  # not the lay-out line yet
+    for _ in range(20):
+        out = next(gen)
+    assert len(started) == 1
+    started[0].say(
+        "aidaptiv-ds generate: 4.1 GiB of weights, 1.0 GiB resident (host budget 1.0 GiB, laid out in 5.3 s, cpu)\n"
+    )
+    for _ in range(500):
+        if len(started) == 2:
+            break
+        next(gen)
+    assert len(started) == 2
+    started[0].end()
+    started[1].end()
+    list(gen)
