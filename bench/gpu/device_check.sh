@@ -15,9 +15,9 @@
 # Phases, each logged to $OUT and each allowed to fail without stopping the next: the machine's facts;
 # the engine built with its CUDA copy path while DeepSpeed's JIT ops build beside it; tests/gpu; host<->GPU
 # copy bandwidth and GPU FLOP/s; io-bench on this machine's disk; generation with the GPU capped (ours against
-# accelerate's offload and ZeRO-Inference, the inference issue's GPU figures; GEN_S seconds, 0 skips it); then the
-# cells of bench/grids/gpu_probe.json (or $GRID) until the deadline, with --resume so a later session carries on
-# from what came back.
+# accelerate's offload and ZeRO-Inference, the inference issue's GPU figures; GEN_S seconds, default 200, 0 gives
+# the sweep its time); then the cells of bench/grids/gpu_probe.json (or $GRID) until the deadline, with --resume
+# so a later session carries on from what came back.
 set -u
 T0=$(date +%s)
 DEADLINE=${1:-420}
@@ -81,7 +81,7 @@ phase "io-bench on this disk"
 [ "$(left)" -gt 100 ] && timeout 60 python3 -m aidaptiv_ds io-bench --size-mb ${IO_MB:-1024} --repeat 1 --engines uring,deepspeed \
   > "$RES/io_bench.txt" 2>&1; echo "io-bench rc=$?"; cat "$RES/io_bench.txt" | tail -8
 
-GEN_S=${GEN_S:-150}
+GEN_S=${GEN_S:-200}
 phase "generate, GPU capped at 1.5 GiB: ours vs accelerate vs ZeRO-Inference (at most $GEN_S s)"
 if [ "$GEN_S" -gt 0 ] && [ "$(left)" -gt $(( GEN_S + 60 )) ]; then
   # tinyllama-1.1b shape in bf16 (2.2 GB of weights) with 1.5 GiB of GPU and a 1 GiB host budget for weights:
