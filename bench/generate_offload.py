@@ -45,6 +45,7 @@ SIDES = {
     "accelerate": "accelerate disk offload",
     "zero_inference": "DeepSpeed ZeRO-Inference (NVMe)",
 }
+KV_CAP_GIB = 4.0  # the prompt-cache runs' cap (rows measured before they kept it ran with this default)
 # What the host budget for weights is, on each baseline.
 BUDGET_MEANS = {
     "accelerate": "accelerate: max_memory",
@@ -336,7 +337,7 @@ def main():
     ap.add_argument(
         "--kv-cap-gib",
         type=float,
-        default=4.0,
+        default=KV_CAP_GIB,
         help="cgroup cap of the prompt-cache runs (a long prefill's activations)",
     )
     ap.add_argument("--summary-only", action="store_true", help="write OUT/summary.md from OUT/rows.jsonl")
@@ -350,6 +351,10 @@ def main():
     unknown = sorted(set(args.sides) - set(SIDES))
     if unknown or "aidaptiv" not in args.sides:
         ap.error(f"--sides: aidaptiv and any of {', '.join(s for s in SIDES if s != 'aidaptiv')} (got {args.sides})")
+    rows_path = os.path.join(args.out, "rows.jsonl")
+    if args.summary_only:  # from the rows alone: what they ran is in them
+        write_summary(args.out, [json.loads(line) for line in open(rows_path)])
+        return
     os.makedirs(args.work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     context = max(2048, args.kv_prefix + 256)
@@ -366,7 +371,6 @@ def main():
     if factory is None:  # a GPU machine without one: the GPU cap still holds; said in the summary
         print(f"no usable memory cgroup ({where}): host memory not capped", file=sys.stderr)
         cap = 0
-    rows_path = os.path.join(args.out, "rows.jsonl")
     common = {
         "shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes, "budget_bytes": args.budget_bytes,
         "cap_bytes": cap, "new_tokens": args.new_tokens, "machine": summary(machine_info(swap)),
@@ -383,13 +387,6 @@ def main():
         brief = {k: row.get(k) for k in ("side", "repeat", "rc", "tokens_per_s", "ttft_s", "peak_bytes")}
         print(json.dumps(brief), flush=True)
 
-    if args.summary_only:
-        rows = [json.loads(line) for line in open(rows_path)]
-        ref = next(r for r in rows if r["side"] == "in_memory")
-        disk = next(r for r in rows if r["side"] == "disk")
-        kv_rows = [r for r in rows if r["side"] == "kv_prefix"]
-        write_summary(args, rows, weight_bytes, disk, ref, kv_rows)
-        return
     if args.kv_only:  # keep the throughput rows, measure the prompt cache again
         kept = [json.loads(line) for line in open(rows_path)] if os.path.exists(rows_path) else []
         kept = [r for r in kept if r["side"] != "kv_prefix"]
@@ -410,7 +407,6 @@ def main():
             }
         )  # fmt: skip
     ref = next(r for r in rows if r["side"] == "in_memory")
-    disk = next(r for r in rows if r["side"] == "disk")
     runners = {
         "aidaptiv": lambda: run_ours(args, model_dir, swap, cap, factory),
         "accelerate": lambda: run_hf(args, model_dir, offload, cap, factory, "offload"),
@@ -422,7 +418,6 @@ def main():
             r = runners[side]()
             r["same_tokens_as_in_memory"] = r.get("token_ids") == ref.get("token_ids")
             record(dict(r, side=side, repeat=rep))
-    kv_rows = []
     if args.kv_prefix:
         document = ("In the year of the long rains the river rose above its banks and the valley farmers moved "
                     "their herds to the hills. ")  # fmt: skip
@@ -436,15 +431,21 @@ def main():
                 kv_cap = int(args.kv_cap_gib * (1 << 30))
                 r = run_ours(args, model_dir, swap, kv_cap, factory, extra=extra, prompt=text, new=4)
                 r["phase"] = phase
-                record(dict(r, side="kv_prefix", repeat=rep, prompt_tokens=args.kv_prefix))
-                kv_rows.append(r)
-    write_summary(args, rows, weight_bytes, disk, ref, kv_rows)
+                record(dict(r, side="kv_prefix", repeat=rep, prompt_tokens=args.kv_prefix, kv_cap_bytes=kv_cap))
+    write_summary(args.out, rows)
 
 
-def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
+def write_summary(out, rows):
+    """OUT/summary.md from the rows alone (each carries the shape, dtype, budget and caps it ran with)."""
+    first = rows[0]
+    shape, dtype, weight_bytes = first["shape"], first["dtype"], first["weight_bytes"]
+    budget_bytes, new_tokens = first["budget_bytes"], first["new_tokens"]
+    ref = next(r for r in rows if r["side"] == "in_memory")
+    disk = next(r for r in rows if r["side"] == "disk")
+    kv_rows = [r for r in rows if r["side"] == "kv_prefix"]
     gbps = disk["read_gbps"]
     file_words = f"a {disk['file_mb'] / 1024:.1f} GiB file" if "file_mb" in disk else "a 1 GiB file"
-    args.repeats = len({r["repeat"] for r in rows if r["side"] == "aidaptiv"})
+    repeats = len({r["repeat"] for r in rows if r["side"] == "aidaptiv"})
     sides = [side for side in SIDES if any(r["side"] == side for r in rows)]
     ok = {side: [r for r in rows if r["side"] == side and r["rc"] == 0] for side in sides}
     ours = ok["aidaptiv"]
@@ -460,8 +461,8 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
     lines = [
         f"# Generation beyond host memory: aidaptiv-ds generate vs {baselines} ({time.strftime('%Y-%m-%d')})",
         "",
-        f"Model: `{args.shape}` shape, random weights, {args.dtype}, {format_size(weight_bytes)} of weights; host budget "
-        f"for weights {format_size(args.budget_bytes)} on every side ({weight_bytes / args.budget_bytes:.1f}x smaller "
+        f"Model: `{shape}` shape, random weights, {dtype}, {format_size(weight_bytes)} of weights; host budget "
+        f"for weights {format_size(budget_bytes)} on every side ({weight_bytes / budget_bytes:.1f}x smaller "
         f"than the weights; {'; '.join(BUDGET_MEANS[side] for side in sides[1:])}); "
         + (
             f"every capped run in a memory cgroup of {format_size(host_cap)} (page cache charged); "
@@ -476,8 +477,8 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
             if device == "cuda"
             else ""
         )
-        + f"page cache of the weight files dropped before each run; greedy, {args.new_tokens} new tokens, "
-        f"{args.repeats} interleaved repeats (order reversed every other repeat). Machine: {rows[0]['machine']}.",
+        + f"page cache of the weight files dropped before each run; greedy, {new_tokens} new tokens, "
+        f"{repeats} interleaved repeats (order reversed every other repeat). Machine: {rows[0]['machine']}.",
         "",
         "| side | tokens/s (median, min-max) | time to first token s | load s | read per token | peak cgroup memory | "
         "tokens = in-memory |",
@@ -498,7 +499,7 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
             continue
         tps = [r["tokens_per_s"] for r in rs]
         load = median([r.get("load_s", r.get("layout_s")) for r in rs])
-        # Ours: the bytes its plan streams each token (its engine's count); the others: what the block layer read
+        # Ours: the layers its plan streams each pass (what its engine reads a step); the others: what the block layer read
         # for the process between the first and the last token (/proc/self/io), page cache hits not counted.
         read = median([r.get("streamed_bytes_per_token", r.get("disk_read_bytes_per_token")) for r in rs])
         lines.append(
@@ -533,7 +534,8 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
             f"read the swap file at {streamed / step_s / 1e9:.2f} GB/s (bytes streamed per token / time per token), "
             f"against io-bench's {gbps:.2f} GB/s on {file_words}"
             + (f" ({disk['read_gbps_1gib']:.2f} GB/s on a 1 GiB file)" if "read_gbps_1gib" in disk else "")
-            + ". Read per token: ours, the bytes its plan streams (its engine's count); the others, what the block "
+            + ". Read per token: ours, the layers its plan streams each pass (what its engine reads a step; "
+            "tests/integration/test_generate.py holds it to exactly these); the others, what the block "
             "layer read for the process between its first and last token (/proc/self/io; page cache hits not "
             "counted)."
         )
@@ -545,8 +547,9 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
             tc, tb = median([r["ttft_s"] for r in comp]), median([r["ttft_s"] for r in back])
             lines += [
                 "",
-                f"Prompt cache, a prompt of {args.kv_prefix} tokens (same model and budget, cap {args.kv_cap_gib:g} GiB; "
-                f"{args.kv_repeats} repeats): "
+                f"Prompt cache, a prompt of {kv_rows[0]['prompt_tokens']} tokens (same model and budget, cap "
+                f"{format_size(kv_rows[0].get('kv_cap_bytes', KV_CAP_GIB * 2**30))}; "
+                f"{len({r['repeat'] for r in kv_rows})} repeats): "
                 f"time to first token computing the prefix {tc:.1f} s, reading it back from the SSD {tb:.2f} s "
                 f"(**{tc / tb:.1f}x faster**; {back[0]['reused_prefix_tokens']} tokens reused, "
                 f"{format_size(back[0]['kv_cache']['bytes_read'])} read); next tokens identical: {same}.",
@@ -559,7 +562,7 @@ def write_summary(args, rows, weight_bytes, disk, ref, kv_rows):
         if r.get("command") and r["command"] not in commands:
             commands.append(r["command"])
     lines += ["", "Commands: " + "; ".join(f"`{c}`" for c in commands), ""]
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
+    with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
 

@@ -2,7 +2,6 @@
 they shared, a baseline the cap killed said as such (not as the last line of its stderr), and the GPU's cap and
 an uncapped host said where they apply."""
 
-import argparse
 import importlib.util
 import os
 
@@ -21,8 +20,10 @@ def bench():
 
 
 def _rows(device="cpu", cap=2 << 30):
-    common = {"machine": "test machine", "device": device, "gpu_cap_bytes": 3 << 29, "cap_bytes": cap}
-    ref = dict(common, side="in_memory", repeat=0, rc=0, token_ids=[1, 2, 3], decode_s=1.0, new_tokens=3,
+    common = {"machine": "test machine", "device": device, "gpu_cap_bytes": 3 << 29, "cap_bytes": cap,
+              "shape": "tinyllama-1.1b", "dtype": "float32", "weight_bytes": 4 << 30, "budget_bytes": 1 << 30,
+              "new_tokens": 16}  # fmt: skip
+    ref = dict(common, side="in_memory", repeat=0, rc=0, token_ids=[1, 2, 3], decode_s=1.0, new_tokens=16,
                tokens_per_s=2.0, ttft_s=0.5)  # fmt: skip
     disk = dict(common, side="disk", repeat=0, rc=0, file_mb=4096, read_gbps=2.0, read_gbps_1gib=2.2)
     rows = [ref, disk]
@@ -37,9 +38,7 @@ def _rows(device="cpu", cap=2 << 30):
 
 
 def _summary(bench, tmp_path, rows, ref, disk):
-    args = argparse.Namespace(shape="tinyllama-1.1b", dtype="float32", budget_bytes=1 << 30, new_tokens=16,
-                              out=str(tmp_path), kv_prefix=0, kv_cap_gib=4.0, kv_repeats=2)  # fmt: skip
-    bench.write_summary(args, rows, 4 << 30, disk, ref, [])
+    bench.write_summary(str(tmp_path), rows)  # from the rows alone
     return (tmp_path / "summary.md").read_text()
 
 
@@ -52,6 +51,8 @@ def test_each_side_its_row_and_each_baseline_its_ratio(bench, tmp_path):
     assert "| DeepSpeed ZeRO-Inference (NVMe) | failed in 2 of 2 runs: 2 killed by the cap (out of memory) |" in text
     assert "return func" not in text and "aidaptiv / DeepSpeed ZeRO-Inference" not in text
     assert "memory cgroup of 2.00 GiB" in text and "GPU" not in text
+    assert "`tinyllama-1.1b` shape, random weights, float32, 4.00 GiB of weights" in text
+    assert "16 new tokens, 2 interleaved repeats" in text
 
 
 def test_a_gpu_run_says_its_cap_and_an_uncapped_host(bench, tmp_path):
