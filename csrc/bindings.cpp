@@ -7,6 +7,7 @@
 #include "aidaptiv/engine.hpp"
 #include "aidaptiv/error.hpp"
 #include "aidaptiv/pinned_pool.hpp"
+#include "aidaptiv/weight_codec.hpp"
 
 namespace py = pybind11;
 using namespace aidaptiv;
@@ -124,6 +125,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("kind"), "TEST HOOK: throw one exception of the given kind from C++ (the translator's test).");
   m.def("_testing_throw_in_next_completions", &aidaptiv::detail::testing::throw_in_next_completions, py::arg("count") = 1,
         "TEST HOOK: the next `count` completion checks (io_uring reaper, POSIX workers) throw std::bad_alloc.");
+
+  m.def("decode_weights", &decode_weights_into, py::arg("encoded"), py::arg("n"), py::arg("itemsize"),
+        py::arg("table"), py::arg("escape_positions"), py::arg("escape_values"), py::arg("out"), release_gil(),
+        "Rebuild n floating-point elements into out from their encoded planes and codes "
+        "(aidaptiv/weight_codec.hpp; aidaptiv_ds/inference/weight_codec.py).");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const EngineOptions&, std::shared_ptr<PinnedPool>>(), py::arg("options"),
