@@ -8,7 +8,7 @@
 
 The model is built empty from its config.json, its weights laid out by
 :class:`aidaptiv_ds.inference.streamed.StreamedWeights` (resident when they fit ``host_budget``, streamed from
-the swap space when not; on CUDA resident on the GPU within ``gpu_budget``, default three quarters of the GPU
+the swap space when not, encoded losslessly on CPU so that a token reads fewer bytes; on CUDA resident on the GPU within ``gpu_budget``, default three quarters of the GPU
 memory free, then in pinned host memory within ``host_budget``, then from the swap space), and generation is
 transformers' own ``generate`` on that model (greedy, or sampled with temperature / top-k / top-p), so the
 tokens are those the in-memory model gives.
@@ -35,6 +35,17 @@ from aidaptiv_ds.inference.sources import ModelSourceError, WeightSource, open_s
 DEFAULT_KV_CACHE_SIZE = "8GiB"
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_HOST_BUDGET = "512MiB"
+# Streamed layers stored encoded (weight_codec, lossless), on CPU: auto the bf16 and fp16 ones, on also fp32;
+# CUDA reads them as they are.
+ENCODE_CHOICES = ("auto", "on", "off")
+
+
+def _encoded_dtypes(device: str, choice: str) -> tuple:
+    from aidaptiv_ds.inference.streamed import ENCODE_ALL, ENCODE_AUTO
+
+    if device != "cpu" or choice == "off":
+        return ()
+    return ENCODE_ALL if choice == "on" else ENCODE_AUTO
 
 
 class GenerationError(ValueError):
@@ -144,6 +155,7 @@ class Generator:
         progress: Optional[Callable[[str], None]] = None,
         gpu_budget=None,
         gpu_mem_cap_gb: Optional[float] = None,
+        encode_weights: str = "auto",
     ):
         from aidaptiv_ds.models.tokenizer import HFTokenizer
 
@@ -165,6 +177,13 @@ class Generator:
             if host_budget in (None, "auto")
             else parse_size(host_budget, "--host-budget")
         )
+        if encode_weights not in ENCODE_CHOICES:
+            raise GenerationError(f"--encode-weights {encode_weights}: choose one of {', '.join(ENCODE_CHOICES)}")
+        if encode_weights == "on" and self.device != "cpu":
+            raise GenerationError(
+                "--encode-weights on: encoded weights are decoded on the CPU, and on CUDA the layers go to the GPU "
+                "as they are read; use --encode-weights off (or auto) with --device cuda"
+            )
         device_budget = None
         if self.device == "cpu" and (gpu_budget not in (None, "auto") or gpu_mem_cap_gb):
             raise GenerationError("--gpu-budget and --gpu-mem-cap-gb are for --device cuda")
@@ -191,6 +210,7 @@ class Generator:
             dtype=self.dtype,
             progress=progress,
             device_budget=device_budget,
+            encode=_encoded_dtypes(self.device, encode_weights),
         )
         self.weights.attach()
         self.kv = None
@@ -349,6 +369,7 @@ class Generator:
             weight_bytes=self.source.nbytes,
             resident_bytes=w.resident_bytes,
             streamed_bytes_per_pass=w.streamed_bytes,
+            streamed_weight_bytes_per_pass=w.streamed_weight_bytes,
             in_host_bytes_per_pass=w.in_host_bytes,
             device_budget=w.device_budget,
             by_rows_bytes=w.by_rows_bytes,

@@ -24,6 +24,13 @@ reads of the next streamed layers into every free slot (cyclic: the last layer's
 layer of the next token), and its forward hook gives the slot back. Two slots, so one layer computes while the next
 is read; the rest of the budget holds resident layers.
 
+On CPU the streamed layers can be stored encoded (``encode``; :mod:`aidaptiv_ds.inference.weight_codec`: each
+floating-point element's top byte as a 4-bit code, lossless): bf16 layers are read in three quarters of their
+bytes, fp32 layers in seven eighths. The slots then hold encoded layers, and one more buffer of a layer's size
+holds the decoded layer its forward runs on: the pre-hook decodes the slot into it (the engine's C++, at memory
+speed) and gives the slot back at once, so the next read starts before the layer computes. Choosing the codes
+takes one pass over the layers' weights before the plan (the slot size is the largest encoded layer).
+
 On CUDA each slot has a twin on the GPU: a read slot is copied to its twin on a copy stream (an event orders the
 compute after it), the pinned slot is reused only after that copy's event, and a twin only after the compute of
 the layer it held (an event recorded by the forward hook). There are two budgets: the GPU budget holds the
@@ -45,18 +52,24 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from aidaptiv_ds.common.sizes import ALIGN, align_up, format_size
 from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 from aidaptiv_ds.inference.sources import WeightSource
+from aidaptiv_ds.inference.weight_codec import Codebook, codebook_for, decode_into, encode_into
 from aidaptiv_ds.swap.space import SwapSpace
 
 log = logging.getLogger(__name__)
 
 _TENSOR_ALIGN = 64  # every tensor of a group starts on a cache line, whatever the dtype
+# What generate's --encode-weights auto encodes: bf16 and fp16 layers (a quarter fewer bytes, decoded at about
+# memory speed). fp32 saves an eighth and its decode writes four bytes an element: on the test machine it
+# measured no faster than reading the layers as they are (bench/results/generate_offload), so only "on" does.
+ENCODE_AUTO = (torch.bfloat16, torch.float16)
+ENCODE_ALL = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_BUFFER_MAX = 8 << 20  # the row buffer of a table read by rows: a long prompt's rows go through it in turns
 
 
@@ -84,6 +97,8 @@ class _Member:
     offset: int  # in the group's bytes
     nbytes: int
     tied_to: Optional[tuple] = None  # (module, attr) of the parameter this one is tied to (name is "" then)
+    book: Optional[Codebook] = None  # encoded in the swap file (weight_codec), or stored as it is
+    encoded_offset: int = 0  # in the group's encoded bytes
 
 
 @dataclass(eq=False)
@@ -93,6 +108,7 @@ class _Group:
     module: torch.nn.Module
     members: List[_Member] = field(default_factory=list)
     nbytes: int = 0  # aligned size of the group's bytes
+    encoded_nbytes: int = 0  # aligned size of its encoded bytes in the swap file (0: stored as it is)
     is_layer: bool = False
     resident: bool = True  # bound for good, on the device the model computes on
     in_host: bool = False  # CUDA: streamed from pinned host memory (no disk read), not from the swap file
@@ -100,6 +116,11 @@ class _Group:
     row_bytes: int = 0
     buffer: Optional[torch.Tensor] = None  # resident and in-host groups: their bytes
     extent: object = None  # streamed groups and tables read by rows: their extent of the swap file
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes of the group in the swap file: what one read of it brings in."""
+        return self.encoded_nbytes or self.nbytes
 
 
 @dataclass(eq=False)
@@ -139,9 +160,11 @@ class StreamedWeights:
     ``device_budget`` (CUDA only; bytes) bounds what stays on the GPU: the groups every step uses, the resident
     layers and the slots' GPU twins; the host budget then holds the slots and, beyond them, layers kept in
     pinned host memory and copied to the GPU each pass; the rest comes from the swap file.
+    ``encode`` (CPU only): the dtypes whose tensors the streamed layers store encoded, losslessly (fewer bytes
+    a token to read; ``ENCODE_AUTO``, the 2-byte floats, where decoding is cheap beside the quarter it saves).
     ``stats`` counts what moved: ``bytes_read`` and ``reads`` (from the swap file, everything), of them
     ``rows_bytes_read`` and ``rows_reads`` (embedding rows), ``wait_s`` (time the compute waited for a read),
-    ``layout_s`` and ``layout_bytes``."""
+    ``decode_s`` (time spent decoding encoded layers), ``layout_s`` and ``layout_bytes``."""
 
     def __init__(
         self,
@@ -154,8 +177,12 @@ class StreamedWeights:
         max_slots: int = 2,
         progress=None,
         device_budget: Optional[int] = None,
+        encode: Tuple[torch.dtype, ...] = (),
     ):
         self.model, self.source, self.device = model, source, torch.device(device)
+        if encode and self.device.type != "cpu":
+            raise ValueError("encoded weights are decoded on the CPU: encode is for device 'cpu'")
+        self.encode = tuple(encode)
         self.host_budget = int(host_budget)
         self.device_budget = None if self.device.type == "cpu" or device_budget is None else int(device_budget)
         self.stats = {
@@ -164,6 +191,7 @@ class StreamedWeights:
             "rows_bytes_read": 0,
             "rows_reads": 0,
             "wait_s": 0.0,
+            "decode_s": 0.0,
             "layout_s": 0.0,
             "layout_bytes": 0,
         }
@@ -172,6 +200,8 @@ class StreamedWeights:
         self.groups = _groups_of(model)
         self.row_buffer_bytes = 0
         self.row_buffer: Optional[torch.Tensor] = None
+        self.decode_bytes = 0  # the buffer encoded layers are decoded into (0: none encoded)
+        self.decode_buffer: Optional[torch.Tensor] = None
         self._row_fd: Optional[int] = None
         self._bind_sources(dtype)
         self._plan(max_slots)
@@ -296,22 +326,72 @@ class StreamedWeights:
                 f"{self._outside_words(outside)}; plus two layers in flight, {format_size(slot)} each): give "
                 f"--host-budget {format_size(need)} or more"
             )
-        left = self.host_budget - others
-        # Two slots keep the disk busy (while layer i computes, layer i+1 is read; when i ends, i+2 is issued
-        # before i+1 is waited for); a byte beyond them is worth more as part of a resident layer, never read
-        # again, than as deeper read-ahead. ``max_slots`` allows more.
+        plans = [self._plan_slots(layers, self.host_budget - others, slot, 0, max_slots, encoded=False)]
+        if self.encode:
+            self._choose_codes(layers)
+            if any(g.encoded_nbytes for g in layers):
+                # Encoded: the slots hold the largest encoded layer, and one more buffer the decoded layer.
+                encoded_slot, decoded = max(g.read_nbytes for g in layers), max(g.nbytes for g in layers)
+                left = self.host_budget - others - decoded
+                if left >= 2 * encoded_slot:
+                    plans.append(self._plan_slots(layers, left, encoded_slot, decoded, max_slots, encoded=True))
+        # The plan that reads fewer bytes a pass (encoding costs a decode buffer: worth it unless few layers
+        # stream); on a tie the one without decoding.
+        read, resident, slots, slot, decoded, encoded = min(plans, key=lambda p: (p[0], p[5]))
+        for g, keep in zip(layers, resident):
+            g.resident = keep
+        if not encoded:
+            for g in layers:
+                g.encoded_nbytes = 0
+                for m in g.members:
+                    m.book, m.encoded_offset = None, 0
+        if not slots:  # the slots could hold every streamed layer: they are kept instead
+            return
+        self.slot_bytes, self.slot_count, self.decode_bytes = slot, slots, decoded
+
+    @staticmethod
+    def _plan_slots(layers: List[_Group], left: int, slot: int, decoded: int, max_slots: int, encoded: bool):
+        """Slots and resident layers within ``left`` bytes: (bytes read a pass, resident flags, slots, slot size,
+        decode buffer, encoded). Two slots keep the disk busy (while layer i computes, layer i+1 is read; when i
+        ends, i+2 is issued before i+1 is waited for); a byte beyond them is worth more as part of a resident
+        layer, never read again, than as deeper read-ahead. ``max_slots`` allows more."""
         slots = max(2, min(max_slots, left // slot, len(layers)))
         left -= slots * slot
+        resident = []
         for g in layers:
-            g.resident = g.nbytes <= left
-            if g.resident:
+            resident.append(g.nbytes <= left)
+            if resident[-1]:
                 left -= g.nbytes
-        streamed = [g for g in layers if not g.resident]
+        streamed = [g for g, keep in zip(layers, resident) if not keep]
         if len(streamed) <= slots:  # the slots could hold every streamed layer: keep them instead
-            for g in streamed:
-                g.resident = True
-            return
-        self.slot_bytes, self.slot_count = slot, slots
+            return 0, [True] * len(layers), 0, 0, 0, False
+        read = sum(g.read_nbytes if encoded else g.nbytes for g in streamed)
+        return read, resident, slots, slot, decoded, encoded
+
+    def _choose_codes(self, layers: List[_Group]) -> None:
+        """Each layer's codebooks and encoded layout (weight_codec): one pass over its weights, through one
+        staging buffer of the largest tensor's size (freed after)."""
+        staging = torch.empty(max(m.nbytes for g in layers for m in g.members), dtype=torch.uint8)
+        for i, g in enumerate(layers):
+            offset = 0
+            for m in g.members:
+                if not m.name:
+                    continue
+                m.book = None
+                if m.dtype in self.encode:
+                    data = staging[: m.nbytes]
+                    self._read_member(m, data)
+                    m.book = codebook_for(data, m.dtype)
+                offset = align_up(offset, _TENSOR_ALIGN)
+                m.encoded_offset = offset
+                offset += m.nbytes if m.book is None else m.book.nbytes
+            encoded = align_up(max(offset, 1), ALIGN)
+            if any(m.book is not None for m in g.members) and encoded < g.nbytes:
+                g.encoded_nbytes = encoded
+            else:
+                for m in g.members:
+                    m.book, m.encoded_offset = None, 0
+            self._progress(f"chose the codes of {g.label} ({i + 1}/{len(layers)})")
 
     def _plan_device(self, layers: List[_Group], outside: List[_Group], others: int, slot: int, max_slots: int):
         """The CUDA plan: the groups every step uses (``others`` bytes), the slots' GPU twins and as many layers
@@ -375,7 +455,14 @@ class StreamedWeights:
         """Pinned host memory: the resident groups on CPU (on CUDA they live on the GPU), the in-host layers, the
         slots and the row buffer."""
         resident = self.resident_bytes if self.device.type == "cpu" else 0
-        return max(ALIGN, resident + self.in_host_bytes + self.slot_count * self.slot_bytes + self.row_buffer_bytes)
+        return max(
+            ALIGN,
+            resident
+            + self.in_host_bytes
+            + self.slot_count * self.slot_bytes
+            + self.decode_bytes
+            + self.row_buffer_bytes,
+        )
 
     @property
     def streamed_groups(self) -> List[_Group]:
@@ -405,7 +492,13 @@ class StreamedWeights:
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes read from the swap file per forward pass (the layers neither resident nor in host memory)."""
+        """Bytes read from the swap file per forward pass (the layers neither resident nor in host memory;
+        encoded, when they are)."""
+        return sum(g.read_nbytes for g in self.swap_groups)
+
+    @property
+    def streamed_weight_bytes(self) -> int:
+        """The weights' bytes of the layers read from the swap file per forward pass (before encoding)."""
         return sum(g.nbytes for g in self.swap_groups)
 
     @property
@@ -417,16 +510,45 @@ class StreamedWeights:
     def _fill(self, g: _Group, out: torch.Tensor) -> None:
         """The group's bytes from the source into ``out`` (uint8, g.nbytes), converting dtypes where asked."""
         for m in g.members:
+            if m.name:
+                self._read_member(m, out[m.offset : m.offset + m.nbytes])
+
+    def _read_member(self, m: _Member, dst: torch.Tensor) -> None:
+        entry = self.source.tensors[m.name]
+        if entry.dtype == m.dtype:
+            self.source.read_into(m.name, dst)
+        else:
+            tmp = torch.empty(entry.nbytes, dtype=torch.uint8)
+            self.source.read_into(m.name, tmp)
+            dst.view(m.dtype).copy_(tmp.view(entry.dtype))
+
+    def _fill_encoded(self, g: _Group, out: torch.Tensor) -> None:
+        """The group's encoded bytes into ``out`` (uint8, g.encoded_nbytes), through the decode buffer."""
+        staged = self.decode_buffer
+        self._fill(g, staged)
+        for m in g.members:
             if not m.name:
                 continue
-            entry = self.source.tensors[m.name]
-            dst = out[m.offset : m.offset + m.nbytes]
-            if entry.dtype == m.dtype:
-                self.source.read_into(m.name, dst)
+            raw = staged[m.offset : m.offset + m.nbytes]
+            if m.book is None:
+                out[m.encoded_offset : m.encoded_offset + m.nbytes].copy_(raw)
             else:
-                tmp = torch.empty(entry.nbytes, dtype=torch.uint8)
-                self.source.read_into(m.name, tmp)
-                dst.view(m.dtype).copy_(tmp.view(entry.dtype))
+                encode_into(raw, m.book, out[m.encoded_offset : m.encoded_offset + m.book.nbytes])
+
+    def _decode(self, g: _Group, encoded: torch.Tensor) -> None:
+        """Group ``g``'s bytes into the decode buffer from its encoded bytes ``encoded``."""
+        out = self.decode_buffer
+        for m in g.members:
+            if not m.name:
+                continue
+            if m.book is None:
+                out[m.offset : m.offset + m.nbytes].copy_(encoded[m.encoded_offset : m.encoded_offset + m.nbytes])
+            else:
+                decode_into(
+                    encoded[m.encoded_offset : m.encoded_offset + m.book.nbytes],
+                    m.book,
+                    out[m.offset : m.offset + m.nbytes],
+                )
 
     def _lay_out(self, nvme_path: str) -> None:
         start = time.perf_counter()
@@ -466,6 +588,8 @@ class StreamedWeights:
                 self._bind_placeholder(g)
                 self.stats["layout_bytes"] += g.nbytes
                 self._progress(f"laid out {g.label} (read by rows)")
+        if self.decode_bytes:
+            self.decode_buffer = self.pool.allocate(self.decode_bytes)
         if self.slot_count:
             for _ in range(self.slot_count):
                 slot = _Slot(self.pool.allocate(self.slot_bytes))
@@ -478,19 +602,26 @@ class StreamedWeights:
                 k = i % len(self.slots)
                 if pending[k] is not None:
                     pending[k].wait()
-                g.extent = self.file.allocate(g.nbytes)
-                buf = self.slots[k].host[: g.nbytes]
-                self._fill(g, buf)
+                g.extent = self.file.allocate(g.read_nbytes)
+                buf = self.slots[k].host[: g.read_nbytes]
+                if g.encoded_nbytes:
+                    self._fill_encoded(g, buf)
+                else:
+                    self._fill(g, buf)
                 pending[k] = self.engine.write_async(buf, self.file.handle, g.extent.offset)
                 self.stats["layout_bytes"] += g.nbytes
                 self._progress(f"laid out {g.label} ({i + 1}/{len(streamed)})")
             for p in pending:
                 if p is not None:
                     p.wait()
-            # Until a streamed group is first read its parameters are views of a slot (never used: the hooks
-            # bind the right bytes first), so model.device and dtype read right before the first forward.
+            # Until a streamed group is first read its parameters are views of a slot or of the decode buffer
+            # (never used: the hooks bind the right bytes first), so model.device and dtype read right before the
+            # first forward.
             for g in self.streamed_groups:
-                self._bind(g, self.slots[0].device if self.slots[0].device is not None else self.slots[0].host)
+                if g.encoded_nbytes:
+                    self._bind(g, self.decode_buffer)
+                else:
+                    self._bind(g, self.slots[0].device if self.slots[0].device is not None else self.slots[0].host)
         for g in self.groups:  # tied parameters: the very tensor of their first owner (both groups resident)
             for m in g.members:
                 if m.tied_to is not None:
@@ -668,9 +799,9 @@ class StreamedWeights:
                 if s.copied is not None:  # CUDA: the host bytes may still be on their way to the twin
                     s.copied.synchronize()
                     s.copied = None
-                s.request = self.engine.read_async(s.host[: g.nbytes], self.file.handle, g.extent.offset)
+                s.request = self.engine.read_async(s.host[: g.read_nbytes], self.file.handle, g.extent.offset)
                 self.stats["reads"] += 1
-                self.stats["bytes_read"] += g.nbytes
+                self.stats["bytes_read"] += g.read_nbytes
             self._next_to_issue = (self._next_to_issue + 1) % len(self._order)
 
     def _make_rows_pre_hook(self, g: _Group):
@@ -733,6 +864,16 @@ class StreamedWeights:
                     torch.cuda.current_stream(self.device).wait_event(s.copied)
                 self.stats["wait_s"] += time.perf_counter() - t0
                 s.ready = True
+            if g.encoded_nbytes:
+                # Decoded into the one decode buffer (the previous layer has run): the slot is free at once, and
+                # its next read starts while this layer computes.
+                t0 = time.perf_counter()
+                self._decode(g, s.host)
+                self.stats["decode_s"] += time.perf_counter() - t0
+                s.group, s.ready = None, False
+                self._issue_reads()
+                self._bind(g, self.decode_buffer)
+                return None
             self._bind(g, s.device if s.device is not None else s.host)
             return None
 

@@ -121,6 +121,62 @@ def test_streamed_greedy_tokens_are_the_in_memory_models(models, tmp_path, kind)
     assert not os.path.exists(tmp_path / "nvme" / "aidaptiv-swap" / "rank0" / "lock")  # closed and cleaned
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_encoded_layers_read_fewer_bytes_and_give_the_same_tokens(models, tmp_path, dtype):
+    """With room for a decode buffer beside the slots, the streamed layers are stored encoded (bf16 by default,
+    fp32 with --encode-weights on): each pass reads their encoded bytes (a quarter fewer in bf16, an eighth in
+    fp32) and the tokens are the in-memory model's; --encode-weights off reads the weights as they are, and
+    gives the same tokens."""
+    from aidaptiv_ds.inference import Generator
+
+    folder = models["untied"]
+    budget = "3MiB" if dtype == "float32" else "1.5MiB"
+    ref = _reference(folder, PROMPTS[:1], 10, dtype=getattr(torch, dtype))
+    seen = {}
+    on = "auto" if dtype == "bfloat16" else "on"
+    for encode in (on, "off"):
+        with Generator(
+            folder, host_budget=budget, nvme_path=str(tmp_path / encode), device="cpu", dtype=dtype,
+            encode_weights=encode,
+        ) as gen:  # fmt: skip
+            results = gen.generate(PROMPTS[:1], max_new_tokens=10)
+            st = gen.stats()
+        assert [r.token_ids for r in results] == ref, encode
+        seen[encode] = st
+        per_pass = st["streamed_bytes_per_pass"]
+        layers_read = st["bytes_read"] - st["rows_bytes_read"]
+        passes = results[0].new_tokens
+        assert passes * per_pass <= layers_read <= passes * per_pass + st["slots"] * st["slot_bytes"], st
+    on, off = seen[on], seen["off"]
+    shrink = 0.88 if dtype == "float32" else 0.76
+    assert on["streamed_bytes_per_pass"] <= shrink * on["streamed_weight_bytes_per_pass"], on
+    assert on["decode_s"] > 0 and on["slot_bytes"] < off["slot_bytes"], (on, off)
+    assert off["streamed_bytes_per_pass"] == off["streamed_weight_bytes_per_pass"] and off["decode_s"] == 0, off
+    assert on["streamed_bytes_per_pass"] < off["streamed_bytes_per_pass"], (on, off)
+
+
+def test_encoding_is_not_chosen_when_it_would_read_more(models, tmp_path):
+    """A budget with room for two raw slots but not for two encoded ones and a decode buffer: the plan keeps
+    the layers as they are rather than failing or reading more. And fp32 layers are encoded only when asked."""
+    from aidaptiv_ds.inference import Generator
+
+    folder = models["untied"]
+    for budget, encode in ((BUDGET, "on"), ("3MiB", "auto")):
+        with Generator(
+            folder, host_budget=budget, nvme_path=str(tmp_path / encode), device="cpu", encode_weights=encode
+        ) as g:
+            st = g.stats()
+        assert st["streamed_bytes_per_pass"] == st["streamed_weight_bytes_per_pass"] > 0, (encode, st)
+
+
+def test_encoding_on_cuda_is_refused(models):
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.inference.generate import GenerationError
+
+    with pytest.raises(GenerationError, match="--encode-weights on: encoded weights are decoded on the CPU"):
+        Generator(models["untied"], device="cuda", encode_weights="on")
+
+
 def test_bf16_conversion_matches_the_in_memory_bf16_model(models, tmp_path):
     from aidaptiv_ds.inference import Generator
 
