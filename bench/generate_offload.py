@@ -42,12 +42,17 @@ from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
 # The sides and their names in the summary: ours, then the baselines.
 SIDES = {
     "aidaptiv": "aidaptiv-ds generate",
+    "aidaptiv_encode_off": "aidaptiv-ds generate --encode-weights off",
+    "aidaptiv_encode_on": "aidaptiv-ds generate --encode-weights on",
     "accelerate": "accelerate disk offload",
     "zero_inference": "DeepSpeed ZeRO-Inference (NVMe)",
 }
+DEFAULT_SIDES = ("aidaptiv", "accelerate", "zero_inference")
 KV_CAP_GIB = 4.0  # the prompt-cache runs' cap (rows measured before they kept it ran with this default)
 # What the host budget for weights is, on each baseline.
 BUDGET_MEANS = {
+    "aidaptiv_encode_off": "ours reading its streamed layers as they are",
+    "aidaptiv_encode_on": "ours with its streamed layers encoded whatever their dtype",
     "accelerate": "accelerate: max_memory",
     "zero_inference": "ZeRO-Inference: its pinned parameter buffers, as many as fit, each the largest parameter",
 }
@@ -254,6 +259,10 @@ def run_ours(args, model_dir, swap, cap, factory, extra=(), metrics_name="m.json
         "tokens_per_s": r["tokens_per_s"],
         "reused_prefix_tokens": r["reused_prefix_tokens"],
         "streamed_bytes_per_token": m["stats"]["streamed_bytes_per_pass"],
+        "streamed_weight_bytes_per_token": m["stats"].get(
+            "streamed_weight_bytes_per_pass", m["stats"]["streamed_bytes_per_pass"]
+        ),
+        "decode_wait_s": m["stats"].get("decode_s", 0.0),
         "bytes_read": m["stats"]["bytes_read"],
         "read_wait_s": m["stats"]["wait_s"],
         "layout_s": m["stats"]["layout_s"],
@@ -318,9 +327,9 @@ def main():
     ap.add_argument("--cap-gib", type=float, default=3.0, help="memory cgroup cap of every capped run, both sides")
     ap.add_argument(
         "--sides",
-        default=",".join(SIDES),
-        help=f"comma-separated, aidaptiv first (default {','.join(SIDES)}); run in this order, reversed every "
-        "other repeat",
+        default=",".join(DEFAULT_SIDES),
+        help=f"comma-separated, aidaptiv first (default {','.join(DEFAULT_SIDES)}; also aidaptiv_encode_off and "
+        "aidaptiv_encode_on: ours with --encode-weights off or on); run in this order, reversed every other repeat",
     )
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every side computes")
     ap.add_argument(
@@ -409,6 +418,8 @@ def main():
     ref = next(r for r in rows if r["side"] == "in_memory")
     runners = {
         "aidaptiv": lambda: run_ours(args, model_dir, swap, cap, factory),
+        "aidaptiv_encode_off": lambda: run_ours(args, model_dir, swap, cap, factory, extra=("--encode-weights", "off")),
+        "aidaptiv_encode_on": lambda: run_ours(args, model_dir, swap, cap, factory, extra=("--encode-weights", "on")),
         "accelerate": lambda: run_hf(args, model_dir, offload, cap, factory, "offload"),
         "zero_inference": lambda: run_zero_inference(args, model_dir, os.path.join(args.work, "zi_swap"), cap, factory),
     }
@@ -455,7 +466,8 @@ def write_summary(out, rows):
     io_s = streamed / (gbps * 1e9) if streamed else None
     bound_s = max(x for x in (compute_s, io_s) if x is not None) if (compute_s or io_s) else None
     step_s = 1 / t_ours if t_ours else None
-    baselines = " and ".join(SIDES[side] for side in sides[1:])
+    weights_streamed = median([r.get("streamed_weight_bytes_per_token", r["streamed_bytes_per_token"]) for r in ours])
+    baselines = " and ".join(SIDES[side] for side in sides[1:] if not side.startswith("aidaptiv"))
     device, gpu_cap = rows[0].get("device", "cpu"), rows[0].get("gpu_cap_bytes")
     host_cap = rows[0].get("cap_bytes")
     lines = [
@@ -513,16 +525,21 @@ def write_summary(out, rows):
             f"| in-memory model (no cap) | {ref['tokens_per_s']:.3f} | {ref['ttft_s']:.2f} | | | | reference |"
         )
     lines.append("")
-    for side in sides[1:]:
+    # Ours (its defaults) against every other side; ours with other flags against the baselines too.
+    variants = [side for side in sides if side.startswith("aidaptiv_")]
+    matchups = [("aidaptiv", side) for side in sides[1:]]
+    matchups += [(v, side) for v in variants for side in sides if not side.startswith("aidaptiv")]
+    for mine, side in matchups:
         pairs = [
             a["tokens_per_s"] / b["tokens_per_s"]
-            for a in ours
+            for a in ok[mine]
             for b in ok[side]
             if a["repeat"] == b["repeat"] and b["tokens_per_s"]
         ]
         if pairs:
+            name = "aidaptiv" if mine == "aidaptiv" else SIDES[mine]
             lines.append(
-                f"**aidaptiv / {SIDES[side]} tokens/s: {statistics.median(pairs):.2f}x** (repeat pairs "
+                f"**{name} / {SIDES[side]} tokens/s: {statistics.median(pairs):.2f}x** (repeat pairs "
                 f"{min(pairs):.2f}-{max(pairs):.2f}x)."
             )
     if bound_s and step_s:
@@ -534,6 +551,13 @@ def write_summary(out, rows):
             f"read the swap file at {streamed / step_s / 1e9:.2f} GB/s (bytes streamed per token / time per token), "
             f"against io-bench's {gbps:.2f} GB/s on {file_words}"
             + (f" ({disk['read_gbps_1gib']:.2f} GB/s on a 1 GiB file)" if "read_gbps_1gib" in disk else "")
+            + (
+                f". Ours stores its streamed layers encoded (lossless; --encode-weights, by default for bf16 on CPU): "
+                f"{format_size(weights_streamed)} of weights a token read as {format_size(streamed)}; against the "
+                f"weights' bytes the I/O bound would be {weights_streamed / (gbps * 1e9):.3f} s"
+                if weights_streamed != streamed
+                else ""
+            )
             + ". Read per token: ours, the layers its plan streams each pass (what its engine reads a step; "
             "tests/integration/test_generate.py holds it to exactly these); the others, what the block "
             "layer read for the process between its first and last token (/proc/self/io; page cache hits not "

@@ -9,7 +9,7 @@ Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and
 bench/results/swap_step_time, swap_step_time_small, swap_step_time_1b, swap_step_time_3b(_eighth), malloc_threshold and malloc_threshold_small (each written from its
 rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
 bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_models/summary.md (bench/capacity_models.py's), bench/results/lora_1b/table.md, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
-its rows), bench/results/long_sequence, generate_offload(_bf16, _zero_inference) and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
+its rows), bench/results/long_sequence, generate_offload(_bf16, _3b, _zero_inference) and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
 tables), bench/results/faults/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
 not links. The settings table (docs/USAGE.md) from the block's pydantic model, aidaptiv_ds.config.schema.
 """
@@ -157,13 +157,21 @@ def generate_section():
         "",
         *summary_md(
             "generate_offload",
-            "python bench/generate_offload.py --cap-gib 2 --kv-prefix 0 --repeats 3, then --cap-gib 2 --kv-only",
+            "python bench/generate_offload.py --cap-gib 2 --kv-prefix 0 --repeats 3 --sides "
+            "aidaptiv,aidaptiv_encode_on,accelerate, then --cap-gib 2 --kv-only",
         ),
         "",
         *summary_md(
             "generate_offload_bf16",
             "python bench/generate_offload.py --dtype bfloat16 --budget 512MiB --cap-gib 1.5 --kv-prefix 0 --repeats 3 "
-            "--sides aidaptiv,accelerate --out bench/results/generate_offload_bf16",
+            "--sides aidaptiv,aidaptiv_encode_off,accelerate --out bench/results/generate_offload_bf16",
+        ),
+        "",
+        *summary_md(
+            "generate_offload_3b",
+            "python bench/generate_offload.py --shape qwen2.5-3b --dtype bfloat16 --budget 1GiB --cap-gib 2 "
+            "--kv-prefix 0 --repeats 3 --sides aidaptiv,aidaptiv_encode_off,accelerate --out "
+            "bench/results/generate_offload_3b",
         ),
         "",
         *summary_md(

@@ -66,8 +66,8 @@ log = logging.getLogger(__name__)
 
 _TENSOR_ALIGN = 64  # every tensor of a group starts on a cache line, whatever the dtype
 # What generate's --encode-weights auto encodes: bf16 and fp16 layers (a quarter fewer bytes, decoded at about
-# memory speed). fp32 saves an eighth and its decode writes four bytes an element: on the test machine it
-# measured no faster than reading the layers as they are (bench/results/generate_offload), so only "on" does.
+# memory speed). fp32 saves an eighth and its decode writes four bytes an element: on the test machine it gained
+# 3% and 6% in two runs, within their spread (bench/results/generate_offload), so only "on" encodes it.
 ENCODE_AUTO = (torch.bfloat16, torch.float16)
 ENCODE_ALL = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_BUFFER_MAX = 8 << 20  # the row buffer of a table read by rows: a long prompt's rows go through it in turns
