@@ -47,12 +47,15 @@ SIDES = {
     "accelerate": "accelerate disk offload",
     "zero_inference": "DeepSpeed ZeRO-Inference (NVMe)",
 }
+# What ours with other flags changes.
+VARIANT_MEANS = {
+    "aidaptiv_encode_off": "ours reading its streamed layers as they are",
+    "aidaptiv_encode_on": "ours encoding its streamed layers whatever their dtype",
+}
 DEFAULT_SIDES = ("aidaptiv", "accelerate", "zero_inference")
 KV_CAP_GIB = 4.0  # the prompt-cache runs' cap (rows measured before they kept it ran with this default)
 # What the host budget for weights is, on each baseline.
 BUDGET_MEANS = {
-    "aidaptiv_encode_off": "ours reading its streamed layers as they are",
-    "aidaptiv_encode_on": "ours with its streamed layers encoded whatever their dtype",
     "accelerate": "accelerate: max_memory",
     "zero_inference": "ZeRO-Inference: its pinned parameter buffers, as many as fit, each the largest parameter",
 }
@@ -475,7 +478,8 @@ def write_summary(out, rows):
         "",
         f"Model: `{shape}` shape, random weights, {dtype}, {format_size(weight_bytes)} of weights; host budget "
         f"for weights {format_size(budget_bytes)} on every side ({weight_bytes / budget_bytes:.1f}x smaller "
-        f"than the weights; {'; '.join(BUDGET_MEANS[side] for side in sides[1:])}); "
+        f"than the weights; {'; '.join(BUDGET_MEANS[side] for side in sides[1:] if side in BUDGET_MEANS)}); "
+        + "".join(f"{SIDES[side]}: {VARIANT_MEANS[side]}; " for side in sides if side in VARIANT_MEANS)
         + (
             f"every capped run in a memory cgroup of {format_size(host_cap)} (page cache charged); "
             if host_cap

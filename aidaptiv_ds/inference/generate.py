@@ -8,8 +8,9 @@
 
 The model is built empty from its config.json, its weights laid out by
 :class:`aidaptiv_ds.inference.streamed.StreamedWeights` (resident when they fit ``host_budget``, streamed from
-the swap space when not, encoded losslessly on CPU so that a token reads fewer bytes; on CUDA resident on the GPU within ``gpu_budget``, default three quarters of the GPU
-memory free, then in pinned host memory within ``host_budget``, then from the swap space), and generation is
+the swap space when not, on CPU with bf16 layers encoded losslessly so that a token reads fewer bytes; on CUDA
+resident on the GPU within ``gpu_budget``, default three quarters of the GPU memory free, then in pinned host
+memory within ``host_budget``, then from the swap space), and generation is
 transformers' own ``generate`` on that model (greedy, or sampled with temperature / top-k / top-p), so the
 tokens are those the in-memory model gives.
 
