@@ -1,7 +1,8 @@
 """The lossless weight codec of streamed generation (aidaptiv_ds/inference/weight_codec.py, the engine's C++
 decoder): every bit comes back, whatever the values (escapes, infinities, NaNs, subnormals, odd lengths, the
 SIMD body and its scalar tail); weights drawn like trained ones shrink by a quarter (bf16) or an eighth (fp32);
-what would not shrink is left as it is; damaged encoded bytes are refused, not decoded into wrong weights."""
+what would not shrink is left as it is; damaged encoded bytes are refused, not decoded into wrong weights.
+In the engine's tier, so that the decoder's pointer arithmetic runs under AddressSanitizer (tests/sanitize)."""
 
 import pytest
 import torch
