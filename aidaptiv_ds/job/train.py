@@ -384,9 +384,21 @@ class Run:
             model=model, model_parameters=params, config=self.cfg, lr_scheduler=self.lr_scheduler
         )
         self.info["initialize_s"] = time.perf_counter() - t0
+        self.check_saveable()
         self.note_io_settings()
         self.check_partition_dtype(model)
         self.note_loss_chunking(model)
+
+    def check_saveable(self) -> None:
+        """A run that will save (--save-dir, --output-dir) learns before its first step whether its swapped
+        state can be saved, instead of losing every step to a refusal at its first checkpoint."""
+        a = self.args
+        ask = getattr(self.engine, "aidaptiv_save_problem", None)
+        if not (a.save_dir or getattr(a, "output_dir", None)) or not callable(ask):
+            return
+        problem = ask()
+        if problem:
+            raise TrainingFailed(f"refused before the first step: {problem}")
 
     def enable_gradient_checkpointing(self, model) -> None:
         """--gradient-checkpointing for the stock backends: what their users turn on, the Hugging Face model's
@@ -699,6 +711,7 @@ class Run:
         timer = M.StepTimer(sync)
         client = self.resume()
         start, position, losses = int(client["step"]), int(client["data_position"]), list(client["losses"])
+        self.losses = losses  # the same list: a failure after some steps still reports them (run())
         # per step, what the run before a resume recorded (None for a checkpoint older than these fields)
         self.lrs = list(client.get("lrs") or [None] * start)
         self.eval_losses = [list(e) for e in client.get("eval_losses") or []]
@@ -909,7 +922,9 @@ def run(args) -> int:
             "error": error,
             **job.info,
             "steps": getattr(job, "steps", args.steps),
-            "losses": None,
+            # what ran before the failure (a save or export that fails at the end keeps the run's curve)
+            "losses": getattr(job, "losses", None) or None,
+            "eval_losses": getattr(job, "eval_losses", None) or None,
             "tokens_per_s": None,
             "step_s_median": None,
         }

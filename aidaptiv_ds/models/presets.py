@@ -14,6 +14,9 @@ Our own shapes:
 - ``small``: 226M parameters, hidden 1024, 16 layers, 16 heads, intermediate 2816, vocabulary 10,000 (untied):
   a model whose ZeRO-3 state (about 4.5 GB in fp32) does not fit a few-GiB host-memory cap on a CPU machine,
   for feasibility cells that take about a minute.
+- ``micro-tied``: ``micro`` with its LM head tied to the embedding (4.2M parameters), as SmolLM2, Qwen2.5 up to 3B,
+  Llama 3.2 and Gemma ship: the fast tests' stand-in for a tied head, whose dropped first weight the swapper
+  must give back.
 - ``micro``: 4.7M parameters for fast CI runs: hidden 256, 2 layers, 4 heads, intermediate 2048, vocabulary
   2048. Its MLP matrices (256 x 2048), embedding and head are 2 MiB each in fp32, so under ZeRO-Infinity they
   are swapped (DeepSpeed 0.19.8 keeps partitions under 1 MiB in RAM) with 1 rank and, as 1 MiB partitions,
@@ -46,6 +49,20 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
+    ),
+    "micro-tied": dict(
+        nominal_params=4_195_584,
+        family="llama",
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=2048,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
     ),
     "tiny": dict(
         nominal_params=58_000_000,

@@ -438,7 +438,8 @@ class SwapFile:
         """Give an extent back for reuse, merged with the free extents next to it: a layer group relocated
         at start (LoRA adapters are partitioned after the base, at the file's end) frees its partitions one
         by one, and only merged can they take the next group, so the file grows by about two groups instead
-        of doubling (a 13B base once ran a 72 GB disk out of space)."""
+        of doubling (a 13B base once ran a 72 GB disk out of space). Space freed at the end of the live part
+        shortens it (``allocated``), so a checkpoint, which copies that part, does not carry it."""
         with self._lock:
             start, end = extent.offset, extent.offset + extent.reserved
             i = bisect.bisect_left(self._free, (start, 0))
@@ -448,6 +449,9 @@ class SwapFile:
                 self._free.pop(i)
             if i < len(self._free) and self._free[i][0] == end:  # the one after starts where this one ends
                 end = sum(self._free.pop(i))
+            if end == self.allocated:  # the file's live part ends before it (a checkpoint copies that part)
+                self.allocated = start
+                return
             self._free.insert(i, (start, end - start))
 
     def close(self) -> None:

@@ -111,22 +111,38 @@ def _hyperparameters(optimizer) -> List[Dict]:
     return out
 
 
-def parameter_names(module, records) -> Dict[int, tuple]:
-    """ds_id -> (name, shape) of every partition in ``records``, named as ``module.named_parameters()``
-    names them (a tied parameter by its first name)."""
+def _named(module, records) -> Dict[int, tuple]:
     out = {}
     for name, p in module.named_parameters():
         ds_id = getattr(p, "ds_id", None)
         if ds_id in records and ds_id not in out:
             shape = getattr(p, "ds_shape", None) or p.shape
             out[ds_id] = (name, [int(x) for x in shape])
-    missing = [i for i in records if i not in out]
-    if missing:
-        raise CheckpointMismatchError(
-            f"{len(missing)} parameter partitions of this rank's swap space belong to no parameter of the model "
-            "DeepSpeed wraps, so they cannot be saved by name: build one model per zero.Init / deepspeed.initialize"
-        )
     return out
+
+
+def save_problem(module, records) -> Optional[str]:
+    """Why this rank's swapped state could not be saved by name (None when it can): partitions that belong
+    to no parameter of ``module``. Asked once the engine is built, so that a run learns it before its first
+    step rather than at its first checkpoint. (A tied head's replaced weight is not one of them: the
+    parameter swapper gives its space back when the optimizer is set up.)"""
+    missing = [i for i in records if i not in _named(module, records)]
+    if not missing:
+        return None
+    return (
+        f"{len(missing)} parameter partitions of this rank's swap space belong to no parameter of the model "
+        "DeepSpeed wraps, so no checkpoint of this run can be saved: build one model per zero.Init / "
+        "deepspeed.initialize, and pass deepspeed.initialize the whole model built under it"
+    )
+
+
+def parameter_names(module, records) -> Dict[int, tuple]:
+    """ds_id -> (name, shape) of every partition in ``records``, named as ``module.named_parameters()``
+    names them (a tied parameter by its first name)."""
+    problem = save_problem(module, records)
+    if problem:
+        raise CheckpointMismatchError(problem)
+    return _named(module, records)
 
 
 def _layout(osw, names) -> List[dict]:

@@ -2,6 +2,8 @@
 and a clean close of the swap space.
 
 - ``engine.aidaptiv_stats()``: this rank's cumulative counters (NVMe bytes, I/O wait, pinned memory, ...).
+- ``engine.aidaptiv_save_problem()``: None, or why no checkpoint of this engine can be saved (said at
+  ``initialize`` as a warning too, so that a script learns it before training, not at its first save).
 - ``engine.save_checkpoint`` / ``engine.load_checkpoint``: DeepSpeed's, plus every byte of the state that
   lives in our swap space (parameters, fp32 masters, optimizer moments and their step counts, optimizer
   hyperparameters, keyed by parameter name), so that a resumed run continues the uninterrupted run's
@@ -25,6 +27,8 @@ def attach(engine, runtime) -> None:
 
     engine.aidaptiv_runtime = runtime
     engine.aidaptiv_stats = runtime.stats_dict
+    # None, or why no checkpoint of this engine could be saved: asked by a job before its first step.
+    engine.aidaptiv_save_problem = lambda: checkpoint.save_problem(engine.module, runtime.param_swapper.records)
 
     ds_save, ds_load, ds_destroy = engine.save_checkpoint, engine.load_checkpoint, engine.destroy
 

@@ -166,6 +166,9 @@ def initialize(
         from aidaptiv_ds.zero3.engine_hooks import attach
 
         attach(engine, runtime)
+        problem = engine.aidaptiv_save_problem()
+        if problem:
+            log.warning("aidaptiv: %s", problem)
         from aidaptiv_ds.zero3.activations import apply_to_engine
 
         apply_to_engine(engine, runtime, settings)

@@ -87,6 +87,9 @@ class AidaptivZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 "aidaptiv_ds.zero_init(config), or plainly and let deepspeed.initialize partition it"
             )
         self._aidaptiv = runtime
+        replaced = runtime.param_swapper.release_replaced()  # a tied head's first weight, before the plan counts it
+        if replaced and dist.get_rank() == 0:
+            log.info("aidaptiv: released %d partition(s) of parameters the model replaced (tied weights)", replaced)
         sub_group_numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
         plan = plan_run(runtime, self.module, sub_group_numels)
         runtime.plan = plan

@@ -23,6 +23,7 @@ optimizer) there are no groups: each partition moves alone through an ordinary a
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Dict
 
@@ -189,6 +190,24 @@ class AidaptivParamSwapper:
         )
 
     # ---------------------------------------------------------------- layer groups
+    def release_replaced(self) -> int:
+        """Give back the swap space of partitions whose parameter no longer exists; returns how many.
+
+        A model with tied embeddings built under ``zero.Init`` (SmolLM2, Qwen2.5 up to 3B, Llama 3.2, Gemma)
+        first makes its LM head's own weight, which is partitioned into our swap space as soon as the head's
+        ``__init__`` returns; transformers then ties the head to the embedding (``lm_head.weight =
+        embed_tokens.weight``) and the head's first parameter is dropped. Its partition would otherwise stay:
+        a vocabulary-by-hidden extent read with the "other" group, sizing every slot, and, belonging to no
+        parameter of the model, impossible to save by name (the run would fail at its first checkpoint)."""
+        gc.collect()  # DeepSpeed's per-parameter closures keep a dropped parameter in a reference cycle
+        with self._lock:
+            gone = [rec for rec in self.records.values() if rec.param() is None and rec.group is None]
+            for rec in gone:
+                del self.records[rec.ds_id]
+                self._init_buffers.pop(rec.ds_id, None)
+                self.runtime.params_file.release(rec.extent)
+            return len(gone)
+
     def plan(self, module, layer_group_size: int, slots: int, retain: int = 0) -> None:
         """Form layer groups from the module structure and hand them to the cache with ``slots`` group
         buffers of the runtime's host memory, the last ``retain`` groups retained across the

@@ -419,8 +419,10 @@ def test_command_writes_metrics_and_a_full_disk_leaves_nothing_behind(models, tm
     assert p.returncode == 1 and "no prompt" in p.stderr
 
 
-def test_generates_from_a_checkpoint_as_from_its_export(tmp_path):
-    """A checkpoint of `train` is read in place (its per-rank params.bin), and gives the exported folder's tokens."""
+@pytest.mark.parametrize("preset", ["micro", "micro-tied"])
+def test_generates_from_a_checkpoint_as_from_its_export(tmp_path, preset):
+    """A checkpoint of `train` is read in place (its per-rank params.bin), and gives the exported folder's tokens
+    (with a tied head too, whose checkpoint holds the embedding only)."""
     from helpers import aidaptiv_config
 
     from aidaptiv_ds.inference import Generator
@@ -431,7 +433,7 @@ def test_generates_from_a_checkpoint_as_from_its_export(tmp_path):
             "--config",
             config,
             "--model",
-            "micro",
+            preset,
             "--seq-len",
             "64",
             "--steps",

@@ -66,3 +66,17 @@ def test_complete_manifest_is_read(tmp_path):
 def test_missing_tag_is_named(tmp_path):
     with pytest.raises(checkpoint.CheckpointMismatchError, match="does not exist"):
         checkpoint.read_manifest(str(tmp_path), "step9", 0)
+
+
+def test_partitions_of_no_parameter_are_said_before_a_save_is_tried():
+    """engine.aidaptiv_save_problem(): a partition that no parameter of the wrapped model owns (a second model
+    built under the same zero.Init) makes every save impossible; the job asks before its first step."""
+    import torch
+
+    module = torch.nn.Linear(2, 2)
+    module.weight.ds_id, module.bias.ds_id = 0, 1
+    assert checkpoint.save_problem(module, {0: None, 1: None}) is None
+    problem = checkpoint.save_problem(module, {0: None, 1: None, 7: None})
+    assert problem.startswith("1 parameter partitions") and "no checkpoint of this run can be saved" in problem
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="build one model per zero.Init"):
+        checkpoint.parameter_names(module, {0: None, 7: None})

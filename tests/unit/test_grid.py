@@ -172,6 +172,7 @@ def test_unreadable_and_invalid_json(tmp_path):
 def test_presets_cover_the_contract():
     assert set(PRESETS) == {
         "micro",
+        "micro-tied",
         "tiny",
         "small",
         "tinyllama-1.1b",
