@@ -1,6 +1,6 @@
-"""The ``aidaptiv-ds`` command: one subcommand per job, each in its own module.
+"""The ``aidaptiv-ds`` command: one subcommand per job, each a module of :mod:`aidaptiv_ds.commands`.
 
-Each subcommand module offers ``add_arguments(parser)`` and ``run(args) -> int``. Only the chosen
+Each command module offers ``add_arguments(parser)`` and ``run(args) -> int``. Only the chosen
 subcommand's module is imported (the ``deepspeed`` launcher starts every rank as ``python -m aidaptiv_ds
 train ...``, which must not depend on the other subcommands), and heavy imports (torch, deepspeed)
 happen inside ``run``.
@@ -14,17 +14,17 @@ import sys
 
 from aidaptiv_ds.harness.prebuild import put_build_tools_first
 
-# name -> (module, one-line help)
+# name -> (module under aidaptiv_ds.commands, one-line help)
 SUBCOMMANDS = {
-    "plan": ("aidaptiv_ds.planner.command", "before launch: does a job fit, how fast will it run, with which config"),
-    "train": ("aidaptiv_ds.job.train", "fine-tune a causal LM with DeepSpeed ZeRO-3 (and our NVMe swapper)"),
-    "export": ("aidaptiv_ds.job.export", "write a checkpoint's model as a Hugging Face folder (safetensors shards)"),
-    "generate": ("aidaptiv_ds.inference.command", "generate text, weights streamed from NVMe, prompts cached on SSD"),
-    "io-bench": ("aidaptiv_ds.harness.io_bench", "measure NVMe read/write bandwidth of the I/O engines"),
-    "sweep": ("aidaptiv_ds.harness.sweep", "run a batch x sequence x GPU grid against the baselines"),
-    "report": ("aidaptiv_ds.harness.report", "make tables and plots from a sweep's results.jsonl"),
-    "studio": ("aidaptiv_ds.studio.command", "the workflow in a browser: data, plan and train, runs, compare"),
-    "env": ("aidaptiv_ds.harness.environment", "print what a bug report needs: versions, CPU, GPU, disk, limits"),
+    "plan": ("plan", "before launch: does a job fit, how fast will it run, with which config"),
+    "train": ("train", "fine-tune a causal LM with DeepSpeed ZeRO-3 (and our NVMe swapper)"),
+    "export": ("export", "write a checkpoint's model as a Hugging Face folder (safetensors shards)"),
+    "generate": ("generate", "generate text, weights streamed from NVMe, prompts cached on SSD"),
+    "io-bench": ("io_bench", "measure NVMe read/write bandwidth of the I/O engines"),
+    "sweep": ("sweep", "run a batch x sequence x GPU grid against the baselines"),
+    "report": ("report", "make tables and plots from a sweep's results.jsonl"),
+    "studio": ("studio", "the workflow in a browser: data, plan and train, runs, compare"),
+    "env": ("env", "print what a bug report needs: versions, CPU, GPU, disk, limits"),
 }
 
 
@@ -40,7 +40,7 @@ def short_description(doc: str) -> str:
 
 def build_parser(command: str) -> argparse.ArgumentParser:
     """The parser of one subcommand (imports its module). A module may add ``HELP_EPILOG`` (exit codes, say)."""
-    module = importlib.import_module(SUBCOMMANDS[command][0])
+    module = importlib.import_module(f"aidaptiv_ds.commands.{SUBCOMMANDS[command][0]}")
     epilog = "\n\n".join(
         part for part in (getattr(module, "HELP_EPILOG", ""), "The manual: docs/USAGE.md in the repository.") if part
     )
@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     top.add_argument("command", choices=list(SUBCOMMANDS), metavar="COMMAND", help="one of the commands below")
     top.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     ns = top.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
+    from aidaptiv_ds.commands.flags import warn_deprecated
+
+    warn_deprecated(argv[1:], f"aidaptiv-ds {ns.command}")
     return build_parser(ns.command).parse_args(argv[1:])
 
 

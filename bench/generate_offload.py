@@ -310,7 +310,7 @@ def run_zero_inference(args, model_dir, swap, cap, factory):
 def disk_read_gbps(swap: str, size_mb: int) -> float:
     """The disk's O_DIRECT read rate on a file of ``size_mb`` that io-bench writes and reads back."""
     p = subprocess.run(
-        [sys.executable, "-m", "aidaptiv_ds", "io-bench", "--dir", swap, "--engines", "uring", "--size-mb",
+        [sys.executable, "-m", "aidaptiv_ds", "io-bench", "--nvme-path", swap, "--engines", "uring", "--size-mb",
          str(size_mb), "--repeat", "1", "--json"],
         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), check=True, cwd=ROOT,
     )  # fmt: skip

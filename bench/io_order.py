@@ -34,7 +34,7 @@ def one_run(args, directory):
         "-m",
         "aidaptiv_ds",
         "io-bench",
-        "--dir",
+        "--nvme-path",
         directory,
         "--engines",
         "uring,deepspeed",

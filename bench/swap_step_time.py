@@ -224,7 +224,7 @@ def measure_disk(args, env):
             "-m",
             "aidaptiv_ds",
             "io-bench",
-            "--dir",
+            "--nvme-path",
             args.swap_root,
             "--size-mb",
             "1024",

@@ -26,19 +26,24 @@ LAYERS = [
         "`deepspeed.initialize` honour the block",
     ),
     (
+        ("commands",),
+        "the `aidaptiv-ds` commands, one module each: flags (the shared ones defined once in `flags.py`), "
+        "one library call, an exit status",
+    ),
+    (
         ("studio",),
-        "`aidaptiv-ds studio`: the workflow in a browser, driving the product through its commands' processes "
+        "the studio: the workflow in a browser, driving the product through its commands' processes "
         "and files (reads data files with job's record reader, run curves with harness's)",
     ),
     (
         ("inference",),
-        "`aidaptiv-ds generate`: weights streamed from the swap space, prompts' keys and values on the SSD "
+        "generation: weights streamed from the swap space, prompts' keys and values on the SSD "
         "(reads checkpoints with job's export reader)",
     ),
     (
         ("harness", "job"),
         "harness: sweeps, reports, io-bench, driving the product as a user does (processes, the CLI, "
-        "files); job: `aidaptiv-ds train` / `export` and their parts",
+        "files); job: a training run (the recipe, its settings, checkpoints) and the export",
     ),
     (("face",), "the public face: `aidaptiv_ds.initialize`, `zero_init`, `remove_leaked_shared_memory`"),
     (("zero3",), "the seam to DeepSpeed 0.19: the only code naming DeepSpeed internals"),

@@ -115,6 +115,55 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+class IOMeter:
+    """The block-device bytes this process read and wrote and how busy the swap devices were, over the timed
+    steps: from :meth:`start` (after the warm-up steps) to :meth:`stop`, less what :meth:`outside_steps`
+    spans inside that window did (held-out evaluations, checkpoint saves)."""
+
+    def __init__(self, devices: list):
+        self.devices = devices
+        self.io_start = self.io_end = None
+        self.excluded = {"read_bytes": 0, "write_bytes": 0}
+        self.busy_start, self.busy_end, self.busy_excluded = [], [], []
+
+    def _busy(self) -> list:
+        return [disk_busy_ticks(d) for d in self.devices]
+
+    def start(self) -> None:
+        self.io_start, self.busy_start = proc_io(), self._busy()
+
+    def outside_steps(self, action) -> None:
+        """Run ``action``; its disk bytes and busy time, inside the window, are not the steps'."""
+        before, busy_before = proc_io(), self._busy()
+        action()
+        after = proc_io()
+        if before and after and self.io_start:
+            for k in self.excluded:
+                self.excluded[k] += after[k] - before[k]
+            self.busy_excluded.append((busy_before, self._busy()))
+
+    def stop(self) -> None:
+        self.io_end = proc_io()
+        if self.busy_start:
+            self.busy_end = self._busy()
+
+    @property
+    def started(self) -> bool:
+        return self.io_start is not None
+
+    def bytes(self) -> list:
+        """[read, write] bytes of the timed steps (None each where /proc/self/io could not say)."""
+        if not (self.io_start and self.io_end):
+            return [None, None]
+        return [self.io_end[k] - self.io_start[k] - self.excluded[k] for k in ("read_bytes", "write_bytes")]
+
+    def busy(self) -> list | None:
+        """:func:`disk_busy` of the window (None before :meth:`start`)."""
+        if not self.busy_start:
+            return None
+        return disk_busy(self.busy_start, self.busy_end, self.busy_excluded)
+
+
 class StepTimer:
     """Wall time of named phases within optimizer steps; ``sync`` (cuda.synchronize) runs before each reading
     so asynchronous GPU work is charged to the phase that queued it."""

@@ -166,13 +166,13 @@ def apply_overrides(
         block = cfg.get("aidaptiv")
         if not isinstance(block, dict):
             raise ConfigError(
-                '--host-budget applies to the aidaptiv swapper, but the config has no "aidaptiv" '
-                "block: use ds_configs/aidaptiv.json (or drop --host-budget)"
+                '`host_budget` applies to the aidaptiv swapper, but the config has no "aidaptiv" '
+                "block: use ds_configs/aidaptiv.json (or drop `host_budget`)"
             )
         block["host_memory_budget"] = int(host_budget) if str(host_budget).isdigit() else host_budget
     if dtype is not None:
         if dtype not in DTYPES:
-            raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+            raise ConfigError(f"`dtype` {dtype} is not one of {', '.join(DTYPES)}")
         cfg["bf16"] = {**(cfg.get("bf16") or {}), "enabled": dtype == "bf16"}
         cfg["fp16"] = {**(cfg.get("fp16") or {}), "enabled": dtype == "fp16"}
     return cfg
@@ -216,13 +216,13 @@ def check(
     if "train_micro_batch_size_per_gpu" not in cfg and "train_batch_size" not in cfg:
         problems.append(
             "neither train_micro_batch_size_per_gpu nor train_batch_size is set: give "
-            "train_micro_batch_size_per_gpu (or --micro-batch)"
+            "train_micro_batch_size_per_gpu (or `micro_batch`)"
         )
     if dtype_name(cfg) == "fp16" and not cuda:
-        problems.append("fp16 training needs CUDA: on CPU use fp32 or bf16 (--dtype)")
+        problems.append("fp16 training needs CUDA: on CPU use fp32 or bf16 (`dtype`)")
     for b in nvme_blocks(cfg):
         if not b.get("nvme_path"):
-            problems.append("an nvme_path is empty: set it in the config or pass --nvme-path")
+            problems.append("an nvme_path is empty: set it in the config or pass `nvme_path`")
     param = _zero(cfg).get("offload_param") or {}
     if str(param.get("device", "none")).lower() == "nvme" and largest_param_numel:
         partition = math.ceil(largest_param_numel / max(1, world_size))

@@ -72,7 +72,7 @@ def total_ram_bytes() -> int:
     return min(physical, limit) if limit else physical
 
 
-def _budget_bytes(host_memory_budget, ram_bytes: Optional[int], local_ranks: Optional[int] = None) -> int:
+def budget_bytes(host_memory_budget, ram_bytes: Optional[int], local_ranks: Optional[int] = None) -> int:
     """One rank's budget in bytes: a share of RAM is a share of ``ram_bytes`` (read here when None), and a
     per-node amount is split between ``local_ranks`` (read from the launcher's environment when None)."""
     nbytes, fraction, scope = parse_host_budget(host_memory_budget)
@@ -107,7 +107,7 @@ def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional
     io_uring to unregistered buffers, which only costs speed (mlock counts a rank's pool against the limit;
     io_uring counts every registration of the user together)."""
     ranks = local_ranks or local_rank_count()
-    per_rank = _budget_bytes(cfg.host_memory_budget, ram_bytes, ranks)
+    per_rank = budget_bytes(cfg.host_memory_budget, ram_bytes, ranks)
     problems = []
     retention = parse_retention(cfg.retention_budget)
     if retention >= per_rank:

@@ -149,7 +149,7 @@ class ActivationsConfig(BaseModel):
     nvme_bandwidth: Union[int, float, str] = Field(
         "auto",
         description="auto only: bytes/s the swap disk reads and writes activations at (a number, or a "
-        "size per second such as '2GiB'). 'auto': the rates 'aidaptiv-ds plan --nvme' "
+        "size per second such as '2GiB'). 'auto': the rates 'aidaptiv-ds plan --nvme-path' "
         "measured for this disk (its cache), else a short write and read-back through the "
         "engine when the plan is made.",
     )
@@ -229,13 +229,13 @@ class AidaptivConfig(BaseModel):
         "auto",
         description="Bytes per I/O piece (4 KiB to 64 MiB, a multiple of 4 KiB; a number or a size such as "
         "'1MiB'); a larger transfer is split "
-        "into pieces of this size. 'auto': the choice of 'aidaptiv-ds plan --nvme' for this disk "
+        "into pieces of this size. 'auto': the choice of 'aidaptiv-ds plan --nvme-path' for this disk "
         "(an O_DIRECT sweep, cached per disk), or 1048576 when the disk was never swept.",
     )
     queue_depth: Union[int, str] = Field(
         "auto",
         description="I/O pieces in flight per engine (1 to 4096). 'auto': the choice of 'aidaptiv-ds plan "
-        "--nvme' for this disk (with the block_size given, if one is), or 32 when the disk was "
+        "--nvme-path' for this disk (with the block_size given, if one is), or 32 when the disk was "
         "never swept.",
     )
     io_threads: int = Field(4, ge=1, le=256, description="Threads of the posix backend.")

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Union
 
 from aidaptiv_ds.common.sizes import KiB, MiB
 from aidaptiv_ds.config.ds_config import ConfigError
-from aidaptiv_ds.config.host import _budget_bytes
+from aidaptiv_ds.config.host import budget_bytes
 from aidaptiv_ds.config.schema import (
     _NVME_PATH_REQUIRED,
     AidaptivConfig,
@@ -118,7 +118,7 @@ class SwapSettings:
         cfg = block if isinstance(block, AidaptivConfig) else _parse_block(block)
         if not cfg.nvme_path:
             raise ConfigError([_NVME_PATH_REQUIRED])
-        nbytes = _budget_bytes(cfg.host_memory_budget, ram_bytes, local_ranks)
+        nbytes = budget_bytes(cfg.host_memory_budget, ram_bytes, local_ranks)
         chunk = cfg.optimizer_chunk_numel
         if chunk == "auto":
             chunk = auto_chunk(nbytes)

@@ -10,8 +10,9 @@ from typing import Dict, Optional
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 
 
-class BenchError(Exception):
-    """A problem with the request (directory, sizes, disk space), reported as one sentence."""
+class UnsuitableDisk(ValueError):
+    """A folder whose disk cannot hold swap files or be measured: memory, or no O_DIRECT. One sentence that
+    names the folder (the caller's parameter names its role)."""
 
 
 # -- the machine and the disk -----------------------------------------------------------------------
@@ -58,8 +59,8 @@ def check_dir(path: str, mounts_text: str) -> Dict[str, str]:
     """Refuse memory filesystems and filesystems that refuse O_DIRECT; return the mount."""
     mount = mount_of(path, mounts_text)
     if mount["fstype"] in MEMORY_FILESYSTEMS:
-        raise BenchError(
-            f"--dir {path} is on {mount['fstype']} (memory, not a disk): choose a directory on the disk to measure"
+        raise UnsuitableDisk(
+            f"{path} is on {mount['fstype']} (memory, not a disk): choose a directory on the disk (the SSD)"
         )
     probe = os.path.join(path, f".io-bench-probe-{os.getpid()}")
     try:
@@ -67,8 +68,8 @@ def check_dir(path: str, mounts_text: str) -> Dict[str, str]:
         os.close(fd)
     except OSError as e:
         why = "refuses O_DIRECT" if e.errno == 22 else f"cannot take a file ({e.strerror})"
-        raise BenchError(
-            f"--dir {path} is on {mount['fstype']}, which {why}: page-cache-free measurements need "
+        raise UnsuitableDisk(
+            f"{path} is on {mount['fstype']}, which {why}: swap files and page-cache-free measurements need "
             "O_DIRECT; choose a directory on a disk filesystem such as ext4 or xfs"
         ) from None
     finally:

@@ -1,7 +1,7 @@
 """Which block size and queue depth a swap disk gets: a short O_DIRECT sweep through our engine, the choice it
 leads to, and the look-up the swapper makes when the ``"aidaptiv"`` block leaves them unset (``"auto"``).
 
-DeepSpeed asks its users to sweep the aio settings of their disk by hand; ``aidaptiv-ds plan --nvme DIR`` runs
+DeepSpeed asks its users to sweep the aio settings of their disk by hand; ``aidaptiv-ds plan --nvme-path DIR`` runs
 the sweep as part of its NVMe probe (:func:`aidaptiv_ds.planner.rates.probe_nvme`): every pair of
 :data:`CANDIDATE_BLOCKS` x :data:`CANDIDATE_DEPTHS` writes a fresh file of :data:`SWEEP_BYTES` and reads it back
 through one engine with those settings, best of :data:`SWEEP_REPEATS` passes (another process on the disk only

@@ -3,7 +3,7 @@
 For each repeat and each engine in turn (round robin, the order reversed every other repeat so that no engine
 always runs first or last on a disk whose state depends on what ran before: uring, posix, deepspeed, fio, then
 fio, deepspeed, posix, uring, ...), writes
---size-mb MiB to a fresh file with O_DIRECT, reads it back with O_DIRECT (the page cache never answers),
+``size`` bytes to a fresh file with O_DIRECT, reads it back with O_DIRECT (the page cache never answers),
 checks that the bytes read are the bytes written, and removes the file. Reports per engine the median
 GB/s (1 GB = 1e9 bytes) and CPU seconds per GB (process user + system time over the transfer, all threads).
 
@@ -19,7 +19,6 @@ within one run, never a lone number across runs.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,11 +28,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional
 
-from aidaptiv_ds.engine.disk import BenchError, block_device, check_dir
+from aidaptiv_ds.engine.disk import block_device
 
 ENGINES = ("uring", "posix", "deepspeed", "fio")
 
@@ -41,63 +39,8 @@ ENGINES = ("uring", "posix", "deepspeed", "fio")
 ALIASES = {"io_uring": "uring", "iouring": "uring", "ds": "deepspeed", "libaio": "deepspeed"}
 
 
-# -- arguments --------------------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
-    return value
-
-
-def parse_engines(text: str) -> List[str]:
-    """'uring, posix,ds' -> ['uring', 'posix', 'deepspeed'] (order kept, duplicates dropped)."""
-    engines: List[str] = []
-    for part in text.split(","):
-        name = ALIASES.get(part.strip().lower(), part.strip().lower())
-        if not name:
-            continue
-        if name not in ENGINES:
-            raise argparse.ArgumentTypeError(f"unknown engine {part.strip()!r}: choose from {', '.join(ENGINES)}")
-        if name not in engines:
-            engines.append(name)
-    if not engines:
-        raise argparse.ArgumentTypeError(f"no engine named: choose from {', '.join(ENGINES)}")
-    return engines
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dir",
-        default=None,
-        help="directory on the disk to measure (default: a temporary directory under the "
-        "current directory, removed afterwards); tmpfs and filesystems without O_DIRECT "
-        "are refused",
-    )
-    parser.add_argument("--size-mb", type=positive_int, default=1024, help="MiB written and read per engine (1024)")
-    parser.add_argument("--block-kb", type=positive_int, default=1024, help="KiB per I/O, a multiple of 4 (1024)")
-    parser.add_argument("--queue-depth", type=positive_int, default=32, help="I/Os in flight (32)")
-    parser.add_argument(
-        "--engines",
-        type=parse_engines,
-        default=None,
-        help=f"comma-separated, from {','.join(ENGINES)} (default: all; fio when on PATH)",
-    )
-    parser.add_argument("--repeat", type=positive_int, default=3, help="repetitions, interleaved (3)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-
 def default_engines() -> List[str]:
     return [e for e in ENGINES if e != "fio" or shutil.which("fio")]
-
-
-def check_config(size_mb: int, block_kb: int) -> None:
-    if block_kb % 4:
-        raise BenchError(f"--block-kb {block_kb} is not a multiple of 4: O_DIRECT moves whole 4 KiB blocks")
-    if block_kb > size_mb * 1024:
-        raise BenchError(f"--block-kb {block_kb} is larger than --size-mb {size_mb}: use a smaller block")
 
 
 def machine_info(path: str, mount: Dict[str, str]) -> dict:
@@ -434,52 +377,3 @@ def measure(engines: List[str], directory: str, size: int, block: int, queue_dep
     for name in engines:
         out[name]["positions"] = positions[name]
     return out
-
-
-def run(args) -> int:
-    engines = args.engines or default_engines()
-    size, block = args.size_mb << 20, args.block_kb << 10
-    created = None
-    try:
-        check_config(args.size_mb, args.block_kb)
-        directory = args.dir
-        if directory is None:
-            created = directory = tempfile.mkdtemp(prefix=".io-bench-", dir=os.getcwd())
-        elif not os.path.isdir(directory):
-            raise BenchError(f"--dir {directory} is not a directory: create it or choose another")
-        with open("/proc/self/mounts") as f:
-            mount = check_dir(directory, f.read())
-        free = shutil.disk_usage(directory).free
-        if free < size * 1.1:
-            raise BenchError(
-                f"--dir {directory} has {free >> 20} MiB free, the run needs about {size >> 20} MiB: "
-                "free space or lower --size-mb"
-            )
-        machine = machine_info(directory, mount)
-        config = {
-            "size_mb": args.size_mb,
-            "block_kb": args.block_kb,
-            "queue_depth": args.queue_depth,
-            "repeat": args.repeat,
-            "engines": engines,
-            "direct": True,
-            "git_sha": git_sha(),
-            "fio_command": " ".join(fio_command("FILE", "write|read", size, block, args.queue_depth)),
-        }
-        if not args.json:
-            print(format_table({"machine": machine, "config": config, "engines": {}}).splitlines()[0], flush=True)
-        with stdout_to_stderr():
-            results = measure(engines, directory, size, block, args.queue_depth, args.repeat)
-    except BenchError as e:
-        print(f"io-bench: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if created:
-            shutil.rmtree(created, ignore_errors=True)
-    result = {"machine": machine, "engines": results, "config": config}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print("\n".join(format_table(result).splitlines()[1:]))
-    bad = [name for name, e in results.items() if e.get("verified") is False]
-    return 1 if bad else 0

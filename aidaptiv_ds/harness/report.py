@@ -15,9 +15,7 @@ plots of throughput against batch size and GPU count.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections import Counter, defaultdict
 
 from aidaptiv_ds.harness.machine import summary as machine_summary
@@ -45,15 +43,6 @@ from aidaptiv_ds.harness.report_tables import (
 )
 from aidaptiv_ds.harness.results import RESULTS_FILE, load_rows
 from aidaptiv_ds.models.presets import nominal_parameters
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "dir",
-        help="a sweep's results folder (with results.jsonl), or one train run's folder (with the "
-        "CSV monitor's aidaptiv_*.csv files or a --metrics-out JSON)",
-    )
-    p.add_argument("--no-plots", action="store_true", help="tables only, no PNGs")
 
 
 def header_section(rows: list[dict], loaded, superseded: int, out_dir: str) -> str:
@@ -205,30 +194,3 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
     if loaded.problems:
         parts += ["## Unusable lines", "\n".join(f"- {p}" for p in loaded.problems[:50])]
     return "\n\n".join(parts) + "\n", figures
-
-
-def run(args: argparse.Namespace) -> int:
-    if os.path.isdir(args.dir) and not os.path.exists(os.path.join(args.dir, RESULTS_FILE)):
-        from aidaptiv_ds.harness import run_report
-
-        warnings: list = []
-        series, source = run_report.find_series(args.dir, warnings)
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        if series:  # one run's folder; a folder with neither gets the sweep's "no usable rows" below
-            path = run_report.plot(args.dir, series, source)
-            print(f"wrote {path} ({', '.join(sorted(series))} from the {source})", file=sys.stderr)
-            return 0
-    try:
-        md, figures = build_report(args.dir, plots=not args.no_plots)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    path = os.path.join(args.dir, "report.md")
-    with open(path, "w") as f:
-        f.write(md)
-    print(
-        f"wrote {path}" + (f" and {len(figures)} figure(s) in {os.path.join(args.dir, 'figures')}" if figures else ""),
-        file=sys.stderr,
-    )
-    return 0

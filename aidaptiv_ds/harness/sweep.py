@@ -34,24 +34,20 @@ concurrent tasks are appended under a lock (see bench/README.md and bench/slurm/
 
 from __future__ import annotations
 
-__all__ = ["add_arguments", "run", "default_ds_configs"]
+__all__ = ["SweepOptions", "run_sweep", "default_ds_configs"]
 
-import argparse
 import json
 import os
 import shlex
 import shutil
 import signal
 import sys
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from aidaptiv_ds.harness import eqmem
 from aidaptiv_ds.harness.grid import (
     SWEEP_BACKENDS,
-    GridError,
-    enumerate_cells,
-    interleave_repeats,
-    load_grid,
 )
 from aidaptiv_ds.harness.hostcap import host_cap
 from aidaptiv_ds.harness.launch import LaunchSpec, train_spec
@@ -64,9 +60,6 @@ from aidaptiv_ds.harness.results import (
     git_state,
     load_rows,
 )
-
-# add_arguments is this subcommand's parser (aidaptiv_ds.cli calls sweep.add_arguments and sweep.run).
-from aidaptiv_ds.harness.sweep_args import add_arguments
 from aidaptiv_ds.harness.sweep_cell import (
     _command,
     _eqmem_sizing,
@@ -115,40 +108,41 @@ def _grid_configs(src: str, dst: str, names, *, dtype: Optional[str], aidaptiv_a
     return dst
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        grid = load_grid(args.grid)
-    except GridError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cells = enumerate_cells(grid, backends=args.backends, gpus=args.gpus)
-    if args.max_cells is not None:
-        cells = cells[: max(0, args.max_cells)]
-    repeats = args.repeats if args.repeats is not None else grid.repeats
-    if repeats < 1:
-        print(f"error: --repeats {repeats}: need at least 1", file=sys.stderr)
-        return 2
-    runs = interleave_repeats(cells, repeats)
-    if args.count_cells:
-        print(len(runs))
-        return 0
-    if args.list_cells:
-        for i, r in enumerate(runs):
-            print(i, r.id)
-        return 0
-    if not args.out:
-        print("error: --out is required to run cells: give the results folder", file=sys.stderr)
-        return 2
-    if args.cell_index is not None:
-        if not 0 <= args.cell_index < len(runs):
-            print(
-                f"error: --cell-index {args.cell_index} is outside 0..{len(runs) - 1} "
-                f"(the grid has {len(cells)} cells x {repeats} repeats)",
-                file=sys.stderr,
-            )
-            return 2
-        runs = [runs[args.cell_index]]
+@dataclass
+class SweepOptions:
+    """How ``aidaptiv-ds sweep`` runs the cells it chose (its flags of the same names; None: the grid's)."""
 
+    out: str
+    steps: Optional[int] = None
+    warmup: Optional[int] = None
+    timeout_s: Optional[float] = None
+    gpu_mem_cap_gb: Optional[float] = None
+    host_mem_cap_gb: Optional[float] = None
+    host_mem_cap_mechanism: str = "auto"
+    train_module: Optional[str] = None
+    deepspeed: Optional[str] = None
+    ds_configs: Optional[str] = None
+    accelerator: str = "auto"
+    hostfile: Optional[str] = None
+    gpus_per_node: Optional[int] = None
+    master_addr: Optional[str] = None
+    ds_launcher: Optional[str] = None
+    swap_root: Optional[str] = None
+    resume: bool = False
+    dry_run: bool = False
+    skip_dominated: bool = True
+    skip_predicted_oom: bool = False
+    prebuild: bool = False
+    no_progress: bool = False
+
+    @classmethod
+    def from_namespace(cls, ns) -> "SweepOptions":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def run_sweep(grid, cells: list, runs: list, args: SweepOptions) -> int:
+    """Run ``runs`` (the chosen cells and repeats of ``grid``): one row each in ``args.out``; returns the exit
+    status (0, 1 when cells needed more GPUs than are usable here, 2 for bad options, 130 when interrupted)."""
     steps = args.steps if args.steps is not None else grid.steps
     warmup = args.warmup if args.warmup is not None else grid.warmup
     problems = []

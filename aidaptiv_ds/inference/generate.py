@@ -34,7 +34,9 @@ from aidaptiv_ds.common.sizes import parse_size
 from aidaptiv_ds.inference.sources import ModelSourceError, WeightSource, open_source
 
 DEFAULT_KV_CACHE_SIZE = "8GiB"
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weights in memory: as stored (auto), or converted; the long names are taken too.
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DEFAULT_KV_HOST_BUDGET = "512MiB"
 # Streamed layers stored encoded (weight_codec, lossless), on CPU: auto the bf16 and fp16 ones, on also fp32;
 # CUDA reads them as they are.
@@ -139,6 +141,19 @@ class _TextStream:
         self.shown = len(text)
 
 
+def _bytes(host_budget) -> int:
+    """A host budget in bytes: a number, or the block's grammar (a size, a share of this process's memory
+    such as '25%', '/node' and '/rank' being the same for one process)."""
+    if isinstance(host_budget, int):
+        return parse_size(host_budget, "`host_budget`")
+    from aidaptiv_ds.config.host import budget_bytes
+
+    try:
+        return budget_bytes(str(host_budget), None, 1)
+    except ValueError as e:
+        raise GenerationError(f"`host_budget` {host_budget}: {e}") from None
+
+
 class Generator:
     """A model ready to generate (see the module's docstring). ``model`` is a Hugging Face folder (safetensors)
     or a checkpoint of ``aidaptiv-ds train``; sizes are bytes or strings such as "1GiB"."""
@@ -170,34 +185,31 @@ class Generator:
                 "'aidaptiv-ds export' or save_pretrained holds one"
             ) from None
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if (dtype or "auto") not in DTYPES:
-            raise GenerationError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-        self.dtype = DTYPES[dtype or "auto"]
-        budget = (
-            default_host_budget(self.source.nbytes)
-            if host_budget in (None, "auto")
-            else parse_size(host_budget, "--host-budget")
-        )
+        dtype = _DTYPE_NAMES.get(dtype, dtype) or "auto"
+        if dtype not in DTYPES:
+            raise GenerationError(f"`dtype` {dtype}: choose one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[dtype]
+        budget = default_host_budget(self.source.nbytes) if host_budget in (None, "auto") else _bytes(host_budget)
         if encode_weights not in ENCODE_CHOICES:
-            raise GenerationError(f"--encode-weights {encode_weights}: choose one of {', '.join(ENCODE_CHOICES)}")
+            raise GenerationError(f"`encode_weights` {encode_weights}: choose one of {', '.join(ENCODE_CHOICES)}")
         if encode_weights == "on" and self.device != "cpu":
             raise GenerationError(
-                "--encode-weights on: encoded weights are decoded on the CPU, and on CUDA the layers go to the GPU "
-                "as they are read; use --encode-weights off (or auto) with --device cuda"
+                "`encode_weights` on: encoded weights are decoded on the CPU, and on CUDA the layers go to the GPU "
+                "as they are read; use `encode_weights` off (or auto) with `device` cuda"
             )
         device_budget = None
         if self.device == "cpu" and (gpu_budget not in (None, "auto") or gpu_mem_cap_gb):
-            raise GenerationError("--gpu-budget and --gpu-mem-cap-gb are for --device cuda")
+            raise GenerationError("`gpu_budget` and `gpu_mem_cap_gb` are for `device` cuda")
         if self.device != "cpu":
             if not torch.cuda.is_available():
-                raise GenerationError(f"--device {self.device}: this torch sees no GPU; use --device cpu")
+                raise GenerationError(f"`device` {self.device}: this torch sees no GPU; use `device` cpu")
             if gpu_mem_cap_gb:
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem_cap_gb * 2**30 / total), self.device)
             device_budget = (
                 default_device_budget(self.device)
                 if gpu_budget in (None, "auto")
-                else parse_size(gpu_budget, "--gpu-budget")
+                else parse_size(gpu_budget, "`gpu_budget`")
             )
         self.model = self._build_empty()
         from aidaptiv_ds.inference.streamed import StreamedWeights
@@ -223,8 +235,8 @@ class Generator:
                     kv_cache,
                     self.source.identity,
                     _tokenizer_identity(self.source.files_dir),
-                    parse_size(kv_cache_size, "--kv-cache-size"),
-                    parse_size(kv_host_budget, "--kv-host-budget"),
+                    parse_size(kv_cache_size, "`kv_cache_size`"),
+                    parse_size(kv_host_budget, "`kv_host_budget`"),
                     engine=self.weights.engine,
                 )
             except BaseException:
@@ -265,7 +277,7 @@ class Generator:
                 problems.append(f"prompt {i + 1} is empty")
             elif limit and len(t) + max_new_tokens > limit:
                 problems.append(
-                    f"prompt {i + 1} has {len(t)} tokens; with --max-new-tokens {max_new_tokens} that is more than "
+                    f"prompt {i + 1} has {len(t)} tokens; with `max_new_tokens` {max_new_tokens} that is more than "
                     f"the model's context of {limit} tokens"
                 )
         if problems:
@@ -287,7 +299,7 @@ class Generator:
         """Completions of ``prompts``, in order. ``on_text(i, piece)`` receives prompt i's text as it comes
         (token by token when prompts run one at a time, whole at the end of a batch)."""
         if max_new_tokens < 1:
-            raise GenerationError(f"--max-new-tokens {max_new_tokens}: ask for at least one token")
+            raise GenerationError(f"`max_new_tokens` {max_new_tokens}: ask for at least one token")
         ids = self.check_prompts(prompts, max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)

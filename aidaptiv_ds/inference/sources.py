@@ -210,7 +210,7 @@ def open_source(path: str) -> WeightSource:
     """A Hugging Face folder or a checkpoint of ours, told apart by what the folder holds."""
     if not os.path.isdir(path):
         raise ModelSourceError(
-            f"--model {path} is not a folder: give a Hugging Face model folder or a checkpoint of 'aidaptiv-ds train'"
+            f"`model` {path} is not a folder: give a Hugging Face model folder or a checkpoint of 'aidaptiv-ds train'"
         )
     if os.path.isdir(os.path.join(path, "aidaptiv")) or os.path.isfile(os.path.join(path, "latest")):
         return from_checkpoint(path)

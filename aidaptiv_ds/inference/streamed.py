@@ -308,11 +308,11 @@ class StreamedWeights:
             if self.device_budget is not None:
                 raise DeviceBudgetTooSmall(
                     f"GPU budget {format_size(self.device_budget)} is below the model's {format_size(total)} and "
-                    "the model has no layer list to stream: give --gpu-budget of at least the model's size"
+                    "the model has no layer list to stream: give `gpu_budget` of at least the model's size"
                 )
             raise HostBudgetTooSmall(
                 f"host budget {format_size(self.host_budget)} is below the model's {format_size(total)} and the "
-                "model has no layer list to stream: give --host-budget of at least the model's size"
+                "model has no layer list to stream: give `host_budget` of at least the model's size"
             )
         slot = max(g.nbytes for g in layers)
         if self.device_budget is not None:
@@ -324,7 +324,7 @@ class StreamedWeights:
                 f"host budget {format_size(self.host_budget)} is too small for this model: it needs at least "
                 f"{format_size(need)} (what every step uses resident, {format_size(others)}: "
                 f"{self._outside_words(outside)}; plus two layers in flight, {format_size(slot)} each): give "
-                f"--host-budget {format_size(need)} or more"
+                f"`host_budget` {format_size(need)} or more"
             )
         plans = [self._plan_slots(layers, self.host_budget - others, slot, 0, max_slots, encoded=False)]
         if self.encode:
@@ -403,7 +403,7 @@ class StreamedWeights:
                 f"GPU budget {format_size(self.device_budget)} is too small for this model: it needs at least "
                 f"{format_size(need)} on the GPU (what every step uses, {format_size(others)}: "
                 f"{self._outside_words(outside)}; plus two layers in flight, {format_size(slot)} each): give "
-                f"--gpu-budget {format_size(need)} or more, or use a GPU with more free memory"
+                f"`gpu_budget` {format_size(need)} or more, or use a GPU with more free memory"
             )
         host_need = 2 * slot + self.row_buffer_bytes
         if host_need > self.host_budget:
@@ -411,7 +411,7 @@ class StreamedWeights:
                 f"host budget {format_size(self.host_budget)} is too small for this model: on CUDA it needs at least "
                 f"{format_size(host_need)} (two pinned slots of {format_size(slot)}"
                 + (f" and a row buffer of {format_size(self.row_buffer_bytes)}" if self.row_buffer_bytes else "")
-                + f"): give --host-budget {format_size(host_need)} or more"
+                + f"): give `host_budget` {format_size(host_need)} or more"
             )
         slots = max(2, min(max_slots, (self.device_budget - others) // slot, len(layers)))
         on_gpu = self.device_budget - others - slots * slot
@@ -573,8 +573,8 @@ class StreamedWeights:
         if (streamed or self.row_groups) and not nvme_path:
             raise HostBudgetTooSmall(
                 f"the weights ({format_size(self.source.nbytes)}) do not fit the host budget "
-                f"{format_size(self.host_budget)}: give --nvme-path DIR (a folder on the NVMe SSD) to stream "
-                f"{format_size(self.streamed_bytes + self.by_rows_bytes)} of them from, or a --host-budget above "
+                f"{format_size(self.host_budget)}: give `nvme_path` DIR (a folder on the NVMe SSD) to stream "
+                f"{format_size(self.streamed_bytes + self.by_rows_bytes)} of them from, or a `host_budget` above "
                 f"{format_size(sum(g.nbytes for g in self.groups))}"
             )
         if streamed or self.row_groups:

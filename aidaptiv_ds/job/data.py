@@ -151,14 +151,14 @@ def split_held_out(records: list, fraction: float, seed: int) -> tuple[list, lis
     """(train, held out): ``fraction`` of the records (at least one, and at least one left to train on), picked
     from ``seed``; both parts keep the file's order."""
     if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"--eval-fraction {fraction} must be at least 0 and below 1")
+        raise ValueError(f"`eval_fraction` {fraction} must be at least 0 and below 1")
     if fraction == 0.0:
         return list(records), []
     n_eval = max(1, round(fraction * len(records)))
     if n_eval >= len(records):
         raise DataError(
-            f"--eval-fraction {fraction} of {len(records)} record(s) leaves nothing to train on: lower "
-            "it, give more data, or pass the held-out set as --eval-data"
+            f"`eval_fraction` {fraction} of {len(records)} record(s) leaves nothing to train on: lower "
+            "it, give more data, or pass the held-out set as `eval_data`"
         )
     order = list(range(len(records)))
     # Its own generator, not the packing's, so that the split does not move when the packing changes.
@@ -249,9 +249,9 @@ class EvalBatches:
         self.sequences = len(ids) // seq_len
         if self.sequences == 0:
             raise DataError(
-                f"{what} has {len(ids)} tokens, fewer than one sequence of --seq-len {seq_len}: give "
-                "more held-out records (a larger --eval-fraction or --eval-data file) or a shorter "
-                "--seq-len"
+                f"{what} has {len(ids)} tokens, fewer than one sequence of `seq_len` {seq_len}: give "
+                "more held-out records (a larger `eval_fraction` or `eval_data` file) or a shorter "
+                "`seq_len`"
             )
         self.tokens = self.sequences * seq_len
         self._ids = ids[: self.tokens].view(self.sequences, seq_len)

@@ -26,11 +26,9 @@ are refused with a message. Nothing here imports DeepSpeed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
-import sys
 from typing import Dict, List, Optional
 
 from aidaptiv_ds.common.sizes import parse_size
@@ -53,7 +51,9 @@ class ExportError(ValueError):
 def resolve_checkpoint(path: str) -> str:
     """The tag folder of ``path``: a tag folder itself, or a save dir whose ``latest`` names one."""
     if not os.path.isdir(path):
-        raise ExportError(f"checkpoint {path} does not exist: give a --save-dir of a run or a tag folder in it")
+        raise ExportError(
+            f"checkpoint {path} does not exist: give a checkpoint folder of a run (its `save_dir`) or a tag folder in it"
+        )
     if os.path.isdir(os.path.join(path, "aidaptiv")):
         return path
     latest = os.path.join(path, "latest")
@@ -373,8 +373,8 @@ def export(
     ck = Checkpoint(tag_dir)
     if merge_lora and not ck.has_adapters:
         raise ExportError(
-            f"--merge-lora: checkpoint {tag_dir} has no LoRA adapters (no lora_ parameters); drop "
-            "the flag to export its full weights"
+            f"`merge_lora`: checkpoint {tag_dir} has no LoRA adapters (no lora_ parameters); drop "
+            "it to export its full weights"
         )
     files_dir = os.path.join(tag_dir, MODEL_FILES)
     from aidaptiv_ds.job.lora import QLORA_FILE
@@ -382,20 +382,20 @@ def export(
     qlora = os.path.isfile(os.path.join(files_dir, QLORA_FILE))
     if qlora and merge_lora:
         raise ExportError(
-            f"--merge-lora: checkpoint {tag_dir} is QLoRA (its base holds bitsandbytes 4-bit data, "
-            f"{MODEL_FILES}/{QLORA_FILE}), which is not merged into HF weights: drop --merge-lora to "
+            f"`merge_lora`: checkpoint {tag_dir} is QLoRA (its base holds bitsandbytes 4-bit data, "
+            f"{MODEL_FILES}/{QLORA_FILE}), which is not merged into HF weights: drop `merge_lora` to "
             "export the adapter, and merge it with PEFT on the original base"
         )
     lora = LoraExport(ck, files_dir, merge_lora) if ck.has_adapters else None
     limit = (
-        parse_size(max_shard_size, what="--max-shard-size") if isinstance(max_shard_size, str) else int(max_shard_size)
+        parse_size(max_shard_size, what="`max_shard_size`") if isinstance(max_shard_size, str) else int(max_shard_size)
     )
     if limit < 1:
-        raise ExportError(f"--max-shard-size {max_shard_size} must be a positive size such as 5GB")
+        raise ExportError(f"`max_shard_size` {max_shard_size} must be a positive size such as 5GB")
     if model is None and not os.path.isfile(os.path.join(files_dir, "config.json")):
         raise ExportError(
             f"checkpoint {tag_dir} has no {MODEL_FILES}/config.json (saved by an older aidaptiv-ds, "
-            "or not by aidaptiv-ds train): give --model with the preset or HF directory it trained"
+            "or not by aidaptiv-ds train): give `model`, the preset or HF directory it trained"
         )
     problem = out_problem(out)
     if problem:
@@ -414,7 +414,7 @@ def export(
         files = lora.write_adapter(out, bytearray(COPY_BUFFER))
         if log:
             log(
-                f"aidaptiv-ds export: QLoRA checkpoint: the adapter in PEFT's format in {os.path.join(out, ADAPTER_DIR)} "
+                f"QLoRA checkpoint: the adapter in PEFT's format in {os.path.join(out, ADAPTER_DIR)} "
                 "(load it with PeftModel.from_pretrained on the original base)"
             )
         return {
@@ -438,12 +438,12 @@ def export(
         _write_shard(ck, names, os.path.join(out, fname), buf, rename, lora.computed if lora else None)
         files.append(fname)
         if log:
-            log(f"aidaptiv-ds export: wrote {fname} ({len(names)} tensors, {sum(sizes[n] for n in names):,} bytes)")
+            log(f"wrote {fname} ({len(names)} tensors, {sum(sizes[n] for n in names):,} bytes)")
     if lora:
         files += lora.write_adapter(out, buf)
         if log:
             log(
-                f"aidaptiv-ds export: LoRA adapters {'merged into the weights, and ' if merge_lora else ''}"
+                f"LoRA adapters {'merged into the weights, and ' if merge_lora else ''}"
                 f"in PEFT's format in {os.path.join(out, ADAPTER_DIR)}"
             )
     if len(shards) > 1:
@@ -464,55 +464,3 @@ def export(
         "world_size": ck.world_size,
         "copy_buffer_bytes": len(buf),
     }
-
-
-# ------------------------------------------------------------------------------------------- command
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "checkpoint",
-        metavar="CHECKPOINT",
-        help="a --save-dir of an aidaptiv run (its latest tag) or one tag folder in it",
-    )
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for the Hugging Face model (new or empty)")
-    p.add_argument(
-        "--max-shard-size",
-        default=DEFAULT_SHARD,
-        metavar="SIZE",
-        help=f"largest safetensors shard ('5GB', '500MiB', bytes); default {DEFAULT_SHARD}",
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        metavar="PRESET|HF_DIR",
-        help="the model the checkpoint trained, for config and tokenizer files when the checkpoint has "
-        f"no {MODEL_FILES}/ folder (default: the checkpoint's own)",
-    )
-    p.add_argument(
-        "--merge-lora",
-        action="store_true",
-        help="checkpoints of 'train --lora': write the base weights with the adapters merged in "
-        "(W + alpha/r * B @ A) instead of the frozen base; either way the adapter is also written "
-        f"in PEFT's format to DIR/{ADAPTER_DIR}",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        s = export(
-            args.checkpoint,
-            args.out,
-            args.max_shard_size,
-            model=args.model,
-            merge_lora=args.merge_lora,
-            log=lambda m: print(m, file=sys.stderr, flush=True),
-        )
-    except (ExportError, ValueError, OSError) as e:
-        print(f"aidaptiv-ds export: {e}", file=sys.stderr)
-        return 1
-    print(
-        f"aidaptiv-ds export: {s['tensors']} tensors ({s['bytes']:,} bytes, {s['dtype']}, from {s['world_size']} "
-        f"ranks) of {s['checkpoint']} -> {s['out']}: {', '.join(s['files'])}"
-    )
-    return 0

@@ -109,7 +109,7 @@ def parse_spec(text: str) -> LoraSpec:
     if not targets:
         problems.append("targets is empty (e.g. targets=q_proj,v_proj)")
     if problems:
-        raise ValueError(f"--lora {text!r}: {'; '.join(problems)}: write it as r=16,alpha=32,targets=q_proj,v_proj")
+        raise ValueError(f"`lora` {text!r}: {'; '.join(problems)}: write it as r=16,alpha=32,targets=q_proj,v_proj")
     return LoraSpec(
         r=r, alpha=alpha if alpha is not None else 2.0 * r, targets=targets, dropout=dropout or 0.0, bits=bits or 16
     )
@@ -127,7 +127,7 @@ def apply(model, spec: LoraSpec):
             {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Linear" and "." in n}
         )
         raise ValueError(
-            f"--lora targets {','.join(missing)}: the model has no module of that name; its linear "
+            f"`lora` targets {','.join(missing)}: the model has no module of that name; its linear "
             f"layers are {', '.join(linear)}"
         )
     return get_peft_model(model, spec.peft_config())
@@ -155,7 +155,7 @@ def quantize_base(model, compute_dtype) -> int:
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        raise ValueError(f"--lora bits=4 needs bitsandbytes (requirements.txt pins it): {e}") from None
+        raise ValueError(f"`lora` bits=4 needs bitsandbytes (requirements.txt pins it): {e}") from None
     targets = [
         (name, m)
         for name, m in model.named_modules()

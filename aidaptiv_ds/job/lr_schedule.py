@@ -28,17 +28,17 @@ def problems(schedule: str | None, warmup_steps: int, total_steps: int | None) -
     ``total_steps`` None leaves out the check that needs it."""
     out = []
     if schedule is not None and schedule not in SCHEDULES:
-        out.append(f"--lr-schedule {schedule} is not one of {', '.join(SCHEDULES)}")
+        out.append(f"`lr_schedule` {schedule} is not one of {', '.join(SCHEDULES)}")
     if warmup_steps < 0:
-        out.append(f"--warmup-steps {warmup_steps} must not be negative")
+        out.append(f"`warmup_steps` {warmup_steps} must not be negative")
     if schedule is None and warmup_steps:
         out.append(
-            "--warmup-steps needs --lr-schedule (constant, linear or cosine): without it the lr is the "
+            "`warmup_steps` needs `lr_schedule` (constant, linear or cosine): without it the lr is the "
             "config's (its scheduler section, if any)"
         )
     if schedule in ("linear", "cosine") and total_steps is not None and warmup_steps >= total_steps:
         out.append(
-            f"--warmup-steps {warmup_steps} is not below the run's {total_steps} optimizer step(s): the "
+            f"`warmup_steps` {warmup_steps} is not below the run's {total_steps} optimizer step(s): the "
             f"{schedule} decay would never start; use fewer warm-up steps"
         )
     return out

@@ -24,7 +24,7 @@ def copy_model_files(src: str, out: str) -> List[str]:
         if os.path.islink(path):
             raise ValueError(
                 f"{path} is a symbolic link (to {os.readlink(path)}): aidaptiv-ds never writes one into a "
-                "checkpoint, so it was added after the save; remove it, or export with --model naming the model's "
+                "checkpoint, so it was added after the save; remove it, or export with `model` naming the model's "
                 "own folder or preset"
             )
         # adapter_config.json stays out: beside the weights it would make transformers load them as an adapter

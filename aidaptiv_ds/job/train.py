@@ -1,33 +1,30 @@
-"""Fine-tune a causal LM with DeepSpeed ZeRO-3 (and, with an "aidaptiv" block in the config, our NVMe swapper).
+"""One training run, as a recipe over its parts: :class:`Run` prepares (config, model spec, data: everything that
+can fail cheaply), builds (DeepSpeed, the model, adapters), trains, and closes.
 
-  aidaptiv-ds train --config ds_configs/zero3.json --model tiny --steps 10 --metrics-out run.json
-  deepspeed --num_accelerators 2 --module aidaptiv_ds train --config ds_configs/zero_infinity.json ...
-
-The model is a preset shape with random weights (micro, tiny, llama2-7b, ..., see --model) or a local Hugging
-Face directory; the data is a file or folder of instruction records (JSONL, JSON, CSV, Parquet or a datasets
-save_to_disk folder; the packaged set by default), rendered through the tokenizer's chat template when it has
-one, packed into sequences of exactly --seq-len tokens. The run makes --steps optimizer steps or --epochs passes
-over the data, can hold records out and report their loss (--eval-fraction/--eval-data, --eval-every), follow
-a learning-rate schedule with warm-up (--lr-schedule, --warmup-steps), save every N steps and pick up where it
-stopped (--save-every, --resume auto). Every step is timed by phase; --metrics-out writes one JSON object with tokens/s,
-the median step time after --warmup steps, the loss trajectory (mean over ranks), peak host/GPU memory and
-the NVMe bytes the ranks read and wrote. Exit status: 0 ok, 1 error, 3 out of memory (GPU or host) or refused
-before launch because the plan says the job cannot fit (status "refused"); the metrics file says which
-("status") either way. With an "aidaptiv" block, --output-dir writes the trained model
-in Hugging Face format (see aidaptiv_ds.job.export); with DeepSpeed's "csv_monitor", "tensorboard" or "wandb"
-sections, every step's loss, lr, tokens/s, step split, NVMe GB/s, host budget, pinned and GPU memory go to
-them (aidaptiv_ds.common.metrics.MONITOR_SERIES); W&B runs offline into the --metrics-out folder unless WANDB_MODE /
-WANDB_DIR say otherwise (aidaptiv_ds.job.wandb_env).
+The model is a preset shape with random weights (micro, tiny, llama2-7b, ...) or a local Hugging Face directory;
+the data is a file or folder of instruction records (JSONL, JSON, CSV, Parquet or a datasets save_to_disk
+folder; the packaged set by default), rendered through the tokenizer's chat template when it has one, packed
+into sequences of exactly ``seq_len`` tokens. The run makes ``steps`` optimizer steps or ``epochs`` passes over
+the data, can hold records out and report their loss (``eval_fraction`` / ``eval_data``, ``eval_every``),
+follow a learning-rate schedule with warm-up (``lr_schedule``, ``warmup_steps``), and save, resume and write
+its model out (:mod:`aidaptiv_ds.job.checkpoints`). Every step is timed by phase
+(:class:`aidaptiv_ds.common.metrics.StepTimer`) and the swap disk metered
+(:class:`aidaptiv_ds.common.metrics.IOMeter`); :meth:`Run.train` returns the metrics: tokens/s, the median step
+time after ``warmup`` steps, the loss trajectory (mean over ranks), peak host/GPU memory and the NVMe bytes
+the ranks read and wrote. With DeepSpeed's "csv_monitor", "tensorboard" or "wandb" sections, every step's
+series go to them (aidaptiv_ds.common.metrics.MONITOR_SERIES); W&B runs offline into the metrics folder unless
+WANDB_MODE / WANDB_DIR say otherwise (aidaptiv_ds.job.wandb_env).
 
 Run directly it is a 1-process job (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set when absent); under the
 deepspeed launcher or torchrun it is one rank of many (gloo on CPU, nccl on CUDA); started by srun (by hand or
 DeepSpeed's --launcher slurm), it takes its rank, world size and rendezvous from SLURM's variables
-(aidaptiv_ds.job.rank_env).
+(aidaptiv_ds.job.rank_env). ``aidaptiv-ds train`` (:mod:`aidaptiv_ds.commands.train`) turns the outcome into
+the metrics file and an exit status.
 """
 
 from __future__ import annotations
 
-__all__ = ["Run", "add_arguments", "run"]
+__all__ = ["Run"]
 
 import contextlib
 import copy
@@ -37,27 +34,12 @@ import random
 import shutil
 import sys
 import time
-import traceback
-import warnings
+from typing import Callable, Optional
 
-# add_arguments is this subcommand's parser (aidaptiv_ds.cli calls train.add_arguments and train.run).
-from aidaptiv_ds.job.args import (
-    EXIT_ERROR,
-    EXIT_OK,
-    EXIT_OOM,
-    DoesNotFit,
-    TrainingFailed,
-    _is_oom,
-    _last_line,
-    add_arguments,
-)
-from aidaptiv_ds.job.checkpoints import _resolve_resume, _rng_state, _set_rng_state
-from aidaptiv_ds.job.rank_env import ensure_single_process_env, make_nvme_path
-
-HELP_EPILOG = (
-    "exit status: 0 ok, 1 error, 3 out of memory (GPU or host) or refused before launch because the plan\n"
-    'says the job cannot fit; the --metrics-out file says which ("status") either way.'
-)
+from aidaptiv_ds.job.checkpoints import RunCheckpoints
+from aidaptiv_ds.job.failures import DoesNotFit, TrainingFailed
+from aidaptiv_ds.job.rank_env import make_nvme_path
+from aidaptiv_ds.job.settings import TrainSettings
 
 
 def _aidaptiv_api():
@@ -76,16 +58,19 @@ def _aidaptiv_api():
 class Run:
     """One training run; fields filled as it goes so a failure can still report what is known."""
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, settings: TrainSettings, say: Optional[Callable[[str], None]] = None):
+        self.settings = settings
+        self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.info: dict = {}
         self.engine = None
+        self.checkpoints = RunCheckpoints(self)
 
     def log(self, msg: str) -> None:
+        """A line for the user, from rank 0 (the command prefixes it and says backquoted settings as flags)."""
         if self.rank == 0:
-            print(msg, file=sys.stderr, flush=True)
+            self.say(msg)
 
     def print_activation_plan(self, engine) -> None:
         """The auto activation policy's plan, made during the first forward: printed once (it is also in the
@@ -95,7 +80,7 @@ class Run:
         if plan:
             from aidaptiv_ds.activations.plan import render
 
-            self.log(f"aidaptiv-ds train: {render(plan)}")
+            self.log(f"{render(plan)}")
 
     def prepare(self):
         """Config, model spec, data: everything that can fail cheaply, before DeepSpeed starts."""
@@ -104,24 +89,24 @@ class Run:
         from aidaptiv_ds.models import presets as models
         from aidaptiv_ds.models.tokenizer import tokenizer_for
 
-        a = self.args
+        a = self.settings
         if a.seq_len < 1:
-            raise ValueError(f"--seq-len {a.seq_len} must be at least 1")
+            raise ValueError(f"`seq_len` {a.seq_len} must be at least 1")
         if a.save_every < 0 or a.warmup < 0:
-            raise ValueError("--save-every and --warmup must not be negative")
+            raise ValueError("`save_every` and `warmup` must not be negative")
         found = train_plan.problems(a)
-        if getattr(a, "create_nvme_path", False) and not a.nvme_path:
-            found.append("--create-nvme-path needs --nvme-path: give the swap folder to make on this node")
+        if a.create_nvme_path and not a.nvme_path:
+            found.append("`create_nvme_path` needs `nvme_path`: give the swap folder to make on this node")
         if found:
             raise TrainingFailed("; ".join(found))
-        if getattr(a, "create_nvme_path", False):  # before the config check, which refuses a missing folder
+        if a.create_nvme_path:  # before the config check, which refuses a missing folder
             self.info["nvme_path_created"] = make_nvme_path(os.path.abspath(a.nvme_path))
         self.lora = None
-        if getattr(a, "lora", None):
+        if a.lora:
             from aidaptiv_ds.job.lora import parse_spec
 
             self.lora = parse_spec(a.lora)
-        cfg = ds_config.load(a.config, what="--config")
+        cfg = ds_config.load(a.config, what="`config`")
         cfg = ds_config.apply_overrides(
             cfg,
             micro_batch=a.micro_batch,
@@ -131,7 +116,7 @@ class Run:
             dtype=a.dtype,
             host_budget=a.host_budget,
         )
-        if getattr(a, "gradient_checkpointing", False):
+        if a.gradient_checkpointing:
             cfg = self.checkpointing_in_block(cfg)
         else:
             cfg = self.auto_activations_by_default(cfg)
@@ -153,18 +138,18 @@ class Run:
         self.backend = ds_config.backend(cfg)
         self.note_wandb(cfg)
         self.check_fits(cfg, a.seq_len)
-        if getattr(a, "output_dir", None) and self.backend != "aidaptiv":
+        if a.output_dir and self.backend != "aidaptiv":
             raise TrainingFailed(
-                f'--output-dir needs a config with an enabled "aidaptiv" block (this one runs '
+                f'`output_dir` needs a config with an enabled "aidaptiv" block (this one runs '
                 f"{self.backend}): the export reads the checkpoint our swapper writes; for plain "
-                "DeepSpeed save with --save-dir and convert with DeepSpeed's zero_to_fp32.py"
+                "DeepSpeed save with `save_dir` and convert with DeepSpeed's zero_to_fp32.py"
             )
-        if getattr(a, "output_dir", None):
+        if a.output_dir:
             from aidaptiv_ds.job.export import out_problem
 
             problem = out_problem(a.output_dir)
             if problem:
-                raise TrainingFailed(f"--output-dir: {problem}")
+                raise TrainingFailed(f"`output_dir`: {problem}")
         self.dtype = ds_config.torch_dtype(cfg)
         self.micro_batch = int(
             cfg.get("train_micro_batch_size_per_gpu")
@@ -229,8 +214,8 @@ class Run:
         policy = activations.get("policy") if isinstance(activations, dict) else None
         if policy == "keep":
             raise TrainingFailed(
-                "--gradient-checkpointing asks to recompute activations but the config's "
-                'aidaptiv.activations.policy is "keep": drop the flag, or set the policy to '
+                "`gradient_checkpointing` asks to recompute activations but the config's "
+                'aidaptiv.activations.policy is "keep": drop it, or set the policy to '
                 '"recompute" (or "nvme", which also stores the checkpoints on NVMe)'
             )
         if policy in (None, "auto") and isinstance(activations, dict):
@@ -245,7 +230,7 @@ class Run:
         from aidaptiv_ds.job import data as D
         from aidaptiv_ds.job import lr_schedule, train_plan
 
-        a = self.args
+        a = self.settings
         data_path = a.data or D.DEFAULT_DATA
         train_records, held_out = D.split_held_out(D.load_records(data_path), a.eval_fraction, a.seed)
         self.batches = D.ShardedBatches(
@@ -258,7 +243,7 @@ class Run:
             held_out = D.load_records(a.eval_data)
         self.eval_batches = None
         if held_out:
-            what = f"--eval-data {a.eval_data}" if a.eval_data else f"the held-out {a.eval_fraction:g} of {data_path}"
+            what = f"`eval_data` {a.eval_data}" if a.eval_data else f"the held-out {a.eval_fraction:g} of {data_path}"
             self.eval_batches = D.EvalBatches(
                 D.tokenize(held_out, self.tokenizer), a.seq_len, self.micro_batch, self.rank, self.world_size, what=what
             )
@@ -271,7 +256,7 @@ class Run:
         self.lr_scheduler = None
         if a.lr_schedule:
             if cfg.pop("scheduler", None) is not None:
-                self.log(f"aidaptiv-ds train: --lr-schedule {a.lr_schedule} replaces the config's scheduler section")
+                self.log(f"`lr_schedule` {a.lr_schedule} replaces the config's scheduler section")
             self.lr_scheduler = lr_schedule.scheduler_factory(a.lr_schedule, a.warmup_steps, self.steps)
         self.info.update(
             train_records=len(train_records),
@@ -291,7 +276,7 @@ class Run:
         the --metrics-out folder (else the working directory) unless WANDB_DIR says otherwise."""
         from aidaptiv_ds.job import wandb_env
 
-        out = self.args.metrics_out
+        out = self.settings.metrics_out
         wandb = wandb_env.prepare(cfg, os.path.dirname(os.path.abspath(out)) if out else os.getcwd())
         if wandb:
             self.info["wandb"] = wandb
@@ -323,9 +308,9 @@ class Run:
         if not problems:
             return
         text = str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}"))
-        if getattr(self.args, "no_fit_check", False):
+        if self.settings.no_fit_check:
             self.info["fit_check"] = {"skipped": True, "problems": problems}
-            print(f"aidaptiv-ds train: warning: --no-fit-check: starting although {text}", file=sys.stderr, flush=True)
+            self.say(f"warning: `no_fit_check`: starting although {text}")
             return
         raise DoesNotFit(text)  # every problem, in full (a ConfigError would be cut to its last line by run())
 
@@ -333,7 +318,7 @@ class Run:
         import deepspeed
         import torch
 
-        a = self.args
+        a = self.settings
         if not a.verbose:
             from aidaptiv_ds.zero3.compat import set_deepspeed_log_level
 
@@ -373,7 +358,7 @@ class Run:
             from aidaptiv_ds.job import lora
 
             self.info["qlora_layers"] = lora.quantize_base(model, self.dtype or torch.float32)
-        if getattr(a, "gradient_checkpointing", False) and self.backend != "aidaptiv":
+        if a.gradient_checkpointing and self.backend != "aidaptiv":
             self.enable_gradient_checkpointing(model)
         if self.lora is not None:
             model = self.add_adapters(model)
@@ -392,9 +377,9 @@ class Run:
     def check_saveable(self) -> None:
         """A run that will save (--save-dir, --output-dir) learns before its first step whether its swapped
         state can be saved, instead of losing every step to a refusal at its first checkpoint."""
-        a = self.args
+        a = self.settings
         ask = getattr(self.engine, "aidaptiv_save_problem", None)
-        if not (a.save_dir or getattr(a, "output_dir", None)) or not callable(ask):
+        if not (a.save_dir or a.output_dir) or not callable(ask):
             return
         problem = ask()
         if problem:
@@ -410,7 +395,7 @@ class Run:
         from aidaptiv_ds.activations.policy import enable_recompute
 
         self.info["gradient_checkpointing"] = enable_recompute(model)
-        self.log(f"aidaptiv-ds train: gradient checkpointing: {self.info['gradient_checkpointing']}")
+        self.log(f"gradient checkpointing: {self.info['gradient_checkpointing']}")
 
     def add_adapters(self, model):
         """--lora: PEFT's adapters on the built (and, under ZeRO-3, partitioned) base, which is frozen."""
@@ -422,14 +407,12 @@ class Run:
                 if p.requires_grad and p.dtype != self.dtype:
                     p.data = p.data.to(self.dtype)
         self.info["lora"] = {"spec": self.lora.describe(), "trainable_params": lora.trainable_numel(model)}
-        self.log(
-            f"aidaptiv-ds train: {self.lora.describe()}: {self.info['lora']['trainable_params']:,} trainable parameters"
-        )
+        self.log(f"{self.lora.describe()}: {self.info['lora']['trainable_params']:,} trainable parameters")
         return model
 
     def note_io_settings(self) -> None:
         """Log, and keep for the metrics, the swapper's block size and queue depth and where each came from
-        ("config", "tuned" for the disk by 'aidaptiv-ds plan --nvme', or "default")."""
+        ("config", "tuned" for the disk by 'aidaptiv-ds plan --nvme-path', or "default")."""
         if self.backend != "aidaptiv":
             return
         from aidaptiv_ds.config import resolve as C
@@ -470,68 +453,12 @@ class Run:
         chunk = chunked_loss.installed_chunk(model)
         if chunk is None:
             return
-        tokens, vocab = self.micro_batch * self.args.seq_len, self.spec.config.vocab_size
+        tokens, vocab = self.micro_batch * self.settings.seq_len, self.spec.config.vocab_size
         self.info["loss_chunk_tokens"] = chunk
         self.info["loss_logits_mb"] = {
             "unchunked": chunked_loss.logits_bytes(tokens, vocab, None) / 2**20,
             "chunked": chunked_loss.logits_bytes(tokens, vocab, chunk) / 2**20,
         }
-
-    def resume(self) -> dict:
-        """Restore from --resume-from or --resume auto; returns the client state (or a fresh one). --resume auto
-        takes the newest checkpoint that verifies, saying which tags it skipped and why."""
-        from aidaptiv_ds.job.train_plan import checkpoint_candidates
-        from aidaptiv_ds.zero3.checkpoint_verify import CheckpointDamagedError
-
-        a = self.args
-        fresh = {"step": 0, "data_position": 0, "losses": [], "lrs": []}
-        if a.resume == "auto":
-            candidates = checkpoint_candidates(a.save_dir)
-            if not candidates:
-                self.log(f"aidaptiv-ds train: --resume auto: no checkpoint in {a.save_dir} yet, starting from step 0")
-                return fresh
-            self.log(f"aidaptiv-ds train: --resume auto: the latest checkpoint in {a.save_dir} is {candidates[0]}")
-        elif a.resume_from:
-            candidates = [a.resume_from]
-        else:
-            return fresh
-        skipped = []
-        for source in candidates:
-            try:
-                load_dir, tag = _resolve_resume(source)
-                path, client = self.engine.load_checkpoint(
-                    load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-                )
-            except (CheckpointDamagedError, TrainingFailed) as e:  # damaged or planted: with auto, the next tag
-                if a.resume != "auto":
-                    raise
-                skipped.append(source)
-                self.log(f"aidaptiv-ds train: --resume auto: skipped {source}: {e}")
-                continue
-            break
-        else:
-            raise TrainingFailed(
-                f"--resume auto: no checkpoint in {a.save_dir} verifies ({len(skipped)} skipped, each said why "
-                "above): start without --resume, or restore a good checkpoint"
-            )
-        if skipped:
-            self.info["resume_skipped"] = skipped
-        if path is None or client is None or "step" not in client:
-            raise TrainingFailed(f"--resume-from {source}: DeepSpeed found no loadable checkpoint there")
-        was = {k: client.get(k) for k in ("seq_len", "micro_batch", "world_size")}
-        now = {"seq_len": a.seq_len, "micro_batch": self.micro_batch, "world_size": self.world_size}
-        if any(was[k] is not None and was[k] != now[k] for k in now):
-            # The data position counts micro-batches of this shape: with another shape the data continues from
-            # a different point of the stream than the interrupted run would have.
-            self.log(
-                f"aidaptiv-ds train: warning: checkpoint was made with {was}, resuming with {now}; "
-                "the data order will differ from an uninterrupted run"
-            )
-        if "rng" in client:
-            _set_rng_state(client["rng"])
-        self.info["resumed_from"] = path
-        self.log(f"aidaptiv-ds train: resumed {path} at step {client['step']}")
-        return client
 
     def remove_deepspeed_swap(self) -> None:
         """ZeRO-Infinity leaves every weight and optimizer moment in its swap files after the run. Remove this
@@ -544,82 +471,16 @@ class Run:
         dirs = [d for p in self.info.get("nvme_paths") or [] for d in zero_infinity_swap_dirs(p, self.rank)]
         if not dirs:
             return
-        if self.args.keep_swap:
+        if self.settings.keep_swap:
             self.info["swap_kept"] = dirs
-            self.log(f"aidaptiv-ds train: kept DeepSpeed swap files in {', '.join(dirs)}")
+            self.log(f"kept DeepSpeed swap files in {', '.join(dirs)}")
             return
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
             with contextlib.suppress(OSError):  # the kind folder, once every rank has emptied it
                 os.rmdir(os.path.dirname(d))
         self.info["swap_removed"] = dirs
-        self.log(f"aidaptiv-ds train: removed DeepSpeed swap files in {', '.join(dirs)}")
-
-    def save(self, step: int, position: int, losses: list, save_dir: str | None = None) -> str:
-        save_dir = save_dir or self.args.save_dir
-        tag = f"step{step}"
-        client = {
-            "step": step,
-            "data_position": position,
-            "losses": list(losses),
-            "rng": _rng_state(),
-            "lrs": list(getattr(self, "lrs", [])),
-            "eval_losses": list(getattr(self, "eval_losses", [])),
-            "seed": self.args.seed,
-            "seq_len": self.args.seq_len,
-            "micro_batch": self.micro_batch,
-            "world_size": self.world_size,
-        }
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client)
-        folder = os.path.join(save_dir, tag)
-        if self.rank == 0 and self.backend == "aidaptiv":
-            # config and tokenizer beside the weights, so that 'aidaptiv-ds export' needs nothing else
-            from aidaptiv_ds.job.model_files import MODEL_FILES, save_model_files
-
-            save_model_files(
-                self.spec,
-                self.tokenizer,
-                os.path.join(folder, MODEL_FILES),
-                dtype=str(self.dtype).replace("torch.", ""),
-            )
-            if self.lora is not None:  # how to read the lora_ parameters (export merges or copies them)
-                from aidaptiv_ds.job.lora import save_adapter_config, save_qlora_marker
-
-                save_adapter_config(self.engine.module, os.path.join(folder, MODEL_FILES))
-                if self.lora.bits == 4:
-                    save_qlora_marker(os.path.join(folder, MODEL_FILES))
-        if save_dir == self.args.save_dir:
-            self.info.setdefault("saved", []).append(folder)
-        return folder
-
-    def write_output(self, step: int, position: int, losses: list) -> None:
-        """--output-dir: the model in Hugging Face format, written by rank 0 from the final checkpoint (the
-        --save-dir one, or one made in DIR/checkpoint and removed afterwards) through the bounded exporter."""
-        import torch.distributed as dist
-
-        from aidaptiv_ds.job.export import export
-
-        out = self.args.output_dir
-        final = os.path.join(self.args.save_dir, f"step{step}") if self.args.save_dir else None
-        temporary = final is None or not os.path.isdir(final)
-        if temporary:
-            final = self.save(step, position, losses, save_dir=os.path.join(out, "checkpoint"))
-        dist.barrier()  # every rank's folder of the checkpoint is written
-        failed = None
-        if self.rank == 0:
-            try:
-                summary = export(final, out, merge_lora=self.lora is not None and self.lora.bits != 4, log=self.log)
-            except (ValueError, OSError) as e:  # reported after the barrier the other ranks wait at
-                failed = e
-            else:
-                if temporary:
-                    shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
-                self.info["output_dir"] = out
-                self.info["output_files"] = summary["files"]
-                self.log(f"aidaptiv-ds train: wrote the model in Hugging Face format to {out}")
-        dist.barrier()
-        if failed is not None:
-            raise TrainingFailed(f"--output-dir {out}: the export of {final} failed: {failed}")
+        self.log(f"removed DeepSpeed swap files in {', '.join(dirs)}")
 
     def write_logits(self, path: str) -> None:
         """The trained model's logits on the first data batch (for checking an export against it)."""
@@ -691,7 +552,7 @@ class Run:
         loss = evaluate(self.engine, self.eval_batches)
         self.eval_losses.append([step, loss])
         self.log(
-            f"aidaptiv-ds train: step {step}: eval loss {loss:.4f} on {self.eval_batches.sequences} held-out "
+            f"step {step}: eval loss {loss:.4f} on {self.eval_batches.sequences} held-out "
             f"sequence(s) ({time.perf_counter() - t0:.1f} s)"
         )
         if monitor:
@@ -706,10 +567,10 @@ class Run:
         from aidaptiv_ds.common import metrics as M
         from aidaptiv_ds.job.train_plan import eval_due
 
-        a, engine = self.args, self.engine
+        a, engine = self.settings, self.engine
         sync = torch.cuda.synchronize if self.cuda else None
         timer = M.StepTimer(sync)
-        client = self.resume()
+        client = self.checkpoints.resume()
         start, position, losses = int(client["step"]), int(client["data_position"]), list(client["losses"])
         self.losses = losses  # the same list: a failure after some steps still reports them (run())
         # per step, what the run before a resume recorded (None for a checkpoint older than these fields)
@@ -732,30 +593,15 @@ class Run:
                 unit="step",
                 dynamic_ncols=True,
             )
-        io_start = None
-        io_excluded = {"read_bytes": 0, "write_bytes": 0}
         engine.train()
         monitor = self.monitor()
         from aidaptiv_ds.engine.disk import block_device
 
-        swap_devices = [block_device(p)["device"] for p in self.info.get("nvme_paths") or [] if os.path.isdir(p)]
-        busy_start, busy_excluded = [], []  # (readings before, after) of evaluations and saves in the window
-
-        def outside_steps(action):
-            """Run an evaluation or a save: inside the timed window its disk bytes and busy time are not the
-            training steps' (held-out forwards, checkpoint files), so they are taken out of both."""
-            before, busy_before = M.proc_io(), [M.disk_busy_ticks(d) for d in swap_devices]
-            action()
-            after = M.proc_io()
-            if before and after and io_start:
-                for k in io_excluded:
-                    io_excluded[k] += after[k] - before[k]
-                busy_excluded.append((busy_before, [M.disk_busy_ticks(d) for d in swap_devices]))
-
+        # Evaluations and saves inside the timed window are not the training steps' disk traffic.
+        meter = M.IOMeter([block_device(p)["device"] for p in self.info.get("nvme_paths") or [] if os.path.isdir(p)])
         for i, step in enumerate(range(start, steps)):
             if i == warmup:
-                io_start = M.proc_io()
-                busy_start = [M.disk_busy_ticks(d) for d in swap_devices]
+                meter.start()
             step_io = M.proc_io() if monitor else None
             self.lrs.append(self.current_lr())  # what this step's update uses
             timer.start_step()
@@ -783,29 +629,24 @@ class Run:
             if monitor:
                 self.write_monitor(monitor, step + 1, timer.steps[-1], losses[-1], tokens_per_step, step_io)
             if self.eval_batches is not None and eval_due(step + 1, a.eval_every, steps):
-                outside_steps(lambda: self.run_eval(step + 1, monitor))
+                meter.outside_steps(lambda: self.run_eval(step + 1, monitor))
             if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:
-                outside_steps(lambda: self.save(step + 1, position, losses))
+                meter.outside_steps(lambda: self.checkpoints.save(step + 1, position, losses))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step / step_s:.0f}")
-        io_end = M.proc_io()
-        busy = None
-        if busy_start:
-            busy = M.disk_busy(busy_start, [M.disk_busy_ticks(d) for d in swap_devices], busy_excluded)
+        meter.stop()
         if bar is not None:
             bar.close()
         if a.save_dir and steps_to_run > 0:
-            self.save(steps, position, losses)
-        if getattr(a, "output_dir", None):
-            self.write_output(steps, position, losses)
-        if getattr(a, "logits_out", None):
+            self.checkpoints.save(steps, position, losses)
+        if a.output_dir:
+            self.checkpoints.write_output(steps, position, losses)
+        if a.logits_out:
             self.write_logits(a.logits_out)
 
         # Reduce what each rank measured: bytes add up, peaks take the max.
-        nvme = [None, None]
-        if io_start and io_end:
-            nvme = [io_end[k] - io_start[k] - io_excluded[k] for k in ("read_bytes", "write_bytes")]
+        nvme = meter.bytes()
         t = torch.tensor([float(nvme[0] or 0), float(nvme[1] or 0)], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         peak = torch.tensor([M.peak_rss_mb()], dtype=torch.float64, device=device)
@@ -845,8 +686,8 @@ class Run:
                 / self.batches.stream.epoch_tokens,
                 "eval_losses": self.eval_losses or None,
                 "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
-                "nvme_bytes_steps": (steps_to_run - warmup) if io_start else None,
-                "disk_busy": busy,
+                "nvme_bytes_steps": (steps_to_run - warmup) if meter.started else None,
+                "disk_busy": meter.busy(),
             },
         )
 
@@ -863,81 +704,3 @@ class Run:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def _write_metrics(run: Run, metrics: dict, failed: bool) -> None:
-    from aidaptiv_ds.common.metrics import write_json
-
-    path = run.args.metrics_out
-    if not path:
-        return
-    if run.rank == 0:
-        write_json(path, metrics)
-    elif failed:
-        # Rank 0 may be stuck in a collective waiting for us: leave the reason where the caller looks,
-        # unless rank 0 has written it already.
-        write_json(path, metrics, exclusive=True)
-
-
-def run(args) -> int:
-    ensure_single_process_env()
-    # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, once per step; say nothing about them.
-    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    from aidaptiv_ds.common.metrics import one_line
-
-    job = Run(args)
-    status, error, metrics, where = "ok", None, None, None
-    try:
-        job.prepare()
-        job.build()
-        metrics = job.train()
-    except KeyboardInterrupt:
-        status, error = "error", "interrupted"
-    except BaseException as exc:  # noqa: BLE001 - every failure must end in one clear line and a status
-        if isinstance(exc, SystemExit):
-            raise
-        known = isinstance(exc, (TrainingFailed, ValueError, OSError))
-        try:
-            oom = _is_oom(exc)
-        except ImportError:
-            oom = isinstance(exc, MemoryError)
-        if (not known and not oom) or args.verbose:
-            traceback.print_exc(file=sys.stderr)
-        status = "oom" if oom else "refused" if isinstance(exc, DoesNotFit) else "error"
-        if status == "error":
-            # A known error's one line says what to do; where it came from goes to the metrics, so a failure on a
-            # machine one can no longer reach (a sweep cell, a lent GPU) can still be traced.
-            where = traceback.format_exc(limit=-12)
-        # A config's problems are all said at once (ConfigError lists them); other errors by their last line.
-        listed = getattr(exc, "problems", None)
-        if isinstance(listed, list) and len(listed) > 1:
-            error = f"{type(exc).__name__}: " + str(exc).strip()
-        else:
-            error = str(exc) if isinstance(exc, TrainingFailed) else _last_line(exc)
-    finally:
-        job.close()
-    if status != "ok":
-        metrics = {
-            "status": status,
-            "error": error,
-            **job.info,
-            "steps": getattr(job, "steps", args.steps),
-            # what ran before the failure (a save or export that fails at the end keeps the run's curve)
-            "losses": getattr(job, "losses", None) or None,
-            "eval_losses": getattr(job, "eval_losses", None) or None,
-            "tokens_per_s": None,
-            "step_s_median": None,
-        }
-        if where:
-            metrics["traceback"] = where
-    else:  # what close() did with the swap files
-        metrics.update({k: job.info[k] for k in ("swap_kept", "swap_removed") if k in job.info})
-    try:
-        _write_metrics(job, metrics, failed=status != "ok")
-    except OSError as e:  # a full disk (often the failure itself): say so and keep where the error came from
-        print(f"aidaptiv-ds train: cannot write --metrics-out {args.metrics_out}: {e}", file=sys.stderr, flush=True)
-        if where:
-            print(where, file=sys.stderr, flush=True)
-    if job.rank == 0 or status != "ok":
-        print(one_line(metrics) if job.rank == 0 else f"rank {job.rank}: {one_line(metrics)}", flush=True)
-    return {"ok": EXIT_OK, "oom": EXIT_OOM, "refused": EXIT_OOM}.get(status, EXIT_ERROR)

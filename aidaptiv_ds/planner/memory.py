@@ -487,8 +487,8 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
                 f"host memory: {max(0, available) / GiB:.1f} GiB per rank is left for aidaptiv's host budget after "
                 f"{left}, but the swapper needs at least {split.minimum / GiB:.1f} GiB ({split.min_slots} layer-group "
                 f"slots of {split.slot / GiB:.2f} GiB, {split.general / GiB:.2f} GiB for a gradient and optimizer "
-                "chunks): more host memory, more ranks (smaller partitions), or a smaller --layer-group-size or "
-                "--prefetch-depth"
+                "chunks): more host memory, more ranks (smaller partitions), or a smaller `layer_group_size` or "
+                "`prefetch_depth`"
             )
         else:
             plan.problems.append(split.shortfall())
@@ -517,7 +517,7 @@ def check(plan: BackendPlan, hw: Hardware) -> BackendPlan:
     if plan.nvme:
         nvme = plan.nvme_bytes * local
         if hw.nvme_free is None:
-            plan.notes.append("NVMe space not checked: give --nvme DIR (or --nvme-free SIZE)")
+            plan.notes.append("NVMe space not checked: give `nvme_path` DIR (or `nvme_free` SIZE)")
         elif nvme > hw.nvme_free:
             plan.problems.append(
                 f"NVMe space: needs {nvme / GiB:.1f} GiB per node but the swap directory has "
@@ -537,7 +537,7 @@ def plan_backend(backend: str, job: Job, hw: Hardware) -> BackendPlan:
         plan.problems.append(
             f"activations {job.activations}: {backend} has no such mode (stock DeepSpeed keeps activations or "
             "recomputes them with the model's gradient checkpointing; only aidaptiv's activations policy stores "
-            "them on NVMe): plan it with --activations keep or recompute, or leave --activations out"
+            "them on NVMe): plan it with `activations` keep or recompute, or leave `activations` out"
         )
     return check(plan, hw)
 

@@ -135,15 +135,15 @@ def probe_nvme(
     import torch
 
     from aidaptiv_ds.engine import tuning as io_tuning
-    from aidaptiv_ds.engine.disk import BenchError, check_dir
+    from aidaptiv_ds.engine.disk import UnsuitableDisk, check_dir
     from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 
     with open("/proc/self/mounts") as f:
         mounts = f.read()
     try:
         check_dir(directory, mounts)
-    except BenchError as e:
-        raise ValueError(str(e).replace("--dir", "--nvme")) from None
+    except UnsuitableDisk as e:
+        raise ValueError(f"`nvme_path` {e}") from None
     tuned: Dict[str, object] = {}
     if tune:
         table = io_tuning.sweep(directory, nbytes=min(nbytes, io_tuning.SWEEP_BYTES))

@@ -126,16 +126,16 @@ def resolve_shape(model: str) -> ModelShape:
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
             raise ValueError(
-                f"--model {model} is a directory without config.json: give a Hugging Face model directory or a preset"
+                f"`model` {model} is a directory without config.json: give a Hugging Face model directory or a preset"
             )
         with open(path, encoding="utf-8") as f:
             try:
                 config = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--model {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+                raise ValueError(f"`model` {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
         return _from_dict(os.path.basename(os.path.normpath(model)), config)
     raise ValueError(
-        f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory with a config.json"
+        f"`model` {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory with a config.json"
     )
 
 

@@ -20,7 +20,7 @@ from typing import Iterator
 
 from aidaptiv_ds.studio.workspace import StudioError
 
-# What `aidaptiv-ds generate` prints on stderr once its weights are laid out (inference/command.py).
+# What `aidaptiv-ds generate` prints on stderr once its weights are laid out (commands/generate.py).
 LAID_OUT = ", laid out in "
 
 

@@ -80,7 +80,7 @@ class RunSettings:
 def plan_argv(s: RunSettings, config_out: Path) -> list[str]:
     argv = [sys.executable, "-m", "aidaptiv_ds", "plan", "--model", s.model, "--seq-len", str(s.seq_len)]
     argv += ["--micro-batch", str(s.micro_batch), "--dtype", s.dtype, "--json", "--write-config", str(config_out)]
-    argv += ["--nvme", s.nvme_path]
+    argv += ["--nvme-path", s.nvme_path]
     if s.host_budget:
         argv += ["--host-budget", s.host_budget]
     return argv

@@ -26,7 +26,7 @@ PROBE_BYTES = 16 * MiB
 
 
 def nvme_bandwidth(runtime, store: ActivationStore):
-    """(read, write) bytes/s of the swap disk and where they come from: the rates ``aidaptiv-ds plan --nvme``
+    """(read, write) bytes/s of the swap disk and where they come from: the rates ``aidaptiv-ds plan --nvme-path``
     cached for this disk, or else a write and read-back of up to :data:`PROBE_BYTES` through this rank's
     engine into the activation file (O_DIRECT, so the disk's, not the page cache's)."""
     from aidaptiv_ds.engine.machine_cache import disk_key, load_cache

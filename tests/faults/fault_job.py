@@ -115,7 +115,7 @@ def main():
         seccomp_refuse([("io_uring_setup", errno.EPERM, None)])
 
     from aidaptiv_ds import cli
-    from aidaptiv_ds.job import train
+    from aidaptiv_ds.job import checkpoints, train
 
     def at_forward(i):
         if i != step:
@@ -164,14 +164,14 @@ def main():
 
         engine.forward, engine.step = faulty_forward, faulty_step
 
-    save = train.Run.save
+    save = checkpoints.RunCheckpoints.save
 
-    def save_with_faults(self, at, position, losses):
+    def save_with_faults(self, at, position, losses, save_dir=None):
         if "fsize-save" in faults and at == step + 1:
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-        return save(self, at, position, losses)
+        return save(self, at, position, losses, save_dir)
 
-    train.Run.build, train.Run.save = build_with_faults, save_with_faults
+    train.Run.build, checkpoints.RunCheckpoints.save = build_with_faults, save_with_faults
     return cli.main(["train", *train_args])
 
 

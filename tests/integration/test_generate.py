@@ -173,7 +173,7 @@ def test_encoding_on_cuda_is_refused(models):
     from aidaptiv_ds.inference import Generator
     from aidaptiv_ds.inference.generate import GenerationError
 
-    with pytest.raises(GenerationError, match="--encode-weights on: encoded weights are decoded on the CPU"):
+    with pytest.raises(GenerationError, match="`encode_weights` on: encoded weights are decoded on the CPU"):
         Generator(models["untied"], device="cuda", encode_weights="on")
 
 
@@ -368,9 +368,9 @@ def test_bad_inputs_are_refused_with_one_message(models, tmp_path):
     with Generator(models["untied"], host_budget="64MiB", device="cpu") as gen:
         with pytest.raises(GenerationError, match="more than the model's context of 2048 tokens"):
             gen.generate(["x" * 2040], max_new_tokens=16)
-    with pytest.raises(ValueError, match="give --nvme-path"):
+    with pytest.raises(ValueError, match="give `nvme_path`"):
         Generator(models["untied"], host_budget=BUDGET, device="cpu")
-    with pytest.raises(ValueError, match=r"needs at least .* give --host-budget"):
+    with pytest.raises(ValueError, match=r"needs at least .* give `host_budget`"):
         Generator(models["untied"], host_budget="1MiB", nvme_path=str(tmp_path / "n"), device="cpu")
 
 
@@ -507,7 +507,7 @@ def test_on_a_gpu_layers_go_to_the_gpu_budget_then_host_memory_then_the_swap_fil
         w.close()
     with pytest.raises(DeviceBudgetTooSmall, match=r"GPU budget .* needs at least .* give --gpu-budget"):
         _weights_for_a_device(models["untied"], tmp_path, "3.5MiB", "2MiB")
-    with pytest.raises(HostBudgetTooSmall, match=r"on CUDA it needs at least .*two pinned slots.* --host-budget"):
+    with pytest.raises(HostBudgetTooSmall, match=r"on CUDA it needs at least .*two pinned slots.* `host_budget`"):
         _weights_for_a_device(models["untied"], tmp_path, "1MiB", "4MiB")
     w = _weights_for_a_device(models["untied"], tmp_path, "1MiB", "64MiB")  # all on the GPU: no slot, no file
     try:
@@ -521,5 +521,5 @@ def test_gpu_budgets_on_the_cpu_are_refused(models):
     from aidaptiv_ds.inference import Generator
 
     for kw in (dict(gpu_budget="1GiB"), dict(gpu_mem_cap_gb=2.0)):
-        with pytest.raises(ValueError, match=r"--gpu-budget and --gpu-mem-cap-gb are for --device cuda"):
+        with pytest.raises(ValueError, match=r"`gpu_budget` and `gpu_mem_cap_gb` are for `device` cuda"):
             Generator(models["untied"], host_budget="64MiB", device="cpu", **kw)

@@ -18,7 +18,7 @@ def io_bench(*argv):
 def test_json_row(tmp_path):
     # deepspeed too: its logger writes to stdout, which must still hold nothing but the one object.
     result = io_bench(
-        "--dir",
+        "--nvme-path",
         str(tmp_path),
         "--size-mb",
         "8",
@@ -48,6 +48,6 @@ def test_json_row(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_tmpfs_is_refused():
-    result = io_bench("--dir", "/dev/shm", "--size-mb", "8", "--engines", "uring")
+    result = io_bench("--nvme-path", "/dev/shm", "--size-mb", "8", "--engines", "uring")
     assert result.returncode == 2
     assert "memory, not a disk" in result.stderr and result.stdout == ""

@@ -12,7 +12,7 @@ def parse(argv):
 
 def test_train_defaults_and_options():
     a = parse(["train", "--config", "c.json"])
-    assert a._module.__name__ == "aidaptiv_ds.job.train"
+    assert a._module.__name__ == "aidaptiv_ds.commands.train"
     # --steps is None unless given, so that --epochs can tell; without --epochs the run makes 10 steps.
     from aidaptiv_ds.job.train_plan import total_steps
 

@@ -69,7 +69,7 @@ def test_overrides_batch_accum_lr_dtype():
     assert cfg["train_batch_size"] == 8 and cfg["optimizer"]["params"]["lr"] == 1e-5, "input must not change"
     untouched = ds_config.apply_overrides(cfg)
     assert untouched == cfg and untouched is not cfg
-    with pytest.raises(ConfigError, match="--dtype"):
+    with pytest.raises(ConfigError, match="`dtype`"):
         ds_config.apply_overrides(cfg, dtype="fp8")
 
 

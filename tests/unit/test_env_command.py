@@ -29,7 +29,7 @@ def test_env_reports_versions_engine_disk_and_limits(tmp_path, capsys):
 
 
 def test_env_says_whether_the_pinned_pool_gets_huge_pages(tmp_path):
-    from aidaptiv_ds.harness.environment import huge_page_facts
+    from aidaptiv_ds.commands.env import huge_page_facts
 
     for text, mode, pages in (
         ("always [madvise] never\n", "madvise", "2 MiB huge pages"),
@@ -48,12 +48,12 @@ def test_env_text_says_where_o_direct_fails(tmp_path, capsys, monkeypatch):
     from aidaptiv_ds.engine import disk
 
     def refuse(path, mounts):
-        raise disk.BenchError(f"--dir {path} is on tmpfs (memory, not a disk)")
+        raise disk.UnsuitableDisk(f"{path} is on tmpfs (memory, not a disk)")
 
     monkeypatch.setattr(disk, "check_dir", refuse)
     assert cli.main(["env", "--nvme-path", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "o_direct: --dir" in out and "tmpfs" in out and "packages:" in out and "limits:" in out
+    assert f"o_direct: {tmp_path} is on tmpfs" in out and "packages:" in out and "limits:" in out
 
 
 def test_an_engine_built_with_another_cxx_string_abi_than_torch_is_refused_at_import():

@@ -150,7 +150,7 @@ def test_an_output_folder_with_weights_is_refused(tmp_path, micro):
 def test_missing_model_files_ask_for_model_and_model_supplies_them(tmp_path, micro):
     spec, model = micro
     _fake_checkpoint(str(tmp_path / "ck"), model, 1, with_files=False)
-    with pytest.raises(export.ExportError, match="give --model"):
+    with pytest.raises(export.ExportError, match="give `model`"):
         export.export(str(tmp_path / "ck"), str(tmp_path / "out"))
     s = export.export(str(tmp_path / "ck"), str(tmp_path / "out"), model="micro")
     assert "config.json" in s["files"]

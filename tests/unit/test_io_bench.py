@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from aidaptiv_ds.commands import io_bench as io_bench_command
 from aidaptiv_ds.engine import disk
 from aidaptiv_ds.harness import io_bench
 
@@ -20,13 +21,13 @@ overlay /mnt/nvme/overlay overlay rw 0 0
 
 def parse(argv):
     parser = argparse.ArgumentParser()
-    io_bench.add_arguments(parser)
+    io_bench_command.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_defaults():
     args = parse([])
-    assert (args.dir, args.size_mb, args.block_kb, args.queue_depth, args.repeat, args.json) == (
+    assert (args.nvme_path, args.size_mb, args.block_kb, args.queue_depth, args.repeat, args.json) == (
         None,
         1024,
         1024,
@@ -40,11 +41,11 @@ def test_defaults():
 
 def test_engine_list_parsing():
     assert parse(["--engines", "io_uring, posix,ds,uring"]).engines == ["uring", "posix", "deepspeed"]
-    assert io_bench.parse_engines("FIO") == ["fio"]
+    assert io_bench_command.parse_engines("FIO") == ["fio"]
     with pytest.raises(argparse.ArgumentTypeError, match="unknown engine 'spdk'"):
-        io_bench.parse_engines("uring,spdk")
+        io_bench_command.parse_engines("uring,spdk")
     with pytest.raises(argparse.ArgumentTypeError):
-        io_bench.parse_engines(" , ")
+        io_bench_command.parse_engines(" , ")
     with pytest.raises(SystemExit):
         parse(["--size-mb", "0"])
     with pytest.raises(SystemExit):
@@ -52,11 +53,11 @@ def test_engine_list_parsing():
 
 
 def test_block_size_checks():
-    io_bench.check_config(1024, 1024)
-    with pytest.raises(disk.BenchError, match="multiple of 4"):
-        io_bench.check_config(1024, 6)
-    with pytest.raises(disk.BenchError, match="larger than --size-mb"):
-        io_bench.check_config(1, 2048)
+    io_bench_command.check_config(1024, 1024)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        io_bench_command.check_config(1024, 6)
+    with pytest.raises(ValueError, match="larger than --size-mb"):
+        io_bench_command.check_config(1, 2048)
 
 
 def test_mount_lookup():
@@ -70,7 +71,7 @@ def test_mount_lookup():
 
 def test_memory_filesystems_are_refused(tmp_path):
     mounts = f"tmpfs {tmp_path} tmpfs rw 0 0\n"
-    with pytest.raises(disk.BenchError, match="tmpfs .memory, not a disk."):
+    with pytest.raises(disk.UnsuitableDisk, match="tmpfs .memory, not a disk."):
         disk.check_dir(str(tmp_path), mounts)
 
 

@@ -3,6 +3,7 @@ the cached choice where the block says "auto" (and saying where each value came 
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -154,7 +155,7 @@ def test_plan_reports_the_tuned_choice(tmp_path, monkeypatch, capsys):
                 "64",
                 "--micro-batch",
                 "1",
-                "--nvme",
+                "--nvme-path",
                 str(tmp_path),
                 "--host-mem",
                 "8GiB",
@@ -174,7 +175,7 @@ def test_plan_reports_the_tuned_choice(tmp_path, monkeypatch, capsys):
             "64",
             "--micro-batch",
             "1",
-            "--nvme",
+            "--nvme-path",
             str(tmp_path),
             "--host-mem",
             "8GiB",
@@ -196,6 +197,7 @@ def test_train_logs_which_settings_it_used(tmp_path, capsys):
     swept(tmp_path)
     run = train.Run.__new__(train.Run)
     run.rank, run.info, run.backend = 0, {}, "aidaptiv"
+    run.say = lambda m: print(m, file=sys.stderr)
     run.cfg = {"zero_optimization": {"stage": 3}, "aidaptiv": block(tmp_path, queue_depth=64)}
     run.note_io_settings()
     assert "aidaptiv I/O: block_size 1024 KiB (tuned), queue_depth 64 (config)" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from aidaptiv_ds import cli
-from aidaptiv_ds.job import args as job_args
+from aidaptiv_ds.job import failures as job_args
 from aidaptiv_ds.job import train
 from aidaptiv_ds.planner import memory as M
 from aidaptiv_ds.planner import rates as R
@@ -183,7 +183,7 @@ def test_written_config_validates_and_launches_as_planned(capsys, tmp_path):
             "fp32",
             "--host-mem",
             "2GiB",
-            "--nvme",
+            "--nvme-path",
             str(swap),
             "--nvme-read-bw",
             "1GB/s",
@@ -230,7 +230,7 @@ def test_written_config_holds_the_activations_that_were_planned(tmp_path, mode, 
             "fp32",
             "--host-mem",
             "8GiB",
-            "--nvme",
+            "--nvme-path",
             str(tmp_path / "swap"),
             "--nvme-read-bw",
             "1GB/s",
@@ -676,7 +676,7 @@ def test_write_config_where_nothing_fits_exits_3_and_writes_nothing(tmp_path, ca
         "bf16",
         "--host-mem",
         "8GiB",
-        "--nvme",
+        "--nvme-path",
         str(tmp_path / "swap"),
         "--nvme-free",
         "10GB",

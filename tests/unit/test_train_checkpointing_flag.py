@@ -2,16 +2,15 @@
 no policy becomes "recompute", "recompute" and "nvme" already checkpoint, an explicit "keep" is refused with
 what to do, and a config without the block is left to build(), which checkpoints the model itself."""
 
-import argparse
-
 import pytest
 
-from aidaptiv_ds.job.args import TrainingFailed
+from aidaptiv_ds.job.failures import TrainingFailed
+from aidaptiv_ds.job.settings import TrainSettings
 from aidaptiv_ds.job.train import Run
 
 
 def job():
-    return Run(argparse.Namespace(gradient_checkpointing=True))
+    return Run(TrainSettings(config="unused.json", gradient_checkpointing=True))
 
 
 def config(activations=None, enabled=True):
@@ -38,7 +37,7 @@ def test_policies_that_checkpoint_already_are_kept(policy):
 
 
 def test_an_explicit_keep_is_refused_with_what_to_do():
-    with pytest.raises(TrainingFailed, match='policy is "keep": drop the flag, or set the policy to "recompute"'):
+    with pytest.raises(TrainingFailed, match='policy is "keep": drop it, or set the policy to "recompute"'):
         job().checkpointing_in_block(config({"policy": "keep"}))
 
 

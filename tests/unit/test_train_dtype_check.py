@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from aidaptiv_ds.job.args import TrainingFailed
+from aidaptiv_ds.job.failures import TrainingFailed
 from aidaptiv_ds.job.train import Run
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from aidaptiv_ds import cli
-from aidaptiv_ds.job import args as job_args
 from aidaptiv_ds.job import checkpoints, rank_env, train
+from aidaptiv_ds.job import failures as job_args
+from aidaptiv_ds.job.settings import TrainSettings
 
 
 @pytest.fixture
@@ -36,13 +37,13 @@ def test_resume_path_resolution(tmp_path):
     (tmp_path / "latest").write_text("step4")
     (tmp_path / "step4").mkdir()
     (tmp_path / "step4" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    assert checkpoints._resolve_resume(str(tmp_path)) == (str(tmp_path), None)
-    assert checkpoints._resolve_resume(str(tmp_path / "step4")) == (str(tmp_path), "step4")
+    assert checkpoints.resolve_resume(str(tmp_path)) == (str(tmp_path), None)
+    assert checkpoints.resolve_resume(str(tmp_path / "step4")) == (str(tmp_path), "step4")
     (tmp_path / "empty").mkdir()
     with pytest.raises(job_args.TrainingFailed, match="no DeepSpeed checkpoint"):
-        checkpoints._resolve_resume(str(tmp_path / "empty"))
+        checkpoints.resolve_resume(str(tmp_path / "empty"))
     with pytest.raises(job_args.TrainingFailed, match="does not exist"):
-        checkpoints._resolve_resume(str(tmp_path / "missing"))
+        checkpoints.resolve_resume(str(tmp_path / "missing"))
 
 
 def run_cli(argv):
@@ -165,7 +166,7 @@ def _prepare(tmp_path, *extra):
             *extra,
         ]
     )
-    job = train.Run(args)
+    job = train.Run(TrainSettings.from_namespace(args))
     job.prepare()
     return job
 
@@ -186,5 +187,5 @@ def test_a_rank_whose_node_lacks_the_swap_folder_makes_it_when_told(clean_env, t
 
 
 def test_create_nvme_path_needs_nvme_path(clean_env, tmp_path):
-    with pytest.raises(job_args.TrainingFailed, match="--create-nvme-path needs --nvme-path"):
+    with pytest.raises(job_args.TrainingFailed, match="`create_nvme_path` needs `nvme_path`"):
         _prepare(tmp_path, "--create-nvme-path")

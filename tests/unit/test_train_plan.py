@@ -8,9 +8,15 @@ import math
 import pytest
 import torch
 
+from aidaptiv_ds.commands.flags import as_flags
 from aidaptiv_ds.job import data as D
 from aidaptiv_ds.job import lr_schedule, train_plan
 from aidaptiv_ds.job.evaluation import evaluate
+
+
+def said(args):
+    """The problems as ``aidaptiv-ds train`` says them (each backquoted setting as its flag)."""
+    return [as_flags(p) for p in train_plan.problems(args)]
 
 
 def parse(*argv):
@@ -49,18 +55,18 @@ def test_every_problem_at_once():
         "--warmup-steps",
         "3",
     )
-    found = train_plan.problems(a)
+    found = said(a)
     assert len(found) == 6, found
     assert any("--resume auto and --resume-from" in p for p in found)
     assert any("--warmup-steps needs --lr-schedule" in p for p in found)
-    assert train_plan.problems(parse("--eval-every", "2")) == [
+    assert said(parse("--eval-every", "2")) == [
         "--eval-every needs held-out data: give --eval-fraction F or --eval-data FILE"
     ]
-    assert train_plan.problems(parse("--resume", "auto")) == [
+    assert said(parse("--resume", "auto")) == [
         "--resume auto looks for the latest checkpoint in --save-dir: give --save-dir"
     ]
     assert (
-        train_plan.problems(
+        said(
             parse(
                 "--epochs",
                 "2",

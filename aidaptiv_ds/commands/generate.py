@@ -24,6 +24,8 @@ import sys
 import time
 from typing import List
 
+from aidaptiv_ds.commands import flags
+
 HELP_EPILOG = """exit codes:
   0  every prompt completed
   1  bad input (model folder, prompt, sizes), or an I/O error, said in one message
@@ -47,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=1.0, help="with --sample (default 1.0)")
     g.add_argument("--top-k", type=int, default=0, help="with --sample: keep the k likeliest tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="with --sample: nucleus mass (default 1.0: all)")
-    g.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    flags.add(g, flags.SEED, default=None, help="seed of the sampler")
     g.add_argument(
         "--batch-size",
         type=int,
@@ -56,17 +58,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompts decoded together, the weights streamed once per step for all (default 8; 1 with --kv-cache)",
     )
     s = p.add_argument_group("memory and disk")
-    s.add_argument(
-        "--host-budget",
+    flags.add(
+        s,
+        flags.HOST_BUDGET,
         default="auto",
-        metavar="SIZE",
-        help="host memory for weights ('1GiB', bytes; default auto: all of them if they fit half of the memory "
-        "this process may use, its cgroup's limit included, else that half)",
+        help="host memory for weights ('1GiB', bytes, '25%%' of the memory this process may use; default auto: "
+        "all of them if they fit half of that memory, its cgroup's limit included, else that half)",
     )
-    s.add_argument(
-        "--nvme-path",
+    flags.add(
+        s,
+        flags.NVME_PATH,
         default=None,
-        metavar="DIR",
         help="folder on the NVMe SSD for the weights that do not fit the budget (needed only then)",
     )
     s.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when there is one")
@@ -77,11 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with cuda: GPU memory for weights, what every step uses, two layers in flight and resident layers "
         "(default auto: three quarters of the GPU memory free; the rest is for activations and the KV cache)",
     )
-    s.add_argument(
-        "--gpu-mem-cap-gb",
-        type=float,
+    flags.add(
+        s,
+        flags.GPU_MEM_CAP_GB,
         default=None,
-        metavar="GB",
         help="with cuda: act as if the GPU had only this much memory (torch.cuda.set_per_process_memory_fraction)",
     )
     s.add_argument(
@@ -92,12 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "read in 3/4 of their bytes, fp32 in 7/8 (default auto: bf16 and fp16 layers; on: fp32 too; CUDA reads "
         "them as they are)",
     )
-    s.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights' dtype in memory (default auto: as stored)",
-    )
+    flags.add(s, flags.DTYPE, auto=True, default="auto", help="weights' dtype in memory (default auto: as stored)")
     k = p.add_argument_group("prompt cache")
     k.add_argument("--kv-cache", default=None, metavar="DIR", help="keep prompts' keys and values here (on the SSD)")
     k.add_argument("--kv-cache-size", default="8GiB", metavar="SIZE", help="disk cap of --kv-cache (default 8GiB)")
@@ -108,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="entries of --kv-cache also kept in RAM for the next prompt (default 512MiB; 0: none)",
     )
     o = p.add_argument_group("output")
-    o.add_argument("--metrics-out", default=None, metavar="FILE", help="write the figures and completions as JSON")
+    flags.add(o, flags.METRICS_OUT, default=None, help="write the figures and completions as JSON")
     o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -149,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from aidaptiv_ds.inference.generate import Generator
 
     def err(message: str) -> int:
-        print(f"aidaptiv-ds generate: {message}", file=sys.stderr)
+        print(f"aidaptiv-ds generate: {flags.as_flags(message)}", file=sys.stderr)
         return 1
 
     try:

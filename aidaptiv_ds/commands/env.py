@@ -23,14 +23,16 @@ import subprocess
 import sys
 from typing import Optional
 
+from aidaptiv_ds.commands import flags
+
 PACKAGES = ("aidaptiv-ds", "torch", "deepspeed", "transformers", "peft", "accelerate", "pydantic", "safetensors")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--nvme-path",
+    flags.add(
+        p,
+        flags.NVME_PATH,
         default=".",
-        metavar="DIR",
         help="the swap directory to describe (its nearest existing parent when it does not exist yet); default: .",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text block")
@@ -139,7 +141,7 @@ def _queue_limits(device: Optional[str]) -> dict:
 
 def disk_facts(path: str) -> dict:
     """The swap disk under ``path``: what the sweep records of it, its free space, and the O_DIRECT check."""
-    from aidaptiv_ds.engine.disk import BenchError, check_dir
+    from aidaptiv_ds.engine.disk import UnsuitableDisk, check_dir
     from aidaptiv_ds.harness.machine import disk_of
 
     info = disk_of(path)
@@ -157,7 +159,7 @@ def disk_facts(path: str) -> dict:
             mounts = f.read()
         check_dir(probe, mounts)
         info["o_direct"] = "works"
-    except BenchError as e:
+    except UnsuitableDisk as e:
         info["o_direct"] = str(e)
     except OSError as e:
         info["o_direct"] = f"not checked ({e.strerror or e})"

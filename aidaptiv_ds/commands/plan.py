@@ -1,7 +1,7 @@
 """Know before launch whether a job fits, how fast it will run, and the config to run it with.
 
   aidaptiv-ds plan --model llama2-7b --seq-len 2048 --micro-batch 8 --gpu-mem 40GB --host-mem 192GB
-  aidaptiv-ds plan --model tiny --seq-len 64 --micro-batch 2 --nvme /mnt/nvme --write-config plan.json
+  aidaptiv-ds plan --model tiny --seq-len 64 --micro-batch 2 --nvme-path /mnt/nvme --write-config plan.json
 
 For each backend (ZeRO-3, ZeRO-3 CPU offload, ZeRO-Infinity, aidaptiv) it prints the GPU, host (pinned
 and pageable) and NVMe bytes the job needs, broken down, whether it fits and why not, and the predicted step
@@ -19,26 +19,22 @@ import json
 import os
 import shutil
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
+from aidaptiv_ds.commands import flags
 from aidaptiv_ds.common.sizes import GiB, parse_size
+from aidaptiv_ds.planner.configs import GPU_OVERHEAD_ASSUMED, aidaptiv_config, make_plans, parse_backends
 from aidaptiv_ds.planner.memory import (
     ACTIVATION_POLICIES,
     BACKENDS,
-    BLOCK_LOSS_CHUNK_TOKENS,
     BackendPlan,
     Hardware,
     Job,
-    plan_backend,
 )
-from aidaptiv_ds.planner.predict import StepPrediction, predict
 from aidaptiv_ds.planner.rates import Rates, machine_rates
 from aidaptiv_ds.planner.shapes import resolve_shape
 
 EXIT_FITS, EXIT_ERROR, EXIT_NONE_FITS = 0, 1, 3
-# Assumed, not measured, when no GPU is here to measure: the CUDA context, cuBLAS/NCCL workspaces and the
-# allocator's fragmentation on a GPU of the A100/H100 class. --gpu-overhead replaces it.
-GPU_OVERHEAD_ASSUMED = 1 * GiB
 
 
 def _size(what: str):
@@ -114,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks per node (GPUs; processes when training on CPU); default 1",
     )
     p.add_argument("--nodes", type=_positive("--nodes"), default=1, help="nodes; default 1")
-    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="training precision; default bf16")
+    flags.add(p, flags.DTYPE, default="bf16", help="training precision; default bf16")
     p.add_argument(
         "--gpu-mem",
         type=_size("--gpu-mem"),
@@ -129,11 +125,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="host memory per node (e.g. 512GB); default: this machine's (or its cgroup's limit)",
     )
-    p.add_argument(
-        "--nvme",
+    flags.add(
+        p,
+        flags.NVME_PATH,
+        aliases=("--nvme",),
         nargs="+",
         default=None,
-        metavar="DIR",
         help="swap directory (or several on distinct disks: their free space and bandwidth add up); "
         "its free space is checked and its bandwidth probed",
     )
@@ -164,12 +161,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "one chunk's logits exist at a time; default: unchunked",
     )
     g = p.add_argument_group("aidaptiv settings (default: chosen to fit)")
-    g.add_argument(
-        "--host-budget",
-        type=_size("--host-budget"),
+    flags.add(
+        g,
+        flags.HOST_BUDGET,
         default=None,
-        metavar="SIZE",
-        help="aidaptiv.host_memory_budget per rank; default: the host memory left, at most what helps",
+        help="aidaptiv.host_memory_budget: a size per rank, a share of the node's --host-mem ('25%%') or a "
+        "size per node ('64GiB/node'), split between its --gpus ranks; default: the host memory left, at most "
+        "what helps",
     )
     g.add_argument(
         "--layer-group-size",
@@ -264,16 +262,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_backends(text: str) -> List[str]:
-    if text == "all":
-        return list(BACKENDS)
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown or not names:
-        raise ValueError(f"--backend {text!r}: expected all or a comma-separated list of {', '.join(BACKENDS)}")
-    return names
-
-
 def _cuda_total() -> Optional[int]:
     try:
         import torch
@@ -295,42 +283,6 @@ def _nvme_free(dirs: List[str]) -> int:
     return free
 
 
-def make_plans(
-    job: Job, hw: Hardware, rates: Rates, backends: List[str]
-) -> Tuple[List[BackendPlan], Dict[str, StepPrediction]]:
-    plans = [plan_backend(b, job, hw) for b in backends]
-    return plans, {p.backend: predict(p, p.job or job, hw, rates) for p in plans}
-
-
-def aidaptiv_config(job: Job, plan: BackendPlan, nvme_path: str) -> dict:
-    """A DeepSpeed config (ds_configs/aidaptiv.json's settings) with the aidaptiv block the plan chose."""
-    st = plan.settings
-    cfg = {
-        "train_micro_batch_size_per_gpu": job.micro_batch,
-        "gradient_accumulation_steps": job.grad_accum,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 1000000,
-        "optimizer": {"type": "AdamW", "params": {"lr": 7e-6, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
-        "aidaptiv": {
-            "enabled": True,
-            "nvme_path": nvme_path,
-            "host_memory_budget": st["host_memory_budget"],
-            "layer_group_size": st["layer_group_size"],
-            "prefetch_depth": st["prefetch_depth"],
-        },
-    }
-    # The activations the plan counted, as the block's policy (so the written job holds what was planned).
-    activations = {"policy": job.activations} if job.activations != "keep" else {}
-    if job.loss_chunk_tokens and job.loss_chunk_tokens != BLOCK_LOSS_CHUNK_TOKENS:
-        activations["loss_chunk_tokens"] = job.loss_chunk_tokens
-    if activations:
-        cfg["aidaptiv"]["activations"] = activations
-    if job.dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    return cfg
-
-
 def _log(msg: str) -> None:
     print(f"aidaptiv-ds plan: {msg}", file=sys.stderr, flush=True)
 
@@ -339,19 +291,19 @@ def run(args) -> int:
     try:
         return _run(args)
     except ValueError as e:
-        print(f"aidaptiv-ds plan: {e}", file=sys.stderr)
+        print(f"aidaptiv-ds plan: {flags.as_flags(str(e))}", file=sys.stderr)
         return EXIT_ERROR
 
 
 def _run(args) -> int:
     shape = resolve_shape(args.model)
     backends = parse_backends(args.backend)
-    nvme_dirs = [os.path.abspath(d) for d in args.nvme or []]
+    nvme_dirs = [os.path.abspath(d) for d in args.nvme_path or []]
     for d in nvme_dirs:
         if not os.path.isdir(d):
-            raise ValueError(f"--nvme {d} is not a directory: give an existing directory on the swap disk")
+            raise ValueError(f"--nvme-path {d} is not a directory: give an existing directory on the swap disk")
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else _cuda_total()
-    from aidaptiv_ds.config.host import total_ram_bytes
+    from aidaptiv_ds.config.host import budget_bytes, total_ram_bytes
 
     host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
     given = {
@@ -406,7 +358,7 @@ def _run(args) -> int:
         args.dtype,
         args.activations,
         loss_chunk_tokens=args.loss_chunk_tokens,
-        host_budget=args.host_budget,
+        host_budget=(budget_bytes(args.host_budget, host_mem, args.gpus) if args.host_budget is not None else None),
         layer_group_size=args.layer_group_size,
         prefetch_depth=args.prefetch_depth,
     )
@@ -421,10 +373,11 @@ def _run(args) -> int:
             )
     from aidaptiv_ds.planner import render
 
+    # the planner names its parameters in backquotes (`nvme_path`); this command says them as its flags
     if args.json:
-        print(json.dumps(render.as_dict(job, hw, rates, plans, predictions), indent=1))
+        print(flags.as_flags(json.dumps(render.as_dict(job, hw, rates, plans, predictions), indent=1)))
     else:
-        print(render.table(job, hw, rates, plans, predictions))
+        print(flags.as_flags(render.table(job, hw, rates, plans, predictions)))
     if args.write_config and not _write_config(args, job, plans, nvme_dirs):
         return EXIT_NONE_FITS  # the job does not fit aidaptiv: exit 3 as for a plan where nothing fits
     return EXIT_FITS if any(p.fits for p in plans) else EXIT_NONE_FITS

@@ -1,12 +1,22 @@
-"""The flags of ``aidaptiv-ds sweep`` (:func:`add_arguments`), and the parsers of its comma-separated lists."""
+"""Run a grid of training cells (model x micro-batch x sequence x GPU count x backend) against the baselines.
+
+  aidaptiv-ds sweep --grid bench/grids/cpu_ci.json --out bench/results/cpu_ci
+  aidaptiv-ds sweep --grid bench/grids/cdac_rudra.json --count-cells      # a SLURM array's size
+
+Each cell is its own process tree through the deepspeed launcher; one JSON row per cell in OUT/results.jsonl.
+See aidaptiv_ds.harness.sweep for the statuses, the host memory cap, the order of the cells and SLURM arrays.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
+from aidaptiv_ds.commands import flags
 from aidaptiv_ds.harness import eqmem
-from aidaptiv_ds.harness.grid import SWEEP_BACKENDS
+from aidaptiv_ds.harness.grid import SWEEP_BACKENDS, GridError, enumerate_cells, interleave_repeats, load_grid
 from aidaptiv_ds.harness.hostcap import MECHANISMS
+from aidaptiv_ds.harness.sweep import SweepOptions, run_sweep
 
 
 def _int_list(text: str) -> list[int]:
@@ -44,11 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="per-cell wall-clock limit; the process tree is killed after it (default: the grid's timeout_s)",
     )
-    p.add_argument(
-        "--gpu-mem-cap-gb",
-        type=float,
-        help="GPU memory per process, passed to train (torch.cuda.set_per_process_memory_fraction), "
-        "so a large GPU behaves like e.g. a 40 GB A100 (default: the grid's)",
+    flags.add(
+        p,
+        flags.GPU_MEM_CAP_GB,
+        default=None,
+        help="GPU memory per process, passed to train, so a large GPU behaves like e.g. a 40 GB A100 "
+        "(default: the grid's)",
     )
     p.add_argument(
         "--host-mem-cap-gb",
@@ -138,3 +149,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="build DeepSpeed's just-in-time ops the backends need before the first cell, without "
         "the host cap (default on; a build inside a capped cell is killed like the cell)",
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Choose the runs the flags ask for (or count or list them), then run them (harness.sweep.run_sweep)."""
+    try:
+        grid = load_grid(args.grid)
+    except GridError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cells = enumerate_cells(grid, backends=args.backends, gpus=args.gpus)
+    if args.max_cells is not None:
+        cells = cells[: max(0, args.max_cells)]
+    repeats = args.repeats if args.repeats is not None else grid.repeats
+    if repeats < 1:
+        print(f"error: --repeats {repeats}: need at least 1", file=sys.stderr)
+        return 2
+    runs = interleave_repeats(cells, repeats)
+    if args.count_cells:
+        print(len(runs))
+        return 0
+    if args.list_cells:
+        for i, r in enumerate(runs):
+            print(i, r.id)
+        return 0
+    if not args.out:
+        print("error: --out is required to run cells: give the results folder", file=sys.stderr)
+        return 2
+    if args.cell_index is not None:
+        if not 0 <= args.cell_index < len(runs):
+            print(
+                f"error: --cell-index {args.cell_index} is outside 0..{len(runs) - 1} "
+                f"(the grid has {len(cells)} cells x {repeats} repeats)",
+                file=sys.stderr,
+            )
+            return 2
+        runs = [runs[args.cell_index]]
+    return run_sweep(grid, cells, runs, SweepOptions.from_namespace(args))
