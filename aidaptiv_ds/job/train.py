@@ -27,7 +27,6 @@ from __future__ import annotations
 __all__ = ["Run"]
 
 import contextlib
-import copy
 import logging
 import os
 import random
@@ -36,10 +35,12 @@ import sys
 import time
 from typing import Callable, Optional
 
+from aidaptiv_ds.job import run_config
 from aidaptiv_ds.job.checkpoints import RunCheckpoints
 from aidaptiv_ds.job.failures import DoesNotFit, TrainingFailed
 from aidaptiv_ds.job.rank_env import make_nvme_path
 from aidaptiv_ds.job.settings import TrainSettings
+from aidaptiv_ds.job.step_monitor import StepMonitor
 
 
 def _aidaptiv_api():
@@ -117,9 +118,11 @@ class Run:
             host_budget=a.host_budget,
         )
         if a.gradient_checkpointing:
-            cfg = self.checkpointing_in_block(cfg)
+            cfg, applied = run_config.checkpointing_in_block(cfg)
+            if applied:
+                self.info["gradient_checkpointing"] = applied
         else:
-            cfg = self.auto_activations_by_default(cfg)
+            cfg = run_config.auto_activations_by_default(cfg)
         for block in ds_config.nvme_blocks(cfg):  # relative paths mean the working directory, as in DeepSpeed;
             if block["nvme_path"]:  # made absolute so that logs and metrics are unambiguous
                 block["nvme_path"] = os.path.abspath(block["nvme_path"])
@@ -136,8 +139,10 @@ class Run:
         )
         self.cfg = cfg
         self.backend = ds_config.backend(cfg)
-        self.note_wandb(cfg)
-        self.check_fits(cfg, a.seq_len)
+        wandb = run_config.wandb_settings(cfg, a.metrics_out)
+        if wandb:
+            self.info["wandb"] = wandb
+        self.check_fits(cfg)
         if a.output_dir and self.backend != "aidaptiv":
             raise TrainingFailed(
                 f'`output_dir` needs a config with an enabled "aidaptiv" block (this one runs '
@@ -180,50 +185,6 @@ class Run:
             nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
             device="cuda" if self.cuda else "cpu",
         )
-
-    @staticmethod
-    def auto_activations_by_default(cfg: dict) -> dict:
-        """A block that names no activations policy runs this job with policy "auto": the job's models all have
-        the block list auto plans over, so a long sequence trains within the memory the process may use (its
-        cgroup's limit included) without the user naming a policy, and a short one keeps everything as "keep"
-        would. The block's own default stays "keep" for other programs (a plain script's model may have no
-        block list), and the shipped configs do not write "auto": the Hugging Face Trainer and accelerate take
-        any "auto" string in a DeepSpeed config for one of theirs to fill, and refuse it."""
-        block = cfg.get("aidaptiv")
-        if not isinstance(block, dict) or not block.get("enabled"):
-            return cfg
-        activations = block.get("activations")
-        if activations is None:
-            activations = {}
-        if not isinstance(activations, dict) or "policy" in activations:
-            return cfg
-        cfg = copy.deepcopy(cfg)
-        cfg["aidaptiv"]["activations"] = {**activations, "policy": "auto"}
-        return cfg
-
-    def checkpointing_in_block(self, cfg: dict) -> dict:
-        """--gradient-checkpointing with an "aidaptiv" block: the block's activation policy does the
-        checkpointing (one mechanism, and "nvme" stores what it keeps), so the flag becomes policy "recompute"
-        where the block names none; "recompute" and "nvme" already checkpoint; an explicit "keep" contradicts
-        the flag. An explicit "auto" becomes "recompute" too (the flag is the more specific wish). Without the
-        block the flag is applied to the model in build()."""
-        block = cfg.get("aidaptiv")
-        if not isinstance(block, dict) or not block.get("enabled"):
-            return cfg
-        activations = block.get("activations") or {}
-        policy = activations.get("policy") if isinstance(activations, dict) else None
-        if policy == "keep":
-            raise TrainingFailed(
-                "`gradient_checkpointing` asks to recompute activations but the config's "
-                'aidaptiv.activations.policy is "keep": drop it, or set the policy to '
-                '"recompute" (or "nvme", which also stores the checkpoints on NVMe)'
-            )
-        if policy in (None, "auto") and isinstance(activations, dict):
-            cfg = copy.deepcopy(cfg)
-            cfg["aidaptiv"]["activations"] = {**activations, "policy": "recompute"}
-            policy = "recompute"
-        self.info["gradient_checkpointing"] = f"aidaptiv.activations.policy {policy}"
-        return cfg
 
     def prepare_data(self, cfg: dict) -> str:
         """Training stream and held-out batches, the run's step count, and the lr schedule that needs it."""
@@ -271,44 +232,17 @@ class Run:
         )
         return data_path
 
-    def note_wandb(self, cfg: dict) -> None:
-        """With the config's "wandb" section on: W&B offline (unless WANDB_MODE says otherwise), its files in
-        the --metrics-out folder (else the working directory) unless WANDB_DIR says otherwise."""
-        from aidaptiv_ds.job import wandb_env
-
-        out = self.settings.metrics_out
-        wandb = wandb_env.prepare(cfg, os.path.dirname(os.path.abspath(out)) if out else os.getcwd())
-        if wandb:
-            self.info["wandb"] = wandb
-
-    def check_fits(self, cfg: dict, seq_len: int) -> None:
-        """Refuse, before a byte is written, a job whose swap space, host budget or host memory cannot hold
-        it (the planner's figures for this node's ranks; see aidaptiv_ds.planner.guard). Presets and
-        Llama-shaped directories only: another architecture is sized once built, as before."""
+    def check_fits(self, cfg: dict) -> None:
+        """Refuse, before a byte is written, a job the plan says this node cannot hold (every problem, in full),
+        unless ``no_fit_check`` asks to start anyway (then warn)."""
         from aidaptiv_ds.config import ds_config
-        from aidaptiv_ds.config.host import total_ram_bytes
-        from aidaptiv_ds.planner.guard import launch_problems
-        from aidaptiv_ds.planner.shapes import LLAMA_LIKE, shape_of_config
 
-        if getattr(self.spec.config, "model_type", None) not in LLAMA_LIKE:
-            return
-        micro = int(cfg.get("train_micro_batch_size_per_gpu") or 1)
-        local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or self.world_size)
-        problems = launch_problems(
-            shape_of_config(self.spec.name, self.spec.config),
-            cfg,
-            world_size=self.world_size,
-            local_world_size=min(local, self.world_size),
-            seq_len=seq_len,
-            micro_batch=micro,
-            cuda=self.cuda,
-            ram_bytes=total_ram_bytes(),
-            lora=self.lora is not None,
-        )
+        a = self.settings
+        problems = run_config.fit_problems(self.spec, cfg, a.seq_len, self.world_size, self.cuda, self.lora is not None)
         if not problems:
             return
         text = str(ds_config.ConfigError(problems, source=f"plan for {self.spec.name}"))
-        if self.settings.no_fit_check:
+        if a.no_fit_check:
             self.info["fit_check"] = {"skipped": True, "problems": problems}
             self.say(f"warning: `no_fit_check`: starting although {text}")
             return
@@ -493,49 +427,14 @@ class Run:
         if self.rank == 0:
             torch.save({"input_ids": batch["input_ids"].cpu(), "logits": logits.float().cpu()}, path)
 
-    def monitor(self):
-        """DeepSpeed's MonitorMaster when the config enables TensorBoard, CSV or W&B (None otherwise); it
-        writes on rank 0 only, so the other ranks skip the per-step readings."""
-        m = getattr(self.engine, "monitor", None)
-        return m if m is not None and getattr(m, "enabled", False) and self.rank == 0 else None
+    def host_budget_bytes(self) -> int | None:
+        """This rank's resolved host budget (the config's own settings object, resolved once), or None."""
+        if self.backend != "aidaptiv":
+            return None
+        from aidaptiv_ds.config import resolve as C
 
-    def write_monitor(self, monitor, step: int, record: dict, loss: float, tokens_per_step: int, io0) -> None:
-        """This step's series (metrics.MONITOR_SERIES) into the config's monitors."""
-        import torch
-
-        from aidaptiv_ds.common import metrics as M
-
-        io1 = M.proc_io()
-        io = (io1["read_bytes"] - io0["read_bytes"], io1["write_bytes"] - io0["write_bytes"]) if io0 and io1 else None
-        lr = None
-        with contextlib.suppress(Exception):
-            lr = float(self.engine.get_lr()[0])
-        stats = self.engine.aidaptiv_stats() if callable(getattr(self.engine, "aidaptiv_stats", None)) else None
-        if not hasattr(self, "host_budget"):  # the resolved budget (the config's own object, made once)
-            self.host_budget = None
-            if self.backend == "aidaptiv":
-                from aidaptiv_ds.config import resolve as C
-
-                settings = C.resolve(self.cfg)[1]
-                self.host_budget = settings.host_budget_bytes if settings else None
-        from aidaptiv_ds.zero3 import monitors
-
-        monitors.write_events(
-            monitor,
-            M.monitor_events(
-                step,
-                record,
-                loss=loss,
-                lr=lr,
-                tokens_per_step=tokens_per_step,
-                io_bytes=io,
-                host_budget=self.host_budget,
-                pinned=stats.get("pinned_bytes") if stats else None,
-                gpu_mb=torch.cuda.memory_allocated() / 2**20 if self.cuda else None,
-                rss_mb=M.rss_mb(),
-            ),
-            self.engine,
-        )
+        settings = C.resolve(self.cfg)[1]
+        return settings.host_budget_bytes if settings else None
 
     def current_lr(self) -> float | None:
         """The lr the optimizer's next update uses (its first parameter group's)."""
@@ -545,7 +444,6 @@ class Run:
 
     def run_eval(self, step: int, monitor) -> None:
         """The held-out loss after optimizer step ``step``: into the metrics, the log and the monitors."""
-        from aidaptiv_ds.common import metrics as M
         from aidaptiv_ds.job.evaluation import evaluate
 
         t0 = time.perf_counter()
@@ -555,10 +453,8 @@ class Run:
             f"step {step}: eval loss {loss:.4f} on {self.eval_batches.sequences} held-out "
             f"sequence(s) ({time.perf_counter() - t0:.1f} s)"
         )
-        if monitor:
-            from aidaptiv_ds.zero3 import monitors
-
-            monitors.write_events(monitor, M.eval_events(step, loss), self.engine)
+        if monitor.enabled:
+            monitor.write_eval(step, loss)
 
     def train(self) -> dict:
         import torch
@@ -594,7 +490,7 @@ class Run:
                 dynamic_ncols=True,
             )
         engine.train()
-        monitor = self.monitor()
+        monitor = StepMonitor(engine, self.rank, self.host_budget_bytes(), self.cuda)
         from aidaptiv_ds.engine.disk import block_device
 
         # Evaluations and saves inside the timed window are not the training steps' disk traffic.
@@ -602,7 +498,7 @@ class Run:
         for i, step in enumerate(range(start, steps)):
             if i == warmup:
                 meter.start()
-            step_io = M.proc_io() if monitor else None
+            step_io = M.proc_io() if monitor.enabled else None
             self.lrs.append(self.current_lr())  # what this step's update uses
             timer.start_step()
             micro_losses = []
@@ -626,8 +522,8 @@ class Run:
             losses.append(step_loss.item() / self.world_size)
             if i == 0:
                 self.print_activation_plan(engine)
-            if monitor:
-                self.write_monitor(monitor, step + 1, timer.steps[-1], losses[-1], tokens_per_step, step_io)
+            if monitor.enabled:
+                monitor.write_step(step + 1, timer.steps[-1], losses[-1], tokens_per_step, step_io)
             if self.eval_batches is not None and eval_due(step + 1, a.eval_every, steps):
                 meter.outside_steps(lambda: self.run_eval(step + 1, monitor))
             if a.save_dir and a.save_every and (step + 1) % a.save_every == 0 and step + 1 < steps:

@@ -141,7 +141,7 @@ PLANNER_ACTIVATIONS = {"keep": "keep", "recompute": "recompute", "nvme": "nvme",
 def config_activations(cfg: dict) -> Tuple[str, Optional[int]]:
     """(the planner's activation mode, loss chunk tokens or None) of a DeepSpeed config as `aidaptiv-ds train`
     runs it (the sweep's cells): an "aidaptiv" block's activations, a block naming no policy as the job runs it
-    (policy auto, see job.train's auto_activations_by_default), the loss in chunks of 1024 tokens unless it says
+    (policy auto, see job.run_config.auto_activations_by_default), the loss in chunks of 1024 tokens unless it says
     otherwise; "keep" and unchunked for any other config. A block that does not validate is taken as its
     defaults (train's own validation reports it)."""
     from aidaptiv_ds.config.schema import ActivationsConfig, block_of, is_enabled

@@ -1,16 +1,11 @@
-"""How `train --gradient-checkpointing` meets an "aidaptiv" block's activation policy (Run.checkpointing_in_block):
+"""How `train --gradient-checkpointing` meets an "aidaptiv" block's activation policy (run_config.checkpointing_in_block):
 no policy becomes "recompute", "recompute" and "nvme" already checkpoint, an explicit "keep" is refused with
 what to do, and a config without the block is left to build(), which checkpoints the model itself."""
 
 import pytest
 
 from aidaptiv_ds.job.failures import TrainingFailed
-from aidaptiv_ds.job.settings import TrainSettings
-from aidaptiv_ds.job.train import Run
-
-
-def job():
-    return Run(TrainSettings(config="unused.json", gradient_checkpointing=True))
+from aidaptiv_ds.job.run_config import checkpointing_in_block
 
 
 def config(activations=None, enabled=True):
@@ -21,27 +16,26 @@ def config(activations=None, enabled=True):
 
 
 def test_no_policy_becomes_recompute_without_touching_the_callers_config():
-    run, cfg = job(), config({"loss_chunk_tokens": 256})
-    out = run.checkpointing_in_block(cfg)
+    cfg = config({"loss_chunk_tokens": 256})
+    out, applied = checkpointing_in_block(cfg)
     assert out["aidaptiv"]["activations"] == {"loss_chunk_tokens": 256, "policy": "recompute"}
     assert cfg["aidaptiv"]["activations"] == {"loss_chunk_tokens": 256}
-    assert run.info["gradient_checkpointing"] == "aidaptiv.activations.policy recompute"
-    assert job().checkpointing_in_block(config())["aidaptiv"]["activations"] == {"policy": "recompute"}
+    assert applied == "aidaptiv.activations.policy recompute"
+    assert checkpointing_in_block(config())[0]["aidaptiv"]["activations"] == {"policy": "recompute"}
 
 
 @pytest.mark.parametrize("policy", ["recompute", "nvme"])
 def test_policies_that_checkpoint_already_are_kept(policy):
-    run, cfg = job(), config({"policy": policy})
-    assert run.checkpointing_in_block(cfg) == cfg
-    assert run.info["gradient_checkpointing"] == f"aidaptiv.activations.policy {policy}"
+    cfg = config({"policy": policy})
+    assert checkpointing_in_block(cfg) == (cfg, f"aidaptiv.activations.policy {policy}")
 
 
 def test_an_explicit_keep_is_refused_with_what_to_do():
     with pytest.raises(TrainingFailed, match='policy is "keep": drop it, or set the policy to "recompute"'):
-        job().checkpointing_in_block(config({"policy": "keep"}))
+        checkpointing_in_block(config({"policy": "keep"}))
 
 
 def test_without_an_enabled_block_the_config_is_unchanged():
     for cfg in ({"zero_optimization": {"stage": 3}}, config({"policy": "keep"}, enabled=False)):
-        run = job()
-        assert run.checkpointing_in_block(cfg) is cfg and "gradient_checkpointing" not in run.info
+        out, applied = checkpointing_in_block(cfg)
+        assert out is cfg and applied is None

@@ -1,0 +1,92 @@
+"""The DeepSpeed config as one training run uses it: the activation policy the run's settings imply, where W&B
+writes, and whether the plan says the job fits this node, all decided before DeepSpeed starts."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import List, Optional, Tuple
+
+from aidaptiv_ds.job.failures import TrainingFailed
+
+
+def _enabled_block(cfg: dict) -> Optional[dict]:
+    block = cfg.get("aidaptiv")
+    return block if isinstance(block, dict) and block.get("enabled") else None
+
+
+def auto_activations_by_default(cfg: dict) -> dict:
+    """A block that names no activations policy runs this job with policy "auto": the job's models all have the
+    block list auto plans over, so a long sequence trains within the memory the process may use (its cgroup's
+    limit included) without the user naming a policy, and a short one keeps everything as "keep" would. The
+    block's own default stays "keep" for other programs (a plain script's model may have no block list), and the
+    shipped configs do not write "auto": the Hugging Face Trainer and accelerate take any "auto" string in a
+    DeepSpeed config for one of theirs to fill, and refuse it."""
+    block = _enabled_block(cfg)
+    if block is None:
+        return cfg
+    activations = block.get("activations")
+    if activations is None:
+        activations = {}
+    if not isinstance(activations, dict) or "policy" in activations:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg["aidaptiv"]["activations"] = {**activations, "policy": "auto"}
+    return cfg
+
+
+def checkpointing_in_block(cfg: dict) -> Tuple[dict, Optional[str]]:
+    """``gradient_checkpointing`` with an "aidaptiv" block: the block's activation policy does the checkpointing
+    (one mechanism, and "nvme" stores what it keeps), so the setting becomes policy "recompute" where the block
+    names none; "recompute" and "nvme" already checkpoint; an explicit "keep" contradicts it. An explicit "auto"
+    becomes "recompute" too (the setting is the more specific wish). Without the block the model itself is
+    checkpointed when it is built. Returns (config, what was applied, or None without the block)."""
+    block = _enabled_block(cfg)
+    if block is None:
+        return cfg, None
+    activations = block.get("activations") or {}
+    policy = activations.get("policy") if isinstance(activations, dict) else None
+    if policy == "keep":
+        raise TrainingFailed(
+            "`gradient_checkpointing` asks to recompute activations but the config's "
+            'aidaptiv.activations.policy is "keep": drop it, or set the policy to '
+            '"recompute" (or "nvme", which also stores the checkpoints on NVMe)'
+        )
+    if policy in (None, "auto") and isinstance(activations, dict):
+        cfg = copy.deepcopy(cfg)
+        cfg["aidaptiv"]["activations"] = {**activations, "policy": "recompute"}
+        policy = "recompute"
+    return cfg, f"aidaptiv.activations.policy {policy}"
+
+
+def wandb_settings(cfg: dict, metrics_out: Optional[str]) -> Optional[dict]:
+    """With the config's "wandb" section on: W&B offline (unless WANDB_MODE says otherwise), its files in the
+    metrics file's folder (else the working directory) unless WANDB_DIR says otherwise."""
+    from aidaptiv_ds.job import wandb_env
+
+    return wandb_env.prepare(cfg, os.path.dirname(os.path.abspath(metrics_out)) if metrics_out else os.getcwd())
+
+
+def fit_problems(spec, cfg: dict, seq_len: int, world_size: int, cuda: bool, lora: bool) -> List[str]:
+    """What the plan says this node's ranks cannot hold (swap space, host budget, host memory: the planner's
+    figures, aidaptiv_ds.planner.guard), before a byte is written. Presets and Llama-shaped directories only:
+    another architecture is sized once built."""
+    from aidaptiv_ds.config.host import total_ram_bytes
+    from aidaptiv_ds.planner.guard import launch_problems
+    from aidaptiv_ds.planner.shapes import LLAMA_LIKE, shape_of_config
+
+    if getattr(spec.config, "model_type", None) not in LLAMA_LIKE:
+        return []
+    micro = int(cfg.get("train_micro_batch_size_per_gpu") or 1)
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    return launch_problems(
+        shape_of_config(spec.name, spec.config),
+        cfg,
+        world_size=world_size,
+        local_world_size=min(local, world_size),
+        seq_len=seq_len,
+        micro_batch=micro,
+        cuda=cuda,
+        ram_bytes=total_ram_bytes(),
+        lora=lora,
+    )
