@@ -3,9 +3,14 @@
   aidaptiv-ds generate --model out/model --prompt "Once upon a time" --max-new-tokens 64
   aidaptiv-ds generate --model ckpt/ --prompts prompts.jsonl --host-budget 1GiB --nvme-path /nvme/swap
   aidaptiv-ds generate --model out/model --prompt "$(cat report.txt) Summary:" --kv-cache /nvme/kv
+  aidaptiv-ds generate --model HuggingFaceTB/SmolLM2-135M-Instruct --chat --prompt "What is the capital of France?"
+  aidaptiv-ds generate --model smollm2.gguf --chat                      # a conversation in the terminal
+  aidaptiv-ds generate --model out/model --messages talk.json           # the next reply, appended to the file
 
 The model is a Hugging Face folder (safetensors weights, config.json, tokenizer files; what 'aidaptiv-ds export'
-writes) or a checkpoint of 'aidaptiv-ds train' (a --save-dir or a tag folder). Weights that fit --host-budget
+writes), a hub id, a .gguf file, or a checkpoint of 'aidaptiv-ds train' (a --save-dir or a tag folder). A prompt
+is encoded as the model's tokenizer encodes it; with --chat (or --messages) it goes through the model's chat
+template as a user's turn and the reply ends at the model's end of turn. Weights that fit --host-budget
 stay in memory; the rest are laid once into the swap space under --nvme-path and streamed layer by layer
 through pinned buffers while the model computes (see aidaptiv_ds.inference.streamed). With --kv-cache, the
 keys and values of each prompt are kept on the SSD and a later prompt sharing a prefix with it reads them back
@@ -22,7 +27,7 @@ import dataclasses
 import json
 import sys
 import time
-from typing import List
+from typing import List, Union
 
 from aidaptiv_ds.commands import flags
 
@@ -34,15 +39,35 @@ HELP_EPILOG = """exit codes:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and prompts")
-    m.add_argument("--model", required=True, metavar="HF_DIR|CHECKPOINT", help="the model to run")
+    m.add_argument(
+        "--model",
+        required=True,
+        metavar="MODEL",
+        help="the model to run: a Hugging Face folder, a hub id (org/name, from the Hugging Face cache or "
+        "downloaded), a .gguf file (converted once into a cached folder), or a checkpoint of 'aidaptiv-ds train'",
+    )
     m.add_argument(
         "--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat the flag for several)"
     )
     m.add_argument(
         "--prompts",
         metavar="FILE.jsonl",
-        help='prompts, one per line: {"prompt": TEXT} or a JSON string (added after any --prompt)',
+        help='prompts, one per line: {"prompt": TEXT}, {"messages": [...]} (a conversation) or a JSON string '
+        "(added after any --prompt)",
     )
+    m.add_argument(
+        "--chat",
+        action="store_true",
+        help="each --prompt is a user's turn through the model's chat template; without a prompt, a conversation "
+        "on this terminal (one line a turn; /reset starts again, /exit or end of input ends it)",
+    )
+    m.add_argument(
+        "--messages",
+        metavar="FILE.json",
+        help="a conversation kept in a file (a JSON list of {role, content}): the next reply is generated and "
+        "appended to it; with --chat and no prompt, the terminal conversation starts from it and is saved to it",
+    )
+    m.add_argument("--system", metavar="TEXT", help="with --chat: the system message that opens each conversation")
     g = p.add_argument_group("decoding")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -108,8 +133,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
-def read_prompts(args: argparse.Namespace) -> List[str]:
-    prompts = list(args.prompt)
+def read_prompts(args: argparse.Namespace) -> List[Union[str, List[dict]]]:
+    """The prompts of the command line, texts or conversations (none for a conversation on the terminal)."""
+
+    def opened(text: str):
+        if not args.chat:
+            return text
+        return ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": text}
+        ]
+
+    if args.system and not args.chat:
+        raise ValueError("--system is for --chat: give --chat too")
+    prompts = [opened(t) for t in args.prompt]
     if args.prompts:
         with open(args.prompts, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -119,13 +155,75 @@ def read_prompts(args: argparse.Namespace) -> List[str]:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{args.prompts} line {n} is not JSON ({e.msg})") from None
+                if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                    prompts.append(rec["messages"])
+                    continue
                 text = rec.get("prompt") if isinstance(rec, dict) else rec
                 if not isinstance(text, str):
-                    raise ValueError(f'{args.prompts} line {n}: expected {{"prompt": TEXT}} or a JSON string')
-                prompts.append(text)
-    if not prompts:
-        raise ValueError("no prompt: give --prompt TEXT or --prompts FILE.jsonl")
+                    raise ValueError(
+                        f'{args.prompts} line {n}: expected {{"prompt": TEXT}}, {{"messages": [...]}} or a JSON string'
+                    )
+                prompts.append(opened(text))
+    if args.messages and prompts:
+        raise ValueError("--messages continues one conversation: give it without --prompt / --prompts")
+    if args.messages and not args.chat:
+        from aidaptiv_ds.inference import conversation
+
+        history = conversation.read(args.messages)
+        if not history or history[-1]["role"] != "user":
+            raise ValueError(
+                f"--messages {args.messages}: the conversation must end with the user's turn to be answered "
+                "(add one, or use --chat for a conversation on the terminal)"
+            )
+        prompts.append(history)
+    if not prompts and not args.chat:
+        raise ValueError("no prompt: give --prompt TEXT, --prompts FILE.jsonl, --messages FILE or --chat")
     return prompts
+
+
+def _converse(gen, args, decoding) -> list:
+    """A conversation on this terminal: each line read is the user's turn, the reply is streamed as it comes;
+    /reset starts again, /exit or the end of input ends it. With --messages it starts from that file's
+    conversation and saves it after every reply."""
+    from aidaptiv_ds.inference import conversation
+
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = conversation.read(args.messages) if args.messages else []
+    history = history or list(opening)
+    if history and history[-1]["role"] == "user":
+        raise ValueError(
+            f"--messages {args.messages} ends with an unanswered user turn: answer it without --chat first"
+        )
+    results = []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("aidaptiv-ds generate: chat; /reset starts again, /exit (or Ctrl-D) ends", file=sys.stderr, flush=True)
+    while True:
+        if interactive:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            break
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() == "/reset":
+            history = list(opening)
+            continue
+        history.append({"role": "user", "content": text})
+        result = gen.generate(
+            [list(history)],
+            batch_size=1,
+            on_text=lambda _i, piece: (sys.stdout.write(piece), sys.stdout.flush()),
+            **decoding,
+        )[0]
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": result.text})
+        results.append(result)
+        if args.messages:
+            conversation.write(args.messages, history)
+    return results
 
 
 def _progress(quiet: bool):
@@ -195,6 +293,34 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+        if (
+            not args.chat
+            and not args.messages
+            and getattr(gen.tokenizer, "has_chat_template", False)
+            and not args.quiet
+        ):
+            print(
+                "aidaptiv-ds generate: note: this model has a chat template; --chat asks it as a chat "
+                "(an instruct model often answers a bare prompt with nothing)",
+                file=sys.stderr,
+                flush=True,
+            )
+        decoding = dict(
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+        conversed = not prompts  # --chat without a prompt: a conversation on this terminal
+        if conversed:
+            try:
+                results = _converse(gen, args, decoding)
+            except (OSError, ValueError) as e:
+                return err(str(e))
+            st = gen.stats()
+            prompts = [r.prompt for r in results]
         one_at_a_time = len(prompts) == 1 or args.kv_cache or args.batch_size == 1
         shown = set()
 
@@ -206,20 +332,17 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
         try:
-            results = gen.generate(
-                prompts,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=args.sample,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                seed=args.seed,
-                batch_size=1 if one_at_a_time else args.batch_size,
-                on_text=on_text,
-            )
+            if not conversed:
+                results = gen.generate(
+                    prompts, batch_size=1 if one_at_a_time else args.batch_size, on_text=on_text, **decoding
+                )
+                sys.stdout.write("\n")
+                if args.messages:  # the reply joins the conversation in its file
+                    from aidaptiv_ds.inference import conversation
+
+                    conversation.write(args.messages, [*prompts[0], {"role": "assistant", "content": results[0].text}])
         except (OSError, ValueError) as e:
             return err(str(e))
-        sys.stdout.write("\n")
         st = gen.stats()
     finally:
         gen.close()

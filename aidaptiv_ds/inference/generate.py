@@ -5,6 +5,13 @@
     with Generator("out/model", host_budget="1GiB", nvme_path="/nvme/swap", kv_cache="/nvme/kv") as gen:
         for r in gen.generate(["Once upon a time"], max_new_tokens=32):
             print(r.text, r.tokens_per_s, r.time_to_first_token_s)
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        print(gen.generate([chat])[0].text)  # through the model's chat template, ending at its end of turn
+
+The model is a Hugging Face folder, a hub id, a .gguf file (aidaptiv_ds.models.locate) or a checkpoint of
+``aidaptiv-ds train``. A text prompt is encoded as the model's tokenizer encodes it; a conversation (a list of
+``{"role", "content"}`` messages) goes through the model's chat template with the assistant's turn opened, and
+the reply ends at the tokenizer's end of text or any ``eos_token_id`` of the model's generation config.
 
 The model is built empty from its config.json, its weights laid out by
 :class:`aidaptiv_ds.inference.streamed.StreamedWeights` (resident when they fit ``host_budget``, streamed from
@@ -23,10 +30,11 @@ after it, the prompt's own keys and values are stored. Without it prompts run in
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -59,7 +67,7 @@ class GenerationError(ValueError):
 class Result:
     """One prompt's completion and how it went."""
 
-    prompt: str
+    prompt: Union[str, List[dict]]  # a text, or chat messages ({"role", "content"}) through the chat template
     text: str
     token_ids: List[int]
     prompt_tokens: int
@@ -72,6 +80,34 @@ class Result:
     def tokens_per_s(self) -> float:
         """Decode speed: new tokens after the first, per second of decoding (0 with fewer than two)."""
         return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+
+def check_messages(messages) -> List[dict]:
+    """Chat messages as the templates take them: a list of {"role": ..., "content": text}."""
+    if not isinstance(messages, list) or not messages:
+        raise GenerationError("a chat prompt is a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise GenerationError(f'message {i + 1} of a chat prompt is not {{"role": ROLE, "content": TEXT}}: {m!r}')
+    return messages
+
+
+def stop_token_ids(files_dir: str, tokenizer) -> List[int]:
+    """The ids that end a reply: the tokenizer's end of text and the model's generation config's
+    ``eos_token_id`` (one id or several: Llama 3's instruct models end a turn with <|eot_id|>, which is not
+    the tokenizer's EOS), as transformers' generate() stops."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    path = os.path.join(files_dir, "generation_config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        for t in eos if isinstance(eos, list) else [eos]:
+            if isinstance(t, int) and t not in ids:
+                ids.append(t)
+    return ids
 
 
 def _tokenizer_identity(files_dir: str) -> str:
@@ -173,9 +209,16 @@ class Generator:
         gpu_mem_cap_gb: Optional[float] = None,
         encode_weights: str = "auto",
     ):
+        from aidaptiv_ds.models.locate import model_folder
+        from aidaptiv_ds.models.presets import PRESETS
         from aidaptiv_ds.models.tokenizer import HFTokenizer
 
-        self.source: WeightSource = open_source(model)
+        if model in PRESETS:
+            raise ModelSourceError(
+                f"`model` {model} is a preset, whose weights are random: generate from a model with weights (a folder, "
+                "a hub id, a .gguf file, or a checkpoint or export of a run that trained the preset)"
+            )
+        self.source: WeightSource = open_source(model_folder(model, log=progress))
         self.config = self.source.config()
         try:
             self.tokenizer = HFTokenizer(self.source.files_dir)
@@ -184,6 +227,7 @@ class Generator:
                 f"{self.source.files_dir} has no tokenizer transformers can load ({e}): a folder written by "
                 "'aidaptiv-ds export' or save_pretrained holds one"
             ) from None
+        self.stop_ids = stop_token_ids(self.source.files_dir, self.tokenizer)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = _DTYPE_NAMES.get(dtype, dtype) or "auto"
         if dtype not in DTYPES:
@@ -264,8 +308,15 @@ class Generator:
     def max_context(self) -> Optional[int]:
         return getattr(self.config, "max_position_embeddings", None)
 
-    def encode(self, prompt: str) -> List[int]:
-        return self.tokenizer.encode(prompt, add_bos=True, add_eos=False)
+    def encode(self, prompt: Union[str, List[dict]]) -> List[int]:
+        """A text as the tokenizer itself encodes it, or chat messages through the model's chat template with
+        the assistant's turn opened (what transformers' tokenizer and apply_chat_template give)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_prompt(prompt)
+        try:
+            return self.tokenizer.encode_chat_prompt(check_messages(prompt))
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
 
     def check_prompts(self, prompts: Sequence[str], max_new_tokens: int) -> List[List[int]]:
         """Token ids of every prompt; GenerationError listing every prompt too long for the model's context."""
@@ -286,7 +337,7 @@ class Generator:
 
     def generate(
         self,
-        prompts: Sequence[str],
+        prompts: Sequence[Union[str, List[dict]]],
         max_new_tokens: int = 64,
         do_sample: bool = False,
         temperature: float = 1.0,
@@ -296,8 +347,9 @@ class Generator:
         batch_size: int = 8,
         on_text: Optional[Callable[[int, str], None]] = None,
     ) -> List[Result]:
-        """Completions of ``prompts``, in order. ``on_text(i, piece)`` receives prompt i's text as it comes
-        (token by token when prompts run one at a time, whole at the end of a batch)."""
+        """Completions of ``prompts`` (texts, or conversations as lists of chat messages), in order; each ends
+        at the model's end of text or of its turn (``stop_ids``). ``on_text(i, piece)`` receives prompt i's text
+        as it comes (token by token when prompts run one at a time, whole at the end of a batch)."""
         if max_new_tokens < 1:
             raise GenerationError(f"`max_new_tokens` {max_new_tokens}: ask for at least one token")
         ids = self.check_prompts(prompts, max_new_tokens)
@@ -337,7 +389,7 @@ class Generator:
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=self.stop_ids or None,
             bos_token_id=tok.bos_token_id,
             use_cache=True,
             return_dict_in_generate=True,
@@ -357,8 +409,9 @@ class Generator:
         decode = (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else 0.0
         for row, i in enumerate(batch):
             new = out.sequences[row, width:].tolist()
-            if tok.eos_token_id is not None and tok.eos_token_id in new:
-                new = new[: new.index(tok.eos_token_id) + 1]
+            ends = [k for k, t in enumerate(new) if t in self.stop_ids]
+            if ends:
+                new = new[: ends[0] + 1]
             text = tok.decode(new)
             if on_text and streamer is None:
                 on_text(i, text)

@@ -61,7 +61,8 @@ def _copy_no_follow(src: str, dst: str) -> None:
 
 def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) -> None:
     """Write what ``from_pretrained`` needs besides the weights: the model's config (with the weights' dtype,
-    e.g. "bfloat16", so that ``dtype="auto"`` loads them as trained) and, for a local HF model, its tokenizer
+    e.g. "bfloat16", so that ``dtype="auto"`` loads them as trained), its generation config (the model's own, or
+    one made from the config for a preset) and, for a local HF model, its tokenizer
     files, or for presets the byte tokenizer in Hugging Face form (:func:`save_byte_tokenizer`)."""
     import copy
 
@@ -70,6 +71,15 @@ def save_model_files(spec, tokenizer, folder: str, dtype: Optional[str] = None) 
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(folder)
+    # The model's generation config (its end-of-turn ids, sampling defaults) goes with it: without it, an
+    # exported Llama 3 instruct model would not stop at <|eot_id|> in transformers or in `generate`.
+    source = os.path.join(spec.hf_dir, "generation_config.json") if spec.hf_dir else None
+    if source and os.path.isfile(source):
+        _copy_no_follow(source, os.path.join(folder, "generation_config.json"))
+    else:
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(folder)
     hf_tok = getattr(tokenizer, "_tok", None)
     if hf_tok is not None:
         hf_tok.save_pretrained(folder)

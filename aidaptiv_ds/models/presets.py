@@ -351,21 +351,23 @@ def largest_parameter_numel(config) -> int:
     return max(s["vocab"] * s["h"], s["h"] * s["inter"], s["h"] * s["heads"] * s["head_dim"])
 
 
-def resolve(model: str) -> ModelSpec:
-    """A preset name or a local HF directory (config.json read from disk, nothing downloaded)."""
+def resolve(model: str, log=None) -> ModelSpec:
+    """A preset name, or a model with weights: a local HF folder, a hub id or a .gguf file, found (or converted)
+    as a local folder by :func:`aidaptiv_ds.models.locate.model_folder` (config.json read from disk)."""
     if model in PRESETS:
         return ModelSpec(name=model, config=preset_config(model))
-    if os.path.isdir(model):
-        if not os.path.exists(os.path.join(model, "config.json")):
-            raise ValueError(
-                f"--model {model} is a directory without config.json: give a Hugging Face model "
-                "directory (config.json, weights, tokenizer files)"
-            )
-        from transformers import AutoConfig
+    from aidaptiv_ds.models.locate import display_name, model_folder
 
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
-        return ModelSpec(name=os.path.basename(os.path.normpath(model)), config=config, hf_dir=model)
-    raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory")
+    folder = model_folder(model, log=log)
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise ValueError(
+            f"`model` {model} is a directory without config.json: give a Hugging Face model "
+            "directory (config.json, weights, tokenizer files)"
+        )
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    return ModelSpec(name=display_name(model), config=config, hf_dir=folder)
 
 
 def _model_class(config):

@@ -1,5 +1,6 @@
 """Tokenizers: a byte-level one for presets (offline, deterministic), or a local HF model's own (with its chat
-template, when it has one: ``has_chat_template``, ``encode_chat``).
+template, when it has one: ``has_chat_template``, ``encode_chat`` for training records, ``encode_chat_prompt``
+and ``encode_prompt`` for generation).
 
 The byte tokenizer maps UTF-8 bytes 0..255 to ids 0..255 and adds three specials, BOS=256, EOS=257, PAD=258.
 Every preset vocabulary (2,048 and up) contains these 259 ids, so the same text gives the same ids for every
@@ -67,6 +68,23 @@ class HFTokenizer:
         if self.eos_token_id is not None and (not ids or ids[-1] != self.eos_token_id):
             ids.append(self.eos_token_id)
         return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the tokenizer itself encodes it: its own special tokens where its post-processor puts
+        them (a BOS for Llama's, none for SmolLM2's or Qwen's), as transformers' ``tokenizer(text)`` gives."""
+        return list(self._tok(text)["input_ids"])
+
+    def encode_chat_prompt(self, messages: list[dict]) -> list[int]:
+        """A conversation through the chat template with the assistant's turn opened for the reply, as
+        ``apply_chat_template(..., add_generation_prompt=True)`` gives: the template places BOS and the turn
+        markers itself, so nothing is added (a second BOS made SmolLM2 answer in French)."""
+        if not self.has_chat_template:
+            raise ValueError(
+                f"the tokenizer of {self.name} has no chat template: give the prompt as plain text (without chat), "
+                "or use the model's instruct version"
+            )
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -12,8 +12,6 @@ meta device.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -117,26 +115,14 @@ def _from_dict(name: str, c: dict) -> ModelShape:
 
 
 def resolve_shape(model: str) -> ModelShape:
-    """A preset name or a local Hugging Face directory (its config.json); errors say what is accepted."""
+    """A preset, or a model with weights as ``--model`` names one (a folder, a hub id, a .gguf file: its config
+    alone is read, see aidaptiv_ds.models.locate); errors say what is accepted."""
+    from aidaptiv_ds.models.locate import config_dict, display_name
     from aidaptiv_ds.models.presets import PRESETS
 
     if model in PRESETS:
         return _from_dict(model, PRESETS[model])
-    if os.path.isdir(model):
-        path = os.path.join(model, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"`model` {model} is a directory without config.json: give a Hugging Face model directory or a preset"
-            )
-        with open(path, encoding="utf-8") as f:
-            try:
-                config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"`model` {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-        return _from_dict(os.path.basename(os.path.normpath(model)), config)
-    raise ValueError(
-        f"`model` {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing directory with a config.json"
-    )
+    return _from_dict(display_name(model), config_dict(model))
 
 
 def shape_of_config(name: str, config) -> ModelShape:

@@ -74,13 +74,14 @@ def test_each_policy_with_the_chunked_loss_matches_zero3(tmp_path, reference, po
 def test_bf16_nvme_policy_is_as_close_as_the_chunked_sums_allow(tmp_path):
     # Recompute and storage change no bit in bf16 (measured: equal losses with loss_chunk_tokens 0); with
     # several chunks the loss and the head's weight gradient are summed in another order, which moves a few
-    # bf16 roundings of the updated weights: measured 4.7e-6 relative after 4 steps (first step: 6e-8).
+    # bf16 roundings of the updated weights: measured 4.7e-6 relative after 4 steps (first step: 6e-8) on an AMD
+    # EPYC, 2.7e-5 on a Xeon with AMX-BF16, whose oneDNN kernels round bf16 products differently.
     ref = train(tmp_path, os.path.join(CONFIGS, "zero3_cpu_offload.json"), "bf16-ref", "--dtype", "bf16")
     m = train(
         tmp_path, aidaptiv_config(tmp_path, policy="nvme", loss_chunk_tokens=CHUNK), "bf16-nvme", "--dtype", "bf16"
     )
     assert abs(m["losses"][0] - ref["losses"][0]) <= 1e-6 * abs(ref["losses"][0])
-    assert_same_losses(m["losses"], ref["losses"], rel=2e-5)
+    assert_same_losses(m["losses"], ref["losses"], rel=5e-5)
     assert m["activations"]["bytes_stored"] >= 2 * STEPS * 2 * 64 * 256 * 2
 
 
