@@ -505,7 +505,7 @@ def test_on_a_gpu_layers_go_to_the_gpu_budget_then_host_memory_then_the_swap_fil
         assert all(g.extent is not None for g in layers[2:])
     finally:
         w.close()
-    with pytest.raises(DeviceBudgetTooSmall, match=r"GPU budget .* needs at least .* give --gpu-budget"):
+    with pytest.raises(DeviceBudgetTooSmall, match=r"GPU budget .* needs at least .* give `gpu_budget`"):
         _weights_for_a_device(models["untied"], tmp_path, "3.5MiB", "2MiB")
     with pytest.raises(HostBudgetTooSmall, match=r"on CUDA it needs at least .*two pinned slots.* `host_budget`"):
         _weights_for_a_device(models["untied"], tmp_path, "1MiB", "4MiB")
