@@ -6,10 +6,9 @@ layer group, while the model computes.
     ...                                                                # generate as usual
     weights.close()
 
-The model is built with empty parameters (``accelerate.init_empty_weights``: no tensor allocated). Its
-parameters fall into *groups*: each element of a decoder's layer list is one group (a layer's attention, MLP
-and norms), and every other module with parameters of its own (embeddings, final norm, LM head) is a group of
-those. Groups run in the model's module order, once per forward pass.
+The model is built with empty parameters. Its parameters fall into *groups* (:mod:`.weight_groups`): each
+layer of a decoder's layer list, and every other module with parameters of its own (embeddings, final norm, LM
+head), run in the model's module order once per forward pass.
 
 Which groups stay resident (on CPU; CUDA's tiers are below): all of them when they fit the host budget. Otherwise
 the groups outside the layer list (used at every step) and as many layers as fit stay resident, and the other
@@ -51,7 +50,6 @@ import errno
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
@@ -59,12 +57,21 @@ import torch
 from aidaptiv_ds.common.sizes import ALIGN, align_up, format_size
 from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 from aidaptiv_ds.inference.sources import WeightSource
-from aidaptiv_ds.inference.weight_codec import Codebook, codebook_for, decode_into, encode_into
+from aidaptiv_ds.inference.weight_codec import codebook_for, decode_into, encode_into
+from aidaptiv_ds.inference.weight_groups import (
+    TENSOR_ALIGN,
+    DeviceBudgetTooSmall,
+    Group,
+    HostBudgetTooSmall,
+    Slot,
+    bind_sources,
+    groups_of,
+    read_member,
+)
 from aidaptiv_ds.swap.space import SwapSpace
 
 log = logging.getLogger(__name__)
 
-_TENSOR_ALIGN = 64  # every tensor of a group starts on a cache line, whatever the dtype
 # What generate's --encode-weights auto encodes: bf16 and fp16 layers (a quarter fewer bytes, decoded at about
 # memory speed). fp32 saves an eighth and its decode writes four bytes an element: on the test machine it gained
 # 3% and 6% in two runs, within their spread (bench/results/generate_offload), so only "on" encodes it.
@@ -73,84 +80,10 @@ ENCODE_ALL = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_BUFFER_MAX = 8 << 20  # the row buffer of a table read by rows: a long prompt's rows go through it in turns
 
 
-def _row_buffer_bytes(g: "_Group") -> int:
+def _row_buffer_bytes(g: Group) -> int:
     """The pinned buffer a table read by rows needs: a sixteenth of the table up to 8 MiB, and at least one row
     with the 4 KiB pages on either side of it (O_DIRECT reads whole pages)."""
     return max(align_up(g.row_bytes) + 2 * ALIGN, min(_ROW_BUFFER_MAX, align_up(g.nbytes // 16)))
-
-
-class HostBudgetTooSmall(ValueError):
-    """The host budget cannot hold what generation needs resident plus two streamed slots."""
-
-
-class DeviceBudgetTooSmall(ValueError):
-    """The GPU budget cannot hold what every step uses plus the two slots' GPU twins."""
-
-
-@dataclass(eq=False)
-class _Member:
-    module: torch.nn.Module
-    attr: str
-    name: str  # the source tensor it is read from
-    shape: tuple
-    dtype: torch.dtype
-    offset: int  # in the group's bytes
-    nbytes: int
-    tied_to: Optional[tuple] = None  # (module, attr) of the parameter this one is tied to (name is "" then)
-    book: Optional[Codebook] = None  # encoded in the swap file (weight_codec), or stored as it is
-    encoded_offset: int = 0  # in the group's encoded bytes
-
-
-@dataclass(eq=False)
-class _Group:
-    index: int
-    label: str
-    module: torch.nn.Module
-    members: List[_Member] = field(default_factory=list)
-    nbytes: int = 0  # aligned size of the group's bytes
-    encoded_nbytes: int = 0  # aligned size of its encoded bytes in the swap file (0: stored as it is)
-    is_layer: bool = False
-    resident: bool = True  # bound for good, on the device the model computes on
-    in_host: bool = False  # CUDA: streamed from pinned host memory (no disk read), not from the swap file
-    by_rows: bool = False  # an embedding table in the swap file, its rows read per forward
-    row_bytes: int = 0
-    buffer: Optional[torch.Tensor] = None  # resident and in-host groups: their bytes
-    extent: object = None  # streamed groups and tables read by rows: their extent of the swap file
-
-    @property
-    def read_nbytes(self) -> int:
-        """Bytes of the group in the swap file: what one read of it brings in."""
-        return self.encoded_nbytes or self.nbytes
-
-
-@dataclass(eq=False)
-class _Slot:
-    host: torch.Tensor
-    group: Optional[_Group] = None
-    request: object = None  # the engine's read in flight into ``host``
-    ready: bool = False  # bytes of ``group`` are in ``host`` (and on the device, for CUDA)
-    device: Optional[torch.Tensor] = None
-    copied: object = None  # CUDA event: host -> device copy done
-    computed: object = None  # CUDA event: the layer that used the device twin has run
-
-
-def _groups_of(model: torch.nn.Module) -> List[_Group]:
-    """The model's parameter groups in module order: each element of a ModuleList whose elements own
-    parameters (the decoder layers), and each other module with parameters of its own."""
-    groups: List[_Group] = []
-    inside: set = set()
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in inside):
-            continue
-        if isinstance(module, torch.nn.ModuleList):
-            for i, child in enumerate(module):
-                if any(True for _ in child.parameters()):
-                    groups.append(_Group(len(groups), f"{name}.{i}", child, is_layer=True))
-            inside.add(name)
-            continue
-        if any(True for _ in module.parameters(recurse=False)):
-            groups.append(_Group(len(groups), name or "(model)", module))
-    return groups
 
 
 class StreamedWeights:
@@ -197,19 +130,19 @@ class StreamedWeights:
         }
         self._hooks: list = []
         self._progress = progress or (lambda msg: None)
-        self.groups = _groups_of(model)
+        self.groups = groups_of(model)
         self.row_buffer_bytes = 0
         self.row_buffer: Optional[torch.Tensor] = None
         self.decode_bytes = 0  # the buffer encoded layers are decoded into (0: none encoded)
         self.decode_buffer: Optional[torch.Tensor] = None
         self._row_fd: Optional[int] = None
-        self._bind_sources(dtype)
+        bind_sources(self.groups, model, source, dtype)
         self._plan(max_slots)
         self.pool = PinnedPool(self._pool_bytes())
         self.engine = IOEngine(pool=self.pool)
         self.space: Optional[SwapSpace] = None
         self.file = None
-        self.slots: List[_Slot] = []
+        self.slots: List[Slot] = []
         try:
             self._lay_out(nvme_path)
         except BaseException:
@@ -217,69 +150,6 @@ class StreamedWeights:
             raise
 
     # ------------------------------------------------------------------------------------------ planning
-
-    def _bind_sources(self, dtype: Optional[torch.dtype]) -> None:
-        """Match every parameter of the model to a source tensor (tied parameters once, to the first group that
-        names them), and place it in its group's bytes."""
-        tensors = self.source.tensors
-        seen = {}  # id(parameter) -> (module, attr) of its first owner
-        expected = set()
-        for g in self.groups:
-            prefix = "" if g.label == "(model)" else g.label + "."
-            offset = 0
-            params = (
-                g.module.named_parameters()
-                if g.is_layer
-                else ((n, p) for n, p in g.module.named_parameters(recurse=False))
-            )
-            for rel, p in params:
-                full = prefix + rel
-                owner, attr = self._owner(g.module, rel)
-                if id(p) in seen:
-                    g.members.append(_Member(owner, attr, "", tuple(p.shape), p.dtype, -1, 0, tied_to=seen[id(p)]))
-                    continue
-                seen[id(p)] = (owner, attr)
-                expected.add(full)
-                entry = tensors.get(full)
-                if entry is None:
-                    continue  # reported below, all at once
-                if tuple(entry.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"{self.source.path}: tensor {full} has shape {list(entry.shape)}, the model built from its "
-                        f"config.json wants {list(p.shape)}: the weights are of another model"
-                    )
-                want = dtype if (dtype is not None and entry.dtype.is_floating_point) else entry.dtype
-                nbytes = p.numel() * want.itemsize
-                offset = align_up(offset, _TENSOR_ALIGN)
-                g.members.append(_Member(owner, attr, full, tuple(p.shape), want, offset, nbytes))
-                offset += nbytes
-            g.nbytes = align_up(max(offset, 1), ALIGN)
-        missing = sorted(n for n in expected if n not in tensors)
-        extra = sorted(n for n in tensors if n not in expected and not self._tied_name(n))
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} of the model's tensors are missing ({', '.join(missing[:4])}, ...)")
-            if extra:
-                parts.append(f"{len(extra)} tensors are not the model's ({', '.join(extra[:4])}, ...)")
-            raise ValueError(
-                f"{self.source.path}: the weights do not match the model its config.json describes: "
-                + "; ".join(parts)
-                + ": the weights are of another model, or the folder mixes two"
-            )
-
-    def _tied_name(self, name: str) -> bool:
-        """A tensor the file holds under a name the model ties to another (lm_head.weight with tied embeddings)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        unique = dict(self.model.named_parameters())
-        return name in params and name not in unique
-
-    @staticmethod
-    def _owner(module: torch.nn.Module, rel: str):
-        *path, attr = rel.split(".")
-        for part in path:
-            module = getattr(module, part)
-        return module, attr
 
     def _plan(self, max_slots: int) -> None:
         """Choose resident groups and the number of slots within the host budget (and, on CUDA, the GPU's)."""
@@ -350,7 +220,7 @@ class StreamedWeights:
         self.slot_bytes, self.slot_count, self.decode_bytes = slot, slots, decoded
 
     @staticmethod
-    def _plan_slots(layers: List[_Group], left: int, slot: int, decoded: int, max_slots: int, encoded: bool):
+    def _plan_slots(layers: List[Group], left: int, slot: int, decoded: int, max_slots: int, encoded: bool):
         """Slots and resident layers within ``left`` bytes: (bytes read a pass, resident flags, slots, slot size,
         decode buffer, encoded). Two slots keep the disk busy (while layer i computes, layer i+1 is read; when i
         ends, i+2 is issued before i+1 is waited for); a byte beyond them is worth more as part of a resident
@@ -368,7 +238,7 @@ class StreamedWeights:
         read = sum(g.read_nbytes if encoded else g.nbytes for g in streamed)
         return read, resident, slots, slot, decoded, encoded
 
-    def _choose_codes(self, layers: List[_Group]) -> None:
+    def _choose_codes(self, layers: List[Group]) -> None:
         """Each layer's codebooks and encoded layout (weight_codec): one pass over its weights, through one
         staging buffer of the largest tensor's size (freed after)."""
         staging = torch.empty(max(m.nbytes for g in layers for m in g.members), dtype=torch.uint8)
@@ -380,9 +250,9 @@ class StreamedWeights:
                 m.book = None
                 if m.dtype in self.encode:
                     data = staging[: m.nbytes]
-                    self._read_member(m, data)
+                    read_member(self.source, m, data)
                     m.book = codebook_for(data, m.dtype)
-                offset = align_up(offset, _TENSOR_ALIGN)
+                offset = align_up(offset, TENSOR_ALIGN)
                 m.encoded_offset = offset
                 offset += m.nbytes if m.book is None else m.book.nbytes
             encoded = align_up(max(offset, 1), ALIGN)
@@ -393,7 +263,7 @@ class StreamedWeights:
                     m.book, m.encoded_offset = None, 0
             self._progress(f"chose the codes of {g.label} ({i + 1}/{len(layers)})")
 
-    def _plan_device(self, layers: List[_Group], outside: List[_Group], others: int, slot: int, max_slots: int):
+    def _plan_device(self, layers: List[Group], outside: List[Group], others: int, slot: int, max_slots: int):
         """The CUDA plan: the groups every step uses (``others`` bytes), the slots' GPU twins and as many layers
         as fit stay on the GPU; the host budget holds the slots, the row buffer and, with what is left, layers in
         pinned memory (copied to the GPU each pass, no disk read); the other layers are read from the swap file."""
@@ -429,7 +299,7 @@ class StreamedWeights:
         self.slot_bytes, self.slot_count = slot, slots
 
     @staticmethod
-    def _reads_by_rows(g: _Group, tied: set) -> bool:
+    def _reads_by_rows(g: Group, tied: set) -> bool:
         """Whether group ``g``, the model's token embedding (``get_input_embeddings``: its forward takes the
         token ids; a positional table such as OPT's takes a mask and offsets), is worth reading by rows: an
         ``nn.Embedding`` whose one weight no other module shares (a tied head needs the whole table every step)
@@ -443,7 +313,7 @@ class StreamedWeights:
         g.row_bytes = m[0].shape[1] * m[0].dtype.itemsize
         return g.nbytes >= 2 * _row_buffer_bytes(g)
 
-    def _outside_words(self, outside: List[_Group]) -> str:
+    def _outside_words(self, outside: List[Group]) -> str:
         kept = [g.label for g in outside if not g.by_rows]
         rows = [g.label for g in outside if g.by_rows]
         words = ", ".join(kept) or "nothing"
@@ -465,13 +335,13 @@ class StreamedWeights:
         )
 
     @property
-    def streamed_groups(self) -> List[_Group]:
+    def streamed_groups(self) -> List[Group]:
         """The layers brought in whole every forward pass through the slots, in order (from the swap file, or on
         CUDA from pinned host memory)."""
         return [g for g in self.groups if not g.resident and not g.by_rows]
 
     @property
-    def swap_groups(self) -> List[_Group]:
+    def swap_groups(self) -> List[Group]:
         """The streamed layers read from the swap file."""
         return [g for g in self.streamed_groups if not g.in_host]
 
@@ -481,7 +351,7 @@ class StreamedWeights:
         return sum(g.nbytes for g in self.groups if g.in_host)
 
     @property
-    def row_groups(self) -> List[_Group]:
+    def row_groups(self) -> List[Group]:
         """The embedding tables read by rows."""
         return [g for g in self.groups if g.by_rows]
 
@@ -507,22 +377,13 @@ class StreamedWeights:
 
     # ------------------------------------------------------------------------------------------ lay-out
 
-    def _fill(self, g: _Group, out: torch.Tensor) -> None:
+    def _fill(self, g: Group, out: torch.Tensor) -> None:
         """The group's bytes from the source into ``out`` (uint8, g.nbytes), converting dtypes where asked."""
         for m in g.members:
             if m.name:
-                self._read_member(m, out[m.offset : m.offset + m.nbytes])
+                read_member(self.source, m, out[m.offset : m.offset + m.nbytes])
 
-    def _read_member(self, m: _Member, dst: torch.Tensor) -> None:
-        entry = self.source.tensors[m.name]
-        if entry.dtype == m.dtype:
-            self.source.read_into(m.name, dst)
-        else:
-            tmp = torch.empty(entry.nbytes, dtype=torch.uint8)
-            self.source.read_into(m.name, tmp)
-            dst.view(m.dtype).copy_(tmp.view(entry.dtype))
-
-    def _fill_encoded(self, g: _Group, out: torch.Tensor) -> None:
+    def _fill_encoded(self, g: Group, out: torch.Tensor) -> None:
         """The group's encoded bytes into ``out`` (uint8, g.encoded_nbytes), through the decode buffer."""
         staged = self.decode_buffer
         self._fill(g, staged)
@@ -535,7 +396,7 @@ class StreamedWeights:
             else:
                 encode_into(raw, m.book, out[m.encoded_offset : m.encoded_offset + m.book.nbytes])
 
-    def _decode(self, g: _Group, encoded: torch.Tensor) -> None:
+    def _decode(self, g: Group, encoded: torch.Tensor) -> None:
         """Group ``g``'s bytes into the decode buffer from its encoded bytes ``encoded``."""
         out = self.decode_buffer
         for m in g.members:
@@ -567,7 +428,7 @@ class StreamedWeights:
                 continue
             else:
                 continue
-            self._bind(g, g.buffer)
+            g.bind(g.buffer)
         self.stats["layout_bytes"] = self.resident_bytes + self.in_host_bytes
         streamed = self.swap_groups
         if (streamed or self.row_groups) and not nvme_path:
@@ -592,7 +453,7 @@ class StreamedWeights:
             self.decode_buffer = self.pool.allocate(self.decode_bytes)
         if self.slot_count:
             for _ in range(self.slot_count):
-                slot = _Slot(self.pool.allocate(self.slot_bytes))
+                slot = Slot(self.pool.allocate(self.slot_bytes))
                 if self.device.type == "cuda":
                     slot.device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
                 self.slots.append(slot)
@@ -619,9 +480,9 @@ class StreamedWeights:
             # first forward.
             for g in self.streamed_groups:
                 if g.encoded_nbytes:
-                    self._bind(g, self.decode_buffer)
+                    g.bind(self.decode_buffer)
                 else:
-                    self._bind(g, self.slots[0].device if self.slots[0].device is not None else self.slots[0].host)
+                    g.bind(self.slots[0].device if self.slots[0].device is not None else self.slots[0].host)
         for g in self.groups:  # tied parameters: the very tensor of their first owner (both groups resident)
             for m in g.members:
                 if m.tied_to is not None:
@@ -629,7 +490,7 @@ class StreamedWeights:
                     m.module._parameters[m.attr] = module._parameters[attr]
         self.stats["layout_s"] = time.perf_counter() - start
 
-    def _lay_out_rows(self, g: _Group) -> None:
+    def _lay_out_rows(self, g: Group) -> None:
         """Write table ``g`` into its extent through the row buffer, a buffer's worth at a time."""
         m = g.members[0]
         entry = self.source.tensors[m.name]
@@ -651,14 +512,14 @@ class StreamedWeights:
             buf[b1 - b0 : n].zero_()
             self.engine.write(buf[:n], self.file.handle, g.extent.offset + b0)
 
-    def _bind_placeholder(self, g: _Group) -> None:
+    def _bind_placeholder(self, g: Group) -> None:
         """Between forwards a table read by rows is one value seen at every position: its parameter keeps the
         table's shape, dtype and device (``model.device`` and ``model.dtype`` read them) without its bytes."""
         m = g.members[0]
         t = torch.zeros(1, dtype=m.dtype, device=self.device).expand(m.shape)
         m.module._parameters[m.attr] = torch.nn.Parameter(t, requires_grad=False)
 
-    def _read_rows(self, g: _Group, ids: List[int]) -> torch.Tensor:
+    def _read_rows(self, g: Group, ids: List[int]) -> torch.Tensor:
         """Rows ``ids`` (sorted, distinct) of table ``g`` from the swap file, as a [len(ids), width] tensor.
 
         Consecutive ids are one run of bytes; each run is read with the 4 KiB pages around it, runs whose pages
@@ -749,14 +610,6 @@ class StreamedWeights:
                 )
             done += got
 
-    @staticmethod
-    def _bind(g: _Group, buffer: torch.Tensor) -> None:
-        for m in g.members:
-            if not m.name:
-                continue
-            view = buffer[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
-            m.module._parameters[m.attr] = torch.nn.Parameter(view, requires_grad=False)
-
     # ------------------------------------------------------------------------------------------ streaming
 
     def attach(self) -> None:
@@ -778,7 +631,7 @@ class StreamedWeights:
             self._hooks.append(g.module.register_forward_hook(self._make_post_hook(g)))
         self._issue_reads()
 
-    def _slot_of(self, g: _Group) -> Optional[_Slot]:
+    def _slot_of(self, g: Group) -> Optional[Slot]:
         for s in self.slots:
             if s.group is g:
                 return s
@@ -804,7 +657,7 @@ class StreamedWeights:
                 self.stats["bytes_read"] += g.read_nbytes
             self._next_to_issue = (self._next_to_issue + 1) % len(self._order)
 
-    def _make_rows_pre_hook(self, g: _Group):
+    def _make_rows_pre_hook(self, g: Group):
         m = g.members[0]
         vocab = m.shape[0]
 
@@ -829,7 +682,7 @@ class StreamedWeights:
 
         return pre_hook
 
-    def _make_rows_post_hook(self, g: _Group):
+    def _make_rows_post_hook(self, g: Group):
         padding_idx = g.module.padding_idx
 
         def post_hook(module, args, output):
@@ -839,7 +692,7 @@ class StreamedWeights:
 
         return post_hook
 
-    def _make_pre_hook(self, g: _Group):
+    def _make_pre_hook(self, g: Group):
         def pre_hook(module, args):
             s = self._slot_of(g)
             if s is None:  # out of the cyclic order (a forward that skipped layers): read it now
@@ -872,14 +725,14 @@ class StreamedWeights:
                 self.stats["decode_s"] += time.perf_counter() - t0
                 s.group, s.ready = None, False
                 self._issue_reads()
-                self._bind(g, self.decode_buffer)
+                g.bind(self.decode_buffer)
                 return None
-            self._bind(g, s.device if s.device is not None else s.host)
+            g.bind(s.device if s.device is not None else s.host)
             return None
 
         return pre_hook
 
-    def _make_post_hook(self, g: _Group):
+    def _make_post_hook(self, g: Group):
         def post_hook(module, args, output):
             s = self._slot_of(g)
             if s is not None:
