@@ -8,35 +8,26 @@ layer group, while the model computes.
 
 The model is built with empty parameters. Its parameters fall into *groups* (:mod:`.weight_groups`): each
 layer of a decoder's layer list, and every other module with parameters of its own (embeddings, final norm, LM
-head), run in the model's module order once per forward pass.
+head), run in the model's module order once per forward pass. :class:`StreamedWeights` is built in three steps,
+one module each, each class the base of the next: the plan (:mod:`.weight_plan`: which groups stay resident and
+which are streamed, through how many slots, encoded or not, within the host budget and, on CUDA, the GPU's), the
+lay-out (:mod:`.weight_layout`: the resident groups in memory, the others written once into one swap file of the
+swap space), and here the read ring, which brings the streamed groups in while the model computes.
 
-Which groups stay resident (on CPU; CUDA's tiers are below): all of them when they fit the host budget. Otherwise
-the groups outside the layer list (used at every step) and as many layers as fit stay resident, and the other
-layers are laid into one swap file of the swap space, each layer one contiguous, 4 KiB aligned extent, so that
-bringing one in is one request of the I/O engine. The exception is an input embedding table not tied to the head: a
-step needs only the rows of its tokens, so the table is laid into the swap file too and its forward reads those
-rows (a few KiB a token) into a small row buffer, directly rather than behind the layers' read-ahead in the
-engine's queue; the budget it would have held keeps layers resident instead (tinyllama's 262 MB table is a layer
-and a half, read every step otherwise). Those layers are streamed through a ring of equal slots taken from the same
-pinned pool: a layer's forward pre-hook waits for its read, binds its parameters to views of the slot, and issues
-reads of the next streamed layers into every free slot (cyclic: the last layer's read-ahead is the first streamed
-layer of the next token), and its forward hook gives the slot back. Two slots, so one layer computes while the next
-is read; the rest of the budget holds resident layers.
-
-On CPU the streamed layers can be stored encoded (``encode``; :mod:`aidaptiv_ds.inference.weight_codec`: each
-floating-point element's top byte as a 4-bit code, lossless): bf16 layers are read in three quarters of their
-bytes, fp32 layers in seven eighths. The slots then hold encoded layers, and one more buffer of a layer's size
-holds the decoded layer its forward runs on: the pre-hook decodes the slot into it (the engine's C++, at memory
-speed) and gives the slot back at once, so the next read starts before the layer computes. Choosing the codes
-takes one pass over the layers' weights before the plan (the slot size is the largest encoded layer).
+The streamed layers go through a ring of equal slots taken from the pinned pool: a layer's forward pre-hook waits
+for its read, binds its parameters to views of the slot, and issues reads of the next streamed layers into every
+free slot (cyclic: the last layer's read-ahead is the first streamed layer of the next token), and its forward
+hook gives the slot back. Two slots, so one layer computes while the next is read. On CPU a layer stored encoded
+(``encode``; :mod:`aidaptiv_ds.inference.weight_codec`) is decoded by the pre-hook from its slot into the one
+decode buffer (the engine's C++, at memory speed), and the slot is given back at once, so the next read starts
+before the layer computes. An input embedding table read by rows has hooks of its own: its forward reads the rows
+of its tokens (a few KiB a token) from the swap file into a small row buffer, directly rather than behind the
+layers' read-ahead in the engine's queue.
 
 On CUDA each slot has a twin on the GPU: a read slot is copied to its twin on a copy stream (an event orders the
 compute after it), the pinned slot is reused only after that copy's event, and a twin only after the compute of
-the layer it held (an event recorded by the forward hook). There are two budgets: the GPU budget holds the
-groups every step uses, the twins and as many layers as fit (resident on the GPU, staged through unpinned memory
-that is freed at once); the host budget holds the pinned slots and, with what is left, layers kept in pinned
-host memory, which the ring copies to their twin each pass without a disk read; only the rest is read from the
-swap file.
+the layer it held (an event recorded by the forward hook). The layers the plan keeps in pinned host memory are
+copied to their twin each pass without a disk read.
 
 Why not the training cache (:class:`aidaptiv_ds.swap.layer_group_cache.LayerGroupCache`): its bookkeeping is for
 parameter partitions that the optimizer writes back; generation only reads, in one fixed cyclic order, so a
@@ -107,6 +98,8 @@ class StreamedWeights(LaidOutWeights):
             device_budget=device_budget,
             encode=encode,
         )
+
+    # ------------------------------------------------------------------------------------------ embedding rows
 
     def _read_rows(self, g: Group, ids: List[int]) -> torch.Tensor:
         """Rows ``ids`` (sorted, distinct) of table ``g`` from the swap file, as a [len(ids), width] tensor.
