@@ -6,38 +6,28 @@ layer group, while the model computes.
     ...                                                                # generate as usual
     weights.close()
 
-The model is built with empty parameters (``accelerate.init_empty_weights``: no tensor allocated). Its
-parameters fall into *groups*: each element of a decoder's layer list is one group (a layer's attention, MLP
-and norms), and every other module with parameters of its own (embeddings, final norm, LM head) is a group of
-those. Groups run in the model's module order, once per forward pass.
+The model is built with empty parameters. Its parameters fall into *groups* (:mod:`.weight_groups`): each
+layer of a decoder's layer list, and every other module with parameters of its own (embeddings, final norm, LM
+head), run in the model's module order once per forward pass. :class:`StreamedWeights` is built in three steps,
+one module each, each class the base of the next: the plan (:mod:`.weight_plan`: which groups stay resident and
+which are streamed, through how many slots, encoded or not, within the host budget and, on CUDA, the GPU's), the
+lay-out (:mod:`.weight_layout`: the resident groups in memory, the others written once into one swap file of the
+swap space), and here the read ring, which brings the streamed groups in while the model computes.
 
-Which groups stay resident (on CPU; CUDA's tiers are below): all of them when they fit the host budget. Otherwise
-the groups outside the layer list (used at every step) and as many layers as fit stay resident, and the other
-layers are laid into one swap file of the swap space, each layer one contiguous, 4 KiB aligned extent, so that
-bringing one in is one request of the I/O engine. The exception is an input embedding table not tied to the head: a
-step needs only the rows of its tokens, so the table is laid into the swap file too and its forward reads those
-rows (a few KiB a token) into a small row buffer, directly rather than behind the layers' read-ahead in the
-engine's queue; the budget it would have held keeps layers resident instead (tinyllama's 262 MB table is a layer
-and a half, read every step otherwise). Those layers are streamed through a ring of equal slots taken from the same
-pinned pool: a layer's forward pre-hook waits for its read, binds its parameters to views of the slot, and issues
-reads of the next streamed layers into every free slot (cyclic: the last layer's read-ahead is the first streamed
-layer of the next token), and its forward hook gives the slot back. Two slots, so one layer computes while the next
-is read; the rest of the budget holds resident layers.
-
-On CPU the streamed layers can be stored encoded (``encode``; :mod:`aidaptiv_ds.inference.weight_codec`: each
-floating-point element's top byte as a 4-bit code, lossless): bf16 layers are read in three quarters of their
-bytes, fp32 layers in seven eighths. The slots then hold encoded layers, and one more buffer of a layer's size
-holds the decoded layer its forward runs on: the pre-hook decodes the slot into it (the engine's C++, at memory
-speed) and gives the slot back at once, so the next read starts before the layer computes. Choosing the codes
-takes one pass over the layers' weights before the plan (the slot size is the largest encoded layer).
+The streamed layers go through a ring of equal slots taken from the pinned pool: a layer's forward pre-hook waits
+for its read, binds its parameters to views of the slot, and issues reads of the next streamed layers into every
+free slot (cyclic: the last layer's read-ahead is the first streamed layer of the next token), and its forward
+hook gives the slot back. Two slots, so one layer computes while the next is read. On CPU a layer stored encoded
+(``encode``; :mod:`aidaptiv_ds.inference.weight_codec`) is decoded by the pre-hook from its slot into the one
+decode buffer (the engine's C++, at memory speed), and the slot is given back at once, so the next read starts
+before the layer computes. An input embedding table read by rows has hooks of its own: its forward reads the rows
+of its tokens (a few KiB a token) from the swap file into a small row buffer, directly rather than behind the
+layers' read-ahead in the engine's queue.
 
 On CUDA each slot has a twin on the GPU: a read slot is copied to its twin on a copy stream (an event orders the
 compute after it), the pinned slot is reused only after that copy's event, and a twin only after the compute of
-the layer it held (an event recorded by the forward hook). There are two budgets: the GPU budget holds the
-groups every step uses, the twins and as many layers as fit (resident on the GPU, staged through unpinned memory
-that is freed at once); the host budget holds the pinned slots and, with what is left, layers kept in pinned
-host memory, which the ring copies to their twin each pass without a disk read; only the rest is read from the
-swap file.
+the layer it held (an event recorded by the forward hook). The layers the plan keeps in pinned host memory are
+copied to their twin each pass without a disk read.
 
 Why not the training cache (:class:`aidaptiv_ds.swap.layer_group_cache.LayerGroupCache`): its bookkeeping is for
 parameter partitions that the optimizer writes back; generation only reads, in one fixed cyclic order, so a
@@ -47,113 +37,28 @@ disk when the file grows) and the pinned pool are the training path's own.
 
 from __future__ import annotations
 
+# The errors its constructor raises and the dtypes ``encode`` takes are this module's too: generate and the
+# tests import them from here.
+__all__ = ["StreamedWeights", "HostBudgetTooSmall", "DeviceBudgetTooSmall", "ENCODE_AUTO", "ENCODE_ALL"]
+
 import errno
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
 
-from aidaptiv_ds.common.sizes import ALIGN, align_up, format_size
-from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.common.sizes import ALIGN, align_up
 from aidaptiv_ds.inference.sources import WeightSource
-from aidaptiv_ds.inference.weight_codec import Codebook, codebook_for, decode_into, encode_into
-from aidaptiv_ds.swap.space import SwapSpace
+from aidaptiv_ds.inference.weight_groups import DeviceBudgetTooSmall, Group, HostBudgetTooSmall, Slot
+from aidaptiv_ds.inference.weight_layout import LaidOutWeights
+from aidaptiv_ds.inference.weight_plan import ENCODE_ALL, ENCODE_AUTO
 
 log = logging.getLogger(__name__)
 
-_TENSOR_ALIGN = 64  # every tensor of a group starts on a cache line, whatever the dtype
-# What generate's --encode-weights auto encodes: bf16 and fp16 layers (a quarter fewer bytes, decoded at about
-# memory speed). fp32 saves an eighth and its decode writes four bytes an element: on the test machine it gained
-# 3% and 6% in two runs, within their spread (bench/results/generate_offload), so only "on" encodes it.
-ENCODE_AUTO = (torch.bfloat16, torch.float16)
-ENCODE_ALL = (torch.bfloat16, torch.float16, torch.float32)
-_ROW_BUFFER_MAX = 8 << 20  # the row buffer of a table read by rows: a long prompt's rows go through it in turns
 
-
-def _row_buffer_bytes(g: "_Group") -> int:
-    """The pinned buffer a table read by rows needs: a sixteenth of the table up to 8 MiB, and at least one row
-    with the 4 KiB pages on either side of it (O_DIRECT reads whole pages)."""
-    return max(align_up(g.row_bytes) + 2 * ALIGN, min(_ROW_BUFFER_MAX, align_up(g.nbytes // 16)))
-
-
-class HostBudgetTooSmall(ValueError):
-    """The host budget cannot hold what generation needs resident plus two streamed slots."""
-
-
-class DeviceBudgetTooSmall(ValueError):
-    """The GPU budget cannot hold what every step uses plus the two slots' GPU twins."""
-
-
-@dataclass(eq=False)
-class _Member:
-    module: torch.nn.Module
-    attr: str
-    name: str  # the source tensor it is read from
-    shape: tuple
-    dtype: torch.dtype
-    offset: int  # in the group's bytes
-    nbytes: int
-    tied_to: Optional[tuple] = None  # (module, attr) of the parameter this one is tied to (name is "" then)
-    book: Optional[Codebook] = None  # encoded in the swap file (weight_codec), or stored as it is
-    encoded_offset: int = 0  # in the group's encoded bytes
-
-
-@dataclass(eq=False)
-class _Group:
-    index: int
-    label: str
-    module: torch.nn.Module
-    members: List[_Member] = field(default_factory=list)
-    nbytes: int = 0  # aligned size of the group's bytes
-    encoded_nbytes: int = 0  # aligned size of its encoded bytes in the swap file (0: stored as it is)
-    is_layer: bool = False
-    resident: bool = True  # bound for good, on the device the model computes on
-    in_host: bool = False  # CUDA: streamed from pinned host memory (no disk read), not from the swap file
-    by_rows: bool = False  # an embedding table in the swap file, its rows read per forward
-    row_bytes: int = 0
-    buffer: Optional[torch.Tensor] = None  # resident and in-host groups: their bytes
-    extent: object = None  # streamed groups and tables read by rows: their extent of the swap file
-
-    @property
-    def read_nbytes(self) -> int:
-        """Bytes of the group in the swap file: what one read of it brings in."""
-        return self.encoded_nbytes or self.nbytes
-
-
-@dataclass(eq=False)
-class _Slot:
-    host: torch.Tensor
-    group: Optional[_Group] = None
-    request: object = None  # the engine's read in flight into ``host``
-    ready: bool = False  # bytes of ``group`` are in ``host`` (and on the device, for CUDA)
-    device: Optional[torch.Tensor] = None
-    copied: object = None  # CUDA event: host -> device copy done
-    computed: object = None  # CUDA event: the layer that used the device twin has run
-
-
-def _groups_of(model: torch.nn.Module) -> List[_Group]:
-    """The model's parameter groups in module order: each element of a ModuleList whose elements own
-    parameters (the decoder layers), and each other module with parameters of its own."""
-    groups: List[_Group] = []
-    inside: set = set()
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in inside):
-            continue
-        if isinstance(module, torch.nn.ModuleList):
-            for i, child in enumerate(module):
-                if any(True for _ in child.parameters()):
-                    groups.append(_Group(len(groups), f"{name}.{i}", child, is_layer=True))
-            inside.add(name)
-            continue
-        if any(True for _ in module.parameters(recurse=False)):
-            groups.append(_Group(len(groups), name or "(model)", module))
-    return groups
-
-
-class StreamedWeights:
+class StreamedWeights(LaidOutWeights):
     """The weights of ``model`` (built empty) from ``source``, resident or streamed as the budget allows.
 
     ``dtype`` converts floating-point weights when they are laid out (None keeps the source's).
@@ -179,486 +84,24 @@ class StreamedWeights:
         device_budget: Optional[int] = None,
         encode: Tuple[torch.dtype, ...] = (),
     ):
-        self.model, self.source, self.device = model, source, torch.device(device)
-        if encode and self.device.type != "cpu":
-            raise ValueError("encoded weights are decoded on the CPU: encode is for device 'cpu'")
-        self.encode = tuple(encode)
-        self.host_budget = int(host_budget)
-        self.device_budget = None if self.device.type == "cpu" or device_budget is None else int(device_budget)
-        self.stats = {
-            "bytes_read": 0,
-            "reads": 0,
-            "rows_bytes_read": 0,
-            "rows_reads": 0,
-            "wait_s": 0.0,
-            "decode_s": 0.0,
-            "layout_s": 0.0,
-            "layout_bytes": 0,
-        }
         self._hooks: list = []
-        self._progress = progress or (lambda msg: None)
-        self.groups = _groups_of(model)
-        self.row_buffer_bytes = 0
-        self.row_buffer: Optional[torch.Tensor] = None
-        self.decode_bytes = 0  # the buffer encoded layers are decoded into (0: none encoded)
-        self.decode_buffer: Optional[torch.Tensor] = None
-        self._row_fd: Optional[int] = None
-        self._bind_sources(dtype)
-        self._plan(max_slots)
-        self.pool = PinnedPool(self._pool_bytes())
-        self.engine = IOEngine(pool=self.pool)
-        self.space: Optional[SwapSpace] = None
-        self.file = None
-        self.slots: List[_Slot] = []
-        try:
-            self._lay_out(nvme_path)
-        except BaseException:
-            self.close()
-            raise
-
-    # ------------------------------------------------------------------------------------------ planning
-
-    def _bind_sources(self, dtype: Optional[torch.dtype]) -> None:
-        """Match every parameter of the model to a source tensor (tied parameters once, to the first group that
-        names them), and place it in its group's bytes."""
-        tensors = self.source.tensors
-        seen = {}  # id(parameter) -> (module, attr) of its first owner
-        expected = set()
-        for g in self.groups:
-            prefix = "" if g.label == "(model)" else g.label + "."
-            offset = 0
-            params = (
-                g.module.named_parameters()
-                if g.is_layer
-                else ((n, p) for n, p in g.module.named_parameters(recurse=False))
-            )
-            for rel, p in params:
-                full = prefix + rel
-                owner, attr = self._owner(g.module, rel)
-                if id(p) in seen:
-                    g.members.append(_Member(owner, attr, "", tuple(p.shape), p.dtype, -1, 0, tied_to=seen[id(p)]))
-                    continue
-                seen[id(p)] = (owner, attr)
-                expected.add(full)
-                entry = tensors.get(full)
-                if entry is None:
-                    continue  # reported below, all at once
-                if tuple(entry.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"{self.source.path}: tensor {full} has shape {list(entry.shape)}, the model built from its "
-                        f"config.json wants {list(p.shape)}: the weights are of another model"
-                    )
-                want = dtype if (dtype is not None and entry.dtype.is_floating_point) else entry.dtype
-                nbytes = p.numel() * want.itemsize
-                offset = align_up(offset, _TENSOR_ALIGN)
-                g.members.append(_Member(owner, attr, full, tuple(p.shape), want, offset, nbytes))
-                offset += nbytes
-            g.nbytes = align_up(max(offset, 1), ALIGN)
-        missing = sorted(n for n in expected if n not in tensors)
-        extra = sorted(n for n in tensors if n not in expected and not self._tied_name(n))
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} of the model's tensors are missing ({', '.join(missing[:4])}, ...)")
-            if extra:
-                parts.append(f"{len(extra)} tensors are not the model's ({', '.join(extra[:4])}, ...)")
-            raise ValueError(
-                f"{self.source.path}: the weights do not match the model its config.json describes: "
-                + "; ".join(parts)
-                + ": the weights are of another model, or the folder mixes two"
-            )
-
-    def _tied_name(self, name: str) -> bool:
-        """A tensor the file holds under a name the model ties to another (lm_head.weight with tied embeddings)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        unique = dict(self.model.named_parameters())
-        return name in params and name not in unique
-
-    @staticmethod
-    def _owner(module: torch.nn.Module, rel: str):
-        *path, attr = rel.split(".")
-        for part in path:
-            module = getattr(module, part)
-        return module, attr
-
-    def _plan(self, max_slots: int) -> None:
-        """Choose resident groups and the number of slots within the host budget (and, on CUDA, the GPU's)."""
-        total = sum(g.nbytes for g in self.groups)
-        self.slot_bytes, self.slot_count = 0, 0
-        if total <= (self.host_budget if self.device_budget is None else self.device_budget):
-            return  # everything resident, read once
-        # A tie must bind one tensor for good, so layers taking part in one are not streamed.
-        tied = {id(m.tied_to[0]) for g in self.groups for m in g.members if m.tied_to is not None}
-        layers = [
-            g
-            for g in self.groups
-            if g.is_layer and not any(m.tied_to is not None or id(m.module) in tied for m in g.members)
-        ]
-        outside = [g for g in self.groups if g not in layers]
-        try:
-            token_table = self.model.get_input_embeddings()
-        except (AttributeError, NotImplementedError):
-            token_table = None
-        for g in outside:
-            g.by_rows = g.module is token_table and self._reads_by_rows(g, tied)
-            g.resident = not g.by_rows
-        self.row_buffer_bytes = max((_row_buffer_bytes(g) for g in outside if g.by_rows), default=0)
-        others = sum(g.nbytes for g in outside if not g.by_rows) + self.row_buffer_bytes
-        if not layers:
-            if self.device_budget is not None:
-                raise DeviceBudgetTooSmall(
-                    f"GPU budget {format_size(self.device_budget)} is below the model's {format_size(total)} and "
-                    "the model has no layer list to stream: give `gpu_budget` of at least the model's size"
-                )
-            raise HostBudgetTooSmall(
-                f"host budget {format_size(self.host_budget)} is below the model's {format_size(total)} and the "
-                "model has no layer list to stream: give `host_budget` of at least the model's size"
-            )
-        slot = max(g.nbytes for g in layers)
-        if self.device_budget is not None:
-            self._plan_device(layers, outside, others - self.row_buffer_bytes, slot, max_slots)
-            return
-        need = others + 2 * slot
-        if need > self.host_budget:
-            raise HostBudgetTooSmall(
-                f"host budget {format_size(self.host_budget)} is too small for this model: it needs at least "
-                f"{format_size(need)} (what every step uses resident, {format_size(others)}: "
-                f"{self._outside_words(outside)}; plus two layers in flight, {format_size(slot)} each): give "
-                f"`host_budget` {format_size(need)} or more"
-            )
-        plans = [self._plan_slots(layers, self.host_budget - others, slot, 0, max_slots, encoded=False)]
-        if self.encode:
-            self._choose_codes(layers)
-            if any(g.encoded_nbytes for g in layers):
-                # Encoded: the slots hold the largest encoded layer, and one more buffer the decoded layer.
-                encoded_slot, decoded = max(g.read_nbytes for g in layers), max(g.nbytes for g in layers)
-                left = self.host_budget - others - decoded
-                if left >= 2 * encoded_slot:
-                    plans.append(self._plan_slots(layers, left, encoded_slot, decoded, max_slots, encoded=True))
-        # The plan that reads fewer bytes a pass (encoding costs a decode buffer: worth it unless few layers
-        # stream); on a tie the one without decoding.
-        read, resident, slots, slot, decoded, encoded = min(plans, key=lambda p: (p[0], p[5]))
-        for g, keep in zip(layers, resident):
-            g.resident = keep
-        if not encoded:
-            for g in layers:
-                g.encoded_nbytes = 0
-                for m in g.members:
-                    m.book, m.encoded_offset = None, 0
-        if not slots:  # the slots could hold every streamed layer: they are kept instead
-            return
-        self.slot_bytes, self.slot_count, self.decode_bytes = slot, slots, decoded
-
-    @staticmethod
-    def _plan_slots(layers: List[_Group], left: int, slot: int, decoded: int, max_slots: int, encoded: bool):
-        """Slots and resident layers within ``left`` bytes: (bytes read a pass, resident flags, slots, slot size,
-        decode buffer, encoded). Two slots keep the disk busy (while layer i computes, layer i+1 is read; when i
-        ends, i+2 is issued before i+1 is waited for); a byte beyond them is worth more as part of a resident
-        layer, never read again, than as deeper read-ahead. ``max_slots`` allows more."""
-        slots = max(2, min(max_slots, left // slot, len(layers)))
-        left -= slots * slot
-        resident = []
-        for g in layers:
-            resident.append(g.nbytes <= left)
-            if resident[-1]:
-                left -= g.nbytes
-        streamed = [g for g, keep in zip(layers, resident) if not keep]
-        if len(streamed) <= slots:  # the slots could hold every streamed layer: keep them instead
-            return 0, [True] * len(layers), 0, 0, 0, False
-        read = sum(g.read_nbytes if encoded else g.nbytes for g in streamed)
-        return read, resident, slots, slot, decoded, encoded
-
-    def _choose_codes(self, layers: List[_Group]) -> None:
-        """Each layer's codebooks and encoded layout (weight_codec): one pass over its weights, through one
-        staging buffer of the largest tensor's size (freed after)."""
-        staging = torch.empty(max(m.nbytes for g in layers for m in g.members), dtype=torch.uint8)
-        for i, g in enumerate(layers):
-            offset = 0
-            for m in g.members:
-                if not m.name:
-                    continue
-                m.book = None
-                if m.dtype in self.encode:
-                    data = staging[: m.nbytes]
-                    self._read_member(m, data)
-                    m.book = codebook_for(data, m.dtype)
-                offset = align_up(offset, _TENSOR_ALIGN)
-                m.encoded_offset = offset
-                offset += m.nbytes if m.book is None else m.book.nbytes
-            encoded = align_up(max(offset, 1), ALIGN)
-            if any(m.book is not None for m in g.members) and encoded < g.nbytes:
-                g.encoded_nbytes = encoded
-            else:
-                for m in g.members:
-                    m.book, m.encoded_offset = None, 0
-            self._progress(f"chose the codes of {g.label} ({i + 1}/{len(layers)})")
-
-    def _plan_device(self, layers: List[_Group], outside: List[_Group], others: int, slot: int, max_slots: int):
-        """The CUDA plan: the groups every step uses (``others`` bytes), the slots' GPU twins and as many layers
-        as fit stay on the GPU; the host budget holds the slots, the row buffer and, with what is left, layers in
-        pinned memory (copied to the GPU each pass, no disk read); the other layers are read from the swap file."""
-        need = others + 2 * slot
-        if need > self.device_budget:
-            raise DeviceBudgetTooSmall(
-                f"GPU budget {format_size(self.device_budget)} is too small for this model: it needs at least "
-                f"{format_size(need)} on the GPU (what every step uses, {format_size(others)}: "
-                f"{self._outside_words(outside)}; plus two layers in flight, {format_size(slot)} each): give "
-                f"`gpu_budget` {format_size(need)} or more, or use a GPU with more free memory"
-            )
-        host_need = 2 * slot + self.row_buffer_bytes
-        if host_need > self.host_budget:
-            raise HostBudgetTooSmall(
-                f"host budget {format_size(self.host_budget)} is too small for this model: on CUDA it needs at least "
-                f"{format_size(host_need)} (two pinned slots of {format_size(slot)}"
-                + (f" and a row buffer of {format_size(self.row_buffer_bytes)}" if self.row_buffer_bytes else "")
-                + f"): give `host_budget` {format_size(host_need)} or more"
-            )
-        slots = max(2, min(max_slots, (self.device_budget - others) // slot, len(layers)))
-        on_gpu = self.device_budget - others - slots * slot
-        in_host = self.host_budget - self.row_buffer_bytes - slots * slot
-        for g in layers:
-            g.resident = g.nbytes <= on_gpu
-            if g.resident:
-                on_gpu -= g.nbytes
-            else:
-                g.in_host = g.nbytes <= in_host
-                if g.in_host:
-                    in_host -= g.nbytes
-        if all(g.resident for g in layers):
-            return
-        self.slot_bytes, self.slot_count = slot, slots
-
-    @staticmethod
-    def _reads_by_rows(g: _Group, tied: set) -> bool:
-        """Whether group ``g``, the model's token embedding (``get_input_embeddings``: its forward takes the
-        token ids; a positional table such as OPT's takes a mask and offsets), is worth reading by rows: an
-        ``nn.Embedding`` whose one weight no other module shares (a tied head needs the whole table every step)
-        and that does not renormalise rows in place (``max_norm``), at least twice the size of the row buffer it
-        needs instead."""
-        m = g.members
-        if not isinstance(g.module, torch.nn.Embedding) or len(m) != 1 or g.module.max_norm is not None:
-            return False
-        if m[0].tied_to is not None or not m[0].name or id(g.module) in tied or len(m[0].shape) != 2:
-            return False
-        g.row_bytes = m[0].shape[1] * m[0].dtype.itemsize
-        return g.nbytes >= 2 * _row_buffer_bytes(g)
-
-    def _outside_words(self, outside: List[_Group]) -> str:
-        kept = [g.label for g in outside if not g.by_rows]
-        rows = [g.label for g in outside if g.by_rows]
-        words = ", ".join(kept) or "nothing"
-        if rows:
-            words += f", and a row buffer for {', '.join(rows)} (read by rows)"
-        return words
-
-    def _pool_bytes(self) -> int:
-        """Pinned host memory: the resident groups on CPU (on CUDA they live on the GPU), the in-host layers, the
-        slots and the row buffer."""
-        resident = self.resident_bytes if self.device.type == "cpu" else 0
-        return max(
-            ALIGN,
-            resident
-            + self.in_host_bytes
-            + self.slot_count * self.slot_bytes
-            + self.decode_bytes
-            + self.row_buffer_bytes,
+        self._row_fd: Optional[int] = None  # the swap file, opened by the first read of embedding rows
+        super().__init__(
+            model,
+            source,
+            host_budget,
+            nvme_path,
+            device=device,
+            dtype=dtype,
+            max_slots=max_slots,
+            progress=progress,
+            device_budget=device_budget,
+            encode=encode,
         )
 
-    @property
-    def streamed_groups(self) -> List[_Group]:
-        """The layers brought in whole every forward pass through the slots, in order (from the swap file, or on
-        CUDA from pinned host memory)."""
-        return [g for g in self.groups if not g.resident and not g.by_rows]
+    # ------------------------------------------------------------------------------------------ embedding rows
 
-    @property
-    def swap_groups(self) -> List[_Group]:
-        """The streamed layers read from the swap file."""
-        return [g for g in self.streamed_groups if not g.in_host]
-
-    @property
-    def in_host_bytes(self) -> int:
-        """Bytes of the layers kept in pinned host memory and copied to the GPU every pass (CUDA only)."""
-        return sum(g.nbytes for g in self.groups if g.in_host)
-
-    @property
-    def row_groups(self) -> List[_Group]:
-        """The embedding tables read by rows."""
-        return [g for g in self.groups if g.by_rows]
-
-    @property
-    def by_rows_bytes(self) -> int:
-        """Bytes of the tables read by rows (in the swap file, not in memory)."""
-        return sum(g.nbytes for g in self.row_groups)
-
-    @property
-    def streamed_bytes(self) -> int:
-        """Bytes read from the swap file per forward pass (the layers neither resident nor in host memory;
-        encoded, when they are)."""
-        return sum(g.read_nbytes for g in self.swap_groups)
-
-    @property
-    def streamed_weight_bytes(self) -> int:
-        """The weights' bytes of the layers read from the swap file per forward pass (before encoding)."""
-        return sum(g.nbytes for g in self.swap_groups)
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(g.nbytes for g in self.groups if g.resident)
-
-    # ------------------------------------------------------------------------------------------ lay-out
-
-    def _fill(self, g: _Group, out: torch.Tensor) -> None:
-        """The group's bytes from the source into ``out`` (uint8, g.nbytes), converting dtypes where asked."""
-        for m in g.members:
-            if m.name:
-                self._read_member(m, out[m.offset : m.offset + m.nbytes])
-
-    def _read_member(self, m: _Member, dst: torch.Tensor) -> None:
-        entry = self.source.tensors[m.name]
-        if entry.dtype == m.dtype:
-            self.source.read_into(m.name, dst)
-        else:
-            tmp = torch.empty(entry.nbytes, dtype=torch.uint8)
-            self.source.read_into(m.name, tmp)
-            dst.view(m.dtype).copy_(tmp.view(entry.dtype))
-
-    def _fill_encoded(self, g: _Group, out: torch.Tensor) -> None:
-        """The group's encoded bytes into ``out`` (uint8, g.encoded_nbytes), through the decode buffer."""
-        staged = self.decode_buffer
-        self._fill(g, staged)
-        for m in g.members:
-            if not m.name:
-                continue
-            raw = staged[m.offset : m.offset + m.nbytes]
-            if m.book is None:
-                out[m.encoded_offset : m.encoded_offset + m.nbytes].copy_(raw)
-            else:
-                encode_into(raw, m.book, out[m.encoded_offset : m.encoded_offset + m.book.nbytes])
-
-    def _decode(self, g: _Group, encoded: torch.Tensor) -> None:
-        """Group ``g``'s bytes into the decode buffer from its encoded bytes ``encoded``."""
-        out = self.decode_buffer
-        for m in g.members:
-            if not m.name:
-                continue
-            if m.book is None:
-                out[m.offset : m.offset + m.nbytes].copy_(encoded[m.encoded_offset : m.encoded_offset + m.nbytes])
-            else:
-                decode_into(
-                    encoded[m.encoded_offset : m.encoded_offset + m.book.nbytes],
-                    m.book,
-                    out[m.offset : m.offset + m.nbytes],
-                )
-
-    def _lay_out(self, nvme_path: str) -> None:
-        start = time.perf_counter()
-        for g in self.groups:
-            if g.resident and self.device.type == "cpu":
-                g.buffer = self.pool.allocate(g.nbytes)
-                self._fill(g, g.buffer)
-            elif g.resident:  # staged through unpinned memory freed at once: the GPU holds the group's only copy
-                staging = torch.empty(g.nbytes, dtype=torch.uint8)
-                self._fill(g, staging)
-                g.buffer = staging.to(self.device)
-                del staging
-            elif g.in_host:
-                g.buffer = self.pool.allocate(g.nbytes)
-                self._fill(g, g.buffer)
-                continue
-            else:
-                continue
-            self._bind(g, g.buffer)
-        self.stats["layout_bytes"] = self.resident_bytes + self.in_host_bytes
-        streamed = self.swap_groups
-        if (streamed or self.row_groups) and not nvme_path:
-            raise HostBudgetTooSmall(
-                f"the weights ({format_size(self.source.nbytes)}) do not fit the host budget "
-                f"{format_size(self.host_budget)}: give `nvme_path` DIR (a folder on the NVMe SSD) to stream "
-                f"{format_size(self.streamed_bytes + self.by_rows_bytes)} of them from, or a `host_budget` above "
-                f"{format_size(sum(g.nbytes for g in self.groups))}"
-            )
-        if streamed or self.row_groups:
-            os.makedirs(nvme_path, exist_ok=True)
-            self.space = SwapSpace(nvme_path, rank=0)
-            self.file = self.space.create_file("weights", self.engine)
-        if self.row_groups:
-            self.row_buffer = self.pool.allocate(self.row_buffer_bytes)
-            for g in self.row_groups:
-                self._lay_out_rows(g)
-                self._bind_placeholder(g)
-                self.stats["layout_bytes"] += g.nbytes
-                self._progress(f"laid out {g.label} (read by rows)")
-        if self.decode_bytes:
-            self.decode_buffer = self.pool.allocate(self.decode_bytes)
-        if self.slot_count:
-            for _ in range(self.slot_count):
-                slot = _Slot(self.pool.allocate(self.slot_bytes))
-                if self.device.type == "cuda":
-                    slot.device = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-                self.slots.append(slot)
-            # Write through two slots: one fills from the source while the other is being written.
-            pending = [None] * len(self.slots)
-            for i, g in enumerate(streamed):
-                k = i % len(self.slots)
-                if pending[k] is not None:
-                    pending[k].wait()
-                g.extent = self.file.allocate(g.read_nbytes)
-                buf = self.slots[k].host[: g.read_nbytes]
-                if g.encoded_nbytes:
-                    self._fill_encoded(g, buf)
-                else:
-                    self._fill(g, buf)
-                pending[k] = self.engine.write_async(buf, self.file.handle, g.extent.offset)
-                self.stats["layout_bytes"] += g.nbytes
-                self._progress(f"laid out {g.label} ({i + 1}/{len(streamed)})")
-            for p in pending:
-                if p is not None:
-                    p.wait()
-            # Until a streamed group is first read its parameters are views of a slot or of the decode buffer
-            # (never used: the hooks bind the right bytes first), so model.device and dtype read right before the
-            # first forward.
-            for g in self.streamed_groups:
-                if g.encoded_nbytes:
-                    self._bind(g, self.decode_buffer)
-                else:
-                    self._bind(g, self.slots[0].device if self.slots[0].device is not None else self.slots[0].host)
-        for g in self.groups:  # tied parameters: the very tensor of their first owner (both groups resident)
-            for m in g.members:
-                if m.tied_to is not None:
-                    module, attr = m.tied_to
-                    m.module._parameters[m.attr] = module._parameters[attr]
-        self.stats["layout_s"] = time.perf_counter() - start
-
-    def _lay_out_rows(self, g: _Group) -> None:
-        """Write table ``g`` into its extent through the row buffer, a buffer's worth at a time."""
-        m = g.members[0]
-        entry = self.source.tensors[m.name]
-        assert m.offset == 0, "a table read by rows is its group's one tensor"
-        g.extent = self.file.allocate(g.nbytes)
-        buf = self.row_buffer
-        chunk = buf.numel()  # a multiple of 4 KiB, so every chunk but the last is whole elements and pages
-        src_item, dst_item = entry.dtype.itemsize, m.dtype.itemsize
-        for b0 in range(0, m.nbytes, chunk):
-            b1 = min(m.nbytes, b0 + chunk)
-            dst = buf[: b1 - b0]
-            if entry.dtype == m.dtype:
-                self.source.read_range_into(m.name, b0, dst)
-            else:
-                tmp = torch.empty((b1 - b0) // dst_item * src_item, dtype=torch.uint8)
-                self.source.read_range_into(m.name, b0 // dst_item * src_item, tmp)
-                dst.view(m.dtype).copy_(tmp.view(entry.dtype))
-            n = align_up(b1 - b0)
-            buf[b1 - b0 : n].zero_()
-            self.engine.write(buf[:n], self.file.handle, g.extent.offset + b0)
-
-    def _bind_placeholder(self, g: _Group) -> None:
-        """Between forwards a table read by rows is one value seen at every position: its parameter keeps the
-        table's shape, dtype and device (``model.device`` and ``model.dtype`` read them) without its bytes."""
-        m = g.members[0]
-        t = torch.zeros(1, dtype=m.dtype, device=self.device).expand(m.shape)
-        m.module._parameters[m.attr] = torch.nn.Parameter(t, requires_grad=False)
-
-    def _read_rows(self, g: _Group, ids: List[int]) -> torch.Tensor:
+    def _read_rows(self, g: Group, ids: List[int]) -> torch.Tensor:
         """Rows ``ids`` (sorted, distinct) of table ``g`` from the swap file, as a [len(ids), width] tensor.
 
         Consecutive ids are one run of bytes; each run is read with the 4 KiB pages around it, runs whose pages
@@ -749,14 +192,6 @@ class StreamedWeights:
                 )
             done += got
 
-    @staticmethod
-    def _bind(g: _Group, buffer: torch.Tensor) -> None:
-        for m in g.members:
-            if not m.name:
-                continue
-            view = buffer[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
-            m.module._parameters[m.attr] = torch.nn.Parameter(view, requires_grad=False)
-
     # ------------------------------------------------------------------------------------------ streaming
 
     def attach(self) -> None:
@@ -778,7 +213,7 @@ class StreamedWeights:
             self._hooks.append(g.module.register_forward_hook(self._make_post_hook(g)))
         self._issue_reads()
 
-    def _slot_of(self, g: _Group) -> Optional[_Slot]:
+    def _slot_of(self, g: Group) -> Optional[Slot]:
         for s in self.slots:
             if s.group is g:
                 return s
@@ -804,7 +239,7 @@ class StreamedWeights:
                 self.stats["bytes_read"] += g.read_nbytes
             self._next_to_issue = (self._next_to_issue + 1) % len(self._order)
 
-    def _make_rows_pre_hook(self, g: _Group):
+    def _make_rows_pre_hook(self, g: Group):
         m = g.members[0]
         vocab = m.shape[0]
 
@@ -829,7 +264,7 @@ class StreamedWeights:
 
         return pre_hook
 
-    def _make_rows_post_hook(self, g: _Group):
+    def _make_rows_post_hook(self, g: Group):
         padding_idx = g.module.padding_idx
 
         def post_hook(module, args, output):
@@ -839,7 +274,7 @@ class StreamedWeights:
 
         return post_hook
 
-    def _make_pre_hook(self, g: _Group):
+    def _make_pre_hook(self, g: Group):
         def pre_hook(module, args):
             s = self._slot_of(g)
             if s is None:  # out of the cyclic order (a forward that skipped layers): read it now
@@ -872,14 +307,14 @@ class StreamedWeights:
                 self.stats["decode_s"] += time.perf_counter() - t0
                 s.group, s.ready = None, False
                 self._issue_reads()
-                self._bind(g, self.decode_buffer)
+                g.bind(self.decode_buffer)
                 return None
-            self._bind(g, s.device if s.device is not None else s.host)
+            g.bind(s.device if s.device is not None else s.host)
             return None
 
         return pre_hook
 
-    def _make_post_hook(self, g: _Group):
+    def _make_post_hook(self, g: Group):
         def post_hook(module, args, output):
             s = self._slot_of(g)
             if s is not None:
@@ -900,19 +335,4 @@ class StreamedWeights:
         if self._row_fd is not None:
             os.close(self._row_fd)
             self._row_fd = None
-        for s in self.slots:
-            if s.request is not None:
-                try:
-                    s.request.wait()
-                except OSError:
-                    pass
-                s.request = None
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-        if self.space is not None:
-            self.space.close()
-            self.space = None
-        if getattr(self, "engine", None) is not None:
-            self.engine.shutdown()
-            self.engine = None
+        super().close()

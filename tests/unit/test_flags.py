@@ -107,6 +107,9 @@ def test_nothing_below_the_commands_imports_argparse_or_names_a_flag_of_its_own_
     for rel in (
         "inference/generate.py",
         "inference/streamed.py",
+        "inference/weight_groups.py",
+        "inference/weight_layout.py",
+        "inference/weight_plan.py",
         "engine/disk.py",
         "job/train.py",
         "job/checkpoints.py",
