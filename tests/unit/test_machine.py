@@ -2,7 +2,8 @@
 
 import os
 
-from aidaptiv_ds.harness.machine import cpu_line, disk_of, machine_info, summary
+from aidaptiv_ds.engine.disk import disk_of
+from aidaptiv_ds.harness.machine import cpu_line, machine_info, summary
 
 
 def test_machine_info_has_the_row_fields(tmp_path):
