@@ -286,7 +286,7 @@ class Run:
         it (the planner's figures for this node's ranks; see aidaptiv_ds.planner.guard). Presets and
         Llama-shaped directories only: another architecture is sized once built, as before."""
         from aidaptiv_ds.config import ds_config
-        from aidaptiv_ds.config.host import total_ram_bytes
+        from aidaptiv_ds.engine.machine import total_ram_bytes
         from aidaptiv_ds.planner.guard import launch_problems
         from aidaptiv_ds.planner.shapes import LLAMA_LIKE, shape_of_config
 
