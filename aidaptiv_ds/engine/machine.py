@@ -143,35 +143,37 @@ def physical_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def own_cgroups(text: Optional[str] = None) -> Dict[str, str]:
+    """{controller, or '' for cgroup v2: this process's cgroup path} from /proc/self/cgroup (or ``text``, in
+    its format)."""
+    out = {}
+    for line in (text if text is not None else read_fact("/proc/self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(",") if parts[1] else [""]:
+                out[controller] = parts[2]
+    return out
+
+
 def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
     """The tightest memory limit on this process's cgroup and its ancestors (v2 memory.max, or v1
     memory.limit_in_bytes), or None when there is none."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
+    text = read_fact(proc_cgroup)
+    if text is None:
         return None
+    own = own_cgroups(text)
     candidates = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            base, name = root, "memory.max"  # cgroup v2
-        elif "memory" in controllers.split(","):
-            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"  # cgroup v1
-        else:
+    for base, name, path in (
+        (root, "memory.max", own.get("")),  # cgroup v2
+        (os.path.join(root, "memory"), "memory.limit_in_bytes", own.get("memory")),  # cgroup v1
+    ):
+        if path is None:
             continue
         path = path.strip("/")
         while True:
-            try:
-                with open(os.path.join(base, path, name)) as f:
-                    text = f.read().strip()
-                if text.isdigit() and int(text) < (1 << 60):  # v1 writes a huge number for "no limit"
-                    candidates.append(int(text))
-            except OSError:
-                pass
+            text = read_fact(os.path.join(base, path, name)) or ""
+            if text.isdigit() and int(text) < (1 << 60):  # v1 writes a huge number for "no limit"
+                candidates.append(int(text))
             if not path:
                 break
             path = os.path.dirname(path)
