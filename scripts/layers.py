@@ -59,8 +59,8 @@ LAYERS = [
     ),
     (
         ("engine", "models"),
-        "engine: bytes between pinned memory and a disk (the C++ `_C`, its Python face, "
-        "tuning, disk facts); models: presets and the byte tokenizer",
+        "engine: bytes between pinned memory and a disk (the C++ `_C`, its Python face, tuning), and "
+        "what is known of this machine (disks, CPU, GPUs, memory, limits); models: presets and the byte tokenizer",
     ),
     (("common",), "leaves that import nothing of ours: sizes, durable files, heap settings, metrics"),
 ]

@@ -100,11 +100,10 @@ def run(args) -> int:
             created = directory = tempfile.mkdtemp(prefix=".io-bench-", dir=os.getcwd())
         elif not os.path.isdir(directory):
             raise ValueError(f"--nvme-path {directory} is not a directory: create it or choose another")
-        with open("/proc/self/mounts") as f:
-            try:
-                mount = check_dir(directory, f.read())
-            except UnsuitableDisk as e:
-                raise ValueError(f"--nvme-path {e}") from None
+        try:
+            mount = check_dir(directory)
+        except UnsuitableDisk as e:
+            raise ValueError(f"--nvme-path {e}") from None
         free = shutil.disk_usage(directory).free
         if free < size * 1.1:
             raise ValueError(

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import sys
-from typing import List, Optional
+from typing import List
 
 from aidaptiv_ds.commands import flags
 from aidaptiv_ds.common.sizes import GiB, parse_size
@@ -262,17 +262,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _cuda_total() -> Optional[int]:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
-    except Exception:  # a broken CUDA install: plan for the CPU, as without one
-        pass
-    return None
-
-
 def _nvme_free(dirs: List[str]) -> int:
     seen, free = set(), 0
     for d in dirs:
@@ -302,9 +291,10 @@ def _run(args) -> int:
     for d in nvme_dirs:
         if not os.path.isdir(d):
             raise ValueError(f"--nvme-path {d} is not a directory: give an existing directory on the swap disk")
-    gpu_mem = args.gpu_mem if args.gpu_mem is not None else _cuda_total()
-    from aidaptiv_ds.config.host import budget_bytes, total_ram_bytes
+    from aidaptiv_ds.config.host import budget_bytes
+    from aidaptiv_ds.engine.machine import cuda_memory_bytes, total_ram_bytes
 
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else cuda_memory_bytes()
     host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
     given = {
         "nvme_read": args.nvme_read_bw,

@@ -1,5 +1,6 @@
-"""This node, as far as the host budget depends on it: its RAM (or the memory cgroup's limit), the ranks
-sharing it, the memlock limit, and the check that a budget fits them."""
+"""This node, as far as the host budget depends on it: the ranks sharing it, one rank's budget in bytes, and the
+check that the budget fits the node's RAM (or its memory cgroup's limit) and its memlock limit, which
+:mod:`aidaptiv_ds.engine.machine` reads."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from aidaptiv_ds.config.schema import (
     parse_host_budget,
     parse_retention,
 )
+from aidaptiv_ds.engine import machine  # by module: tests replace machine.total_ram_bytes and memlock_limit
 
 # Where launchers say how many ranks run on this node: torchrun/accelerate, the deepspeed launcher, Open MPI.
 LOCAL_RANK_COUNT_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -29,74 +31,15 @@ def local_rank_count(env=None) -> int:
     return 1
 
 
-def _cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """The tightest memory limit on this process's cgroup and its ancestors (v2 memory.max, or v1
-    memory.limit_in_bytes), or None when there is none."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    candidates = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            base, name = root, "memory.max"  # cgroup v2
-        elif "memory" in controllers.split(","):
-            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"  # cgroup v1
-        else:
-            continue
-        path = path.strip("/")
-        while True:
-            try:
-                with open(os.path.join(base, path, name)) as f:
-                    text = f.read().strip()
-                if text.isdigit() and int(text) < (1 << 60):  # v1 writes a huge number for "no limit"
-                    candidates.append(int(text))
-            except OSError:
-                pass
-            if not path:
-                break
-            path = os.path.dirname(path)
-    return min(candidates) if candidates else None
-
-
-def total_ram_bytes() -> int:
-    """Memory this process may use: physical RAM, or its cgroup's limit when lower (a container, a SLURM
-    job, a sweep's host cap), so that a budget given as a share of RAM stays inside such a limit."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit = _cgroup_memory_limit()
-    return min(physical, limit) if limit else physical
-
-
 def budget_bytes(host_memory_budget, ram_bytes: Optional[int], local_ranks: Optional[int] = None) -> int:
     """One rank's budget in bytes: a share of RAM is a share of ``ram_bytes`` (read here when None), and a
     per-node amount is split between ``local_ranks`` (read from the launcher's environment when None)."""
     nbytes, fraction, scope = parse_host_budget(host_memory_budget)
     if fraction is not None:
-        nbytes = int(fraction * (ram_bytes if ram_bytes is not None else total_ram_bytes()))
+        nbytes = int(fraction * (ram_bytes if ram_bytes is not None else machine.total_ram_bytes()))
     if scope == PER_NODE:
         nbytes //= local_ranks or local_rank_count()
     return nbytes
-
-
-def memlock_limit() -> Optional[int]:
-    """The locked-memory limit (ulimit -l) in bytes that mlock and io_uring buffer registration are held to,
-    or None when they are not (unlimited, or the process has CAP_IPC_LOCK)."""
-    import resource
-
-    try:
-        with open("/proc/self/status") as f:
-            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
-        if int(caps, 16) & (1 << 14):  # CAP_IPC_LOCK
-            return None
-    except (OSError, ValueError):
-        pass
-    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional[int] = None) -> List[str]:
@@ -130,7 +73,7 @@ def check_host_budget(cfg: AidaptivConfig, ram_bytes: int, local_ranks: Optional
             f"{ram_bytes / GiB:.2f} GiB of RAM (the machine's, or its cgroup's limit): lower it (a share such "
             'as "25%" or a size per node such as "64GiB/node" is split between the node\'s ranks)'
         ]
-    limit = memlock_limit()
+    limit = machine.memlock_limit()
     pinned = node if cfg.register_buffers else per_rank
     if limit is not None and pinned > limit and os.environ.get("LOCAL_RANK", "0") == "0":
         import logging

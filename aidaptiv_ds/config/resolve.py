@@ -30,11 +30,12 @@ import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 from aidaptiv_ds.common.sizes import GiB
-from aidaptiv_ds.config import host  # by module: tests replace host.total_ram_bytes
+from aidaptiv_ds.config import host
 from aidaptiv_ds.config.ds_config import ConfigError, lookalike_blocks, precision_enabled
 from aidaptiv_ds.config.schema import _NVME_PATH_REQUIRED, BLOCK, _parse_block, block_of
 from aidaptiv_ds.config.settings import SwapSettings
 from aidaptiv_ds.config.translate import auto_keys, to_deepspeed_config
+from aidaptiv_ds.engine import machine  # by module: tests replace machine.total_ram_bytes
 
 
 def _read_only_mount(path: str) -> bool:
@@ -160,7 +161,7 @@ def validate(
             problems.append(_NVME_PATH_REQUIRED)
         elif check_paths:
             problems.extend(_check_nvme_path(cfg.nvme_path, needed_bytes))
-        ram = host.total_ram_bytes()
+        ram = machine.total_ram_bytes()
         problems.extend(host.check_host_budget(cfg, ram))
     if problems:
         raise ConfigError(problems)

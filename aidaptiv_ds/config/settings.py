@@ -110,8 +110,8 @@ class SwapSettings:
     ) -> "SwapSettings":
         """Resolve a block (a dict, or one pydantic already parsed) that names its ``nvme_path``.
 
-        ``ram_bytes`` is the memory this node may use; it is read (:func:`total_ram_bytes`, which reads
-        the cgroup files) only when the budget is a share of RAM and it is not given. ``local_ranks`` (the
+        ``ram_bytes`` is the memory this node may use; it is read (``engine.machine.total_ram_bytes``, which
+        reads the cgroup files) only when the budget is a share of RAM and it is not given. ``local_ranks`` (the
         ranks on this node, :func:`local_rank_count` when not given) splits a per-node budget; the result is
         this rank's share. Raises :class:`ConfigError` for a block that does not parse or has no
         ``nvme_path``."""

@@ -1,12 +1,21 @@
-"""What is known of the disk under a folder: its mount (filesystem type, device), its block device, and
-whether the folder can take O_DIRECT I/O at all (:func:`check_dir`); used by io-bench, the rate cache and
-the planner."""
+"""What is known of this machine's disks: the mount table (the one reader of /proc/self/mounts), the mount and
+block device under a folder (the whole disk's name, model, size, whether it rotates, how much one request may
+carry), its free space, and whether the folder can take O_DIRECT I/O at all (:func:`check_dir`).
+
+io-bench, the rate cache, the planner, the sweep's rows (:func:`disk_of`), the harness's host cap (the cgroup
+mounts) and ``aidaptiv-ds env`` (:func:`disk_facts`) read the disks here; the rest of the machine is
+:mod:`aidaptiv_ds.engine.machine`'s.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+import shutil
+from typing import Dict, List, Optional, Tuple
 
+from aidaptiv_ds.engine.machine import read_fact
+
+MOUNTS = "/proc/self/mounts"
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 
 
@@ -15,49 +24,139 @@ class UnsuitableDisk(ValueError):
     names the folder (the caller's parameter names its role)."""
 
 
-# -- the machine and the disk -----------------------------------------------------------------------
+# -- mounts -----------------------------------------------------------------------------------------------
 def _unescape_mount(field: str) -> str:
     return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
 
-def mount_of(path: str, mounts_text: str) -> Dict[str, str]:
-    """The mount holding path: {'mountpoint', 'fstype', 'source'}, by longest mountpoint prefix."""
-    path = os.path.realpath(path)
-    best = {"mountpoint": "/", "fstype": "unknown", "source": "unknown"}
-    best_len = -1
+def read_mounts() -> str:
+    """The text of /proc/self/mounts (OSError when it cannot be read: no /proc)."""
+    with open(MOUNTS) as f:
+        return f.read()
+
+
+def mount_table(mounts_text: Optional[str] = None) -> List[Dict[str, str]]:
+    """[{'source', 'mountpoint', 'fstype', 'options'}] in mount order, from ``mounts_text`` (/proc/self/mounts's
+    format) or, when None, from /proc/self/mounts ([] when it cannot be read)."""
+    if mounts_text is None:
+        try:
+            mounts_text = read_mounts()
+        except OSError:
+            mounts_text = ""
+    table = []
     for line in mounts_text.splitlines():
         fields = line.split()
         if len(fields) < 3:
             continue
-        source, mountpoint, fstype = _unescape_mount(fields[0]), _unescape_mount(fields[1]), fields[2]
+        table.append(
+            {
+                "source": _unescape_mount(fields[0]),
+                "mountpoint": _unescape_mount(fields[1]),
+                "fstype": fields[2],
+                "options": fields[3] if len(fields) > 3 else "",
+            }
+        )
+    return table
+
+
+def mount_of(path: str, mounts_text: Optional[str] = None) -> Dict[str, str]:
+    """The mount holding path: {'mountpoint', 'fstype', 'source'}, by longest mountpoint prefix, from
+    ``mounts_text`` (/proc/self/mounts's format) or, when None, from /proc/self/mounts."""
+    path = os.path.realpath(path)
+    best = {"mountpoint": "/", "fstype": "unknown", "source": "unknown"}
+    best_len = -1
+    for m in mount_table(mounts_text):
+        mountpoint = m["mountpoint"]
         inside = path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
         if inside and len(mountpoint) >= best_len:  # later mounts over the same point win
-            best, best_len = {"mountpoint": mountpoint, "fstype": fstype, "source": source}, len(mountpoint)
+            best, best_len = {"mountpoint": mountpoint, "fstype": m["fstype"], "source": m["source"]}, len(mountpoint)
     return best
 
 
-def block_device(path: str) -> Dict[str, Optional[str]]:
-    """The block device under path's filesystem (the whole disk for a partition), and whether it rotates."""
+def nearest_existing(path: str) -> str:
+    """``path`` made absolute, or its nearest parent that exists (a swap folder is made by its first run)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and p != "/":
+        p = os.path.dirname(p)
+    return p
+
+
+# -- block devices ----------------------------------------------------------------------------------------
+def _sys_nodes(path: str) -> Optional[Tuple[str, str]]:
+    """The /sys nodes of the block device under path's file system and of its whole disk (the same node unless
+    the device is a partition), or None when no local block device is behind it (overlay, tmpfs, NFS, Lustre)."""
     st = os.stat(path)
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    sys_dev = f"/sys/dev/block/{major}:{minor}"
-    if major == 0 or not os.path.exists(sys_dev):
-        return {"device": None, "rotational": None}
+    sys_dev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    if os.major(st.st_dev) == 0 or not os.path.exists(sys_dev):
+        return None
     node = os.path.realpath(sys_dev)
-    name = os.path.basename(node)
-    disk = os.path.basename(os.path.dirname(node)) if os.path.exists(os.path.join(node, "partition")) else name
-    rotational = None
+    return node, os.path.dirname(node) if os.path.exists(os.path.join(node, "partition")) else node
+
+
+def block_device(path: str) -> Dict[str, Optional[str]]:
+    """The block device under path's filesystem (the partition when it is one), and whether its disk rotates."""
+    nodes = _sys_nodes(path)
+    if nodes is None:
+        return {"device": None, "rotational": None}
+    node, disk = nodes
+    rot = read_fact(f"/sys/block/{os.path.basename(disk)}/queue/rotational")
+    return {"device": f"/dev/{os.path.basename(node)}", "rotational": None if rot is None else rot == "1"}
+
+
+def disk_model(name: str) -> Optional[str]:
+    """The model a whole disk (``nvme0n1``, ``sda``) reports in /sys, or None (virtio disks report none)."""
+    return read_fact(f"/sys/block/{name}/device/model")
+
+
+def queue_limits(disk: Optional[str]) -> Dict[str, Optional[int]]:
+    """A whole disk's request limits: a request longer than max_segments DMA segments, or than max_sectors_kb,
+    is split."""
+    out = {}
+    for key in ("max_segments", "max_sectors_kb"):
+        text = read_fact(f"/sys/block/{disk}/queue/{key}") if disk else None
+        out[key] = int(text) if text and text.isdigit() else None
+    return out
+
+
+def disk_of(path: str) -> dict:
+    """Device, model, rotational flag and file system of the disk holding ``path`` (or its nearest existing
+    parent: the swap folder does not exist before the first cell), as a benchmark row records it; every fact
+    that cannot be read is None."""
+    p = os.path.realpath(nearest_existing(path))
+    mount = mount_of(p)
+    info = {
+        "path": os.path.abspath(path),
+        "mount": mount["mountpoint"],
+        "filesystem": mount["fstype"],
+        "source": mount["source"],
+        "device": None,
+        "model": None,
+        "rotational": None,
+        "size_gb": None,
+    }
     try:
-        with open(f"/sys/block/{disk}/queue/rotational") as f:
-            rotational = f.read().strip() == "1"
+        nodes = _sys_nodes(p)
     except OSError:
-        pass
-    return {"device": f"/dev/{name}", "rotational": rotational}
+        return info
+    if nodes is None:
+        return info
+    disk = nodes[1]
+    info["device"] = os.path.basename(disk)
+    model = disk_model(info["device"])
+    if model is None and info["device"].startswith("vd"):
+        model = "virtio disk"
+    info["model"] = model
+    rot = read_fact(os.path.join(disk, "queue", "rotational"))
+    info["rotational"] = None if rot is None else rot == "1"
+    sectors = read_fact(os.path.join(disk, "size"))
+    info["size_gb"] = None if sectors is None else round(int(sectors) * 512 / 1e9, 1)
+    return info
 
 
-def check_dir(path: str, mounts_text: str) -> Dict[str, str]:
-    """Refuse memory filesystems and filesystems that refuse O_DIRECT; return the mount."""
-    mount = mount_of(path, mounts_text)
+def check_dir(path: str, mounts_text: Optional[str] = None) -> Dict[str, str]:
+    """Refuse memory filesystems and filesystems that refuse O_DIRECT; return the mount. ``mounts_text`` is
+    /proc/self/mounts's format, read here when None (OSError when it cannot be)."""
+    mount = mount_of(path, read_mounts() if mounts_text is None else mounts_text)
     if mount["fstype"] in MEMORY_FILESYSTEMS:
         raise UnsuitableDisk(
             f"{path} is on {mount['fstype']} (memory, not a disk): choose a directory on the disk (the SSD)"
@@ -76,3 +175,25 @@ def check_dir(path: str, mounts_text: str) -> Dict[str, str]:
         if os.path.exists(probe):
             os.unlink(probe)
     return mount
+
+
+def disk_facts(path: str) -> dict:
+    """Everything known of the disk under ``path`` (or its nearest existing parent): what a row records of it
+    (:func:`disk_of`), its request limits, its free space, and whether O_DIRECT works there ("works", or the
+    sentence saying why not)."""
+    info = disk_of(path)
+    info.update(queue_limits(info.get("device")))
+    probe = nearest_existing(path)
+    try:
+        info["free_gb"] = round(shutil.disk_usage(probe).free / 1e9, 1)
+    except OSError as e:
+        info["free_gb"] = None
+        info["free_error"] = str(e)
+    try:
+        check_dir(probe)
+        info["o_direct"] = "works"
+    except UnsuitableDisk as e:
+        info["o_direct"] = str(e)
+    except OSError as e:
+        info["o_direct"] = f"not checked ({e.strerror or e})"
+    return info

@@ -45,17 +45,15 @@ def save_cache(entries: dict, path: Optional[str] = None) -> None:
 
 def disk_key(directory: str) -> str:
     """The cache key of the disk under ``directory``: its st_dev and the disk's model."""
-    from aidaptiv_ds.engine.disk import block_device
+    from aidaptiv_ds.engine.disk import block_device, disk_model
 
     st = os.stat(directory)
     dev = block_device(directory).get("device") or ""
     name = os.path.basename(dev)
-    model = ""
+    # The device may be a partition (nvme0n1p1, sda1); the model is its disk's.
+    model = None
     for candidate in (name, name.rstrip("0123456789").rstrip("p")):
-        try:
-            with open(f"/sys/block/{candidate}/device/model") as f:
-                model = f.read().strip()
-                break
-        except OSError:
-            continue
+        model = disk_model(candidate)
+        if model:
+            break
     return f"disk:{os.major(st.st_dev)}:{os.minor(st.st_dev)}:{model or name or 'unknown'}"

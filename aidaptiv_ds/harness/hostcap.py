@@ -28,6 +28,9 @@ import sys
 import time
 from typing import Optional
 
+from aidaptiv_ds.engine.disk import mount_table
+from aidaptiv_ds.engine.machine import own_cgroups
+
 MECHANISMS = ("auto", "cgroup2", "cgroup1", "rss-watchdog")
 
 
@@ -42,28 +45,6 @@ def _read(path: str) -> Optional[str]:
 def _write(path: str, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
-
-
-def _mounts(text: Optional[str] = None) -> list[tuple[str, str, str]]:
-    """[(mount point, fstype, super options)] from /proc/self/mountinfo (or ``text``)."""
-    out = []
-    for line in (text if text is not None else _read("/proc/self/mountinfo") or "").splitlines():
-        left, _, right = line.partition(" - ")
-        f, r = left.split(), right.split()
-        if len(f) >= 5 and len(r) >= 3:
-            out.append((f[4], r[0], r[2]))
-    return out
-
-
-def _own_cgroups(text: Optional[str] = None) -> dict[str, str]:
-    """{controller or '' for v2: path} from /proc/self/cgroup (or ``text``)."""
-    out = {}
-    for line in (text if text is not None else _read("/proc/self/cgroup") or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            for ctrl in parts[1].split(",") if parts[1] else [""]:
-                out[ctrl] = parts[2]
-    return out
 
 
 class CellCgroup:
@@ -161,12 +142,12 @@ class CgroupFactory:
         return cg
 
 
-def _probe_v2(mountinfo: Optional[str] = None, cgroup: Optional[str] = None) -> tuple[Optional[CgroupFactory], str]:
+def _probe_v2(mounts_text: Optional[str] = None, cgroup: Optional[str] = None) -> tuple[Optional[CgroupFactory], str]:
     """The nearest cgroup, ours or an ancestor, whose children get the memory controller. (Ours usually has
     processes, and a v2 cgroup with processes cannot enable controllers for children, so the cell cgroup is
     often made beside ours.)"""
-    mounts = [m for m, fs, _ in _mounts(mountinfo) if fs == "cgroup2"]
-    own = _own_cgroups(cgroup).get("")
+    mounts = [m["mountpoint"] for m in mount_table(mounts_text) if m["fstype"] == "cgroup2"]
+    own = own_cgroups(cgroup).get("")
     if not mounts or own is None:
         return None, "no cgroup2 mount"
     why = "cgroup2 has no memory controller"
@@ -184,9 +165,13 @@ def _probe_v2(mountinfo: Optional[str] = None, cgroup: Optional[str] = None) -> 
     return None, why
 
 
-def _probe_v1(mountinfo: Optional[str] = None, cgroup: Optional[str] = None) -> tuple[Optional[CgroupFactory], str]:
-    mounts = [m for m, fs, opts in _mounts(mountinfo) if fs == "cgroup" and "memory" in opts.split(",")]
-    own = _own_cgroups(cgroup).get("memory")
+def _probe_v1(mounts_text: Optional[str] = None, cgroup: Optional[str] = None) -> tuple[Optional[CgroupFactory], str]:
+    mounts = [
+        m["mountpoint"]
+        for m in mount_table(mounts_text)
+        if m["fstype"] == "cgroup" and "memory" in m["options"].split(",")
+    ]
+    own = own_cgroups(cgroup).get("memory")
     if not mounts or own is None:
         return None, "no cgroup v1 memory controller"
     d = os.path.normpath(mounts[0] + own)

@@ -31,7 +31,9 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from aidaptiv_ds.engine import machine
 from aidaptiv_ds.engine.disk import block_device
+from aidaptiv_ds.harness.machine import cpu_line
 
 ENGINES = ("uring", "posix", "deepspeed", "fio")
 
@@ -44,21 +46,13 @@ def default_engines() -> List[str]:
 
 
 def machine_info(path: str, mount: Dict[str, str]) -> dict:
-    import psutil
-
-    try:
-        import cpuinfo
-
-        cpu = cpuinfo.get_cpu_info().get("brand_raw") or platform.processor()
-    except Exception:  # py-cpuinfo can fail on unusual CPUs; the rest still describes the machine
-        cpu = platform.processor() or "unknown"
-    from aidaptiv_ds.harness.machine import cpu_flags
-
+    """The row's machine block: the CPU, RAM, kernel, and the disk under ``path`` (``mount`` is what
+    :func:`aidaptiv_ds.engine.disk.check_dir` returned for it)."""
     info = {
-        "cpu": cpu,
-        "cpu_flags": cpu_flags(),
+        "cpu": machine.cpu_model() or platform.processor() or "unknown",
+        "cpu_flags": machine.cpu_flags(),
         "cores": os.cpu_count(),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "ram_gib": round(machine.physical_ram_bytes() / 2**30, 1),
         "kernel": platform.release(),
         "python": platform.python_version(),
         "dir": os.path.realpath(path),
@@ -285,8 +279,6 @@ def comparisons(engines: dict) -> List[str]:
 def format_table(result: dict) -> str:
     m, c = result["machine"], result["config"]
     rotational = {True: "rotational", False: "non-rotational", None: "rotational unknown"}[m.get("rotational")]
-    from aidaptiv_ds.harness.machine import cpu_line
-
     lines = [
         f"machine: {cpu_line(m)}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Linux {m['kernel']}; disk: "
         f"{m.get('device') or m['source']} ({m['filesystem']}, {rotational}) at {m['dir']}",

@@ -45,13 +45,13 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from aidaptiv_ds.engine.machine import gpus as detect_gpus
 from aidaptiv_ds.harness import eqmem
 from aidaptiv_ds.harness.grid import (
     SWEEP_BACKENDS,
 )
 from aidaptiv_ds.harness.hostcap import host_cap
 from aidaptiv_ds.harness.launch import LaunchSpec, train_spec
-from aidaptiv_ds.harness.machine import gpus as detect_gpus
 from aidaptiv_ds.harness.machine import machine_info
 from aidaptiv_ds.harness.outcome import Outcome
 from aidaptiv_ds.harness.prebuild import put_build_tools_first

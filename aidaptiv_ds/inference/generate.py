@@ -123,7 +123,7 @@ def _tokenizer_identity(files_dir: str) -> str:
 def default_host_budget(weight_bytes: int) -> int:
     """All the weights when they fit half the memory this process may use (its cgroup's limit included),
     else that half."""
-    from aidaptiv_ds.config.host import total_ram_bytes
+    from aidaptiv_ds.engine.machine import total_ram_bytes
 
     return min(weight_bytes + (64 << 20), max(512 << 20, total_ram_bytes() // 2))
 

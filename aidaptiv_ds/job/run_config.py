@@ -71,7 +71,7 @@ def fit_problems(spec, cfg: dict, seq_len: int, world_size: int, cuda: bool, lor
     """What the plan says this node's ranks cannot hold (swap space, host budget, host memory: the planner's
     figures, aidaptiv_ds.planner.guard), before a byte is written. Presets and Llama-shaped directories only:
     another architecture is sized once built."""
-    from aidaptiv_ds.config.host import total_ram_bytes
+    from aidaptiv_ds.engine.machine import total_ram_bytes
     from aidaptiv_ds.planner.guard import launch_problems
     from aidaptiv_ds.planner.shapes import LLAMA_LIKE, shape_of_config
 

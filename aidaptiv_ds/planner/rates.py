@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from aidaptiv_ds.common.sizes import MiB
+from aidaptiv_ds.engine.machine import kernel_cpu_model
 from aidaptiv_ds.engine.machine_cache import (  # noqa: F401
     cache_path,
     disk_key,
@@ -103,17 +104,11 @@ class Rates:
 
 
 def cpu_key(dtype: str) -> str:
+    """The cache key of this machine's CPUs in ``dtype``. Its form is the cache's (entries measured before stay
+    found): the kernel's model name, else what Python's platform module says, and the thread count."""
     import platform
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = kernel_cpu_model() or platform.processor() or platform.machine()
     return f"cpu:{cpu}:{os.cpu_count()}:{dtype}"
 
 
@@ -138,10 +133,8 @@ def probe_nvme(
     from aidaptiv_ds.engine.disk import UnsuitableDisk, check_dir
     from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 
-    with open("/proc/self/mounts") as f:
-        mounts = f.read()
     try:
-        check_dir(directory, mounts)
+        check_dir(directory)
     except UnsuitableDisk as e:
         raise ValueError(f"`nvme_path` {e}") from None
     tuned: Dict[str, object] = {}

@@ -8,11 +8,11 @@ import types
 import pytest
 
 from aidaptiv_ds.config import ds_config as config_ds_config
-from aidaptiv_ds.config import host as config_host
 from aidaptiv_ds.config import resolve as config_resolve
 from aidaptiv_ds.config import schema, translate
 from aidaptiv_ds.config import settings as config_settings
 from aidaptiv_ds.engine import backend as config_backend
+from aidaptiv_ds.engine import machine
 
 
 def ds(block=None, **top):
@@ -215,13 +215,13 @@ def test_a_share_of_ram_means_the_cgroup_limit_when_lower(tmp_path):
     (tmp_path / "memory" / "a" / "b" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     (tmp_path / "memory" / "a" / "memory.limit_in_bytes").write_text(str(3 << 30))
     (tmp_path / "memory.max").write_text("max\n")
-    assert config_host._cgroup_memory_limit(str(proc), str(tmp_path)) == 3 << 30
+    assert machine.cgroup_memory_limit(str(proc), str(tmp_path)) == 3 << 30
     proc.write_text("0::/job\n")
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "memory.max").write_text(str(5 << 30))
-    assert config_host._cgroup_memory_limit(str(proc), str(tmp_path)) == 5 << 30
+    assert machine.cgroup_memory_limit(str(proc), str(tmp_path)) == 5 << 30
     proc.write_text("0::/\n")
-    assert config_host._cgroup_memory_limit(str(proc), str(tmp_path)) is None
+    assert machine.cgroup_memory_limit(str(proc), str(tmp_path)) is None
 
 
 def counting(monkeypatch, module, name, returns=None):
@@ -239,10 +239,10 @@ def counting(monkeypatch, module, name, returns=None):
 
 
 def test_a_share_of_ram_reads_the_cgroup_once_per_resolution(tmp_path, monkeypatch):
-    reads = counting(monkeypatch, config_host, "_cgroup_memory_limit", returns=None)
+    reads = counting(monkeypatch, machine, "cgroup_memory_limit", returns=None)
     settings = config_resolve.validate(ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "10%"}))
     assert len(reads) == 1
-    assert settings.host_budget_bytes == int(0.1 * config_host.total_ram_bytes())
+    assert settings.host_budget_bytes == int(0.1 * machine.total_ram_bytes())
     assert settings.optimizer_chunk_numel == max(
         config_settings.AUTO_CHUNK_MIN, min(config_settings.AUTO_CHUNK_MAX, settings.host_budget_bytes // 512)
     )
@@ -251,7 +251,7 @@ def test_a_share_of_ram_reads_the_cgroup_once_per_resolution(tmp_path, monkeypat
 def test_a_config_is_validated_and_resolved_once(tmp_path, monkeypatch):
     """zero_init and initialize (train, the HF Trainer) resolve the same dict; a translated dict may come back;
     DeepSpeed's config object reaches the swapper factory: one validation, one reading of the machine."""
-    reads = counting(monkeypatch, config_host, "_cgroup_memory_limit", returns=None)
+    reads = counting(monkeypatch, machine, "cgroup_memory_limit", returns=None)
     validations = counting(monkeypatch, config_resolve, "validate", returns=...)
     cfg = ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "25%"})
     translated, settings = config_resolve.resolve(cfg)
@@ -271,7 +271,7 @@ def test_prepare_twice_validates_once(tmp_path, monkeypatch):
 
     installs = counting(monkeypatch, install, "install")
     validations = counting(monkeypatch, config_resolve, "validate", returns=...)
-    reads = counting(monkeypatch, config_host, "_cgroup_memory_limit", returns=None)
+    reads = counting(monkeypatch, machine, "cgroup_memory_limit", returns=None)
     cfg = ds({"enabled": True, "nvme_path": str(tmp_path), "host_memory_budget": "20%"}, bf16={"enabled": True})
     first, settings = initialize.prepare(cfg, None, 1)
     second, same = initialize.prepare(cfg, None, 1)
@@ -291,7 +291,7 @@ def test_the_translated_block_is_the_resolution_written_out(tmp_path, monkeypatc
     assert block["host_memory_budget"] == 10**9 and block["nvme_path"] == str(tmp_path)
     assert block["optimizer_chunk_numel"] == settings.optimizer_chunk_numel and block["backend"] == "posix"
     # Resolving the written-out block gives the same settings without reading the machine.
-    reads = counting(monkeypatch, config_host, "total_ram_bytes", returns=1)
+    reads = counting(monkeypatch, machine, "total_ram_bytes", returns=1)
     assert config_settings.SwapSettings.from_block(block) == settings and not reads
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.host_budget_bytes = 1

@@ -29,7 +29,7 @@ def test_env_reports_versions_engine_disk_and_limits(tmp_path, capsys):
 
 
 def test_env_says_whether_the_pinned_pool_gets_huge_pages(tmp_path):
-    from aidaptiv_ds.commands.env import huge_page_facts
+    from aidaptiv_ds.engine.machine import huge_page_facts
 
     for text, mode, pages in (
         ("always [madvise] never\n", "madvise", "2 MiB huge pages"),
@@ -47,7 +47,7 @@ def test_env_says_whether_the_pinned_pool_gets_huge_pages(tmp_path):
 def test_env_text_says_where_o_direct_fails(tmp_path, capsys, monkeypatch):
     from aidaptiv_ds.engine import disk
 
-    def refuse(path, mounts):
+    def refuse(path, mounts_text=None):
         raise disk.UnsuitableDisk(f"{path} is on tmpfs (memory, not a disk)")
 
     monkeypatch.setattr(disk, "check_dir", refuse)

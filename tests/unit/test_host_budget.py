@@ -7,6 +7,7 @@ import pytest
 
 from aidaptiv_ds.config import ds_config, host, resolve, schema
 from aidaptiv_ds.config import settings as config_settings
+from aidaptiv_ds.engine import machine
 
 GiB = 1 << 30
 
@@ -66,7 +67,7 @@ def test_the_translated_block_is_not_split_again(monkeypatch):
 
 
 def test_the_nodes_total_over_its_ram_is_refused_before_training(monkeypatch, tmp_path):
-    monkeypatch.setattr(host, "total_ram_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(machine, "total_ram_bytes", lambda: 8 * GiB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cfg = ds("3GiB")
     cfg["aidaptiv"]["nvme_path"] = str(tmp_path)
@@ -79,8 +80,8 @@ def test_the_nodes_total_over_its_ram_is_refused_before_training(monkeypatch, tm
 
 
 def test_a_total_over_the_memlock_limit_is_warned_about_not_refused(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(host, "total_ram_bytes", lambda: 64 * GiB)
-    monkeypatch.setattr(host, "memlock_limit", lambda: 64 << 20)
+    monkeypatch.setattr(machine, "total_ram_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(machine, "memlock_limit", lambda: 64 << 20)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = ds("1GiB")
     cfg["aidaptiv"]["nvme_path"] = str(tmp_path)
@@ -90,7 +91,7 @@ def test_a_total_over_the_memlock_limit_is_warned_about_not_refused(monkeypatch,
     text = caplog.text
     assert "the 2 ranks on this node" in text and "2.00 GiB" in text and "ulimit -l" in text
     caplog.clear()
-    monkeypatch.setattr(host, "memlock_limit", lambda: None)
+    monkeypatch.setattr(machine, "memlock_limit", lambda: None)
     resolve.validate(cfg)
     assert "ulimit -l" not in caplog.text
 
@@ -98,6 +99,6 @@ def test_a_total_over_the_memlock_limit_is_warned_about_not_refused(monkeypatch,
 def test_memlock_limit_reads_the_rlimit_unless_privileged():
     import resource
 
-    limit = host.memlock_limit()
+    limit = machine.memlock_limit()
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     assert limit is None or limit == soft

@@ -4,8 +4,9 @@ import os
 
 from aidaptiv_ds.harness.hostcap import CellCgroup, _probe_v1, _probe_v2
 
-V2_MOUNTINFO = "41 31 0:38 / {mnt} rw,relatime - cgroup2 cgroup2 rw\n"
-V1_MOUNTINFO = "35 31 0:32 / {mnt} rw,relatime - cgroup cgroup rw,memory\n"
+# /proc/self/mounts lines (a v1 hierarchy's controllers are among its options).
+V2_MOUNTS = "cgroup2 {mnt} cgroup2 rw,nosuid,nodev,noexec,relatime 0 0\n"
+V1_MOUNTS = "cgroup {mnt} cgroup rw,nosuid,nodev,noexec,relatime,memory 0 0\n"
 
 
 def _tree(root, spec):
@@ -17,20 +18,20 @@ def _tree(root, spec):
 
 def test_v2_uses_the_nearest_ancestor_that_delegates_memory(tmp_path):
     _tree(tmp_path, {".": "cpu io memory pids", "user.slice": "cpu memory", "user.slice/session-1.scope": ""})
-    f, where = _probe_v2(V2_MOUNTINFO.format(mnt=tmp_path), "0::/user.slice/session-1.scope\n")
+    f, where = _probe_v2(V2_MOUNTS.format(mnt=tmp_path), "0::/user.slice/session-1.scope\n")
     assert f is not None and f.kind == "cgroup2"
     assert os.path.normpath(f.parent) == str(tmp_path / "user.slice")
 
 
 def test_v2_own_cgroup_when_it_delegates(tmp_path):
     _tree(tmp_path, {".": "memory", "job": "memory"})
-    f, _ = _probe_v2(V2_MOUNTINFO.format(mnt=tmp_path), "0::/job\n")
+    f, _ = _probe_v2(V2_MOUNTS.format(mnt=tmp_path), "0::/job\n")
     assert os.path.normpath(f.parent) == str(tmp_path / "job")
 
 
 def test_v2_without_memory_controller(tmp_path):
     _tree(tmp_path, {".": "cpu", "a": ""})
-    f, why = _probe_v2(V2_MOUNTINFO.format(mnt=tmp_path), "0::/a\n")
+    f, why = _probe_v2(V2_MOUNTS.format(mnt=tmp_path), "0::/a\n")
     assert f is None and "no memory controller" in why
     f, why = _probe_v2("", "0::/a\n")
     assert f is None and "no cgroup2 mount" in why
@@ -38,9 +39,9 @@ def test_v2_without_memory_controller(tmp_path):
 
 def test_v1_uses_our_own_memory_cgroup(tmp_path):
     (tmp_path / "process_api" / "abc").mkdir(parents=True)
-    f, where = _probe_v1(V1_MOUNTINFO.format(mnt=tmp_path), "4:memory:/process_api/abc\n0::/\n")
+    f, where = _probe_v1(V1_MOUNTS.format(mnt=tmp_path), "4:memory:/process_api/abc\n0::/\n")
     assert f.kind == "cgroup1" and where == str(tmp_path / "process_api" / "abc")
-    f, why = _probe_v1(V1_MOUNTINFO.format(mnt=tmp_path), "0::/\n")
+    f, why = _probe_v1(V1_MOUNTS.format(mnt=tmp_path), "0::/\n")
     assert f is None
 
 

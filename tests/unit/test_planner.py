@@ -415,7 +415,7 @@ def test_train_refuses_a_model_the_swap_disk_cannot_hold_before_writing(clean_en
 
 
 def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, monkeypatch, capsys, repo):
-    monkeypatch.setattr("aidaptiv_ds.config.host.total_ram_bytes", lambda: 1 << 30)
+    monkeypatch.setattr("aidaptiv_ds.engine.machine.total_ram_bytes", lambda: 1 << 30)
     built = []
     monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
     rc = cli.main(
@@ -436,7 +436,7 @@ def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, 
 
 def test_no_fit_check_starts_what_the_plan_refuses_and_says_so(clean_env, tmp_path, monkeypatch, capsys, repo):
     """bench/capacity.py measures where a backend really runs out; the guard would answer with its prediction."""
-    monkeypatch.setattr("aidaptiv_ds.config.host.total_ram_bytes", lambda: 1 << 30)
+    monkeypatch.setattr("aidaptiv_ds.engine.machine.total_ram_bytes", lambda: 1 << 30)
     built = []
 
     def stop(self):
