@@ -19,7 +19,7 @@ FORMS = "a preset, a local Hugging Face folder, a hub id such as Qwen/Qwen2.5-0.
 def model_folder(model: str, log: Optional[Callable[[str], None]] = None) -> Optional[str]:
     """The local folder of ``model``, or None when it names a preset. Raises ValueError saying what is accepted."""
     from aidaptiv_ds.models import gguf, hub
-    from aidaptiv_ds.models.presets import PRESETS
+    from aidaptiv_ds.models.preset_shapes import PRESETS
 
     if model in PRESETS:
         return None
@@ -47,7 +47,9 @@ def config_dict(model: str) -> dict:
     if folder is None and not os.path.exists(model) and hub.looks_like_hub_id(model):
         folder = hub.model_folder(model, config_only=True)
     if folder is None:
-        raise ValueError(f"`model` {model!r} is not {FORMS}")
+        from aidaptiv_ds.models.preset_shapes import PRESETS
+
+        raise ValueError(f"`model` {model!r} is not {FORMS} ({', '.join(PRESETS)} are the presets)")
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise ValueError(

@@ -118,7 +118,7 @@ def resolve_shape(model: str) -> ModelShape:
     """A preset, or a model with weights as ``--model`` names one (a folder, a hub id, a .gguf file: its config
     alone is read, see aidaptiv_ds.models.locate); errors say what is accepted."""
     from aidaptiv_ds.models.locate import config_dict, display_name
-    from aidaptiv_ds.models.presets import PRESETS
+    from aidaptiv_ds.models.preset_shapes import PRESETS
 
     if model in PRESETS:
         return _from_dict(model, PRESETS[model])

@@ -75,7 +75,7 @@ def test_micro_is_small_but_has_swappable_matrices():
 
 
 def test_resolve_errors(tmp_path):
-    with pytest.raises(ValueError, match="neither a preset"):
+    with pytest.raises(ValueError, match="is not a preset, a local Hugging Face folder"):
         resolve("llama9-1t")
     with pytest.raises(ValueError, match="without config.json"):
         resolve(str(tmp_path))

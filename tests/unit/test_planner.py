@@ -144,7 +144,7 @@ def test_more_gpus_scale_tokens_per_second(capsys):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--model", "gpt-5", "--seq-len", "8", "--micro-batch", "1"], "neither a preset"),
+        (["--model", "gpt-5", "--seq-len", "8", "--micro-batch", "1"], "is not a preset, a local Hugging Face folder"),
         (["--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--backend", "zero2"], "expected all or"),
     ],
 )

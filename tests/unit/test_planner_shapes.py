@@ -56,7 +56,7 @@ def test_tied_biased_and_gqa_directory_matches_transformers(tmp_path):
 @pytest.mark.parametrize(
     "bad, expected",
     [
-        ("no-such-model", "neither a preset"),
+        ("no-such-model", "is not a preset, a local Hugging Face folder"),
     ],
 )
 def test_unknown_model_says_what_is_accepted(bad, expected):
