@@ -38,7 +38,7 @@ LAYERS = [
     (
         ("inference",),
         "generation: weights streamed from the swap space, prompts' keys and values on the SSD "
-        "(reads checkpoints with job's export reader)",
+        "(reads checkpoints with swap's checkpoint format)",
     ),
     (
         ("harness", "job"),
@@ -55,7 +55,7 @@ LAYERS = [
     (
         ("config", "swap"),
         'config: the `"aidaptiv"` block, validated and resolved once; swap: the DeepSpeed-free '
-        "swap core (space, host memory, layer groups, layouts, budget split, retention)",
+        "swap core (space, host memory, layer groups, layouts, budget split, retention, checkpoint format)",
     ),
     (
         ("engine", "models"),
