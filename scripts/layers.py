@@ -66,6 +66,8 @@ LAYERS = [
 ]
 # Wings a wing must never import although the rows would allow it.
 FORBIDDEN = {
+    # Generation reads checkpoints with swap's format module, not through the export command's module.
+    "inference": ("job",),
     "harness": ("zero3", "activations", "swap"),
     "studio": ("inference", "face", "zero3", "planner", "activations", "config", "swap", "engine"),
 }
