@@ -38,7 +38,7 @@ LAYERS = [
     (
         ("inference",),
         "generation: weights streamed from the swap space, prompts' keys and values on the SSD "
-        "(reads checkpoints with job's export reader)",
+        "(reads checkpoints with swap's checkpoint format)",
     ),
     (
         ("harness", "job"),
@@ -55,17 +55,19 @@ LAYERS = [
     (
         ("config", "swap"),
         'config: the `"aidaptiv"` block, validated and resolved once; swap: the DeepSpeed-free '
-        "swap core (space, host memory, layer groups, layouts, budget split, retention)",
+        "swap core (space, host memory, layer groups, layouts, budget split, retention, checkpoint format)",
     ),
     (
         ("engine", "models"),
         "engine: bytes between pinned memory and a disk (the C++ `_C`, its Python face, tuning), and "
-        "what is known of this machine (disks, CPU, GPUs, memory, limits); models: presets and the byte tokenizer",
+        "what is known of this machine (disks, CPU, GPUs, memory, limits); models: presets, the byte tokenizer, and where a model named by `--model` is (a folder, a hub id, a GGUF file converted once)",
     ),
     (("common",), "leaves that import nothing of ours: sizes, durable files, heap settings, metrics"),
 ]
 # Wings a wing must never import although the rows would allow it.
 FORBIDDEN = {
+    # Generation reads checkpoints with swap's format module, not through the export command's module.
+    "inference": ("job",),
     "harness": ("zero3", "activations", "swap"),
     "studio": ("inference", "face", "zero3", "planner", "activations", "config", "swap", "engine"),
 }

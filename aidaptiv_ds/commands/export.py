@@ -12,7 +12,7 @@ import sys
 
 from aidaptiv_ds.commands.flags import as_flags
 from aidaptiv_ds.job.export import ADAPTER_DIR, DEFAULT_SHARD, ExportError, export
-from aidaptiv_ds.job.model_files import MODEL_FILES
+from aidaptiv_ds.swap.checkpoint_format import MODEL_FILES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

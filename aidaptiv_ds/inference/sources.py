@@ -1,6 +1,6 @@
 """Where a model's weights come from for generation: a Hugging Face folder's safetensors files, or one of our
-checkpoints (the per-rank ``params.bin`` files the export reads), as one table of tensors whose bytes are
-known pieces of files.
+checkpoints (the per-rank ``params.bin`` files, read with :mod:`aidaptiv_ds.swap.checkpoint_format`, as the
+export reads them), as one table of tensors whose bytes are known pieces of files.
 
 Nothing is loaded here: :class:`WeightSource` reads the safetensors headers (or the checkpoint manifests), so
 the table of a 70B model costs kilobytes, and :meth:`WeightSource.read_into` copies one tensor's bytes into a
@@ -19,6 +19,18 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import torch
+
+from aidaptiv_ds.swap.checkpoint_format import (
+    LATEST,
+    MANIFEST,
+    MODEL_FILES,
+    PARAMS,
+    STATE_DIR,
+    Checkpoint,
+    CheckpointMismatchError,
+    read_pieces,
+    resolve_checkpoint,
+)
 
 # safetensors' dtype names, and torch's names as our checkpoint manifests write them
 _ST_DTYPES = {
@@ -87,8 +99,6 @@ class WeightSource:
         end = start + out.numel()
         if out.dtype != torch.uint8 or start < 0 or end > entry.nbytes:
             raise ValueError(f"read_range_into {name}: bytes {start}..{end} of a tensor of {entry.nbytes}")
-        from aidaptiv_ds.job.export import read_pieces
-
         pieces, pos = [], 0  # the part of each piece that falls in [start, end)
         for src, offset, nbytes in entry.pieces:
             lo, hi = max(start, pos), min(end, pos + nbytes)
@@ -175,13 +185,10 @@ def from_hf_folder(folder: str) -> WeightSource:
 
 def from_checkpoint(path: str) -> WeightSource:
     """The model of one of our checkpoints (a save dir, its latest tag, or a tag folder)."""
-    from aidaptiv_ds.job.export import Checkpoint, ExportError, resolve_checkpoint
-    from aidaptiv_ds.job.model_files import MODEL_FILES
-
     try:
         tag = resolve_checkpoint(path)
         ck = Checkpoint(tag)
-    except ExportError as e:
+    except CheckpointMismatchError as e:
         raise ModelSourceError(str(e)) from None
     if ck.has_adapters:
         raise ModelSourceError(
@@ -200,7 +207,7 @@ def from_checkpoint(path: str) -> WeightSource:
     }
     identity = [_config_text(files_dir)]
     for folder in ck.folders:
-        for f in ("manifest.json", "params.bin"):
+        for f in (MANIFEST, PARAMS):
             p = os.path.join(folder, f)
             identity.append(_file_identity(p, b"") if os.path.exists(p) else f)
     return WeightSource("checkpoint", tag, files_dir, tensors, _digest(identity))
@@ -212,6 +219,6 @@ def open_source(path: str) -> WeightSource:
         raise ModelSourceError(
             f"`model` {path} is not a folder: give a Hugging Face model folder or a checkpoint of 'aidaptiv-ds train'"
         )
-    if os.path.isdir(os.path.join(path, "aidaptiv")) or os.path.isfile(os.path.join(path, "latest")):
+    if os.path.isdir(os.path.join(path, STATE_DIR)) or os.path.isfile(os.path.join(path, LATEST)):
         return from_checkpoint(path)
     return from_hf_folder(path)

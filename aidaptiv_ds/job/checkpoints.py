@@ -57,7 +57,7 @@ class RunCheckpoints:
         """Restore from ``resume_from`` or ``resume="auto"``; returns the client state (or a fresh one). With
         "auto" the newest checkpoint that verifies is taken, saying which tags it skipped and why."""
         from aidaptiv_ds.job.train_plan import checkpoint_candidates
-        from aidaptiv_ds.zero3.checkpoint_verify import CheckpointDamagedError
+        from aidaptiv_ds.swap.checkpoint_format import CheckpointDamagedError
 
         a = self.run.settings
         fresh = {"step": 0, "data_position": 0, "losses": [], "lrs": []}
@@ -130,7 +130,8 @@ class RunCheckpoints:
         folder = os.path.join(save_dir, tag)
         if self.run.rank == 0 and self.run.backend == "aidaptiv":
             # config and tokenizer beside the weights, so that 'aidaptiv-ds export' needs nothing else
-            from aidaptiv_ds.job.model_files import MODEL_FILES, save_model_files
+            from aidaptiv_ds.job.model_files import save_model_files
+            from aidaptiv_ds.swap.checkpoint_format import MODEL_FILES
 
             save_model_files(
                 self.run.spec,

@@ -6,19 +6,18 @@ Checkpoints of ``train --lora`` (see :class:`LoraExport`): the base under transf
 the adapters under --merge-lora) and the adapter in PEFT's format in ``MODEL_DIR/adapter``.
 
 Reads the per-rank files an aidaptiv run saves (``<save_dir>/<tag>/aidaptiv/rank<r>/params.bin`` and its
-``manifest.json``, see :mod:`aidaptiv_ds.zero3.checkpoint`: every parameter by name, shape, partition size
-and byte offset) and writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards and
-``model.safetensors.index.json``), ``config.json`` and the tokenizer files, which
-``AutoModelForCausalLM.from_pretrained(MODEL_DIR)`` loads. Weights keep the dtype the model was trained in.
+``manifest.json``: every parameter by name, shape, partition size and byte offset) with the format's reader,
+:class:`aidaptiv_ds.swap.checkpoint_format.Checkpoint`, and writes ``model.safetensors`` (or
+``model-0000k-of-0000n.safetensors`` shards and ``model.safetensors.index.json``), ``config.json`` and the
+tokenizer files, which ``AutoModelForCausalLM.from_pretrained(MODEL_DIR)`` loads. Weights keep the dtype the
+model was trained in.
 
-ZeRO-3 cuts each parameter, flattened and padded to a multiple of the world size, into equal slices, rank r
-holding elements ``[r * partition_numel, (r + 1) * partition_numel)``. A parameter is the ranks' slices in
-rank order, cut to its size. Since every shape is in the manifest, each shard's safetensors header is known
-before a byte is copied, so the shard is written as a stream: the slices go from params.bin to the shard
-file through one buffer of ``COPY_BUFFER`` bytes. Memory stays at that buffer however large the model or a
-single tensor is (a 70B model exports on a machine with a few GiB of RAM). The format is the one the
-safetensors library defines (8-byte header length, JSON header, data); the tests read the files back with
-that library and with transformers.
+A parameter is the ranks' ZeRO-3 slices in rank order, cut to its size. Since every shape is in the manifest,
+each shard's safetensors header is known before a byte is copied, so the shard is written as a stream: the
+slices go from params.bin to the shard file through one buffer of ``COPY_BUFFER`` bytes. Memory stays at that
+buffer however large the model or a single tensor is (a 70B model exports on a machine with a few GiB of
+RAM). The format is the one the safetensors library defines (8-byte header length, JSON header, data); the
+tests read the files back with that library and with transformers.
 
 Checkpoints of plain DeepSpeed runs (no "aidaptiv" block) keep their weights in DeepSpeed's own files and
 are refused with a message. Nothing here imports DeepSpeed.
@@ -32,13 +31,20 @@ import struct
 from typing import Dict, List, Optional
 
 from aidaptiv_ds.common.sizes import parse_size
-from aidaptiv_ds.job.model_files import MODEL_FILES, copy_model_files, save_model_files
+from aidaptiv_ds.job.model_files import copy_model_files, save_model_files
+from aidaptiv_ds.swap.checkpoint_format import (
+    MODEL_FILES,
+    Checkpoint,
+    CheckpointMismatchError,
+    read_pieces,
+    resolve_checkpoint,
+)
 
 COPY_BUFFER = 64 * 1024 * 1024
 DEFAULT_SHARD = "5GB"
 
 # safetensors' dtype names, by the names the manifest uses (torch's, without "torch.")
-_ST_DTYPE = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float64": ("F64", 8)}
+_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
 
 class ExportError(ValueError):
@@ -46,123 +52,6 @@ class ExportError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------- reading
-
-
-def resolve_checkpoint(path: str) -> str:
-    """The tag folder of ``path``: a tag folder itself, or a save dir whose ``latest`` names one."""
-    if not os.path.isdir(path):
-        raise ExportError(
-            f"checkpoint {path} does not exist: give a checkpoint folder of a run (its `save_dir`) or a tag folder in it"
-        )
-    if os.path.isdir(os.path.join(path, "aidaptiv")):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            tag = os.path.join(path, f.read().strip())
-        if os.path.isdir(os.path.join(tag, "aidaptiv")):
-            return tag
-        path = tag
-    raise ExportError(
-        f'checkpoint {path} has no aidaptiv/ folder: only checkpoints of runs with an "aidaptiv" '
-        "block can be exported (plain DeepSpeed keeps weights in its own files; use DeepSpeed's "
-        "zero_to_fp32.py for those)"
-    )
-
-
-class Checkpoint:
-    """Every rank's manifest of one tag, checked to describe one model."""
-
-    def __init__(self, tag_dir: str):
-        from aidaptiv_ds.zero3.checkpoint import FORMAT, MANIFEST
-
-        self.tag_dir = tag_dir
-        root = os.path.join(tag_dir, "aidaptiv")
-        ranks = sorted(int(d[4:]) for d in os.listdir(root) if d.startswith("rank") and d[4:].isdigit())
-        if not ranks:
-            raise ExportError(f"checkpoint {tag_dir} has no rank folders in {root}: it is damaged or incomplete")
-        self.manifests: List[dict] = []
-        self.folders: List[str] = []
-        for r in ranks:
-            folder = os.path.join(root, f"rank{r}")
-            path = os.path.join(folder, MANIFEST)
-            if not os.path.isfile(path):
-                raise ExportError(
-                    f"checkpoint {tag_dir}: {path} is missing: the save did not complete; export another checkpoint"
-                )
-            with open(path, encoding="utf-8") as f:
-                m = json.load(f)
-            if m.get("format") != FORMAT:
-                raise ExportError(
-                    f"checkpoint {folder} has aidaptiv format {m.get('format')}; this version "
-                    f"exports format {FORMAT}: export it with the aidaptiv-ds version that saved it"
-                )
-            size = (
-                os.path.getsize(os.path.join(folder, "params.bin"))
-                if os.path.exists(os.path.join(folder, "params.bin"))
-                else -1
-            )
-            if size < m["params_bytes"]:
-                raise ExportError(
-                    f"checkpoint file {os.path.join(folder, 'params.bin')} has {max(size, 0)} bytes, "
-                    f"its manifest says {m['params_bytes']}: the checkpoint is damaged"
-                )
-            self.manifests.append(m)
-            self.folders.append(folder)
-        self.world_size = self.manifests[0]["world_size"]
-        if ranks != list(range(self.world_size)):
-            raise ExportError(
-                f"checkpoint {tag_dir} was saved by {self.world_size} ranks but holds rank folders "
-                f"{ranks}: copy every rank's aidaptiv/rank<r> folder (from every node) into it"
-            )
-        self.dtype = self.manifests[0]["model_dtype"]
-        if self.dtype not in _ST_DTYPE:
-            raise ExportError(f"checkpoint {tag_dir} holds {self.dtype} weights, which this exporter cannot write")
-        # name -> [per-rank (offset, partition_numel)], shape; in the order of rank 0's file
-        self.parameters: Dict[str, dict] = {}
-        by_rank = [{p["name"]: p for p in m["parameters"]} for m in self.manifests]
-        for p in self.manifests[0]["parameters"]:
-            name, numel = p["name"], _numel(p["shape"])
-            parts = []
-            for r, ps in enumerate(by_rank):
-                q = ps.get(name)
-                if q is None or q["shape"] != p["shape"] or q["partition_numel"] != p["partition_numel"]:
-                    raise ExportError(
-                        f"checkpoint {tag_dir}: parameter {name} differs between rank 0 and rank {r} "
-                        "(missing, or another shape or partition): the rank folders are not of one save"
-                    )
-                parts.append(q["offset"])
-            if p["partition_numel"] * self.world_size < numel:
-                raise ExportError(
-                    f"checkpoint {tag_dir}: parameter {name} of shape {p['shape']} has partitions of "
-                    f"{p['partition_numel']} elements on {self.world_size} ranks, too few to hold it"
-                )
-            self.parameters[name] = {
-                "shape": p["shape"],
-                "numel": numel,
-                "partition_numel": p["partition_numel"],
-                "offsets": parts,
-            }
-        if any(len(ps) != len(self.parameters) for ps in by_rank):
-            raise ExportError(
-                f"checkpoint {tag_dir}: the ranks' manifests list different parameters: the rank "
-                "folders are not of one save"
-            )
-        self.has_adapters = any("lora_" in n for n in self.parameters)
-
-    def nbytes(self, name: str) -> int:
-        return self.parameters[name]["numel"] * _ST_DTYPE[self.dtype][1]
-
-    def pieces(self, name: str):
-        """(file, byte offset, byte count) of the ranks' slices of ``name``, in order, cut to its size."""
-        p, esize = self.parameters[name], _ST_DTYPE[self.dtype][1]
-        left = p["numel"]
-        for r, off in enumerate(p["offsets"]):
-            n = min(left, p["partition_numel"])
-            if n <= 0:
-                break
-            yield os.path.join(self.folders[r], "params.bin"), off, n * esize
-            left -= n
 
 
 def torch_uint8():
@@ -179,34 +68,6 @@ def read_tensor(ck: Checkpoint, name: str):
     t = torch.empty(p["numel"], dtype=getattr(torch, ck.dtype))
     read_pieces(ck.pieces(name), memoryview(t.view(torch.uint8).numpy()), f"parameter {name}", ExportError)
     return t.view(p["shape"])
-
-
-def read_pieces(pieces, raw: memoryview, what: str, error=ExportError) -> None:
-    """Copy the (file, byte offset, byte count) ``pieces`` one after another into ``raw``; a file that ends
-    early raises ``error`` naming the file, the offset and ``what`` needed the bytes."""
-    pos = 0
-    for src, offset, nbytes in pieces:
-        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            done = 0
-            while done < nbytes:
-                got = os.preadv(fd, [raw[pos + done : pos + nbytes]], offset + done)
-                if got <= 0:
-                    raise error(
-                        f"file {src} ends at byte {offset + done}, {what} needs {nbytes - done} more: it is "
-                        "truncated or damaged; copy, export or save it again"
-                    )
-                done += got
-        finally:
-            os.close(fd)
-        pos += nbytes
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 # ------------------------------------------------------------------------------------------- writing
@@ -227,7 +88,7 @@ def plan_shards(sizes: Dict[str, int], max_shard_bytes: int) -> List[List[str]]:
 
 
 def _header(ck: Checkpoint, names: List[str], rename: Optional[Dict[str, str]] = None) -> bytes:
-    st, _ = _ST_DTYPE[ck.dtype]
+    st = _ST_DTYPE[ck.dtype]
     h, pos = {"__metadata__": {"format": "pt"}}, 0
     for name in names:
         n = ck.nbytes(name)
@@ -369,8 +230,11 @@ def export(
     """Write the model of ``checkpoint`` (a tag folder or a save dir) to ``out`` as a Hugging Face folder.
     ``model`` (a preset or local HF directory) supplies config and tokenizer when the checkpoint has no hf/
     folder. Returns a summary (files, bytes, tensors)."""
-    tag_dir = resolve_checkpoint(checkpoint)
-    ck = Checkpoint(tag_dir)
+    try:
+        tag_dir = resolve_checkpoint(checkpoint)
+        ck = Checkpoint(tag_dir)
+    except CheckpointMismatchError as e:
+        raise ExportError(str(e)) from None
     if merge_lora and not ck.has_adapters:
         raise ExportError(
             f"`merge_lora`: checkpoint {tag_dir} has no LoRA adapters (no lora_ parameters); drop "

@@ -1,7 +1,8 @@
 """What a Hugging Face model folder holds besides its weights: the model's config and the tokenizer files,
 written for a preset or a local model (:func:`save_model_files`) or copied from a checkpoint's or a model's
-folder (:func:`copy_model_files`). The train job saves them with each tag (in :data:`MODEL_FILES`), and
-export puts them beside the weights it writes."""
+folder (:func:`copy_model_files`). The train job saves them with each tag (in the folder
+:data:`aidaptiv_ds.swap.checkpoint_format.MODEL_FILES` names), and export puts them beside the weights it
+writes."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import os
 from typing import List, Optional
 
 from aidaptiv_ds.models.tokenizer import ByteTokenizer, save_byte_tokenizer
-
-MODEL_FILES = "hf"  # <save_dir>/<tag>/hf/: config.json and tokenizer files the train job saves with a tag
 
 
 def copy_model_files(src: str, out: str) -> List[str]:

@@ -3,16 +3,9 @@
 DeepSpeed 0.19 saves a ZeRO-3 run with the optimizer on NVMe by copying the swapper's folder, and on load
 copies it back and skips the optimizer's state dict: Adam restarts from zero state and the learning rate
 reads 0, so a resumed run drifts from the uninterrupted one. Ours adds, next to DeepSpeed's files, a folder
-per rank with every byte the resumed run needs::
-
-    <save_dir>/<tag>/aidaptiv/rank<r>/
-        params.bin     this rank's partition of every parameter (model dtype), in the swap file's layout
-        optim.bin      the optimizer chunk images: fp32 master (unless the parameter is the master) and the
-                       optimizer's state tensors, in the optimizer swap file's layout
-        manifest.json  FORMAT 2: for every parameter (by the name ``module.named_parameters()`` gives it in
-                       the model DeepSpeed wraps) its shape, partition size and place in params.bin; for
-                       every sub-group its chunks as pieces of named parameters, its state keys and scalars
-                       (Adam's step count); the optimizer's hyperparameters; the sizes of both files
+per rank with every byte the resumed run needs (``<save_dir>/<tag>/aidaptiv/rank<r>/``: params.bin, optim.bin
+and manifest.json, laid out as :mod:`aidaptiv_ds.swap.checkpoint_format` describes); this module writes and
+loads it, which needs the running engine.
 
 Nothing refers to DeepSpeed's process-wide parameter ids, so a second model built in the same process (HF
 ``resume_from_checkpoint``, notebooks, hyper-parameter search) loads it. The load re-chunks: when this run's
@@ -38,13 +31,21 @@ from typing import Dict, List, Optional
 import torch
 
 from aidaptiv_ds.common import durable
+from aidaptiv_ds.swap import checkpoint_format
+from aidaptiv_ds.swap.checkpoint_format import (
+    FORMAT,
+    MANIFEST,
+    OPTIM,
+    PARAMS,
+    CheckpointDamagedError,
+    CheckpointMismatchError,
+    rank_dir,
+    resolve_tag,
+)
 from aidaptiv_ds.zero3.checkpoint_transfer import Mover, close_file, pread_into, read_into, write_from
-from aidaptiv_ds.zero3.checkpoint_verify import ALGORITHM, CheckpointDamagedError, CheckpointMismatchError, inspectors
+from aidaptiv_ds.zero3.checkpoint_verify import ALGORITHM, inspectors
 
 log = logging.getLogger(__name__)
-
-FORMAT = 2
-MANIFEST = "manifest.json"
 
 
 def refused_file(path: str, error: BaseException) -> CheckpointDamagedError:
@@ -65,21 +66,6 @@ def refused_file(path: str, error: BaseException) -> CheckpointDamagedError:
         f"checkpoint file {path} cannot be read ({type(error).__name__}: {first}): it is truncated or damaged. "
         "Resume from another checkpoint (--resume auto takes the newest that verifies)"
     )
-
-
-def rank_dir(root: str, tag: str, rank: int) -> str:
-    return os.path.join(root, str(tag), "aidaptiv", f"rank{rank}")
-
-
-def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
-    """The tag a load reads: ``tag``, or the one ``latest`` names (None when there is no ``latest``)."""
-    if tag is not None:
-        return str(tag)
-    latest = os.path.join(load_dir, "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest, encoding="utf-8") as f:
-        return f.read().strip()
 
 
 def _scalar_to_json(value):
@@ -218,26 +204,26 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
     mover = Mover(runtime)
     try:
         # Parameters: the live part of the swap file, in its own layout (cached groups are written through).
-        pf = mover.open(os.path.join(folder, "params.bin"), create=True)
+        pf = mover.open(os.path.join(folder, PARAMS), create=True)
         durable.crash_point("params.bin created")
         try:
-            mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated, seen["params.bin"].see)
+            mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated, seen[PARAMS].see)
         finally:
             close_file(runtime, pf)
         durable.crash_point("params.bin written")
         # Optimizer sub-groups: the chunk images (master and state slots), from host memory when resident.
-        of = mover.open(os.path.join(folder, "optim.bin"), create=True)
+        of = mover.open(os.path.join(folder, OPTIM), create=True)
         durable.crash_point("optim.bin created")
         try:
             for sg, entry in zip(osw.by_index, sub_groups):
                 offset = entry["offset"]
                 if sg.resident:
                     image = sg.image[: sg.region.reserved]
-                    seen["optim.bin"].see(offset, image)
+                    seen[OPTIM].see(offset, image)
                     write_from(runtime, of, offset, image)
                     durable.crash_point(f"resident sub-group {sg.index} written")
                 else:
-                    mover.copy(osw.file.handle, sg.region.offset, of, offset, sg.region.reserved, seen["optim.bin"].see)
+                    mover.copy(osw.file.handle, sg.region.offset, of, offset, sg.region.reserved, seen[OPTIM].see)
         finally:
             close_file(runtime, of)
         durable.crash_point("optim.bin written")
@@ -260,54 +246,9 @@ def _world_size() -> int:
 
 
 def read_manifest(load_dir: str, tag: str, rank: int) -> tuple:
-    """(folder, manifest) of this rank's state in a checkpoint, refusing what this version cannot load."""
-    folder = rank_dir(load_dir, tag, rank)
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise CheckpointMismatchError(
-            f"checkpoint {os.path.join(load_dir, tag)} does not exist: give the tag of a completed save (the one "
-            f"'latest' in {load_dir} names, or one of its folders)"
-        )
-    if not os.path.exists(path):
-        raise CheckpointMismatchError(
-            f"checkpoint {os.path.join(load_dir, tag)} has no aidaptiv state for rank {rank} ({path} is "
-            "missing): it was not saved by an aidaptiv run with this many ranks; resume it with the config "
-            "and world size that saved it"
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-        fmt = manifest.get("format")
-    except (ValueError, AttributeError) as e:  # not JSON, or not an object
-        raise CheckpointDamagedError(
-            f"checkpoint manifest {path} cannot be read ({e}): the checkpoint is damaged; resume from another one"
-        ) from None
-    if fmt != FORMAT:
-        old = (
-            " (keyed by DeepSpeed's process-wide parameter ids, tied to the process and budget that saved it)"
-            if fmt == 1
-            else ""
-        )
-        raise CheckpointMismatchError(
-            f"checkpoint {folder} has aidaptiv format {fmt}{old}; this version reads format {FORMAT}: resume it "
-            "with the aidaptiv-ds version that saved it, or start again from another checkpoint"
-        )
-    world = _world_size()
-    if manifest.get("world_size") != world:
-        raise CheckpointMismatchError(
-            f"checkpoint {folder} was saved by {manifest.get('world_size')} ranks and this run has {world}: "
-            "each rank's partition of every parameter is saved as DeepSpeed cut it, so resume with "
-            f"{manifest.get('world_size')} ranks (any host budget, chunk size or node)"
-        )
-    for name, key in (("params.bin", "params_bytes"), ("optim.bin", "optim_bytes")):
-        p = os.path.join(folder, name)
-        size = os.path.getsize(p) if os.path.exists(p) else -1
-        if size < manifest[key]:
-            raise CheckpointDamagedError(
-                f"checkpoint file {p} has {max(size, 0)} bytes, its manifest says {manifest[key]}: the checkpoint "
-                "is damaged (not written by a completed save); resume from another one"
-            )
-    return folder, manifest
+    """(folder, manifest) of this rank's state in a checkpoint, refusing what this version cannot load into this
+    run (:func:`aidaptiv_ds.swap.checkpoint_format.read_manifest` with this run's world size)."""
+    return checkpoint_format.read_manifest(load_dir, tag, rank, _world_size())
 
 
 def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_states: bool = True) -> None:
@@ -354,7 +295,7 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
 
 
 def _load_params(runtime, ps, mover, folder, manifest, saved_params, names) -> None:
-    pf = mover.open(os.path.join(folder, "params.bin"), create=False)
+    pf = mover.open(os.path.join(folder, PARAMS), create=False)
     try:
         if (
             all(saved_params[names[r.ds_id][0]]["offset"] == r.extent.offset for r in ps.records.values())
@@ -376,7 +317,7 @@ def _load_params(runtime, ps, mover, folder, manifest, saved_params, names) -> N
 
 def _load_images(runtime, osw, mover, folder, manifest) -> None:
     """Same sub-groups and chunks as saved: each sub-group's images back in one copy."""
-    of = mover.open(os.path.join(folder, "optim.bin"), create=False)
+    of = mover.open(os.path.join(folder, OPTIM), create=False)
     try:
         for sg, saved in zip(osw.by_index, manifest["sub_groups"]):
             src = saved["offset"]
@@ -397,7 +338,7 @@ def _rechunk_images(runtime, osw, folder, manifest, names) -> None:
         for c in g["chunks"]:
             for name, start, numel, flat in c["pieces"]:
                 saved_pieces.setdefault(name, []).append((start, numel, c["offset"], c["part"], flat))
-    path = os.path.join(folder, "optim.bin")
+    path = os.path.join(folder, OPTIM)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for sg in osw.by_index:

@@ -1,6 +1,7 @@
 """Moving a checkpoint's bytes between the swap files and the checkpoint's files: one pinned transfer buffer
 (:class:`Mover`) and the engine, or plain positional reads and writes (:class:`BufferedFile`) on a filesystem
-that refuses O_DIRECT. The format (what goes where) is :mod:`aidaptiv_ds.zero3.checkpoint`'s."""
+that refuses O_DIRECT. The format (what goes where) is :mod:`aidaptiv_ds.swap.checkpoint_format`'s, written and
+loaded by :mod:`aidaptiv_ds.zero3.checkpoint`."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ weights and optimizer state that must be finite.
 changed, a file the save did not write, or a non-finite value. CRC32 finds damage (flipped bits, torn or
 truncated writes, files swapped between tags), not a forger who rewrites the manifest too; what is unpickled
 is loaded as data only (:mod:`aidaptiv_ds.zero3.compat`, ``checkpoint_loads_as_data``). A checkpoint saved
-before checksums existed loads with a warning that it was not verified.
+before checksums existed loads with a warning that it was not verified. The refusals it raises are the
+format's (:mod:`aidaptiv_ds.swap.checkpoint_format`).
 """
 
 from __future__ import annotations
@@ -27,23 +28,22 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from aidaptiv_ds.swap.checkpoint_format import (
+    MANIFEST,
+    MODEL_FILES,
+    OPTIM,
+    PARAMS,
+    STATE_DIR,
+    CheckpointDamagedError,
+    CheckpointMismatchError,
+)
+
 log = logging.getLogger(__name__)
 
 ALGORITHM = "crc32"
 CHECKSUMS = "checksums.json"  # <tag>/checksums.json: the tag's files outside aidaptiv/ and hf/
-UNLISTED_DIRS = ("aidaptiv", "hf")  # covered by the manifests / written after the save
+UNLISTED_DIRS = (STATE_DIR, MODEL_FILES)  # covered by the manifests / written after the save
 READ_BLOCK = 16 << 20  # bytes read at a time when verifying (plain reads, outside the host budget)
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint this run cannot load: another model, dtype or world size, or a format this version does not
-    read."""
-
-
-class CheckpointDamagedError(CheckpointMismatchError):
-    """A checkpoint file that is not what its save wrote: changed, truncated, planted or holding NaN/inf. Every
-    rank raises it together (see aidaptiv_ds.zero3.engine_hooks), so --resume auto skips the tag on all."""
-
 
 AGAIN = "resume from another checkpoint (--resume auto takes the newest one that verifies)"
 
@@ -196,8 +196,8 @@ def _pread_exactly(fd: int, path: str, offset: int, view: torch.Tensor) -> None:
 def inspectors(folder: str, manifest: dict) -> Dict[str, FileInspector]:
     """The inspectors of a rank's params.bin and optim.bin, from its manifest (or the one being written)."""
     return {
-        "params.bin": FileInspector(os.path.join(folder, "params.bin"), param_ranges(manifest)),
-        "optim.bin": FileInspector(os.path.join(folder, "optim.bin"), optim_ranges(manifest)),
+        PARAMS: FileInspector(os.path.join(folder, PARAMS), param_ranges(manifest)),
+        OPTIM: FileInspector(os.path.join(folder, OPTIM), optim_ranges(manifest)),
     }
 
 
@@ -209,7 +209,7 @@ def verify_rank(folder: str, manifest: dict) -> bool:
         return False
     if sums.get("algorithm") != ALGORITHM:
         raise _unknown_algorithm(folder, sums.get("algorithm"))
-    needed = {"params.bin": manifest["params_bytes"], "optim.bin": manifest["optim_bytes"]}
+    needed = {PARAMS: manifest["params_bytes"], OPTIM: manifest["optim_bytes"]}
     for name, insp in inspectors(folder, manifest).items():
         insp.check(sums.get(name) or [], needed[name])
     return True
@@ -309,8 +309,7 @@ def verify_tag(tag_dir: str, folder: str, manifest: dict) -> None:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest changed by hand or damaged
         raise CheckpointDamagedError(
-            f"checkpoint manifest {os.path.join(folder, 'manifest.json')} is malformed ({type(e).__name__}: {e}): "
-            f"{AGAIN}"
+            f"checkpoint manifest {os.path.join(folder, MANIFEST)} is malformed ({type(e).__name__}: {e}): {AGAIN}"
         ) from None
     if not (files_checked and state_checked):
         log.warning(

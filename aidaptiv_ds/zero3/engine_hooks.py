@@ -23,6 +23,7 @@ from deepspeed import comm as dist
 
 def attach(engine, runtime) -> None:
     from aidaptiv_ds.common import durable
+    from aidaptiv_ds.swap import checkpoint_format
     from aidaptiv_ds.zero3 import checkpoint, checkpoint_verify, compat
 
     engine.aidaptiv_runtime = runtime
@@ -55,11 +56,11 @@ def attach(engine, runtime) -> None:
             problem = None
             try:
                 checkpoint.save(engine, runtime, save_dir, staging)
-            except checkpoint_verify.CheckpointDamagedError as e:  # non-finite state: nothing is published
+            except checkpoint_format.CheckpointDamagedError as e:  # non-finite state: nothing is published
                 problem = e
             # Every rank stops together (the others would wait for it in DeepSpeed's save otherwise).
             if compat.worst_on_any_rank(engine, int(problem is not None)):
-                raise problem or checkpoint_verify.CheckpointDamagedError(
+                raise problem or checkpoint_format.CheckpointDamagedError(
                     f"not saved: another rank's state holds a non-finite value (its message says where); the "
                     f"last checkpoint in {save_dir} stays the one to resume from"
                 )
@@ -80,7 +81,7 @@ def attach(engine, runtime) -> None:
 
     @functools.wraps(ds_load)
     def load_checkpoint(load_dir, tag=None, **kwargs):
-        resolved = checkpoint.resolve_tag(load_dir, tag)
+        resolved = checkpoint_format.resolve_tag(load_dir, tag)
         problem = None
         if resolved is not None:
             durable.recover(load_dir, resolved)
@@ -91,16 +92,16 @@ def attach(engine, runtime) -> None:
                     folder, manifest = checkpoint.read_manifest(load_dir, resolved, runtime.rank)
                     checkpoint_verify.verify_tag(os.path.join(load_dir, resolved), folder, manifest)
                     checkpoint.check_fits_this_run(engine, runtime, folder, manifest)
-                except checkpoint_verify.CheckpointMismatchError as e:
+                except checkpoint_format.CheckpointMismatchError as e:
                     problem = e
         # Every rank loads the tag or none does, and refuses it alike (damaged: 2, which --resume auto skips on
         # all ranks together; another mismatch: 1), whichever rank found the problem in its own files.
-        kind = 2 if isinstance(problem, checkpoint_verify.CheckpointDamagedError) else int(problem is not None)
+        kind = 2 if isinstance(problem, checkpoint_format.CheckpointDamagedError) else int(problem is not None)
         worst = compat.worst_on_any_rank(engine, kind)
         if worst:
-            if problem is not None and (worst == 2) == isinstance(problem, checkpoint_verify.CheckpointDamagedError):
+            if problem is not None and (worst == 2) == isinstance(problem, checkpoint_format.CheckpointDamagedError):
                 raise problem
-            cls = checkpoint_verify.CheckpointDamagedError if worst == 2 else checkpoint_verify.CheckpointMismatchError
+            cls = checkpoint_format.CheckpointDamagedError if worst == 2 else checkpoint_format.CheckpointMismatchError
             raise cls(
                 f"checkpoint {os.path.join(load_dir, str(resolved))} was refused by another rank (its message says "
                 "why): resume from another checkpoint (--resume auto takes the newest one that verifies)"

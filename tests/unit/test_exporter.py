@@ -13,16 +13,16 @@ import torch
 from aidaptiv_ds.job import export, model_files
 from aidaptiv_ds.models import presets as models
 from aidaptiv_ds.models.tokenizer import ByteTokenizer
-from aidaptiv_ds.zero3 import checkpoint
+from aidaptiv_ds.swap import checkpoint_format
 
 
 def _fake_checkpoint(root, model, world_size, with_files=True, spec=None):
-    """Write <root>/step3/aidaptiv/rank<r>/ as checkpoint.save lays it out: each parameter flattened, padded
+    """Write <root>/step3/aidaptiv/rank<r>/ as zero3.checkpoint.save lays it out: each parameter flattened, padded
     to a multiple of the world size and cut into equal slices, each slice at a 4 KiB-aligned offset."""
     tag = os.path.join(root, "step3")
     params = list(model.named_parameters())
     for r in range(world_size):
-        folder = checkpoint.rank_dir(root, "step3", r)
+        folder = checkpoint_format.rank_dir(root, "step3", r)
         os.makedirs(folder)
         entries, off = [], 0
         with open(os.path.join(folder, "params.bin"), "wb") as f:
@@ -38,7 +38,7 @@ def _fake_checkpoint(root, model, world_size, with_files=True, spec=None):
                 off += -(-len(data) // 4096) * 4096
             f.truncate(off)
         manifest = {
-            "format": checkpoint.FORMAT,
+            "format": checkpoint_format.FORMAT,
             "rank": r,
             "world_size": world_size,
             "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
@@ -47,10 +47,10 @@ def _fake_checkpoint(root, model, world_size, with_files=True, spec=None):
             "parameters": entries,
             "sub_groups": [],
         }
-        with open(os.path.join(folder, checkpoint.MANIFEST), "w") as f:
+        with open(os.path.join(folder, checkpoint_format.MANIFEST), "w") as f:
             json.dump(manifest, f)
     if with_files:
-        model_files.save_model_files(spec, ByteTokenizer(), os.path.join(tag, model_files.MODEL_FILES))
+        model_files.save_model_files(spec, ByteTokenizer(), os.path.join(tag, checkpoint_format.MODEL_FILES))
     with open(os.path.join(root, "latest"), "w") as f:
         f.write("step3")
     return tag
@@ -163,7 +163,7 @@ def test_a_link_planted_in_the_checkpoints_model_files_is_not_followed(tmp_path,
     tag = _fake_checkpoint(str(tmp_path / "ck"), model, 1, spec=spec)
     secret = tmp_path / "secret.txt"
     secret.write_text("not for export")
-    planted = os.path.join(tag, model_files.MODEL_FILES, "tokenizer_config.json")
+    planted = os.path.join(tag, checkpoint_format.MODEL_FILES, "tokenizer_config.json")
     os.remove(planted)
     os.symlink(secret, planted)
     with pytest.raises(ValueError, match=f"{planted} is a symbolic link"):
@@ -185,12 +185,12 @@ def test_refusals_name_the_problem(tmp_path, micro):
     tag = _fake_checkpoint(str(tmp_path / "ck"), model, 2, spec=spec)
     with pytest.raises(export.ExportError, match="no LoRA adapters"):
         export.export(tag, str(tmp_path / "out"), merge_lora=True)
-    os.remove(os.path.join(checkpoint.rank_dir(str(tmp_path / "ck"), "step3", 1), "params.bin"))
+    os.remove(os.path.join(checkpoint_format.rank_dir(str(tmp_path / "ck"), "step3", 1), "params.bin"))
     with pytest.raises(export.ExportError, match="damaged"):
         export.export(tag, str(tmp_path / "out"))
     import shutil
 
-    shutil.rmtree(checkpoint.rank_dir(str(tmp_path / "ck"), "step3", 1))
+    shutil.rmtree(checkpoint_format.rank_dir(str(tmp_path / "ck"), "step3", 1))
     with pytest.raises(export.ExportError, match="copy every rank"):
         export.export(tag, str(tmp_path / "out"))
 
