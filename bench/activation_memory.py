@@ -8,7 +8,7 @@ chunked loss, `recompute`, `nvme`), and in-memory ZeRO-3 (ds_configs/zero3.json)
 figure comes from the runs' own metrics files: peak RSS (which includes the pinned pool), step time and its
 split, the activation counters. A run that fails (out of memory included) is a row with its status.
 
-    python bench/activation_memory.py [--seq-lens 1024,2048] [--steps 2] [--out bench/results/activation_memory]
+    python bench/activation_memory.py [--seq-lens 1024,2048] [--steps 2] [--out bench/results/activation_memory/tiny]
 
 Writes one JSON row per run to OUT/rows.jsonl and prints a table.
 """
@@ -86,10 +86,10 @@ def main():
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "bench", "results", "activation_memory"),
-        help="folder for rows.jsonl (bench/results/activation_memory)",
+        help="folder for rows.jsonl (default bench/results/activation_memory/<model>)",
     )
     args = p.parse_args()
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "activation_memory", args.model)
     env, machine, sha, dirty = bench_setup(ROOT, args.swap_root, args.out)
     print(summary(machine), file=sys.stderr)
     print(

@@ -9,7 +9,7 @@ error, a timeout). A size whose swap files could not fit the free space of the s
 row says "disk" with the bytes it would need and the bytes free (the issue's "the disk bounds the largest size
 here"); nothing above it is tried either.
 
-Backends at their best documented settings for memory (as bench/capacity.py):
+Backends at their best documented settings for memory (as bench/capacity_seq_len.py):
 - zero3, zero3_cpu_offload, zero_infinity: the shipped ds_configs/<name>.json, with `train
   --gradient-checkpointing`; zero_infinity's parameter buffers sized to the model's largest parameter where the
   shipped 20M elements are smaller (DeepSpeed's documented rule; it cannot run with less).
@@ -28,7 +28,7 @@ backends 16 B a parameter (the fp32 parameter, both Adam moments, and the gradie
 B (the frozen fp32 base); zero3 and zero3_cpu_offload write nothing there.
 
 Rows (the sweep's row fields, plus attempt_key, variant, mode, fits) go to OUT/rows.jsonl, resumable as
-bench/capacity.py's (a row with the same key is not run again); logs stay in OUT/cells/. OUT/summary.md gets
+bench/capacity_seq_len.py's (a row with the same key is not run again); logs stay in OUT/cells/. OUT/summary.md gets
 the table; bench/readme_tables.py puts it in docs/RESULTS.md.
 
     python bench/capacity_models.py                                  # the issue's table: about 1.5 h here
@@ -50,7 +50,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-import capacity as seqcap  # noqa: E402  (bench/capacity.py: the capped attempt runner)
+import capacity_seq_len as seqcap  # noqa: E402  (bench/capacity_seq_len.py: the capped attempt runner)
 
 from aidaptiv_ds.common.sizes import swap_bytes_per_param  # noqa: E402
 from aidaptiv_ds.harness import capacity as C  # noqa: E402
@@ -170,8 +170,8 @@ def parse_args(argv=None):
     p.add_argument("--swap-root", help="where the cells' swap folders go (default OUT/cells/<cell>/swap)")
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "bench", "results", "capacity_models"),
-        help="results folder (default bench/results/capacity_models)",
+        default=os.path.join(ROOT, "bench", "results", "capacity_models", "cap_8gib"),
+        help="results folder (default bench/results/capacity_models/cap_8gib)",
     )
     p.add_argument("--no-prebuild", action="store_true", help="do not build DeepSpeed's JIT ops first")
     args = p.parse_args(argv)
@@ -193,7 +193,7 @@ def parse_args(argv=None):
 
 
 class Runner(seqcap.Runner):
-    """bench/capacity.py's capped attempt, for the variants and modes of this sweep."""
+    """bench/capacity_seq_len.py's capped attempt, for the variants and modes of this sweep."""
 
     GRID = "capacity_models"
 

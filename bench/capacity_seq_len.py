@@ -23,8 +23,8 @@ have other keys). The cells' logs stay in OUT/cells/<variant>__<cell>/. OUT/summ
 (longest sequence, tokens/s at it, how it failed above it) and aidaptiv / zero_infinity per model and
 micro-batch.
 
-    python bench/capacity.py --max-seq 16384,small=8192         # the issue's sweep: hours on a 2-core CPU
-    python bench/capacity.py --models tiny --micro-batches 1 --variants zero_infinity,aidaptiv-nvme \\
+    python bench/capacity_seq_len.py --max-seq 16384,small=8192         # the issue's sweep: hours on a 2-core CPU
+    python bench/capacity_seq_len.py --models tiny --micro-batches 1 --variants zero_infinity,aidaptiv-nvme \\
         --max-seq 1024 --host-mem-cap-gb 3 --out /tmp/capacity_check         # a short check
 """
 
@@ -144,8 +144,8 @@ def parse_args(argv=None):
     p.add_argument("--swap-root", help="where the cells' swap folders go (default OUT/cells/<cell>/swap)")
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "bench", "results", "capacity_cpu"),
-        help="results folder (default bench/results/capacity_cpu)",
+        default=os.path.join(ROOT, "bench", "results", "capacity_seq_len", "cap_5gib"),
+        help="results folder (default bench/results/capacity_seq_len/cap_5gib)",
     )
     p.add_argument(
         "--no-prebuild",
@@ -208,7 +208,7 @@ def _now() -> str:
 class Runner:
     """Runs one attempt as a capped cell of the sweep harness and returns its row."""
 
-    GRID = "capacity_cpu"
+    GRID = "capacity_seq_len"
     write_configs = staticmethod(write_configs)
 
     def __init__(self, args, env):

@@ -7,7 +7,7 @@ error (file, errno, offset, what to do), and the last checkpoint resumed to the 
 (fp32, 1e-6 relative), so that "data lost" counts runs where a resume failed or drifted. The concurrent-swaps
 case moves 128 extents through the swap store at once and compares every byte.
 
-    python bench/faults.py [--runs 3] [--cases eio-read,kill9-step,...] [--out bench/results/faults]
+    python bench/faults.py [--runs 3] [--cases eio-read,kill9-step,...] [--out bench/results/faults/micro]
 
 Writes OUT/rows.jsonl (appends); bench/readme_tables.py makes the README's table from it.
 """
@@ -45,8 +45,8 @@ def main():
     )
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "bench", "results", "faults"),
-        help="folder for rows.jsonl (bench/results/faults)",
+        default=os.path.join(ROOT, "bench", "results", "faults", "micro"),
+        help="folder for rows.jsonl (bench/results/faults/micro)",
     )
     args = p.parse_args()
     names = [n for n in args.cases.split(",") if n]

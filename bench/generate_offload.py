@@ -18,7 +18,7 @@ depth 32) for the I/O bound (bytes our side streams per token / bandwidth). Then
 computes the prefix and stores its keys and values, the second reads them back; time to first token of each,
 and the next tokens compared.
 
-    python bench/generate_offload.py [--repeats 3] [--new-tokens 16] [--out bench/results/generate_offload]
+    python bench/generate_offload.py [--repeats 3] [--new-tokens 16] [--out bench/results/generate_offload/tinyllama-1.1b_fp32]
 
 Writes one JSON row per run to OUT/rows.jsonl and the medians to OUT/summary.md.
 """
@@ -355,7 +355,7 @@ def main():
     ap.add_argument("--summary-only", action="store_true", help="write OUT/summary.md from OUT/rows.jsonl")
     ap.add_argument("--kv-only", action="store_true", help="measure the prompt cache again, keeping OUT's other rows")
     ap.add_argument("--work", default=os.path.join(ROOT, ".bench_work", "generate"), help="model and swap folder")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "generate_offload"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "generate_offload", "tinyllama-1.1b_fp32"))
     args = ap.parse_args()
     args.budget_bytes = parse_size(args.budget, "--budget")
     args.gpu_cap_bytes = int(args.gpu_cap_gib * 2**30) if args.device == "cuda" else 0

@@ -9,8 +9,8 @@ Interleaved, order alternating per repeat; step time and peak RSS from each run'
 Conditions as bench/swap_step_time.py (tiny, fp32, 2 x 64, one CPU process) with the host budget at 0.6 of
 the model state, as that bench's equal-memory comparison; --model and --budget-fraction change them.
 
-    python bench/malloc_threshold.py [--repeats 3] [--variants shipped,untrimmed,dynamic,128KiB]
-                                     [--out bench/results/malloc_threshold]
+    python bench/heap_settings.py [--repeats 3] [--variants shipped,untrimmed,dynamic,128KiB]
+                                     [--out bench/results/heap_settings/tiny]
 """
 
 import argparse
@@ -83,8 +83,7 @@ def main():
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "bench", "results", "malloc_threshold"),
-        help="folder for rows.jsonl and summary.md (bench/results/malloc_threshold)",
+        help="folder for rows.jsonl and summary.md (default bench/results/heap_settings/<model>)",
     )
     p.add_argument(
         "--variants",
@@ -92,6 +91,7 @@ def main():
         help="comma-separated settings to compare, of " + ", ".join(VARIANTS) + " (all)",
     )
     args = p.parse_args()
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "heap_settings", args.model)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"unknown --variants {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")

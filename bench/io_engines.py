@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Thin entry: `python bench/io_bench.py ARGS` is `aidaptiv-ds io-bench ARGS` from this checkout."""
+"""Thin entry: `python bench/io_engines.py ARGS` is `aidaptiv-ds io-bench ARGS` from this checkout."""
 
 import os
 import sys

@@ -8,7 +8,7 @@ verified), whose repeats alternate the order: uring then deepspeed, deepspeed th
 gives one pair of samples measured back to back; the ratio uring / deepspeed is reported per pair, split by
 which engine ran first, as medians with min-max over the pairs of all runs.
 
-    python bench/io_order.py [--runs 4] [--repeat 6] [--size-mb 512] [--out bench/results/io_order]
+    python bench/io_order.py [--runs 4] [--repeat 6] [--size-mb 512] [--out bench/results/io_order/2core_vm]
 
 Writes every pair to OUT/rows.jsonl and the summary to OUT/summary.md.
 """
@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--block-kb", type=int, default=1024)
     ap.add_argument("--queue-depth", type=int, default=32)
     ap.add_argument("--dir", default=ROOT, help="a folder on the disk to measure")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "io_order"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "io_order", "2core_vm"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []

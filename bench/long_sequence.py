@@ -7,7 +7,7 @@ policy with "auto"), uncapped and under a memory cgroup of --cap-gib, and the sh
 named: the train job runs "auto") under the same cap.
 Each run's exit, peak RSS (the job's), the cgroup's peak and OOM kills, step time and the auto policy's plan line.
 
-    python bench/long_sequence.py [--seq-len 12000] [--cap-gib 5] [--steps 2] [--out bench/results/long_sequence]
+    python bench/long_sequence.py [--seq-len 12000] [--cap-gib 5] [--steps 2] [--out bench/results/long_sequence/tiny]
 """
 
 import argparse
@@ -66,8 +66,9 @@ def main():
     ap.add_argument("--cap-gib", type=float, default=5.0)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--summary-only", action="store_true", help="write OUT/summary.md from OUT/rows.jsonl")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "long_sequence"))
+    ap.add_argument("--out", help="folder for rows.jsonl and summary.md (default bench/results/long_sequence/<model>)")
     args = ap.parse_args()
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "long_sequence", args.model)
     factory, where = probe_cgroup()
     if factory is None:
         sys.exit(f"no usable memory cgroup: {where}")

@@ -18,7 +18,7 @@ file: peak RSS (the process's high-water mark, pinned pool included), NVMe bytes
 
     python bench/lora_memory.py [--model tiny] [--seq-len 128] [--steps 4] [--host-budget 256MiB]
 
-Writes one JSON row per run to OUT/rows.jsonl and the table (with the machine it ran on) to OUT/table.md.
+Writes one JSON row per run to OUT/rows.jsonl and the table (with the machine it ran on) to OUT/summary.md.
 """
 
 import argparse
@@ -127,10 +127,10 @@ def main():
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "bench", "results", "lora_cpu"),
-        help="folder for rows.jsonl and table.md (bench/results/lora_cpu)",
+        help="folder for rows.jsonl and summary.md (default bench/results/lora_memory/<model>)",
     )
     args = p.parse_args()
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "lora_memory", args.model)
     unknown = [s for s in args.sides.split(",") if s not in SIDES]
     if unknown:
         p.error(f"--sides names {', '.join(unknown)}: expected some of {', '.join(SIDES)}")
@@ -163,7 +163,7 @@ def main():
             lines.append(line)
             print(line, flush=True)
     lines += ["", "Sides: " + "; ".join(f"`{k}`: {SIDES[k][2]}" for k in args.sides.split(",")) + "."]
-    with open(os.path.join(args.out, "table.md"), "w") as f:
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

@@ -3,14 +3,14 @@
     python bench/plan_accuracy.py                       # rates measured here (cached), rows of bench/results/*
     python bench/plan_accuracy.py --rates rates.json    # rates from a file (as written by an earlier run)
 
-For each row of ``bench/results/<sweep>/results.jsonl`` of the sweeps in ``SWEEPS`` and of the row files in
+For each row of ``bench/results/<study>/<variant>/results.jsonl`` of the sweeps in ``SWEEPS`` and of the row files in
 ``EXTRA`` (rows the sweep inferred without running, and rows of code since changed (``STALE_AIDAPTIV``), are left
 out), the plan is made for the row's cell on the row's hardware: its host-memory cap per node, training on
 CPU unless the row has GPUs, the same aidaptiv host budget, this machine's rates (the rows were measured on it;
 ``--rates`` gives others). Compared: feasibility (the row's status ok/oom against the plan's fits), predicted
 peak host memory per rank against the row's ``peak_rss_mb`` (the largest rank's peak RSS), predicted
 tokens/s against the measured, and NVMe bytes per step where the timed steps are steady ones. Writes
-``bench/results/plan_accuracy/rows.jsonl`` (one row per cell), ``rates.json`` (the rates used, with how each was
+``bench/results/plan_accuracy/cpu_sweeps/rows.jsonl`` (one row per cell), ``rates.json`` (the rates used, with how each was
 obtained) and ``summary.md`` (fractions and every miss). The issue's targets: feasibility right in >= 95% of
 cells; host memory within 15% of >= 80% of ok cells; tokens/s within 30% in >= 80% of the sweeps' ok 1-rank cells
 (with more ranks, where collectives are not modelled, a cell may run slower than predicted but not more than
@@ -34,7 +34,7 @@ from aidaptiv_ds.planner.rates import RATE_NAMES, Rates  # noqa: E402
 from aidaptiv_ds.planner.shapes import resolve_shape  # noqa: E402
 
 HOST_TOLERANCE, TOKENS_TOLERANCE = 0.15, 0.30
-OUT = os.path.join(HERE, "results", "plan_accuracy")
+OUT = os.path.join(HERE, "results", "plan_accuracy", "cpu_sweeps")
 # What the misses come from, as far as they were looked into (docs/DESIGN.md, planner section).
 MISS_CAUSES = (
     "Causes. Feasibility: the one miss was planned at 5044 MiB of its 5120 MiB cap (within 1.5%) and "
@@ -43,8 +43,8 @@ MISS_CAUSES = (
     "resident: the peak RSS of a 2-rank zero3 tiny run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_ "
     "fixed. DeepSpeed's backends run with glibc's default, and the plan counts a step transient of 10.3 B per "
     "parameter for them on CPU; aidaptiv fixes the threshold (aidaptiv.malloc_mmap_threshold, 1 MiB) and trims the "
-    "heap, so its plan counts none (its rows of cpu_small and cpu_small_epyc predate those settings and are left "
-    "out; cpu_small_aidaptiv_heap re-ran them: 750-933 MiB where they had peaked at 1322-1515), and its 1-rank "
+    "heap, so its plan counts none (its rows of cpu_small/xeon and cpu_small/epyc predate those settings and are "
+    "left out; cpu_small/epyc_aidaptiv_heap re-ran them: 750-933 MiB where they had peaked at 1322-1515), and its 1-rank "
     "cells up to qwen2.5-3b are within 3%. With 2 ranks every gathered parameter is a new whole tensor "
     "(the all-gather output), all of the model at once at the end of the forward under ZeRO-3, the "
     "current and prefetched layer groups under aidaptiv; the plan counts them per rank. Tokens/s: of the 1-rank "
@@ -66,18 +66,19 @@ MISS_CAUSES = (
 )
 
 
-# The sweeps the comparison covers. Others are added deliberately, with a re-run of this script and the
-# committed rows: cpu_small_repeats_epyc repeats cpu_small_epyc's shapes and has zero_infinity_eqmem cells,
-# whose config is sized per cell and which the planner does not take as a backend; gpu_probe_h200 has no
-# cell that ran (its OOM rows are the planner's to explain once a GPU sweep has ok cells too).
-SWEEPS = ("cpu_small", "cpu_small_epyc", "cpu_small_aidaptiv_heap")
+# The sweeps the comparison covers, as <study>/<variant> under bench/results (the rows' "sweep"). Others are added
+# deliberately, with a re-run of this script and the committed rows: cpu_small_repeats/epyc repeats cpu_small/epyc's
+# shapes and has zero_infinity_eqmem cells, whose config is sized per cell and which the planner does not take as
+# a backend; gpu_probe/h200 has no cell that ran (its OOM rows are the planner's to explain once a GPU sweep has ok
+# cells too).
+SWEEPS = ("cpu_small/xeon", "cpu_small/epyc", "cpu_small/epyc_aidaptiv_heap")
 # Rows of a later layout (rows.jsonl), for one backend's full fine-tuning cells only: capacity_models' aidaptiv
 # climb from 58M to 3.09B parameters under an 8 GiB cap (its other backends run DeepSpeed's documented buffer
 # sizes or eqmem configs, which the planner does not take, and its LoRA cells are not full fine-tuning).
-EXTRA = (("capacity_models", "rows.jsonl", "aidaptiv"),)
+EXTRA = (("capacity_models/cap_8gib", "rows.jsonl", "aidaptiv"),)
 # aidaptiv's rows of the first two sweeps measured code without the heap settings (aidaptiv.malloc_mmap_threshold,
-# trim_heap), which took 450-750 MiB off those cells' peaks; cpu_small_aidaptiv_heap re-ran them here with them.
-STALE_AIDAPTIV = ("cpu_small", "cpu_small_epyc")
+# trim_heap), which took 450-750 MiB off those cells' peaks; cpu_small/epyc_aidaptiv_heap re-ran them here with them.
+STALE_AIDAPTIV = ("cpu_small/xeon", "cpu_small/epyc")
 
 
 def load_rows(results_dir: str = os.path.join(HERE, "results")) -> list:

@@ -5,12 +5,14 @@
                                              # docs/USAGE.md between the settings markers
     python bench/readme_tables.py --print    # prints both sections instead
 
-Results (docs/RESULTS.md) from: bench/results/io_bench/rows.jsonl (last row, and every row's ratios), the summary.md of
-bench/results/swap_step_time, swap_step_time_small, swap_step_time_1b, swap_step_time_3b(_eighth), malloc_threshold and malloc_threshold_small (each written from its
-rows), bench/results/user_paths/rows.jsonl, bench/results/cpu_small/results.jsonl,
-bench/results/cpu_small_repeats_epyc/results.jsonl, bench/results/capacity_models/summary.md (bench/capacity_models.py's), bench/results/lora_1b/table.md, bench/results/capacity_cpu/summary.md (bench/capacity.py's, from
-its rows), bench/results/long_sequence, generate_offload(_bf16, _3b, _zero_inference) and io_order (their summary.md), bench/results/gpu_*/results.jsonl (through the sweep report's
-tables), bench/results/faults/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
+Results (docs/RESULTS.md) from the committed rows under bench/results/<study>/<variant>/: io_engines/2core_vm/rows.jsonl
+(last row, and every row's ratios); the summary.md of swap_step_time/{tiny, small, tinyllama-1.1b, qwen2.5-3b,
+qwen2.5-3b_eighth} and heap_settings/{tiny, small} (each written from its rows); user_paths/tiny/rows.jsonl;
+cpu_small/xeon/results.jsonl; cpu_small_repeats/epyc/results.jsonl; the summary.md of capacity_models/cap_8gib
+(bench/capacity_models.py's), lora_memory/tinyllama-1.1b, capacity_seq_len/cap_5gib (bench/capacity_seq_len.py's,
+from its rows), long_sequence/tiny, generate_offload/{tinyllama-1.1b_fp32, tinyllama-1.1b_bf16, qwen2.5-3b_bf16,
+tinyllama-1.1b_fp32_zero_inference} and io_order/2core_vm; gpu_*/*/results.jsonl (through the sweep report's tables);
+faults/micro/rows.jsonl. Paths in the generated text are code spans relative to the repository root,
 not links. The settings table (docs/USAGE.md) from the block's pydantic model, aidaptiv_ds.config.schema.
 """
 
@@ -26,6 +28,7 @@ BEGIN, END = "<!-- results:begin (bench/readme_tables.py) -->", "<!-- results:en
 SETTINGS_BEGIN, SETTINGS_END = "<!-- settings:begin (bench/readme_tables.py) -->", "<!-- settings:end -->"
 RESULTS_DOC = os.path.join("docs", "RESULTS.md")  # the results markers live here
 SETTINGS_DOC = os.path.join("docs", "USAGE.md")  # the settings markers live here
+RESULTS = os.path.join("bench", "results")  # <study>/<variant>/ with its rows and summary, from the root
 
 
 def _rows(path):
@@ -36,9 +39,11 @@ def _rows(path):
 
 
 def io_bench_section():
-    rows = _rows(os.path.join(ROOT, "bench", "results", "io_bench", "rows.jsonl"))
+    rows = _rows(os.path.join(ROOT, RESULTS, "io_engines", "2core_vm", "rows.jsonl"))
     if not rows:
-        return ["(no io-bench rows yet: `python bench/io_bench.py --json >> bench/results/io_bench/rows.jsonl`)"]
+        return [
+            "(no io-bench rows yet: `python bench/io_engines.py --json >> bench/results/io_engines/2core_vm/rows.jsonl`)"
+        ]
     row = rows[-1]
     m, c = row["machine"], row.get("config", {})
     from aidaptiv_ds.harness.machine import cpu_line
@@ -102,8 +107,9 @@ def io_bench_section():
 
 
 def summary_md(folder, command):
-    """A benchmark's own OUT/summary.md (written from its rows), its title in bold with the command."""
-    path = os.path.join(ROOT, "bench", "results", folder, "summary.md")
+    """A benchmark's own OUT/summary.md (written from its rows), its title in bold with the command. ``folder``:
+    the study and variant under bench/results, e.g. swap_step_time/small."""
+    path = os.path.join(ROOT, RESULTS, folder, "summary.md")
     if not os.path.exists(path):
         return [f"(no {folder} rows yet: `{command}`)"]
     with open(path) as f:
@@ -114,73 +120,73 @@ def summary_md(folder, command):
 
 def step_time_section():
     return [
-        *summary_md("swap_step_time", "python bench/swap_step_time.py"),
+        *summary_md("swap_step_time/tiny", "python bench/swap_step_time.py"),
         "",
         *summary_md(
-            "swap_step_time_small",
+            "swap_step_time/small",
             "python bench/swap_step_time.py --model small --budget-fraction 0.4 "
-            "--repeats 3 --steps 10 --out bench/results/swap_step_time_small",
+            "--repeats 3 --steps 10 --out bench/results/swap_step_time/small",
         ),
         "",
         *summary_md(
-            "swap_step_time_1b",
+            "swap_step_time/tinyllama-1.1b",
             "python bench/swap_step_time.py --model tinyllama-1.1b --seq-len 128 --micro-batch 1 "
             "--budget-fraction 0.125 --backends zero_infinity_eqmem,aidaptiv --repeats 2 --steps 3 --warmup 1 "
-            "--out bench/results/swap_step_time_1b",
+            "--out bench/results/swap_step_time/tinyllama-1.1b",
         ),
         "",
         *summary_md(
-            "swap_step_time_3b",
+            "swap_step_time/qwen2.5-3b",
             "python bench/swap_step_time.py --model qwen2.5-3b --backends aidaptiv --budget-fraction 0.0696 "
-            "--seq-len 128 --micro-batch 1 --steps 5 --warmup 2 --repeats 2 --out bench/results/swap_step_time_3b",
+            "--seq-len 128 --micro-batch 1 --steps 5 --warmup 2 --repeats 2 --out bench/results/swap_step_time/qwen2.5-3b",
         ),
         "",
         *summary_md(
-            "swap_step_time_3b_eighth",
+            "swap_step_time/qwen2.5-3b_eighth",
             "python bench/swap_step_time.py --model qwen2.5-3b --backends aidaptiv --budget-fraction 0.125 "
-            "--seq-len 128 --micro-batch 1 --steps 5 --warmup 2 --repeats 1 --out bench/results/swap_step_time_3b_eighth",
+            "--seq-len 128 --micro-batch 1 --steps 5 --warmup 2 --repeats 1 --out bench/results/swap_step_time/qwen2.5-3b_eighth",
         ),
         "",
-        *summary_md("malloc_threshold", "python bench/malloc_threshold.py"),
+        *summary_md("heap_settings/tiny", "python bench/heap_settings.py"),
         "",
         *summary_md(
-            "malloc_threshold_small",
-            "python bench/malloc_threshold.py --model small --budget-fraction 0.4 "
-            "--variants 1MiB,128KiB --steps 10 --out bench/results/malloc_threshold_small",
+            "heap_settings/small",
+            "python bench/heap_settings.py --model small --budget-fraction 0.4 "
+            "--variants 1MiB,128KiB --steps 10 --out bench/results/heap_settings/small",
         ),
     ]
 
 
 def generate_section():
     return [
-        *summary_md("long_sequence", "python bench/long_sequence.py"),
+        *summary_md("long_sequence/tiny", "python bench/long_sequence.py"),
         "",
         *summary_md(
-            "generate_offload",
+            "generate_offload/tinyllama-1.1b_fp32",
             "python bench/generate_offload.py --cap-gib 2 --kv-prefix 0 --repeats 3 --sides "
             "aidaptiv,aidaptiv_encode_on,accelerate, then --cap-gib 2 --kv-only",
         ),
         "",
         *summary_md(
-            "generate_offload_bf16",
+            "generate_offload/tinyllama-1.1b_bf16",
             "python bench/generate_offload.py --dtype bfloat16 --budget 512MiB --cap-gib 1.5 --kv-prefix 0 --repeats 3 "
-            "--sides aidaptiv,aidaptiv_encode_off,accelerate --out bench/results/generate_offload_bf16",
+            "--sides aidaptiv,aidaptiv_encode_off,accelerate --out bench/results/generate_offload/tinyllama-1.1b_bf16",
         ),
         "",
         *summary_md(
-            "generate_offload_3b",
+            "generate_offload/qwen2.5-3b_bf16",
             "python bench/generate_offload.py --shape qwen2.5-3b --dtype bfloat16 --budget 1GiB --cap-gib 2 "
             "--kv-prefix 0 --repeats 3 --sides aidaptiv,aidaptiv_encode_off,accelerate --out "
-            "bench/results/generate_offload_3b",
+            "bench/results/generate_offload/qwen2.5-3b_bf16",
         ),
         "",
         *summary_md(
-            "generate_offload_zero_inference",
+            "generate_offload/tinyllama-1.1b_fp32_zero_inference",
             "python bench/generate_offload.py --cap-gib 4 --kv-prefix 0 --repeats 2 --sides aidaptiv,zero_inference "
-            "--out bench/results/generate_offload_zero_inference",
+            "--out bench/results/generate_offload/tinyllama-1.1b_fp32_zero_inference",
         ),
         "",
-        *summary_md("io_order", "python bench/io_order.py"),
+        *summary_md("io_order/2core_vm", "python bench/io_order.py"),
     ]
 
 
@@ -188,10 +194,10 @@ def sweep_section():
     from aidaptiv_ds.harness.machine import cpu_line
     from aidaptiv_ds.harness.results import load_rows
 
-    out_dir = os.path.join(ROOT, "bench", "results", "cpu_small")
+    out_dir = os.path.join(ROOT, RESULTS, "cpu_small", "xeon")
     if not os.path.exists(os.path.join(out_dir, "results.jsonl")):
         return [
-            "(no sweep rows yet: `python bench/sweep.py --grid bench/grids/cpu_small.json --out bench/results/cpu_small`)"
+            "(no sweep rows yet: `python bench/sweep_grid.py --grid bench/grids/cpu_small.json --out bench/results/cpu_small/xeon`)"
         ]
     rows = {}
     for r in load_rows(out_dir).rows:  # the newest row of each cell
@@ -205,7 +211,7 @@ def sweep_section():
     cap = (any_row.get("host_mem_cap") or {}).get("gb")
     m = any_row.get("machine", {})
     out = [
-        f"**CPU sweep** (`bench/grids/cpu_small.json`, report in `bench/results/cpu_small/report.md`): tokens/s "
+        f"**CPU sweep** (`bench/grids/cpu_small.json`, report in `bench/results/cpu_small/xeon/report.md`): tokens/s "
         f"per cell, {cpu_line(m)}, {m.get('cores', '?')} cores, host memory capped at "
         f"{cap} GiB per cell (cgroup), fp32, median step after warm-up; OOM: killed by the cap.",
         "",
@@ -246,22 +252,22 @@ def sweep_section():
 
 def capacity_section():
     return [
-        *summary_md("capacity_models", "python bench/capacity_models.py"),
+        *summary_md("capacity_models/cap_8gib", "python bench/capacity_models.py"),
         "",
-        *summary_md("capacity_cpu", "python bench/capacity.py"),
+        *summary_md("capacity_seq_len/cap_5gib", "python bench/capacity_seq_len.py"),
     ]
 
 
 def lora_section():
-    """bench/lora_memory.py's table for a base larger than the host budget (its table.md has no title)."""
-    path = os.path.join(ROOT, "bench", "results", "lora_1b", "table.md")
+    """bench/lora_memory.py's table for a base larger than the host budget (its summary.md has no title)."""
+    path = os.path.join(ROOT, RESULTS, "lora_memory", "tinyllama-1.1b", "summary.md")
     if not os.path.exists(path):
-        return ["(no lora_1b rows yet: `python bench/lora_memory.py --model tinyllama-1.1b ...`)"]
+        return ["(no lora_memory/tinyllama-1.1b rows yet: `python bench/lora_memory.py --model tinyllama-1.1b ...`)"]
     with open(path) as f:
         body = f.read().strip().splitlines()
     return [
         "**LoRA on a base larger than the host budget** (tinyllama-1.1b's 4.4 GB of fp32 weights, a 1 GiB budget; "
-        "rows in `bench/results/lora_1b/rows.jsonl`). The base is only read: at most once for the forward and once "
+        "rows in `bench/results/lora_memory/tinyllama-1.1b/rows.jsonl`). The base is only read: at most once for the forward and once "
         "for the backward, 8.8 GB a step.",
         "",
         *body,
@@ -269,7 +275,7 @@ def lora_section():
 
 
 def gpu_section():
-    """Every bench/results/gpu_*/ sweep: its device, what its cells did, and where cells ran, the report's
+    """Every GPU sweep, bench/results/gpu_*/<variant>/: its device, what its cells did, and where cells ran, the report's
     Table VI-shaped throughput tables, aidaptiv's ratios and the Table VI comparison in model FLOP/s."""
     import glob
     from collections import Counter
@@ -278,7 +284,7 @@ def gpu_section():
     from aidaptiv_ds.harness.results import load_rows
 
     out = []
-    for out_dir in sorted(glob.glob(os.path.join(ROOT, "bench", "results", "gpu_*"))):
+    for out_dir in sorted(glob.glob(os.path.join(ROOT, RESULTS, "gpu_*", "*"))):
         loaded = load_rows(out_dir)
         if not loaded.rows:
             continue
@@ -334,11 +340,11 @@ def gpu_section():
 
 
 def faults_section():
-    """The fault-injection table from bench/results/faults/rows.jsonl (bench/faults.py): per case, how many
+    """The fault-injection table from bench/results/faults/micro/rows.jsonl (bench/faults.py): per case, how many
     runs, and in how many the job hung, crashed, failed without a clear error, or lost data."""
     from aidaptiv_ds.harness.machine import cpu_line
 
-    rows = _rows(os.path.join(ROOT, "bench", "results", "faults", "rows.jsonl"))
+    rows = _rows(os.path.join(ROOT, RESULTS, "faults", "micro", "rows.jsonl"))
     if not rows:
         return ["(no fault-injection rows yet: `python bench/faults.py --runs 3`)"]
     order, by_case = [], {}
@@ -403,7 +409,7 @@ def settings_section():
     return "\n".join([SETTINGS_BEGIN, "", *out, "", SETTINGS_END])
 
 
-REPEATS_DIR = os.path.join("bench", "results", "cpu_small_repeats_epyc")
+REPEATS_DIR = os.path.join(RESULTS, "cpu_small_repeats", "epyc")
 REPEATS_BACKENDS = ["zero_infinity", "zero_infinity_eqmem", "aidaptiv"]
 
 
@@ -492,7 +498,7 @@ def user_paths_section():
 
     from aidaptiv_ds.harness.machine import cpu_line
 
-    rows = [r for r in _rows(os.path.join(ROOT, "bench", "results", "user_paths", "rows.jsonl")) if r["status"] == "ok"]
+    rows = [r for r in _rows(os.path.join(ROOT, RESULTS, "user_paths", "tiny", "rows.jsonl")) if r["status"] == "ok"]
     if not rows:
         return ["(no user-path rows yet: `python bench/user_paths.py`)"]
     paths = [p for p in ("script", "trainer", "train") if any(r["path"] == p for r in rows)]
@@ -509,7 +515,7 @@ def user_paths_section():
     )
     out = [
         f"**Step time on the paths users take** (`bench/user_paths.py`, summary in "
-        "`bench/results/user_paths/summary.md`): "
+        "`bench/results/user_paths/tiny/summary.md`): "
         f"{first['model']} ({first['params'] / 1e6:.1f}M params), fp32, micro-batch {first['micro_batch']} x seq "
         f"{first['seq_len']}, 1 CPU process, {cpu_line(m)}, {m.get('cores', '?')} cores; "
         f"{len({r['repeat'] for r in rows})} interleaved repeats, median step after {first['warmup']} warm-up steps. "

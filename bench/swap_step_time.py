@@ -12,7 +12,7 @@ host buffers alone exceed the budget and the memory cannot be equal (the summary
 not). In-memory ZeRO-3 (ds_configs/zero3.json) runs alongside as the compute-only reference. Backends are
 interleaved over the repeats, their order alternating; every figure comes from the runs' own metrics files.
 
-    python bench/swap_step_time.py [--repeats 5] [--steps 12] [--out bench/results/swap_step_time]
+    python bench/swap_step_time.py [--repeats 5] [--steps 12] [--out bench/results/swap_step_time/tiny]
 
 Writes one JSON row per run to OUT/rows.jsonl (started afresh) and a summary (medians over repeats) to OUT/summary.md.
 Every run here is our train job; bench/user_paths.py measures the same backends through a plain zero.Init
@@ -103,8 +103,7 @@ def main():
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "bench", "results", "swap_step_time"),
-        help="folder for rows.jsonl and summary.md (bench/results/swap_step_time)",
+        help="folder for rows.jsonl and summary.md (default bench/results/swap_step_time/<model>)",
     )
     p.add_argument(
         "--summary-only",
@@ -112,6 +111,7 @@ def main():
         help="write OUT/summary.md again from OUT/rows.jsonl and OUT/bound.json (give the run's arguments)",
     )
     args = p.parse_args()
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "swap_step_time", args.model)
     bad = [b for b in args.backends.split(",") if b not in BACKENDS]
     if bad:
         p.error(f"--backends {','.join(bad)}: choose from {', '.join(BACKENDS)}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Thin entry: `python bench/sweep.py ARGS` is `aidaptiv-ds sweep ARGS` from this checkout."""
+"""Thin entry: `python bench/sweep_grid.py ARGS` is `aidaptiv-ds sweep ARGS` from this checkout."""
 
 import os
 import sys

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Thin entry: `python bench/report.py ARGS` is `aidaptiv-ds report ARGS` from this checkout."""
+"""Thin entry: `python bench/sweep_report.py ARGS` is `aidaptiv-ds report ARGS` from this checkout."""
 
 import os
 import sys

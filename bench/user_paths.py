@@ -297,10 +297,10 @@ def main():
     p.add_argument("--swap-root", default=os.path.join(ROOT, "swap"), help="where swap folders are made")
     p.add_argument(
         "--out",
-        default=os.path.join(ROOT, "bench", "results", "user_paths"),
-        help="folder for rows.jsonl and summary.md (bench/results/user_paths)",
+        help="folder for rows.jsonl and summary.md (default bench/results/user_paths/<model>)",
     )
     args = p.parse_args()
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "user_paths", args.model)
     paths, backends = args.paths.split(","), args.backends.split(",")
     problems = [f"unknown path {x!r} (choose from {', '.join(PATHS)})" for x in paths if x not in PATHS]
     problems += [f"unknown backend {x!r} (choose from {', '.join(BACKENDS)})" for x in backends if x not in BACKENDS]

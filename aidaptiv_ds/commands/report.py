@@ -1,7 +1,7 @@
 """Tables and plots from a sweep's results.jsonl (DIR/report.md, DIR/figures/*.png), or one training run's
 curves (DIR/figures/run_curves.png).
 
-  aidaptiv-ds report bench/results/cpu_small
+  aidaptiv-ds report bench/results/cpu_small/xeon
   aidaptiv-ds report runs/my-run --no-plots
 
 See aidaptiv_ds.harness.report for what the report holds and where each figure comes from.

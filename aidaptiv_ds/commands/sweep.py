@@ -1,6 +1,6 @@
 """Run a grid of training cells (model x micro-batch x sequence x GPU count x backend) against the baselines.
 
-  aidaptiv-ds sweep --grid bench/grids/cpu_ci.json --out bench/results/cpu_ci
+  aidaptiv-ds sweep --grid bench/grids/cpu_ci.json --out bench/results/cpu_ci/this_machine
   aidaptiv-ds sweep --grid bench/grids/cdac_rudra.json --count-cells      # a SLURM array's size
 
 Each cell is its own process tree through the deepspeed launcher; one JSON row per cell in OUT/results.jsonl.

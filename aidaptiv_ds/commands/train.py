@@ -191,7 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start even when the plan says the swap space, host budget or host memory cannot hold the "
         "job (the problems are printed as a warning): to measure where it really runs out, as "
-        "bench/capacity.py does",
+        "bench/capacity_seq_len.py does",
     )
 
     checkpoints.add_argument("--save-dir", default=None, help="write DeepSpeed checkpoints here (tag stepN)")

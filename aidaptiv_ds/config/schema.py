@@ -311,7 +311,7 @@ class AidaptivConfig(BaseModel):
         "(aidaptiv_ds/common/malloc_threshold.py). Set once per process, when the swapper starts. The cost is a fresh "
         "zero-filled mapping per large allocation: on the tiny preset on 2 CPU cores, untrimmed, "
         "1303 against 1437 MiB peak RSS for a 0.836 against 0.851 s step (bench/results/"
-        "malloc_threshold); '128KiB' beside the heap trimming saves another 1-3% for steps 7-12% "
+        "heap_settings/tiny); '128KiB' beside the heap trimming saves another 1-3% for steps 7-12% "
         "longer; 0 when speed matters more than RAM.",
     )
     trim_heap: Union[StrictBool, Literal["auto"]] = Field(
@@ -322,7 +322,7 @@ class AidaptivConfig(BaseModel):
         "activations and gradients are host memory, hundreds of MiB at the peak. On 2 CPU cores, "
         "small at 0.4 of its state: 2518 against 2742 MiB for a 3.610 against 3.553 s step; tiny "
         "at 0.6: 1227 against 1303 MiB for 0.949 against 0.836 s (medians of 3 interleaved runs, "
-        "bench/results/malloc_threshold*). auto: when training on the CPU; false when speed "
+        "bench/results/heap_settings). auto: when training on the CPU; false when speed "
         "matters more than RAM.",
     )
     activations: ActivationsConfig = Field(

@@ -12,7 +12,7 @@ An attempt is one call of ``try_seq(seq_len)``, which runs (or, resuming, looks 
 :class:`Attempt`. :class:`AttemptLog` keeps every attempt of a results file by its key, so a search run again
 over the same file (an interrupted sweep, a machine reboot) reruns nothing it has a row for.
 
-Nothing here starts processes: bench/capacity.py runs the cells through the sweep harness.
+Nothing here starts processes: bench/capacity_seq_len.py runs the cells through the sweep harness.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from aidaptiv_ds.inference.weight_groups import (
 
 # What generate's --encode-weights auto encodes: bf16 and fp16 layers (a quarter fewer bytes, decoded at about
 # memory speed). fp32 saves an eighth and its decode writes four bytes an element: on the test machine it gained
-# 3% and 6% in two runs, within their spread (bench/results/generate_offload), so only "on" encodes it.
+# 3% and 6% in two runs, within their spread (bench/results/generate_offload/tinyllama-1.1b_fp32), so only "on" encodes it.
 ENCODE_AUTO = (torch.bfloat16, torch.float16)
 ENCODE_ALL = (torch.bfloat16, torch.float16, torch.float32)
 _ROW_BUFFER_MAX = 8 << 20  # the row buffer of a table read by rows: a long prompt's rows go through it in turns

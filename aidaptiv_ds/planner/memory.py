@@ -79,7 +79,7 @@ DS_STEP_TRANSIENT_PER_PARAM = 10.3
 # peaked 413 MiB (7.5 B per parameter) above its steady state, nearly all freed memory the heap kept; a term
 # fitted on that made plan say qwen2.5-3b needed 28.7 GiB where it peaked at 7.2 GiB. With the threshold the
 # same tiny cell peaked at 850 MiB (the plan without a term: 854), and the 1-rank cells from 58M to 3.09B
-# parameters (bench/results/cpu_small_aidaptiv_heap, bench/results/capacity_models) within 3% of the plan; what
+# parameters (bench/results/cpu_small/epyc_aidaptiv_heap, bench/results/capacity_models/cap_8gib) within 3% of the plan; what
 # a step holds above the steady state fits in the terms counted on their own (the gathered largest layer, the
 # reduce bucket). A run with the threshold set to 0 peaks higher than planned.
 # With more than one rank on CPU, gathering a parameter allocates its whole (unpartitioned) tensor: the

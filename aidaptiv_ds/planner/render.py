@@ -166,7 +166,7 @@ def table(
     lines.append(
         "Step time: max(compute, NVMe, PCIe, CPU Adam) with this machine's (or the given) rates, a lower "
         "bound; on CPU the measured ZeRO-3 work per step is added to compute and Adam, which makes it an "
-        "estimate (how close it comes: bench/results/plan_accuracy/summary.md). Collectives "
+        "estimate (how close it comes: bench/results/plan_accuracy/cpu_sweeps/summary.md). Collectives "
         "and other framework overheads are not modelled."
     )
     return "\n".join(lines)

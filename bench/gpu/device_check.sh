@@ -9,7 +9,7 @@
 #            its baseline; the GPU machine may not have it: the machine phase says)
 #   There:   OUT=<folder> bash bench/gpu/device_check.sh [seconds]     (carry .device)
 #            With 15 minutes of device time: BACKENDS=aidaptiv,zero_infinity_eqmem TEST_S=180 ... 540 (the
-#            H100 session, bench/results/gpu_probe_h100, ran the shipped ZeRO-Infinity too; the baselines
+#            H100 session, bench/results/gpu_probe/h100, ran the shipped ZeRO-Infinity too; the baselines
 #            are rerun beside aidaptiv on the same machine, never taken from an earlier session)
 #
 # Phases, each logged to $OUT and each allowed to fail without stopping the next: the machine's facts;

@@ -1,5 +1,5 @@
 """`aidaptiv-ds train ARGS` with the engine's errors raised on purpose in the middle of training, where the
-first H100 runs died (bench/results/gpu_probe_h100: SIGSEGV at the swapper's first C++ OutOfPinnedMemory).
+first H100 runs died (bench/results/gpu_probe/h100: SIGSEGV at the swapper's first C++ OutOfPinnedMemory).
 
 When the host budget is first full (the point where the pool used to throw), before anything else, four
 C++ exceptions are raised and caught, each announced first so that the last line printed names the layer

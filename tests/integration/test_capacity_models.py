@@ -2,7 +2,7 @@
 ZeRO-3 trains micro and is killed by the cap on tiny, aidaptiv trains both and is stopped by the disk on a 70B
 shape (never started: its swap would not fit any disk here); a second run reuses every row but the disk
 refusal, and a row made with another host budget is not reused. The full table
-(tiny to 13B under 8 GiB) is the bench's own run, committed under bench/results/capacity_models."""
+(tiny to 13B under 8 GiB) is the bench's own run, committed under bench/results/capacity_models/cap_8gib."""
 
 import importlib.util
 import json

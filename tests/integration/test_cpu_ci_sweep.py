@@ -1,7 +1,7 @@
 """A sweep of real training cells end to end, as users run one: the 1-process cells of bench/grids/cpu_ci.json
 (the micro preset, all four backends) through the deepspeed launcher under the grid's 5 GiB host cap, then
 the report. The measured comparison (bench/grids/cpu_small.json, 20 cells, about 10 minutes here and several
-times that on a slow disk) is a benchmark, not a test: its results are in bench/results/cpu_small."""
+times that on a slow disk) is a benchmark, not a test: its results are in bench/results/cpu_small/xeon."""
 
 import json
 import os

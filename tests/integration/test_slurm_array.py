@@ -18,7 +18,7 @@ def test_concurrent_array_tasks_and_requeue(fake_env, tmp_path):
         REPO=ROOT,
         TMPDIR=str(tmp_path),
         SLURM_JOB_ID="9",
-        SWEEP=f"{sys.executable} {os.path.join(ROOT, 'bench', 'sweep.py')}",
+        SWEEP=f"{sys.executable} {os.path.join(ROOT, 'bench', 'sweep_grid.py')}",
         SWEEP_ARGS=f"--ds-configs {fake_env}",
     )
 

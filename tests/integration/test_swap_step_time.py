@@ -1,7 +1,7 @@
 """bench/swap_step_time.py on a short real cell where in-memory ZeRO-3 is not run (as at a scale whose state
 exceeds the RAM): aidaptiv alone, the compute term estimated from the CPU's rates measured in the same run, the
 disk measured before and after the run, the swap disk's busy share from the train job. The at-scale rows
-(Qwen2.5-3B) are the bench's own runs, committed under bench/results/swap_step_time_3b*."""
+(Qwen2.5-3B) are the bench's own runs, committed under bench/results/swap_step_time/qwen2.5-3b*."""
 
 import json
 import os

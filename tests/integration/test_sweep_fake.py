@@ -259,7 +259,7 @@ def test_sigterm_kills_the_running_cell(fake_env, tmp_path):
     p = subprocess.Popen(
         [
             sys.executable,
-            os.path.join(ROOT, "bench", "sweep.py"),
+            os.path.join(ROOT, "bench", "sweep_grid.py"),
             "--grid",
             grid,
             "--out",

@@ -8,7 +8,7 @@ import sys
 import pytest
 from engine_helpers import REPO_ROOT
 
-SCRIPT = os.path.join(REPO_ROOT, "bench", "io_bench.py")
+SCRIPT = os.path.join(REPO_ROOT, "bench", "io_engines.py")
 
 
 def io_bench(*argv):

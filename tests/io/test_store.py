@@ -347,7 +347,7 @@ def test_budget_is_enforced_reclaimers_run_and_the_error_says_what_holds_memory(
 
 def test_a_full_budget_raises_nothing_inside_the_engine(monkeypatch):
     """A full pool is routine for the swapper: take asks, reclaims, asks again. On an H100 a training process
-    died of SIGSEGV at its first C++ OutOfPinnedMemory (bench/results/gpu_probe_h100), so that path must not
+    died of SIGSEGV at its first C++ OutOfPinnedMemory (bench/results/gpu_probe/h100), so that path must not
     throw at all, in C++ either: HostMemory asks with try_allocate, which answers None."""
     pool = PinnedPool(64 << 10)
     mem = HostMemory(pool)

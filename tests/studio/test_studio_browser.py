@@ -135,7 +135,7 @@ def test_the_workflow_in_a_browser(tmp_path):
     doc = tmp_path / "swap-notes.md"
     doc.write_text(DOC * 4)
     (root / "sweeps").mkdir(parents=True)
-    shutil.copytree(Path(REPO) / "bench" / "results" / "cpu_small", root / "sweeps" / "cpu_small")
+    shutil.copytree(Path(REPO) / "bench" / "results" / "cpu_small" / "xeon", root / "sweeps" / "cpu_small")
     studio = Studio(root)
     try:
         with sync_playwright() as p:

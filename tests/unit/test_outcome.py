@@ -20,7 +20,7 @@ CUDA_OOM = [
     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity",
 ]
 OK = {"status": "ok", "tokens_per_s": 100.0}
-# The H100 run's crash (bench/results/gpu_probe_h100/crash_probe_fp32.log), shortened: a progress bar, then the
+# The H100 run's crash (bench/results/gpu_probe/h100/crash_probe_fp32.log), shortened: a progress bar, then the
 # fault handler's dump with the crashing thread after another thread's frames.
 FAULT = [
     "  return func(*args, **kwargs)",

@@ -435,7 +435,7 @@ def test_train_refuses_host_memory_the_state_alone_exceeds(clean_env, tmp_path, 
 
 
 def test_no_fit_check_starts_what_the_plan_refuses_and_says_so(clean_env, tmp_path, monkeypatch, capsys, repo):
-    """bench/capacity.py measures where a backend really runs out; the guard would answer with its prediction."""
+    """bench/capacity_seq_len.py measures where a backend really runs out; the guard would answer with its prediction."""
     monkeypatch.setattr("aidaptiv_ds.engine.machine.total_ram_bytes", lambda: 1 << 30)
     built = []
 

@@ -11,7 +11,7 @@ import os
 import pytest
 from helpers import REPO
 
-RESULTS = os.path.join(REPO, "bench", "results", "plan_accuracy")
+RESULTS = os.path.join(REPO, "bench", "results", "plan_accuracy", "cpu_sweeps")
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +49,9 @@ def test_the_committed_comparison_meets_the_targets(bench, results):
 
 
 def test_the_plan_holds_host_memory_at_scale(bench, results):
-    """capacity_models' aidaptiv cells, 58M to 3.09B parameters under an 8 GiB cap: the plan counted a step
+    """capacity_models/cap_8gib's aidaptiv cells, 58M to 3.09B parameters under an 8 GiB cap: the plan counted a step
     transient per parameter of the model there (28.7 GiB for a 3B run that peaked at 7.2)."""
-    at_scale = [r for r in results if r["sweep"] == "capacity_models" and r["status"] == "ok"]
+    at_scale = [r for r in results if r["sweep"] == "capacity_models/cap_8gib" and r["status"] == "ok"]
     assert {r["key"].split("__")[0] for r in at_scale} >= {"tinyllama-1.1b", "qwen2.5-3b"}
     assert all(abs(r["host_error"]) <= 0.05 for r in at_scale), {r["key"]: r["host_error"] for r in at_scale}
 
@@ -71,7 +71,7 @@ def test_rows_from_another_machine_are_counted_apart(bench, results):
         if "tokens_error" in r and row["machine"]["cpu"] == cpu and r["sweep"] in bench.SWEEPS
     )
     cpus = sorted({row["machine"]["cpu"] for row in rows})
-    assert len(cpus) == 2 and all(timed(c) > 0 for c in cpus)  # cpu_small on an Intel Xeon, cpu_small_epyc here
+    assert len(cpus) == 2 and all(timed(c) > 0 for c in cpus)  # cpu_small/xeon on an Intel Xeon, cpu_small/epyc here
     for cpu in cpus:
         bench.mark_machines(results, rows, cpu)
         summary = bench.summarize(results)

@@ -164,10 +164,10 @@ def test_planner_budget_split_is_the_swappers(name, world, dtype, budget):
 
 
 def test_measured_pinned_pool_of_a_committed_run():
-    """bench/results/cpu_small: tiny, aidaptiv, 1 rank, budget 290,000,000 bytes pinned 275.5 MiB (peak_pinned_mb)."""
+    """bench/results/cpu_small/xeon: tiny, aidaptiv, 1 rank, budget 290,000,000 bytes pinned 275.5 MiB (peak_pinned_mb)."""
     from helpers import REPO
 
-    rows = [json.loads(line) for line in open(f"{REPO}/bench/results/cpu_small/results.jsonl")]
+    rows = [json.loads(line) for line in open(f"{REPO}/bench/results/cpu_small/xeon/results.jsonl")]
     row = next(r for r in rows if r["key"] == "tiny__aidaptiv__g1__mb2__s64__ga1")
     job = M.Job(resolve_shape("tiny"), 64, 2, dtype="fp32", host_budget=row["aidaptiv_host_budget_bytes"])
     plan = M.plan_backend("aidaptiv", job, M.Hardware(gpus=1, host_mem=5 << 30))

@@ -41,7 +41,7 @@ def fakes(tmp_path):
 
 def test_submit_sizes_the_array_from_the_grid(fakes, tmp_path):
     env, log, _ = fakes
-    env["SWEEP"] = f"{sys.executable} {os.path.join(ROOT, 'bench', 'sweep.py')}"
+    env["SWEEP"] = f"{sys.executable} {os.path.join(ROOT, 'bench', 'sweep_grid.py')}"
     out = str(tmp_path / "results")
     r = subprocess.run(
         ["bash", os.path.join(SLURM, "submit_array.sh"), "bench/grids/cpu_ci.json", out],
@@ -143,7 +143,7 @@ def test_multinode_cell_command_spans_nodes(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "bench", "sweep.py"),
+            os.path.join(ROOT, "bench", "sweep_grid.py"),
             "--grid",
             "bench/grids/cdac_siddhi.json",
             "--out",

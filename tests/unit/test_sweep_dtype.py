@@ -14,7 +14,7 @@ def test_grid_dtype_runs_every_cell_from_configs_in_that_precision(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "bench", "sweep.py"),
+            os.path.join(ROOT, "bench", "sweep_grid.py"),
             "--grid",
             "bench/grids/gpu_probe.json",
             "--out",
@@ -71,7 +71,7 @@ def test_grid_aidaptiv_activations_go_into_aidaptivs_config_only(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "bench", "sweep.py"),
+            os.path.join(ROOT, "bench", "sweep_grid.py"),
             "--grid",
             grid,
             "--out",

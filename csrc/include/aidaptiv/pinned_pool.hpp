@@ -47,7 +47,7 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
   at::Tensor allocate(int64_t numel, at::ScalarType dtype, bool from_top = false);
   // The same, or nothing when no free block fits. A full pool is routine for the swapper (it reclaims and
   // asks again), so that path throws no C++ exception: an H100 training process died of SIGSEGV at its
-  // first OutOfPinnedMemory (bench/results/gpu_probe_h100), and exceptions are slow besides.
+  // first OutOfPinnedMemory (bench/results/gpu_probe/h100), and exceptions are slow besides.
   std::optional<at::Tensor> try_allocate(int64_t numel, at::ScalarType dtype, bool from_top = false);
   // Whether [address, address + nbytes) lies inside this pool's allocation.
   bool contains(uintptr_t address, uint64_t nbytes) const;
