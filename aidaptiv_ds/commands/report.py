@@ -35,6 +35,12 @@ def run(args: argparse.Namespace) -> int:
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
         if series:  # one run's folder; a folder with neither gets the sweep's "no usable rows" below
+            from aidaptiv_ds.common.extras import missing, missing_message
+
+            if missing("matplotlib"):  # a run's report is its plot
+                why = missing_message("a run folder's plot", ["matplotlib"])
+                print(f"error: {why}", file=sys.stderr)
+                return 2
             path = run_report.plot(args.dir, series, source)
             print(f"wrote {path} ({', '.join(sorted(series))} from the {source})", file=sys.stderr)
             return 0

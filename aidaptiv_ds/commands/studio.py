@@ -17,7 +17,10 @@ import ipaddress
 import os
 import sys
 
-HELP_EPILOG = "exit codes:\n  0  stopped by the user\n  1  refused (an address without a password, a bad --root)"
+HELP_EPILOG = (
+    "exit codes:\n  0  stopped by the user\n  1  refused (an address without a password, a bad --root, the studio's "
+    "packages not installed: pip install 'aidaptiv-ds[studio]')"
+)
 
 
 def add_arguments(parser) -> None:
@@ -54,6 +57,12 @@ def password_for(args) -> str | None:
 
 
 def run(args) -> int:
+    from aidaptiv_ds.common.extras import STUDIO, missing, missing_message
+
+    absent = missing(*STUDIO)
+    if absent:  # a training node installs the core only
+        print(f"aidaptiv-ds studio: {missing_message('the studio', absent)}", file=sys.stderr)
+        return 1
     try:
         password = password_for(args)
     except OSError as e:

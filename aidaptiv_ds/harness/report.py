@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections import Counter, defaultdict
 
+from aidaptiv_ds.common.extras import install_command
 from aidaptiv_ds.harness.machine import summary as machine_summary
 from aidaptiv_ds.harness.report_figures import _plots
 from aidaptiv_ds.harness.report_studies import (
@@ -173,7 +174,7 @@ def build_report(out_dir: str, plots: bool = True) -> tuple[str, list[str]]:
                 made = _plots(model, mrows, fig_dir)
             except ImportError as e:
                 made = []
-                parts.append(f"_No plots: {e} (pip install matplotlib)._")
+                parts.append(f"_No plots: {e} ({install_command('matplotlib')})._")
             figures += made
             parts += [f"![{os.path.basename(p)[:-4]}](figures/{os.path.basename(p)})" for p in made]
     extras = [

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from aidaptiv_ds.common.extras import missing_message
+
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file names (PeftModel.from_pretrained reads these)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -155,7 +157,9 @@ def quantize_base(model, compute_dtype) -> int:
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        raise ValueError(f"`lora` bits=4 needs bitsandbytes (requirements.txt pins it): {e}") from None
+        if e.name == "bitsandbytes":  # not installed, rather than installed and failing to load its library
+            raise ValueError(missing_message("`lora` bits=4 (QLoRA)", ["bitsandbytes"])) from None
+        raise ValueError(f"`lora` bits=4 needs bitsandbytes, which failed to import: {e}") from None
     targets = [
         (name, m)
         for name, m in model.named_modules()

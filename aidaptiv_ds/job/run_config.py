@@ -59,6 +59,19 @@ def checkpointing_in_block(cfg: dict) -> Tuple[dict, Optional[str]]:
     return cfg, f"aidaptiv.activations.policy {policy}"
 
 
+def check_tensorboard(cfg: dict) -> None:
+    """DeepSpeed builds its TensorBoard monitor inside deepspeed.initialize, where a missing tensorboard package
+    is a bare ImportError after the model is built: refuse it before, with the extra to install."""
+    from aidaptiv_ds.common.extras import install_command, missing
+
+    section = cfg.get("tensorboard")
+    if isinstance(section, dict) and section.get("enabled") and missing("tensorboard"):
+        raise ValueError(
+            'the config\'s "tensorboard" section is enabled but the tensorboard package is not installed: '
+            f'{install_command("tensorboard")}, or set "enabled": false'
+        )
+
+
 def wandb_settings(cfg: dict, metrics_out: Optional[str]) -> Optional[dict]:
     """With the config's "wandb" section on: W&B offline (unless WANDB_MODE says otherwise), its files in the
     metrics file's folder (else the working directory) unless WANDB_DIR says otherwise."""

@@ -104,9 +104,12 @@ class Run:
             self.info["nvme_path_created"] = make_nvme_path(os.path.abspath(a.nvme_path))
         self.lora = None
         if a.lora:
+            from aidaptiv_ds.common.extras import missing, missing_message
             from aidaptiv_ds.job.lora import parse_spec
 
             self.lora = parse_spec(a.lora)
+            if self.lora.bits == 4 and missing("bitsandbytes"):  # said before the model is built, not after
+                raise ValueError(missing_message("`lora` bits=4 (QLoRA)", ["bitsandbytes"]))
         cfg = ds_config.load(a.config, what="`config`")
         cfg = ds_config.apply_overrides(
             cfg,
@@ -139,6 +142,7 @@ class Run:
         )
         self.cfg = cfg
         self.backend = ds_config.backend(cfg)
+        run_config.check_tensorboard(cfg)
         wandb = run_config.wandb_settings(cfg, a.metrics_out)
         if wandb:
             self.info["wandb"] = wandb

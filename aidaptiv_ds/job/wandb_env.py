@@ -9,8 +9,9 @@ every logged row) and ``wandb sync`` uploads them later from a machine that has 
 
 from __future__ import annotations
 
-import importlib.util
 import os
+
+from aidaptiv_ds.common.extras import install_command, missing
 
 SECTION = "wandb"
 
@@ -27,10 +28,10 @@ def prepare(cfg: dict, run_dir: str, env=None) -> dict:
     package is missing (DeepSpeed would fail later, inside deepspeed.initialize)."""
     if not wandb_enabled(cfg):
         return {}
-    if importlib.util.find_spec("wandb") is None:
+    if missing("wandb"):
         raise ValueError(
             f'the config\'s "{SECTION}" section is enabled but the wandb package is not installed: '
-            'pip install wandb (see requirements.txt) or set "enabled": false'
+            f'{install_command("wandb")}, or set "enabled": false'
         )
     env = os.environ if env is None else env
     env.setdefault("WANDB_MODE", "offline")

@@ -31,5 +31,5 @@ def test_the_users_settings_win(tmp_path):
 def test_missing_package_is_named_before_deepspeed_starts(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ValueError, match="wandb package is not installed: pip install wandb"):
+    with pytest.raises(ValueError, match=r"wandb package is not installed: pip install 'aidaptiv-ds\[tracking\]'"):
         wandb_env.prepare(ON, str(tmp_path), {})
