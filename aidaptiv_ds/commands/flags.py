@@ -106,7 +106,8 @@ NVME_PATH = Flag(
 DTYPE = Flag(
     "--dtype",
     "the precision of weights and compute",
-    "fp32, bf16 or fp16 (float32, bfloat16, float16 taken too); 'auto' in generate: as stored",
+    "fp32, bf16 or fp16 (float32, bfloat16, float16 taken too); 'auto': the model's own precision (train: where "
+    "this machine computes it natively; generate: as stored)",
     parse_dtype,
     None,
     choices=DTYPES,

@@ -76,7 +76,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=S.DEFAULT_SEED,
         help=f"seeds weights, data order and RNGs; default {S.DEFAULT_SEED}",
     )
-    flags.add(data, flags.DTYPE, default=None, help="override the config's precision (fp16 needs CUDA)")
+    flags.add(
+        data,
+        flags.DTYPE,
+        auto=True,
+        default=None,
+        help="override the config's precision (fp16 needs CUDA); auto: the model's own (its config's dtype) where "
+        "this machine computes it natively, else fp32. Default: the config's, said at the start with the model's",
+    )
     data.add_argument(
         "--eval-fraction",
         type=float,

@@ -103,3 +103,54 @@ def fit_problems(spec, cfg: dict, seq_len: int, world_size: int, cuda: bool, lor
         ram_bytes=total_ram_bytes(),
         lora=lora,
     )
+
+
+_LONG = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def shipped_precision(config) -> Optional[str]:
+    """The precision a model's weights ship in (fp32, bf16, fp16: its config's dtype), None for a preset."""
+    name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(name).replace("torch.", "") if name is not None else None
+    return _LONG.get(name)
+
+
+def hardware_has(precision: str, cuda: bool) -> bool:
+    """Whether this machine computes in ``precision`` natively: fp32 always; bf16 on a GPU that supports it or a
+    CPU with AVX512-BF16 or AMX-BF16 (without them bf16 is emulated, several times slower than fp32); fp16 on
+    a GPU only (DeepSpeed's CPU path does not train in fp16)."""
+    if precision == "fp32":
+        return True
+    if cuda:
+        import torch
+
+        return precision == "fp16" or bool(torch.cuda.is_bf16_supported())
+    if precision != "bf16":
+        return False
+    from aidaptiv_ds.engine.machine import cpu_flags
+
+    flags = set(cpu_flags() or ())
+    return bool(flags & {"avx512_bf16", "amx_bf16"}) or "bf16" in flags  # x86, or Arm's BF16 extension
+
+
+def choose_precision(asked: Optional[str], configured: str, config, cuda: bool) -> Tuple[str, str]:
+    """(precision, why) of a run: ``asked`` (the ``dtype`` setting: fp32, bf16, fp16, or "auto": the model's
+    own where this machine has it), else the DeepSpeed config's. The why says when the model ships in another
+    precision than the run uses, since that doubles the state and slows the steps (a bf16 model in fp32:
+    2x the export, 16 instead of 8 bytes of optimizer state a parameter)."""
+    shipped = shipped_precision(config)
+    if asked and asked != "auto":
+        return asked, "`dtype` " + asked
+    if asked == "auto":
+        if shipped and hardware_has(shipped, cuda):
+            return shipped, f"`dtype` auto: the model's own ({shipped}), which this machine computes natively"
+        if shipped:
+            return "fp32", f"`dtype` auto: fp32, since this machine has no native {shipped} (the model ships in it)"
+        return configured, f"`dtype` auto: the config's ({configured}; a preset has no precision of its own)"
+    why = f"the config's ({configured})"
+    if shipped and shipped != configured:
+        native = hardware_has(shipped, cuda)
+        why += f"; the model ships in {shipped}: `dtype` {shipped} (or auto) trains it in its own precision" + (
+            ", which this machine computes natively" if native else " (emulated here, slower than fp32)"
+        )
+    return configured, why

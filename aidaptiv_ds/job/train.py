@@ -117,7 +117,6 @@ class Run:
             grad_accum=a.grad_accum,
             lr=a.lr,
             nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
-            dtype=a.dtype,
             host_budget=a.host_budget,
         )
         if a.gradient_checkpointing:
@@ -129,10 +128,14 @@ class Run:
         for block in ds_config.nvme_blocks(cfg):  # relative paths mean the working directory, as in DeepSpeed;
             if block["nvme_path"]:  # made absolute so that logs and metrics are unambiguous
                 block["nvme_path"] = os.path.abspath(block["nvme_path"])
-        self.spec = models.resolve(a.model)
+        self.spec = models.resolve(a.model, log=self.log)
         import torch
 
         self.cuda = torch.cuda.is_available()
+        precision, why = run_config.choose_precision(a.dtype, ds_config.dtype_name(cfg), self.spec.config, self.cuda)
+        cfg = ds_config.apply_overrides(cfg, dtype=precision if precision != ds_config.dtype_name(cfg) else None)
+        self.info["precision_reason"] = why
+        self.log(f"precision: {precision}: {why}")
         ds_config.check(
             cfg,
             world_size=self.world_size,

@@ -39,3 +39,26 @@ def test_without_an_enabled_block_the_config_is_unchanged():
     for cfg in ({"zero_optimization": {"stage": 3}}, config({"policy": "keep"}, enabled=False)):
         out, applied = checkpointing_in_block(cfg)
         assert out is cfg and applied is None
+
+
+def test_the_precision_of_a_run_and_why(monkeypatch):
+    """A run says which precision it trains in and why; auto takes the model's own where the machine computes
+    it natively (here: a CPU with and without AVX512-BF16), and a preset has no precision of its own."""
+    import types
+
+    from aidaptiv_ds.engine import machine
+    from aidaptiv_ds.job.run_config import choose_precision
+
+    bf16_model, preset = types.SimpleNamespace(dtype="bfloat16"), types.SimpleNamespace()
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx512f", "avx512_bf16"])
+    assert choose_precision("auto", "fp32", bf16_model, cuda=False)[0] == "bf16"
+    assert choose_precision("fp32", "bf16", bf16_model, cuda=False) == ("fp32", "`dtype` fp32")
+    assert choose_precision("auto", "fp32", preset, cuda=False)[0] == "fp32"
+    kept, why = choose_precision(None, "fp32", bf16_model, cuda=False)
+    assert kept == "fp32" and "the model ships in bf16: `dtype` bf16 (or auto)" in why and "natively" in why
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ["avx2"])
+    assert choose_precision("auto", "fp32", bf16_model, cuda=False) == (
+        "fp32",
+        "`dtype` auto: fp32, since this machine has no native bf16 (the model ships in it)",
+    )
+    assert "emulated here" in choose_precision(None, "fp32", bf16_model, cuda=False)[1]
