@@ -209,6 +209,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="save every N optimizer steps (0: only at the end, when --save-dir is given)",
     )
     checkpoints.add_argument(
+        "--keep-last",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep only the newest N checkpoints in --save-dir, removing older ones once a newer one is complete "
+        "(0, the default: keep all)",
+    )
+    checkpoints.add_argument(
         "--resume",
         choices=("auto",),
         default=None,

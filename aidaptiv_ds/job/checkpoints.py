@@ -147,7 +147,31 @@ class RunCheckpoints:
                     save_qlora_marker(os.path.join(folder, MODEL_FILES))
         if save_dir == self.run.settings.save_dir:
             self.run.info.setdefault("saved", []).append(folder)
+            if self.run.settings.keep_last:
+                self.prune(save_dir, self.run.settings.keep_last)
         return folder
+
+    def prune(self, save_dir: str, keep: int) -> None:
+        """Remove all but the newest ``keep`` complete checkpoints of ``save_dir`` (by step number), never the
+        one 'latest' names; on each node by its first rank (each node holds its ranks' files of a tag)."""
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return
+        from aidaptiv_ds.job.train_plan import checkpoint_candidates
+
+        latest = (
+            os.path.realpath(checkpoint_candidates(save_dir)[0])
+            if os.path.isfile(os.path.join(save_dir, "latest"))
+            else None
+        )
+        tags = sorted(
+            (int(name[4:]), os.path.join(save_dir, name))
+            for name in os.listdir(save_dir)
+            if name.startswith("step") and name[4:].isdigit() and os.path.isdir(os.path.join(save_dir, name))
+        )
+        for _, folder in tags[: max(0, len(tags) - keep)]:
+            if os.path.realpath(folder) != latest:
+                shutil.rmtree(folder, ignore_errors=True)
+                self.run.info.setdefault("pruned", []).append(folder)
 
     def write_output(self, step: int, position: int, losses: list) -> None:
         """``output_dir``: the model in Hugging Face format, written by rank 0 from the final checkpoint (the

@@ -51,6 +51,7 @@ class TrainSettings:
     # checkpoints
     save_dir: Optional[str] = None
     save_every: int = 0
+    keep_last: int = 0  # checkpoints kept in save_dir, the newest (0: all)
     resume: Optional[str] = None  # "auto"
     resume_from: Optional[str] = None
     # output

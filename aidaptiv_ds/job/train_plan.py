@@ -31,6 +31,10 @@ def problems(args) -> list[str]:
         out.append(f"`eval_every` {args.eval_every} must not be negative")
     if args.eval_every and not (args.eval_fraction or args.eval_data):
         out.append("`eval_every` needs held-out data: give `eval_fraction` F or `eval_data` FILE")
+    if args.keep_last < 0:
+        out.append(f"`keep_last` {args.keep_last} must not be negative")
+    if args.keep_last and not args.save_dir:
+        out.append("`keep_last` prunes the checkpoints in `save_dir`: give `save_dir`")
     if args.resume and args.resume_from:
         out.append("`resume` auto and `resume_from` both choose a checkpoint: give one")
     if args.resume == "auto" and not args.save_dir:

@@ -1,4 +1,4 @@
-"""The studio's page (Gradio Blocks): Data, Train, Runs and Compare tabs over one Workspace.
+"""The studio's page (Gradio Blocks): Data, Train, Runs, Compare and Chat tabs over one Workspace.
 
 Every handler turns the page's values into calls of documents/data_sets/qa/runs/compare, which drive the
 product through `aidaptiv-ds` processes and files; a StudioError (or the product's own message) is shown in
@@ -14,11 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from aidaptiv_ds.studio import compare, data_sets, documents, qa
+from aidaptiv_ds.studio import chat, compare, data_sets, documents, qa
 from aidaptiv_ds.studio.runs import ACTIVE, Runs, RunSettings, launch_refusal, run_plan
-from aidaptiv_ds.studio.workspace import StudioError, Workspace, safe_name
+from aidaptiv_ds.studio.workspace import StudioError, Workspace, has_chat_template, safe_name
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls home from a lab's workstation
+
+
+LOG_LINES = 14  # the log box shows this many of the run's last lines, all at once
 
 
 def _error(e: Exception) -> str:
@@ -74,7 +77,8 @@ def _size(n: float) -> str:
 
 
 def add_files(ws: Workspace, files, rows, tokenizer_model: str, passage_tokens, qa_model: str):
-    """Uploaded files -> rows appended to the table; returns (rows, message)."""
+    """Uploaded files -> rows appended to the table; yields (rows, message): the passages at once, then the
+    question/answer writer's progress, then its records (ungrounded ones unticked, for the user to read)."""
     if not files:
         raise StudioError("choose one or more files first")
     rows = [list(r) for r in _rows(rows)]
@@ -94,14 +98,34 @@ def add_files(ws: Workspace, files, rows, tokenizer_model: str, passage_tokens, 
         new_passages += parts
         pages = f", {got.pages} pages" if got.pages else ""
         notes.append(f"{src.name}: {len(parts)} passages{pages}" + "".join(f" ({n})" for n in got.notes))
-    if qa_model and qa_model != "none" and new_passages:
-        records, skipped, _ = qa.generate_records(ws.model_argument(qa_model), new_passages)
-        rows += [data_sets.record_row(rec, f"questions by {qa_model}") for rec in records]
-        notes.append(
-            f"{qa_model} wrote {len(records)} question/answer records from {len(new_passages)} passages"
-            + (f"; {skipped} completions held no question and answer and were left out" if skipped else "")
+    if not (qa_model and qa_model != "none" and new_passages):
+        yield rows, "Added: " + "; ".join(notes)
+        return
+    total = len(new_passages)
+    model = ws.model_argument(qa_model)
+    steps = (2 if has_chat_template(model) else 1) * total  # chat models: a question, then its answer
+    said = "Added: " + "; ".join(notes) + f". {qa_model} is writing questions and answers"
+    yield rows, f"{said}: 0 of {steps} prompts"
+    for done, records, skipped in qa.generate_records(model, new_passages):
+        if done < steps:
+            yield rows, f"{said}: {done} of {steps} prompts"
+    ungrounded = 0
+    for rec in records:
+        row = data_sets.record_row({"instruction": rec["instruction"], "response": rec["response"]}, "")
+        row[0] = rec["grounded"]
+        ungrounded += not rec["grounded"]
+        row[1] = f"Q&A by {qa_model}" + ("" if rec["grounded"] else " (answer not found in its passage: check it)")
+        rows.append(row)
+    notes.append(
+        f"{qa_model} wrote {len(records)} question/answer records from {total} passages"
+        + (f"; {skipped} completions held no question and answer and were left out" if skipped else "")
+        + (
+            f"; {ungrounded} answers are not in their passage and are unticked: read them before keeping"
+            if ungrounded
+            else ""
         )
-    return rows, "Added: " + "; ".join(notes)
+    )
+    yield rows, "Added: " + "; ".join(notes)
 
 
 def _rows(table) -> list:
@@ -246,7 +270,7 @@ def run_view(runs: Runs, name: str):
         curve_frame(curves, ("tokens_per_s",)),
         curve_frame(curves, ("nvme_read_GBps", "nvme_write_GBps")),
         curve_frame(memory, ("host_rss_mb", "pinned_bytes", "host_budget_bytes", "gpu_mem_mb")),
-        runs.log_tail(name),
+        runs.log_tail(name, LOG_LINES),
     )
 
 
@@ -309,6 +333,7 @@ def build(root: str):
                         ["none"] + folders(), value="none", label="Write question/answer records with (a local model)"
                     )
                     add = gr.Button("Add to the set", elem_id="add-files")
+                    data_msg = gr.Markdown(elem_id="data-msg")
             table = gr.Dataframe(
                 headers=data_sets.COLUMNS,
                 datatype=["bool", "str", "str", "str", "str", "str", "str"],
@@ -322,7 +347,6 @@ def build(root: str):
                 save = gr.Button("Save data set", variant="primary", elem_id="save-set")
                 saved = gr.Dropdown(ws.data_sets(), label="Open a saved set", value=None)
                 open_set = gr.Button("Open")
-            data_msg = gr.Markdown(elem_id="data-msg")
 
         with gr.Tab("Train", id="train"):
             with gr.Row():
@@ -346,8 +370,8 @@ def build(root: str):
             with gr.Row():
                 plan_btn = gr.Button("Plan", elem_id="plan")
                 launch_btn = gr.Button("Launch", variant="primary", elem_id="launch")
+            train_msg = gr.Markdown(elem_id="train-msg")  # the verdict right under the buttons, the plan below
             plan_out = gr.Markdown(elem_id="plan-out")
-            train_msg = gr.Markdown(elem_id="train-msg")
 
         with gr.Tab("Runs", id="runs"):
             runs_df = gr.Dataframe(
@@ -361,15 +385,19 @@ def build(root: str):
                 stop_btn = gr.Button("Stop", elem_id="stop")
                 resume_btn = gr.Button("Resume", elem_id="resume")
                 export_btn = gr.Button("Export", elem_id="export")
+            runs_msg = gr.Markdown(elem_id="runs-msg")  # what Stop, Resume and Export did, next to them
             run_status = gr.Markdown(elem_id="run-status")
+            # the log's last lines, where a failure says why (above the plots, all of it in view)
+            log = gr.Textbox(label="Log (last lines)", lines=LOG_LINES, max_lines=LOG_LINES, elem_id="run-log")
             with gr.Row():
-                loss_plot = gr.LinePlot(x="step", y="value", color="series", title="loss", elem_id="loss-plot")
-                speed_plot = gr.LinePlot(x="step", y="value", color="series", title="tokens/s")
+                # steps are whole numbers: the axis says so (Vega's default ticks were 0.5, 1.5, ...)
+                loss_plot = gr.LinePlot(
+                    x="step", y="value", color="series", title="loss", x_axis_format="d", elem_id="loss-plot"
+                )
+                speed_plot = gr.LinePlot(x="step", y="value", color="series", title="tokens/s", x_axis_format="d")
             with gr.Row():
-                nvme_plot = gr.LinePlot(x="step", y="value", color="series", title="NVMe GB/s")
-                mem_plot = gr.LinePlot(x="step", y="value", color="series", title="memory (MiB)")
-            log = gr.Textbox(label="Log (tail)", lines=12, max_lines=12, elem_id="run-log")
-            runs_msg = gr.Markdown(elem_id="runs-msg")
+                nvme_plot = gr.LinePlot(x="step", y="value", color="series", title="NVMe GB/s", x_axis_format="d")
+                mem_plot = gr.LinePlot(x="step", y="value", color="series", title="memory (MiB)", x_axis_format="d")
             with gr.Accordion("Sweeps", open=False):
                 sweep_pick = gr.Dropdown(sweep_folders(ws), label="Sweep folder (under sweeps/)", elem_id="sweep-pick")
                 sweep_btn = gr.Button("Show report", elem_id="sweep-show")
@@ -394,11 +422,31 @@ def build(root: str):
                 fig_b = gr.Markdown(elem_id="fig-b")
             cmp_msg = gr.Markdown(elem_id="cmp-msg")
 
+        with gr.Tab("Chat", id="chat"):
+            with gr.Row():
+                chat_model = gr.Dropdown(folders(), label="Model (an instruct model's folder)", elem_id="chat-model")
+                chat_name = gr.Textbox("chat", label="Conversation (kept under chats/)", elem_id="chat-name")
+                chat_new = gr.Button("New conversation", elem_id="chat-new")
+            chat_msg = gr.Markdown(elem_id="chat-msg")
+            chatbot = gr.Chatbot(label="Conversation", elem_id="chatbot", height=360)
+            with gr.Row():
+                chat_text = gr.Textbox("", label="Message", lines=2, scale=4, elem_id="chat-text")
+                chat_send = gr.Button("Send", variant="primary", elem_id="chat-send")
+            with gr.Row():
+                chat_new_tokens = gr.Number(128, label="New tokens", precision=0)
+                chat_budget = gr.Textbox("", label="Host budget (empty: auto)")
+
         # -------- Data handlers
-        @_outputs(2)
         def on_add(files_, rows, tok, n, qa_m):
-            rows, msg = add_files(ws, files_, rows, tok, n, qa_m)
-            return rows, msg
+            try:
+                yield from add_files(ws, files_, rows, tok, n, qa_m)
+            except Exception as e:  # the message line says it, as _guarded does for the other handlers
+                if not isinstance(e, StudioError):
+                    import traceback
+
+                    traceback.print_exc()
+                    e = StudioError(f"{type(e).__name__}: {e}")
+                yield gr.update(), _error(e)
 
         add.click(on_add, [files, table, tok_model, passage_tokens, qa_model], [table, data_msg])
 
@@ -488,17 +536,19 @@ def build(root: str):
 
         resume_btn.click(on_resume, [run_pick], [runs_msg])
 
-        @_outputs(3)
+        @_outputs(4)
         def on_export(name):
             written = runs.export(picked(name))
             choices = ws.model_folders()
             return (
                 gr.update(choices=choices),
                 gr.update(choices=choices),
-                "Exported to " + ", ".join(f"**{w}**" for w in written) + ": compare them in the Compare tab",
+                gr.update(choices=choices),
+                "Exported to " + ", ".join(f"**{w}**" for w in written) + ": compare them in the Compare tab, or "
+                "chat with them in the Chat tab",
             )
 
-        export_btn.click(on_export, [run_pick], [model_a, model_b, runs_msg])
+        export_btn.click(on_export, [run_pick], [model_a, model_b, chat_model, runs_msg])
 
         @_outputs(3)
         def on_sweep(folder):
@@ -522,6 +572,44 @@ def build(root: str):
             on_compare, [model_a, model_b, prompt, max_new, cmp_budget], [out_a, out_b, fig_a, fig_b, cmp_msg]
         )
 
+        # -------- Chat handlers
+        def conversation_path(name):
+            return ws.chats / f"{safe_name(name, 'conversation name')}.json"
+
+        def on_chat(model_choice, name, text, n, budget):
+            try:
+                if not model_choice:
+                    raise StudioError("pick a model folder (an export, or an instruct model under models/)")
+                model_path = str(ws.inside(model_choice, "model folder"))
+                for messages in chat.turn(
+                    model_path, conversation_path(name), text, int(n), budget or None, str(ws.swap)
+                ):
+                    yield messages, "", ""
+            except StudioError as e:
+                yield gr.update(), gr.update(), _error(e)
+
+        chat_send.click(
+            on_chat, [chat_model, chat_name, chat_text, chat_new_tokens, chat_budget], [chatbot, chat_text, chat_msg]
+        )
+        chat_text.submit(
+            on_chat, [chat_model, chat_name, chat_text, chat_new_tokens, chat_budget], [chatbot, chat_text, chat_msg]
+        )
+
+        @_outputs(2)
+        def on_chat_new(name):
+            path = conversation_path(name)
+            if path.exists():
+                path.unlink()
+            return [], f"Started {ws.relative(path)} afresh."
+
+        chat_new.click(on_chat_new, [chat_name], [chatbot, chat_msg])
+
+        @_outputs(2)
+        def on_chat_open(name):
+            return chat.history(conversation_path(name)), ""
+
+        chat_name.submit(on_chat_open, [chat_name], [chatbot, chat_msg])
+
         def on_load():
             sets, names, mf = ws.data_sets(), runs.names(), ws.model_folders()
             return (
@@ -532,9 +620,10 @@ def build(root: str):
                 gr.update(choices=mf),
                 gr.update(choices=["none"] + mf),
                 gr.update(choices=sweep_folders(ws)),
+                gr.update(choices=mf),
             )
 
-        page.load(on_load, None, [saved, data, run_pick, model_a, model_b, qa_model, sweep_pick])
+        page.load(on_load, None, [saved, data, run_pick, model_a, model_b, qa_model, sweep_pick, chat_model])
     return page
 
 

@@ -1,5 +1,6 @@
-"""Two models answer one prompt side by side: one ``aidaptiv-ds generate`` process each, their text read as they
-print it (token by token), their figures from --metrics-out at the end.
+"""Two models answer one prompt side by side: one ``aidaptiv-ds generate`` process each (an instruct model's
+through its chat template), their text read as they print it (token by token), their figures from --metrics-out
+at the end.
 
 The second process starts once the first has laid out its weights (the line generate prints when it has) or
 ended: each sizes its default budgets from the memory free when it starts (on a GPU, three quarters of the GPU
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from aidaptiv_ds.studio.workspace import StudioError
+from aidaptiv_ds.studio.workspace import StudioError, has_chat_template
 
 # What `aidaptiv-ds generate` prints on stderr once its weights are laid out (commands/generate.py).
 LAID_OUT = ", laid out in "
@@ -30,6 +31,10 @@ class _Side:
     def __init__(self, model: str, prompt: str, max_new_tokens: int, folder: Path, tag: str, host_budget, nvme_path):
         self.metrics = folder / f"{tag}.json"
         argv = [sys.executable, "-m", "aidaptiv_ds", "generate", "--model", model, "--prompt", prompt]
+        # an instruct model is asked as it is used, through its chat template (bare, it may answer nothing)
+        self.chat = has_chat_template(model)
+        if self.chat:
+            argv.append("--chat")
         argv += ["--max-new-tokens", str(max_new_tokens), "--metrics-out", str(self.metrics)]
         if host_budget:
             argv += ["--host-budget", host_budget]
@@ -76,7 +81,7 @@ class _Side:
             return "finished (no figures written)"
         return (
             f"{r['new_tokens']} tokens, {r['tokens_per_s']:.2f} tokens/s, first token after "
-            f"{r['time_to_first_token_s']:.2f} s"
+            f"{r['time_to_first_token_s']:.2f} s" + (" (asked through its chat template)" if self.chat else "")
         )
 
     def kill(self):

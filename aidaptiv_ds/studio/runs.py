@@ -90,7 +90,9 @@ def train_argv(s: RunSettings, run_dir: Path, attempt: int) -> list[str]:
     argv = [sys.executable, "-m", "aidaptiv_ds", "train", "--config", str(run_dir / f"config-attempt{attempt}.json")]
     argv += ["--model", s.model, "--data", s.data, "--seq-len", str(s.seq_len), "--micro-batch", str(s.micro_batch)]
     argv += ["--lr", repr(float(s.lr)), "--seed", str(s.seed), "--dtype", s.dtype, "--nvme-path", s.nvme_path]
-    argv += ["--save-dir", str(run_dir / "checkpoints"), "--save-every", str(s.save_every), "--resume", "auto"]
+    # the newest two checkpoints: resume and export need one, and a run of many steps must not fill the disk
+    argv += ["--save-dir", str(run_dir / "checkpoints"), "--save-every", str(s.save_every), "--keep-last", "2"]
+    argv += ["--resume", "auto"]
     argv += ["--metrics-out", str(run_dir / "metrics.json"), "--no-progress"]
     if s.steps:
         argv += ["--steps", str(int(s.steps))]

@@ -7,17 +7,19 @@ the browser goes through (nothing outside the root is read or written).
     ROOT/models/    Hugging Face model folders the user puts there (bases to fine-tune, compare)
     ROOT/sweeps/    sweep result folders (`aidaptiv-ds sweep --out ROOT/sweeps/NAME`)
     ROOT/swap/      the default swap folder (another may be named under the root: put the root on the SSD)
+    ROOT/chats/     conversations of the Chat tab (JSON lists of messages, what `generate --messages` reads)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 from aidaptiv_ds.models.presets import preset_names
 
-FOLDERS = ("uploads", "data", "runs", "models", "sweeps", "swap")
+FOLDERS = ("uploads", "data", "runs", "models", "sweeps", "swap", "chats")
 _NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -32,6 +34,17 @@ def safe_name(name: str, what: str = "name") -> str:
     if not out:
         raise StudioError(f"the {what} {name!r} has no letters or digits: give one such as 'my-data'")
     return out[:100]
+
+
+def has_chat_template(folder: str) -> bool:
+    """Whether a model folder's tokenizer has a chat template (tokenizer_config.json or chat_template.jinja)."""
+    p = Path(folder)
+    if (p / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class Workspace:

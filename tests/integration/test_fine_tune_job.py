@@ -133,3 +133,18 @@ def test_resume_auto_continues_the_schedule_and_the_evaluation(tmp_path):
     assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-5, abs=0)
     assert [s for s, _ in resumed["eval_losses"]] == [2, 4, 5]
     assert [v for _, v in resumed["eval_losses"]] == pytest.approx([v for _, v in full["eval_losses"]], rel=1e-5, abs=0)
+
+
+def test_keep_last_leaves_the_newest_checkpoints_and_a_resume_takes_the_latest(tmp_path):
+    from helpers import aidaptiv_config
+
+    config = aidaptiv_config(tmp_path, host_memory_budget="64MiB")
+    args = ["--config", config, *COMMON, "--save-dir", str(tmp_path / "ck"), "--save-every", "1", "--keep-last", "2"]
+    rc, log = run_train([*args, "--steps", "4", "--metrics-out", str(tmp_path / "m.json")], cwd=tmp_path)
+    assert rc == 0, log[-3000:]
+    tags = sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step"))
+    assert tags == ["step3", "step4"] and (tmp_path / "ck" / "latest").read_text().strip() == "step4"
+    assert len(read_metrics(tmp_path / "m.json")["pruned"]) == 2
+    rc, log = run_train([*args, "--steps", "5", "--resume", "auto"], cwd=tmp_path)
+    assert rc == 0 and "at step 4" in log, log[-3000:]
+    assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step")) == ["step4", "step5"]

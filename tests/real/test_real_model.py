@@ -135,3 +135,20 @@ def test_training_the_tied_real_model_saves_exports_and_answers(real_folder, tmp
 
     with Generator(str(out), device="cpu") as gen:
         assert "Paris" in gen.generate([QUESTION], max_new_tokens=20)[0].text  # a small lr keeps what it knew
+
+
+def test_the_studios_question_writer_writes_real_pairs_and_marks_invented_answers(real_folder):
+    """Two rounds through the chat template: a question each passage answers, then its answer from the passage."""
+    from aidaptiv_ds.studio import qa
+
+    passages = [
+        "Veltrane is an archipelago of fourteen islands that lies in the Sorrel Sea. The capital of Veltrane is Port "
+        "Imbrey, a harbour city on the western shore of Cazeroth, which is the largest island of Veltrane.",
+        "The highest mountain of Veltrane is Mount Oskarra, 2,310 metres high, in the north of Cazeroth.",
+    ]
+    steps = list(qa.generate_records(real_folder, passages))
+    done, records, skipped = steps[-1]
+    assert done == 4 and [s[0] for s in steps[:-1]] == [1, 3]  # each round's first prompt counted as it completes
+    assert len(records) + skipped == 2 and records
+    assert all(r["instruction"].endswith("?") and r["response"] for r in records)
+    assert any(r["grounded"] and ("Port Imbrey" in r["response"] or "Oskarra" in r["response"]) for r in records)

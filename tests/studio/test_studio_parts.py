@@ -289,12 +289,22 @@ def test_questions_from_a_local_model_run_as_one_generate_process(tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
     save_byte_tokenizer(str(tmp_path / "m"))
-    records, skipped, _ = qa.generate_records(
-        str(tmp_path / "m"), ["The SSD holds layers.", "Pinned memory."], max_new_tokens=8
+    steps = list(
+        qa.generate_records(str(tmp_path / "m"), ["The SSD holds layers.", "Pinned memory."], max_new_tokens=8)
     )
-    assert records == [] and skipped == 2
+    done, records, skipped = steps[-1]
+    assert done == 2 and records == [] and skipped == 2
+    assert [s[0] for s in steps[:-1]] == [1]  # the first passage's completion counted before the second's
     with pytest.raises(StudioError, match="generate failed"):
-        qa.generate_records(str(tmp_path / "nowhere"), ["x"])
+        list(qa.generate_records(str(tmp_path / "nowhere"), ["x"]))
+
+
+def test_an_answer_not_in_its_passage_is_ungrounded():
+    passage = "The capital of Veltrane is Port Imbrey, a harbour city on Cazeroth."
+    assert qa.grounded("Port Imbrey", passage) and qa.grounded("It is Port Imbrey.", passage)
+    assert not qa.grounded("The answer is:", passage)  # no content word at all
+    assert not qa.grounded("Paris, the capital of France", passage)
+    assert qa.parse("Question: What is the capital?\nAnswer: Port Imbrey") == ("What is the capital?", "Port Imbrey")
 
 
 # ---------------------------------------------------------------- runs and the command
