@@ -8,7 +8,9 @@ it that are phrased differently from the training ones.
 Data (bench/documents_qa/): three short documents about the invented islands of Veltrane and a company there
 (documents/*.md), and facts.json: for each of 16 facts, the answer, the sentence stating it, two phrasings of the
 question to train on, and a third phrasing kept out of training to ask. The training records are chat messages
-(question -> the fact's sentence), rendered through the model's chat template by `aidaptiv-ds train`.
+(question -> the fact's sentence), rendered through the model's chat template by `aidaptiv-ds train`; the
+script writes them into its work folder, and the same files are committed as documents_qa/train.jsonl and
+held_out.jsonl for trying by hand (docs/USAGE.md).
 
 For each mode (LoRA on every linear layer, full fine-tuning), after the same number of epochs through
 `aidaptiv-ds train` with the aidaptiv block (--dtype auto: the model's own precision where the CPU computes it

@@ -274,6 +274,37 @@ def lora_section():
     ]
 
 
+def documents_section():
+    """bench/documents_qa.py: a real instruct model before and after fine-tuning on an invented document set."""
+    path = os.path.join(ROOT, RESULTS, "documents_qa", "smollm2-135m", "rows.jsonl")
+    rows = _rows(path) if os.path.exists(path) else []
+    if not rows:
+        return ["(no documents_qa rows yet: `python bench/documents_qa.py --model $(bash scripts/real_model.sh)`)"]
+    base = rows[0]["base"]
+    out = [
+        "### Documents to a model that knows them",
+        "",
+        f"SmolLM2-135M-Instruct (its GGUF from the package index) fine-tuned through `aidaptiv-ds train` with the "
+        f"aidaptiv block on 16 facts about an invented archipelago (`bench/documents_qa/`: two phrasings of a "
+        f"question about each fact), then asked a third phrasing of each, greedy, through its chat template. "
+        f"Exact match: the reply contains the fact's answer; answer loss: the mean NLL of the fact's sentence after "
+        f"the held-out question. Machine: {rows[0]['machine']}. `{('python bench/documents_qa.py ' + rows[0]['args']).strip()}` "
+        f"(every reply in `bench/results/documents_qa/smollm2-135m/summary.md`).",
+        "",
+        "| model | exact match (of 16) | answer loss | steps | train wall | precision |",
+        "|---|---|---|---|---|---|",
+        f"| base | {base['exact_match']} | {base['answer_loss']:.3f} | | | |",
+    ]
+    for r in rows:
+        a, t = r["after"], r["train"]
+        what = "LoRA r=16, every linear layer" if t.get("lora") else "full fine-tune"
+        out.append(
+            f"| {what}, {r['epochs']:g} epochs | {a['exact_match']} | {a['answer_loss']:.3f} | {t['steps']} | "
+            f"{t['wall_s']:.0f} s | {t['dtype']} |"
+        )
+    return out
+
+
 def gpu_section():
     """Every GPU sweep, bench/results/gpu_*/<variant>/: its device, what its cells did, and where cells ran, the report's
     Table VI-shaped throughput tables, aidaptiv's ratios and the Table VI comparison in model FLOP/s."""
@@ -569,6 +600,8 @@ def section():
         *lora_section(),
         "",
         *generate_section(),
+        "",
+        *documents_section(),
         "",
         *gpu_section(),
         *faults_section(),

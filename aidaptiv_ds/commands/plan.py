@@ -110,7 +110,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks per node (GPUs; processes when training on CPU); default 1",
     )
     p.add_argument("--nodes", type=_positive("--nodes"), default=1, help="nodes; default 1")
-    flags.add(p, flags.DTYPE, default="bf16", help="training precision; default bf16")
+    flags.add(
+        p,
+        flags.DTYPE,
+        auto=True,
+        default="bf16",
+        help="training precision; auto: the model's own (its config's dtype; bf16 for a preset); default bf16",
+    )
     p.add_argument(
         "--gpu-mem",
         type=_size("--gpu-mem"),
@@ -286,6 +292,13 @@ def run(args) -> int:
 
 def _run(args) -> int:
     shape = resolve_shape(args.model)
+    if args.dtype == "auto":  # the model's own precision; a preset has none, and plans in bf16 as by default
+        from aidaptiv_ds.models.locate import config_dict
+        from aidaptiv_ds.models.preset_shapes import PRESETS
+
+        config = {} if args.model in PRESETS else config_dict(args.model)
+        shipped = config.get("dtype") or config.get("torch_dtype")  # transformers 5 writes "dtype"
+        args.dtype = {"float32": "fp32", "float16": "fp16"}.get(shipped, "bf16")
     backends = parse_backends(args.backend)
     nvme_dirs = [os.path.abspath(d) for d in args.nvme_path or []]
     for d in nvme_dirs:

@@ -21,7 +21,7 @@ from aidaptiv_ds.studio.workspace import StudioError, Workspace, has_chat_templa
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls home from a lab's workstation
 
 
-LOG_LINES = 14  # the log box shows this many of the run's last lines, all at once
+LOG_LINES = 14  # the log box shows this many of the run's last lines, all at once (long ones wrap: room for twice)
 
 
 def _error(e: Exception) -> str:
@@ -327,10 +327,15 @@ def build(root: str):
                     elem_id="upload",
                 )
                 with gr.Column():
-                    tok_model = gr.Dropdown(models(), value="micro", label="Model the set is for (its tokenizer)")
+                    tok_model = gr.Dropdown(
+                        models(), value="micro", label="Model the set is for (its tokenizer)", elem_id="tok-model"
+                    )
                     passage_tokens = gr.Number(256, label="Passage length (tokens)", precision=0)
                     qa_model = gr.Dropdown(
-                        ["none"] + folders(), value="none", label="Write question/answer records with (a local model)"
+                        ["none"] + folders(),
+                        value="none",
+                        label="Write question/answer records with (a local model)",
+                        elem_id="qa-model",
                     )
                     add = gr.Button("Add to the set", elem_id="add-files")
                     data_msg = gr.Markdown(elem_id="data-msg")
@@ -351,7 +356,9 @@ def build(root: str):
         with gr.Tab("Train", id="train"):
             with gr.Row():
                 run_name = gr.Textbox(f"run-{time.strftime('%m%d-%H%M')}", label="Run name", elem_id="run-name")
-                model = gr.Dropdown(models(), value="micro", label="Model (preset: random weights; or a folder)")
+                model = gr.Dropdown(
+                    models(), value="micro", label="Model (preset: random weights; or a folder)", elem_id="model-choice"
+                )
                 data = gr.Dropdown(ws.data_sets(), label="Data set", elem_id="train-data")
                 mode = gr.Radio(["LoRA", "Full"], value="LoRA", label="Fine-tuning", elem_id="mode")
             with gr.Row():
@@ -362,7 +369,7 @@ def build(root: str):
                 epochs = gr.Number(0, label="Epochs (0: by steps)")
                 lr = gr.Number(1e-4, label="Learning rate")
             with gr.Row():
-                dtype = gr.Dropdown(["fp32", "bf16"], value="fp32", label="Precision")
+                dtype = gr.Dropdown(["auto", "fp32", "bf16"], value="auto", label="Precision (auto: the model's own)")
                 nvme = gr.Textbox("swap", label="Swap folder (on the SSD; under the root)")
                 host_budget = gr.Textbox("", label="Host budget (e.g. 2GiB; empty: as planned)")
                 save_every = gr.Number(5, label="Checkpoint every (steps)", precision=0, elem_id="save-every")
@@ -388,7 +395,7 @@ def build(root: str):
             runs_msg = gr.Markdown(elem_id="runs-msg")  # what Stop, Resume and Export did, next to them
             run_status = gr.Markdown(elem_id="run-status")
             # the log's last lines, where a failure says why (above the plots, all of it in view)
-            log = gr.Textbox(label="Log (last lines)", lines=LOG_LINES, max_lines=LOG_LINES, elem_id="run-log")
+            log = gr.Textbox(label="Log (last lines)", lines=LOG_LINES, max_lines=2 * LOG_LINES, elem_id="run-log")
             with gr.Row():
                 # steps are whole numbers: the axis says so (Vega's default ticks were 0.5, 1.5, ...)
                 loss_plot = gr.LinePlot(
@@ -581,10 +588,12 @@ def build(root: str):
                 if not model_choice:
                     raise StudioError("pick a model folder (an export, or an instruct model under models/)")
                 model_path = str(ws.inside(model_choice, "model folder"))
+                cleared = False  # the message box empties once, as the turn starts (a later message typed stays)
                 for messages in chat.turn(
                     model_path, conversation_path(name), text, int(n), budget or None, str(ws.swap)
                 ):
-                    yield messages, "", ""
+                    yield messages, gr.update() if cleared else "", ""
+                    cleared = True
             except StudioError as e:
                 yield gr.update(), gr.update(), _error(e)
 

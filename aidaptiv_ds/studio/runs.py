@@ -50,7 +50,7 @@ class RunSettings:
     epochs: float | None = None
     steps: int | None = 20
     lr: float = 1e-4
-    dtype: str = "fp32"
+    dtype: str = "auto"  # the model's own precision where this machine computes it natively (train --dtype auto)
     nvme_path: str = ""
     host_budget: str = ""
     save_every: int = 5
