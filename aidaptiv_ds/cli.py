@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "train": ("train", "fine-tune a causal LM with DeepSpeed ZeRO-3 (and our NVMe swapper)"),
     "export": ("export", "write a checkpoint's model as a Hugging Face folder (safetensors shards)"),
     "generate": ("generate", "generate text, weights streamed from NVMe, prompts cached on SSD"),
+    "serve": ("serve", "serve a model over the OpenAI HTTP API (completions, chat, streaming), batched"),
     "io-bench": ("io_bench", "measure NVMe read/write bandwidth of the I/O engines"),
     "sweep": ("sweep", "run a batch x sequence x GPU grid against the baselines"),
     "report": ("report", "make tables and plots from a sweep's results.jsonl"),

@@ -19,6 +19,7 @@ OPTIONAL = {
     "tensorboard": ("tensorboard", "tracking"),
     "wandb": ("wandb", "tracking"),
     "matplotlib": ("matplotlib", "report"),
+    "gguf": ("gguf", "gguf"),
 }
 STUDIO = ("gradio", "pandas", "pypdf", "docx")
 

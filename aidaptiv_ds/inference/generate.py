@@ -149,32 +149,41 @@ class _StepClock:
 
 
 class _TextStream:
-    """transformers' streamer protocol (put, end) turned into text pieces for ``on_text``: the first put is
-    the prompt (skipped), then one token at a time; text is given when it decodes whole (no cut UTF-8)."""
+    """transformers' streamer protocol (put, end) turned into text pieces for ``on_text(row, piece)``, for every
+    row of a batch: the first put is the prompts (skipped), then one token a row each step; a row's text is
+    given when it decodes whole (no cut UTF-8), and ends after its own limit of new tokens or a stop id (later
+    tokens of that row are the batch running on for the others)."""
 
-    def __init__(self, tokenizer, on_text: Callable[[str], None]):
-        self.tokenizer, self.on_text = tokenizer, on_text
-        self.ids: List[int] = []
-        self.shown = 0
+    def __init__(self, tokenizer, on_text: Callable[[int, str], None], limits: List[int], stop_ids: List[int]):
+        self.tokenizer, self.on_text, self.limits, self.stop_ids = tokenizer, on_text, limits, set(stop_ids)
+        self.ids: List[List[int]] = [[] for _ in limits]
+        self.shown = [0] * len(limits)
+        self.done = [False] * len(limits)
         self.prompt_seen = False
 
     def put(self, value):
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        for row, token in enumerate(value.reshape(len(self.limits), -1)[:, -1].tolist()):
+            if self.done[row]:
+                continue
+            self.ids[row].append(int(token))
+            if int(token) in self.stop_ids or len(self.ids[row]) >= self.limits[row]:
+                self.done[row] = True
+            self._show(row)
+
+    def _show(self, row: int, final: bool = False) -> None:
+        text = self.tokenizer.decode(self.ids[row])
+        if text.endswith("\ufffd") and not final:
             return  # a character cut between tokens: wait for the rest
-        if len(text) > self.shown:
-            self.on_text(text[self.shown :])
-            self.shown = len(text)
+        if len(text) > self.shown[row]:
+            self.on_text(row, text[self.shown[row] :])
+            self.shown[row] = len(text)
 
     def end(self):
-        text = self.tokenizer.decode(self.ids)
-        if len(text) > self.shown:
-            self.on_text(text[self.shown :])
-        self.shown = len(text)
+        for row in range(len(self.limits)):
+            self._show(row, final=True)
 
 
 def _bytes(host_budget) -> int:
@@ -346,13 +355,20 @@ class Generator:
         seed: Optional[int] = None,
         batch_size: int = 8,
         on_text: Optional[Callable[[int, str], None]] = None,
+        limits: Optional[Sequence[int]] = None,
+        stream_batches: bool = False,
     ) -> List[Result]:
         """Completions of ``prompts`` (texts, or conversations as lists of chat messages), in order; each ends
-        at the model's end of text or of its turn (``stop_ids``). ``on_text(i, piece)`` receives prompt i's text
-        as it comes (token by token when prompts run one at a time, whole at the end of a batch)."""
+        at the model's end of text or of its turn (``stop_ids``), or after its own limit of new tokens
+        (``limits``, one a prompt; ``max_new_tokens`` by default). ``on_text(i, piece)`` receives prompt i's text
+        as it comes: token by token when prompts run one at a time or with ``stream_batches`` (every row of a
+        batch, as a server streams its clients' replies), else whole at the end of a batch."""
         if max_new_tokens < 1:
             raise GenerationError(f"`max_new_tokens` {max_new_tokens}: ask for at least one token")
-        ids = self.check_prompts(prompts, max_new_tokens)
+        limits = list(limits) if limits is not None else [max_new_tokens] * len(prompts)
+        if len(limits) != len(prompts) or any(not 1 <= n <= max_new_tokens for n in limits):
+            raise GenerationError(f"`limits`: one per prompt, each from 1 to `max_new_tokens` {max_new_tokens}")
+        ids = self.check_prompts(prompts, max(limits))
         if seed is not None:
             torch.manual_seed(seed)
         sampling = dict(do_sample=do_sample)
@@ -362,10 +378,11 @@ class Generator:
         step = 1 if (self.kv is not None or batch_size <= 1) else batch_size
         for first in range(0, len(ids), step):
             batch = list(range(first, min(first + step, len(ids))))
-            results.extend(self._run(prompts, ids, batch, max_new_tokens, sampling, on_text))
+            stream = on_text is not None and (len(batch) == 1 or stream_batches)
+            results.extend(self._run(prompts, ids, batch, [limits[i] for i in batch], sampling, on_text, stream))
         return results
 
-    def _run(self, prompts, ids, batch, max_new_tokens, sampling, on_text) -> List[Result]:
+    def _run(self, prompts, ids, batch, limits, sampling, on_text, stream) -> List[Result]:
         from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 
         tok = self.tokenizer
@@ -385,9 +402,11 @@ class Generator:
             input_ids[row, width - len(ids[i]) :] = torch.tensor(ids[i])
             mask[row, width - len(ids[i]) :] = 1
         clock = _StepClock()
-        streamer = _TextStream(tok, lambda piece: on_text(batch[0], piece)) if (on_text and len(batch) == 1) else None
+        streamer = None
+        if stream:
+            streamer = _TextStream(tok, lambda row, piece: on_text(batch[row], piece), limits, self.stop_ids)
         config = GenerationConfig(
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max(limits),
             pad_token_id=tok.pad_token_id,
             eos_token_id=self.stop_ids or None,
             bos_token_id=tok.bos_token_id,
@@ -408,7 +427,7 @@ class Generator:
         first_token = (clock.times[0] - start) if clock.times else float("nan")
         decode = (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else 0.0
         for row, i in enumerate(batch):
-            new = out.sequences[row, width:].tolist()
+            new = out.sequences[row, width:].tolist()[: limits[row]]
             ends = [k for k, t in enumerate(new) if t in self.stop_ids]
             if ends:
                 new = new[: ends[0] + 1]

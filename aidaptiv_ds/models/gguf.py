@@ -74,12 +74,12 @@ def describe(path: str) -> dict:
     """What a GGUF file holds (architecture, name, tensor types), refusing what this product cannot take."""
     if not os.path.isfile(path):
         raise GGUFError(f"GGUF file {path} does not exist")
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise GGUFError(
-            "reading GGUF files needs the gguf package: pip install gguf (requirements.txt pins it)"
-        ) from None
+    from aidaptiv_ds.common.extras import missing, missing_message
+
+    if missing("gguf"):
+        raise GGUFError(missing_message(f"reading {path}", ["gguf"]))
+    from gguf import GGUFReader
+
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, KeyError) as e:

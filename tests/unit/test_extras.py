@@ -25,6 +25,7 @@ USERS = {
     "wandb": {"zero3/monitors.py"},
     "tensorboard": set(),  # DeepSpeed's monitor imports it; job/train.py only checks that it is there
     "matplotlib": {"harness/report_figures.py", "harness/run_report.py"},
+    "gguf": {"models/gguf.py"},  # and transformers' GGUF reader, which it drives
 }
 
 
@@ -68,7 +69,7 @@ def test_pyproject_declares_each_optional_package_in_its_extra_and_requirements_
             assert dist in {_requirement_name(d) for d in declared[extra]}, (dist, extra)
     dev = {_requirement_name(d) for d in declared["dev"]}
     assert {"pytest", "ruff", "playwright"} <= dev
-    assert "aidaptiv-ds[studio,qlora,tracking,report]" in declared["dev"]  # the tests need every extra
+    assert "aidaptiv-ds[studio,qlora,tracking,report,gguf]" in declared["dev"]  # the tests need every extra
     pinned = {
         line.split("==")[0].strip().lower()
         for line in (Path(REPO) / "requirements.txt").read_text().splitlines()
