@@ -40,9 +40,13 @@ def parse_host_budget(text: str) -> str:
     t = str(text).strip()
     if t.lower() == "auto":
         return "auto"
+    from aidaptiv_ds.common.sizes import check_unit
     from aidaptiv_ds.config.schema import parse_host_budget as grammar
 
     try:
+        # Typed on a command line, a small bare number is a unit left out ('--host-budget 16'), refused as every
+        # size flag refuses it; in the block a bare number stays bytes, as in the rest of a DeepSpeed config.
+        check_unit(t, "--host-budget", per="/" + t.rpartition("/")[2] if "/" in t else "")
         grammar(t)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e}") from None

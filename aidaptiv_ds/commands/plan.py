@@ -22,7 +22,7 @@ import sys
 from typing import List
 
 from aidaptiv_ds.commands import flags
-from aidaptiv_ds.common.sizes import GiB, parse_size
+from aidaptiv_ds.common.sizes import GiB, check_unit, parse_size, parse_size_arg
 from aidaptiv_ds.planner.configs import GPU_OVERHEAD_ASSUMED, aidaptiv_config, make_plans, parse_backends
 from aidaptiv_ds.planner.memory import (
     ACTIVATION_POLICIES,
@@ -40,7 +40,7 @@ EXIT_FITS, EXIT_ERROR, EXIT_NONE_FITS = 0, 1, 3
 def _size(what: str):
     def parse(text: str) -> int:
         try:
-            return parse_size(text, what)
+            return parse_size_arg(text, what)  # '--gpu-mem 40' is 40 bytes, refused: the unit was left out
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -79,6 +79,10 @@ def _bandwidth(what: str):
         for suffix in ("/s", "ps"):
             if t.lower().endswith(suffix):
                 t = t[: -len(suffix)]
+        try:
+            check_unit(t, what, per="/s")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
         try:
             return float(parse_size(t, what))
         except ValueError as e:
