@@ -94,8 +94,8 @@ class Flag:
 HOST_BUDGET = Flag(
     "--host-budget",
     "host memory for aidaptiv's staging buffers and RAM cache (train, plan) or for resident weights (generate)",
-    "a size ('512MiB', bytes), a share of RAM ('25%'), per node ('64GiB/node') or per rank ('16GiB/rank'); "
-    "'auto' where the command has an automatic default",
+    "a size ('512MiB'; a bare number is bytes, at least 1048576), a share of RAM ('25%'), per node ('64GiB/node') "
+    "or per rank ('16GiB/rank'); 'auto' where the command has an automatic default",
     parse_host_budget,
     "SIZE",
 )
