@@ -40,9 +40,13 @@ def parse_host_budget(text: str) -> str:
     t = str(text).strip()
     if t.lower() == "auto":
         return "auto"
+    from aidaptiv_ds.common.sizes import check_unit
     from aidaptiv_ds.config.schema import parse_host_budget as grammar
 
     try:
+        # Typed on a command line, a small bare number is a unit left out ('--host-budget 16'), refused as every
+        # size flag refuses it; in the block a bare number stays bytes, as in the rest of a DeepSpeed config.
+        check_unit(t, "--host-budget", per="/" + t.rpartition("/")[2] if "/" in t else "")
         grammar(t)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e}") from None
@@ -90,8 +94,8 @@ class Flag:
 HOST_BUDGET = Flag(
     "--host-budget",
     "host memory for aidaptiv's staging buffers and RAM cache (train, plan) or for resident weights (generate)",
-    "a size ('512MiB', bytes), a share of RAM ('25%'), per node ('64GiB/node') or per rank ('16GiB/rank'); "
-    "'auto' where the command has an automatic default",
+    "a size ('512MiB'; a bare number is bytes, at least 1048576), a share of RAM ('25%'), per node ('64GiB/node') "
+    "or per rank ('16GiB/rank'); 'auto' where the command has an automatic default",
     parse_host_budget,
     "SIZE",
 )

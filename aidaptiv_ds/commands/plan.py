@@ -7,7 +7,10 @@ For each backend (ZeRO-3, ZeRO-3 CPU offload, ZeRO-Infinity, aidaptiv) it prints
 and pageable) and NVMe bytes the job needs, broken down, whether it fits and why not, and the predicted step
 time and tokens/s with the resource that bounds it. Sizes and rates default to this machine's (measured by
 short probes, cached in ~/.cache/aidaptiv-ds/rates.json); every one can be given to plan for other
-hardware. Without a GPU and without --gpu-mem the job is planned for training on the CPU.
+hardware. A plan for other hardware (--gpu-mem, --gpus beyond this machine's, --host-mem, --nodes above 1, or a
+rate of the hardware given) measures nothing and uses no rate of this machine's hardware: its notes name the
+flags of the rates it lacks for a step time. Without a GPU and without --gpu-mem the job is planned for
+training on the CPU. A size typed without a unit is bytes; one below 1 MiB is refused ('--gpu-mem 40': write 40GB).
 
 Exit status: 0 when at least one planned backend fits, 3 when none does, 1 for bad input.
 """
@@ -22,7 +25,7 @@ import sys
 from typing import List
 
 from aidaptiv_ds.commands import flags
-from aidaptiv_ds.common.sizes import GiB, parse_size
+from aidaptiv_ds.common.sizes import GiB, check_unit, parse_size, parse_size_arg
 from aidaptiv_ds.planner.configs import GPU_OVERHEAD_ASSUMED, aidaptiv_config, make_plans, parse_backends
 from aidaptiv_ds.planner.memory import (
     ACTIVATION_POLICIES,
@@ -36,11 +39,26 @@ from aidaptiv_ds.planner.shapes import resolve_shape
 
 EXIT_FITS, EXIT_ERROR, EXIT_NONE_FITS = 0, 1, 3
 
+# Each rate (aidaptiv_ds.planner.rates) and the flag that gives it.
+RATE_FLAGS = {
+    "nvme_read": "--nvme-read-bw",
+    "nvme_write": "--nvme-write-bw",
+    "pcie": "--pcie-bw",
+    "gpu_flops": "--gpu-flops",
+    "cpu_flops": "--cpu-flops",
+    "cpu_adam": "--cpu-adam",
+    "zero3_cpu": "--zero3-cpu",
+    "framework_host": "--framework-mem",
+    "launcher_host": "--launcher-mem",
+}
+# The rates of the hardware (the others are the memory of the software): giving one describes another machine.
+HARDWARE_RATES = ("nvme_read", "nvme_write", "pcie", "gpu_flops", "cpu_flops", "cpu_adam", "zero3_cpu")
+
 
 def _size(what: str):
     def parse(text: str) -> int:
         try:
-            return parse_size(text, what)
+            return parse_size_arg(text, what)  # '--gpu-mem 40' is 40 bytes, refused: the unit was left out
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -79,6 +97,10 @@ def _bandwidth(what: str):
         for suffix in ("/s", "ps"):
             if t.lower().endswith(suffix):
                 t = t[: -len(suffix)]
+        try:
+            check_unit(t, what, per="/s")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
         try:
             return float(parse_size(t, what))
         except ValueError as e:
@@ -189,7 +211,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="0..16",
         help="layer groups read ahead; default 1",
     )
-    r = p.add_argument_group("rates (default: measured here by a short probe, cached)")
+    r = p.add_argument_group(
+        "rates (default: measured here by a short probe, cached; for other hardware, none: give them)"
+    )
     r.add_argument(
         "--nvme-read-bw",
         type=_bandwidth("--nvme-read-bw"),
@@ -309,17 +333,13 @@ def _run(args) -> int:
 
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else cuda_memory_bytes()
     host_mem = args.host_mem if args.host_mem is not None else total_ram_bytes()
-    given = {
-        "nvme_read": args.nvme_read_bw,
-        "nvme_write": args.nvme_write_bw,
-        "pcie": args.pcie_bw,
-        "gpu_flops": args.gpu_flops,
-        "cpu_flops": args.cpu_flops,
-        "cpu_adam": args.cpu_adam,
-        "zero3_cpu": args.zero3_cpu,
-        "framework_host": args.framework_mem,
-        "launcher_host": args.launcher_mem,
-    }
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in RATE_FLAGS.items()}
+    other = _other_hardware(args, gpu_mem, given)
+    if other:
+        _log(
+            f"planning for other hardware ({', '.join(other)}): nothing is measured here and no rate of this "
+            "machine's hardware is used; the plan's notes say which rates to give"
+        )
     rates = Rates()
     for name, value in given.items():
         rates.set(name, value, "given")
@@ -334,6 +354,7 @@ def _run(args) -> int:
             want_gpu=gpu_mem is not None and args.gpu_mem is None,
             given=given,
             log=_log,
+            this_machine=not other,
         )
         reads.append(r.nvme_read)
         writes.append(r.nvme_write)
@@ -368,7 +389,13 @@ def _run(args) -> int:
     plans, predictions = make_plans(job, hw, rates, backends)
     if rates.framework_host is None:
         for p in plans:
-            p.notes.append("framework host memory unknown (not probed, not given): counted as 0")
+            p.notes.append("framework host memory unknown (not probed, not given): counted as 0 (--framework-mem)")
+    if rates.launcher_host is None and hw.world > 1:
+        for p in plans:
+            p.notes.append("launcher host memory unknown (not probed, not given): counted as 0 (--launcher-mem)")
+    if other:
+        for p in plans:
+            p.notes.append(_other_hardware_note(other, p, predictions.get(p.backend), hw, rates))
     if gpu_mem is not None and args.gpu_overhead is None:
         for p in plans:
             p.notes.append(
@@ -384,6 +411,40 @@ def _run(args) -> int:
     if args.write_config and not _write_config(args, job, plans, nvme_dirs):
         return EXIT_NONE_FITS  # the job does not fit aidaptiv: exit 3 as for a plan where nothing fits
     return EXIT_FITS if any(p.fits for p in plans) else EXIT_NONE_FITS
+
+
+def _other_hardware(args, gpu_mem, given: dict) -> List[str]:
+    """What makes this a plan for other hardware, as the flags that said so; empty for this machine.
+
+    For other hardware no rate of this machine is measured or used: a 2-core VM's CPU Adam rate made a plan of
+    8 x 80 GB GPUs "645 s, bound cpu_adam". Its rates are asked for, not assumed: the CPU Adam rate of CPU
+    classes spans more than ten times (a 2-core VM to two 64-core sockets) and a default would print a step time
+    as firm as a measured one; the plan's notes name the flags of the rates it lacks."""
+    from aidaptiv_ds.engine.machine import cuda_device_count
+
+    why, here = [], cuda_device_count()
+    if args.gpu_mem is not None:
+        why.append("--gpu-mem")
+    elif gpu_mem is not None and args.gpus > here:
+        why.append(f"--gpus {args.gpus}, more than this machine's {here}")
+    if args.host_mem is not None:
+        why.append("--host-mem")
+    if args.nodes > 1:
+        why.append(f"--nodes {args.nodes}")
+    return why + [RATE_FLAGS[n] for n in HARDWARE_RATES if given[n] is not None]
+
+
+def _other_hardware_note(other: List[str], plan: BackendPlan, pred, hw: Hardware, rates: Rates) -> str:
+    """The note of a plan for other hardware: that it is, and the rates it lacks for a step time."""
+    note = f"planned for other hardware ({', '.join(other)}): no rate of this machine's hardware is measured or used"
+    if not plan.fits or pred is None:
+        return note
+    lacking = [RATE_FLAGS[n] for m in pred.missing for n in m.split("/")]
+    if lacking:
+        return note + f"; give the other machine's {', '.join(lacking)} for a step time"
+    if hw.gpu_mem is None and rates.zero3_cpu is None:
+        return note + "; ZeRO-3's own work per step is left out of the step time (--zero3-cpu)"
+    return note
 
 
 def _write_config(args, job: Job, plans: List[BackendPlan], nvme_dirs: List[str]) -> bool:

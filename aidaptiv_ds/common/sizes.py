@@ -64,6 +64,33 @@ def parse_size(value, what: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+# A number typed without a unit is bytes, as in a DeepSpeed config; on a command line one below this is a unit
+# left out ("--gpu-mem 40" for 40 GB), never a size meant: no memory, disk or bandwidth a flag describes is under
+# a mebibyte, and bytes typed out for one run to seven digits or more.
+MIN_BARE_BYTES = MiB
+
+
+def check_unit(text: str, what: str, per: str = "") -> None:
+    """Refuse a size typed without a unit that is above 0 and below :data:`MIN_BARE_BYTES`: ValueError naming
+    ``what`` and saying what to write. ``per``: what the size is per ("/s" for a bandwidth, "/node"), left off
+    ``text`` if it ends with it. 0, sizes with a unit and what is not a size at all pass."""
+    t = str(text).strip()
+    number = t[: -len(per)].strip() if per and t.endswith(per) else t
+    m = _SIZE_RE.match(number)
+    if m and not m.group(2) and 0 < float(m.group(1)) < MIN_BARE_BYTES:
+        raise ValueError(
+            f"{what} {t} has no unit, so it means {number} bytes{per}: write {number}GB{per} (or "
+            f"{number}GiB{per}), or bytes of at least {MIN_BARE_BYTES}"
+        )
+
+
+def parse_size_arg(text: str, what: str) -> int:
+    """A size as a command-line flag takes it: :func:`parse_size`, with a number typed without a unit below
+    :data:`MIN_BARE_BYTES` refused (:func:`check_unit`)."""
+    check_unit(text, what)
+    return parse_size(text, what)
+
+
 def format_size(n: float) -> str:
     """Bytes for a person: "512.0 MiB", "2.05 GiB" (powers of 1024, the units parse_size reads back)."""
     if n >= GiB:

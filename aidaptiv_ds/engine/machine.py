@@ -137,6 +137,18 @@ def cuda_memory_bytes() -> Optional[int]:
     return None
 
 
+def cuda_device_count() -> int:
+    """The GPUs torch sees, 0 without CUDA (or with a broken CUDA install, as :func:`cuda_memory_bytes`)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.device_count())
+    except Exception:
+        pass
+    return 0
+
+
 # -- memory -----------------------------------------------------------------------------------------------
 def physical_ram_bytes() -> int:
     """The machine's RAM (what /proc/meminfo's MemTotal and psutil say), whatever a cgroup allows."""

@@ -19,7 +19,9 @@
 
 The cache is ``$XDG_CACHE_HOME/aidaptiv-ds/rates.json`` (``~/.cache`` by default; ``$AIDAPTIV_DS_CACHE_DIR``
 replaces the folder). Every figure records how it was obtained ("measured <date>", "given"); figures that are
-neither are left out, never guessed.
+neither are left out, never guessed. For other hardware (``machine_rates(this_machine=False)``) nothing is
+probed and no rate of this machine's disk, CPU or GPU is read: only the given ones, and the software's own
+memory from the cache.
 """
 
 from __future__ import annotations
@@ -372,10 +374,18 @@ def machine_rates(
     given: Optional[Dict[str, float]] = None,
     cache_file: Optional[str] = None,
     log=None,
+    this_machine: bool = True,
 ) -> Rates:
     """Rates for planning: ``given`` ones as they are, the rest from the cache, or measured now (``probe``)
-    and cached; ``reprobe`` measures again. A rate that is neither given, cached nor probed stays None."""
+    and cached; ``reprobe`` measures again. A rate that is neither given, cached nor probed stays None.
+
+    ``this_machine`` False: the plan is for other hardware, which this machine's disk, CPU and GPU say nothing
+    about. Nothing is probed, and of the cache only the memory of the software itself (``framework_host``,
+    ``launcher_host``: this installation's torch and DeepSpeed, the same wherever it runs) is read; every rate
+    of the hardware is the given one or None."""
     given = {k: v for k, v in (given or {}).items() if v is not None}
+    if not this_machine:
+        probe = reprobe = want_gpu = False
     rates = Rates()
     for name, value in given.items():
         rates.set(name, value, "given")
@@ -409,6 +419,25 @@ def machine_rates(
             if n in entry:
                 rates.set(n, entry[n], entry.get("when", "measured") + ("" if fresh else ", cached"))
 
+    if this_machine:
+        _fill_hardware(fill, rates, cache, dtype, nvme_dir)
+    fill(f"framework:train-micro:{sys.executable}", ("framework_host",), probe_framework)
+    fill(f"launcher:deepspeed:{sys.executable}", ("launcher_host",), probe_launcher)
+    if want_gpu:
+        key = gpu_key()
+        if key is not None:
+            fill(f"{key}:{dtype}", ("pcie", "gpu_flops"), lambda: probe_gpu(dtype))
+    if changed:
+        try:
+            save_cache(cache, cache_file)
+        except OSError as e:  # a read-only home: the figures are still used, only not kept
+            if log:
+                log(f"could not write the rates cache {cache_file or cache_path()} ({e.strerror}): not cached")
+    return rates
+
+
+def _fill_hardware(fill, rates: Rates, cache: dict, dtype: str, nvme_dir: Optional[str]) -> None:
+    """The rates of this machine's swap disk and CPUs, through ``fill`` (:func:`machine_rates`)."""
     if nvme_dir is not None:
         key = disk_key(nvme_dir)
         fill(key, ("nvme_read", "nvme_write"), lambda: probe_nvme(nvme_dir))
@@ -433,19 +462,6 @@ def machine_rates(
         )
 
     fill(f"zero3:train-tiny:{cpu_key('fp32')}:{sys.executable}", ("zero3_cpu",), zero3_probe)
-    fill(f"framework:train-micro:{sys.executable}", ("framework_host",), probe_framework)
-    fill(f"launcher:deepspeed:{sys.executable}", ("launcher_host",), probe_launcher)
-    if want_gpu:
-        key = gpu_key()
-        if key is not None:
-            fill(f"{key}:{dtype}", ("pcie", "gpu_flops"), lambda: probe_gpu(dtype))
-    if changed:
-        try:
-            save_cache(cache, cache_file)
-        except OSError as e:  # a read-only home: the figures are still used, only not kept
-            if log:
-                log(f"could not write the rates cache {cache_file or cache_path()} ({e.strerror}): not cached")
-    return rates
 
 
 def replace(rates: Rates, **values) -> Rates:

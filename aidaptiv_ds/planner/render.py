@@ -164,7 +164,7 @@ def table(
             lines.append(f"  note: {note}")
     lines.append("")
     lines.append(
-        "Step time: max(compute, NVMe, PCIe, CPU Adam) with this machine's (or the given) rates, a lower "
+        "Step time: max(compute, NVMe, PCIe, CPU Adam) with the rates above (given, or this machine's), a lower "
         "bound; on CPU the measured ZeRO-3 work per step is added to compute and Adam, which makes it an "
         "estimate (how close it comes: bench/results/plan_accuracy/cpu_sweeps/summary.md). Collectives "
         "and other framework overheads are not modelled."

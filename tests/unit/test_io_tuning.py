@@ -157,8 +157,6 @@ def test_plan_reports_the_tuned_choice(tmp_path, monkeypatch, capsys):
                 "1",
                 "--nvme-path",
                 str(tmp_path),
-                "--host-mem",
-                "8GiB",
                 "--backend",
                 "aidaptiv",
             ]
@@ -177,8 +175,6 @@ def test_plan_reports_the_tuned_choice(tmp_path, monkeypatch, capsys):
             "1",
             "--nvme-path",
             str(tmp_path),
-            "--host-mem",
-            "8GiB",
             "--backend",
             "aidaptiv",
             "--json",
