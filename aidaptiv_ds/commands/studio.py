@@ -13,7 +13,6 @@ the page or stopping the studio leaves them running, and the studio finds them a
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import sys
 
@@ -40,15 +39,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-upload", default="200MB", help="largest file an upload may be (default 200MB)")
 
 
-def is_loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def password_for(args) -> str | None:
     if args.password_file:
         with open(args.password_file, encoding="utf-8") as fh:
@@ -58,6 +48,7 @@ def password_for(args) -> str | None:
 
 def run(args) -> int:
     from aidaptiv_ds.common.extras import STUDIO, missing, missing_message
+    from aidaptiv_ds.studio.server import is_loopback
 
     absent = missing(*STUDIO)
     if absent:  # a training node installs the core only
@@ -103,16 +94,21 @@ def run(args) -> int:
             return hmac.compare_digest(given.encode(), password.encode())
 
     page.queue(default_concurrency_limit=4)
-    page.launch(
-        server_name=args.host,
-        server_port=args.port,
-        auth=auth,
-        auth_message="aidaptiv-ds studio: any user name, the password it was started with",
-        max_file_size=args.max_upload,
-        allowed_paths=[root],
-        ssr_mode=False,
-        share=False,  # never a public link (Gradio makes one by itself in notebooks, or with GRADIO_SHARE)
-        show_error=True,
-        quiet=False,
-    )
+    from aidaptiv_ds.studio.server import CannotListen, serve
+
+    try:
+        serve(
+            page,
+            host=args.host,
+            port=args.port,
+            auth=auth,
+            auth_message="aidaptiv-ds studio: any user name, the password it was started with",
+            max_file_size=args.max_upload,
+            allowed_paths=[root],
+        )
+    except CannotListen as e:  # the port taken, an address this machine does not have
+        print(f"aidaptiv-ds studio: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has shut down
+        pass
     return 0
