@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from aidaptiv_ds.studio import chat, compare, data_sets, documents, qa
+from aidaptiv_ds.studio import chat, children, compare, data_sets, documents, qa
 from aidaptiv_ds.studio.runs import ACTIVE, Runs, RunSettings, launch_refusal, run_plan
 from aidaptiv_ds.studio.workspace import StudioError, Workspace, has_chat_template, safe_name
 
@@ -281,17 +281,12 @@ def sweep_folders(ws: Workspace) -> list[str]:
 def sweep_report(ws: Workspace, folder: str):
     """(report markdown, figure paths) of a sweep folder; the report is made when missing or older than the
     results."""
-    import subprocess
-    import sys
-
     d = ws.inside(folder, "sweep folder")
     results, report = d / "results.jsonl", d / "report.md"
     if not results.exists():
         raise StudioError(f"{folder} has no results.jsonl: it is no sweep folder")
     if not report.exists() or report.stat().st_mtime < results.stat().st_mtime:
-        done = subprocess.run(
-            [sys.executable, "-m", "aidaptiv_ds", "report", str(d)], capture_output=True, text=True, timeout=600
-        )
+        done = children.run([sys.executable, "-m", "aidaptiv_ds", "report", str(d)], timeout=600)
         if done.returncode != 0:
             raise StudioError(f"aidaptiv-ds report failed: {done.stderr.strip()[-800:]}")
     # The report's image links are relative to its folder, which the page cannot follow: the figures go to the

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import REPO, child_env
@@ -599,3 +600,84 @@ def test_the_second_model_starts_once_the_first_has_laid_out_its_weights(tmp_pat
     started[0].end()
     started[1].end()
     list(gen)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process (R, S, Z, ...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_child_of_the_studio_dies_with_it_even_by_sigkill(tmp_path):
+    """A stand-in studio starts a child through the studio's helper from a thread that then ends (as Gradio's
+    idle workers do): the child lives on while the studio does, and dies when the studio is killed with SIGKILL,
+    which no `finally` sees."""
+    studio = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, threading, time\n"
+            "from aidaptiv_ds.studio import children\n"
+            "started = []\n"
+            "asking = threading.Thread(target=lambda: started.append(children.popen(\n"
+            "    [sys.executable, '-c', 'import time; time.sleep(600)'])))\n"
+            "asking.start()\n"
+            "asking.join()\n"
+            "print(started[0].pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = None
+    try:
+        child = int(studio.stdout.readline())
+        time.sleep(1.0)  # the asking thread is gone: the child must outlive it
+        assert process_state(child) not in (None, "Z"), "the child died with the thread that started it"
+        studio.kill()
+        studio.wait(timeout=30)
+        deadline = time.time() + 10
+        while process_state(child) not in (None, "Z") and time.time() < deadline:
+            time.sleep(0.1)
+        assert process_state(child) in (None, "Z"), "the child outlived the studio"
+    finally:
+        if studio.poll() is None:
+            studio.kill()
+        if child and process_state(child) not in (None, "Z"):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_the_studio_starts_processes_through_the_helper_except_training():
+    """Every process the studio starts dies with it (aidaptiv_ds.studio.children), except the training run's
+    supervisor and the training itself, which are meant to outlive it."""
+    import ast
+
+    import aidaptiv_ds.studio as studio_package
+
+    starts = {"Popen", "run", "call", "check_call", "check_output", "system", "fork", "spawnv", "posix_spawn"}
+    direct = set()
+    for path in sorted(Path(studio_package.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                f = node.func if isinstance(node, ast.Call) else None
+                if (
+                    isinstance(f, ast.Attribute)
+                    and f.attr in starts
+                    and isinstance(f.value, ast.Name)
+                    and f.value.id in ("subprocess", "os")
+                ):
+                    direct.add((path.name, fn.name))
+    assert direct == {
+        ("children.py", "popen"),
+        ("runs.py", "_launch"),  # the supervisor: its own session, outlives the studio
+        ("supervise.py", "main"),  # the training, the supervisor's child
+    }, direct
