@@ -681,3 +681,54 @@ def test_the_studio_starts_processes_through_the_helper_except_training():
         ("runs.py", "_launch"),  # the supervisor: its own session, outlives the studio
         ("supervise.py", "main"),  # the training, the supervisor's child
     }, direct
+
+
+def test_a_page_load_offers_and_shows_only_what_is_on_disk(tmp_path):
+    """A data set, model or run deleted or renamed since the studio started: the next page load (a refresh)
+    neither offers it nor shows it as picked, in every dropdown fed from the disk."""
+    import shutil
+
+    import gradio as gr
+
+    from aidaptiv_ds.studio import app
+
+    root = tmp_path / "root"
+    ws = Workspace(root)
+    for i, name in enumerate(("old", "new")):  # "new" is the newest: the one the Train tab shows first
+        (ws.data / f"{name}.jsonl").write_text('{"text": "x"}\n')
+        os.utime(ws.data / f"{name}.jsonl", (1_000_000 + i, 1_000_000 + i))
+    (ws.models / "base").mkdir()
+    (ws.models / "base" / "config.json").write_text("{}")
+    (ws.runs / "r1").mkdir()
+    (ws.runs / "r1" / "settings.json").write_text(json.dumps({"name": "r1", "model": "micro", "data": ""}))
+    page = app.build(str(root))
+    load = next(f for f in page.fns.values() if f.name == "on_load")
+    dropdowns = [b for b in page.blocks.values() if isinstance(b, gr.Dropdown)]
+    static = [d.label for d in dropdowns if d not in load.outputs]
+    assert static == ["Precision (auto: the model's own)"], static  # every other one is refreshed on load
+
+    def shown():
+        """Per dropdown: (what it offers, what it shows) after a page load; the page shows the value it was
+        built with unless the load replaces it."""
+        out = {}
+        for d, update in zip(load.outputs, load.fn()):
+            offered = [c[0] if isinstance(c, (list, tuple)) else c for c in update["choices"]]
+            out[d.elem_id or d.label] = offered, update.get("value", d.value)
+        return out
+
+    before = shown()
+    assert before["train-data"] == (["data/new.jsonl", "data/old.jsonl"], "data/new.jsonl"), before["train-data"]
+    assert "models/base" in before["model-choice"][0] and before["model-a"] == (["models/base"], "models/base")
+    assert before["run-pick"] == (["r1"], "r1")
+
+    (ws.data / "new.jsonl").unlink()
+    (ws.data / "old.jsonl").rename(ws.data / "renamed.jsonl")
+    shutil.rmtree(ws.models / "base")
+    shutil.rmtree(ws.runs / "r1")
+    after = shown()
+    assert after["train-data"] == (["data/renamed.jsonl"], "data/renamed.jsonl"), after["train-data"]
+    assert after["saved-set"] == (["data/renamed.jsonl"], None) and after["run-pick"] == ([], None)
+    assert after["model-a"] == after["chat-model"] == ([], None) and after["qa-model"] == (["none"], "none")
+    for key, (offered, value) in after.items():
+        assert not any("new.jsonl" in c or "old.jsonl" in c or "base" in c or c == "r1" for c in offered), key
+        assert value is None or value in offered, (key, offered, value)
