@@ -7,8 +7,10 @@
 A local web app (Gradio) that drives the product only through its commands (`plan`, `train`, `export`,
 `generate`, `report`) and the files they write, under --root. It listens on localhost unless --host says
 otherwise; any other address needs a password (AIDAPTIV_STUDIO_PASSWORD or --password-file), since whoever
-reaches the page can start processes and read the root. Training runs are processes of their own: closing
-the page or stopping the studio leaves them running, and the studio finds them again from their folders.
+reaches the page can start processes and read the root. On loopback it answers only requests for localhost
+or a loopback address, and never a request from another site's page (aidaptiv_ds.studio.server). Training
+runs are processes of their own: closing the page or stopping the studio leaves them running, and the studio
+finds them again from their folders; what it starts for a request (generate, plan, export) ends with it.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import os
 import sys
 
 HELP_EPILOG = (
-    "exit codes:\n  0  stopped by the user\n  1  refused (an address without a password, a bad --root, the studio's "
-    "packages not installed: pip install 'aidaptiv-ds[studio]')"
+    "exit codes:\n  0  stopped by the user\n  1  refused (an address without a password, a bad --root, the port taken, "
+    "the studio's packages not installed: pip install 'aidaptiv-ds[studio]')"
 )
 
 
 def add_arguments(parser) -> None:
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; ::1 and localhost too; any other "
+        "address needs a password)",
     )
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     parser.add_argument(
