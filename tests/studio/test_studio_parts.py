@@ -1,7 +1,8 @@
 """The studio's parts without a browser: the root's path gate, documents to passages (txt, md, pdf, docx, html,
 record files), the data set table to JSONL the job reads, question/answer parsing and its generate process,
-a run whose supervisor vanished (with and without its training), the supervisor passing signals on, and the
-refusals to listen beyond localhost without a password or to start on a bad root or password file."""
+a run whose supervisor vanished (with and without its training), the supervisor passing signals on, the
+refusals to listen beyond localhost without a password or to start on a bad root or password file, the
+processes of a request dying with the studio, and a page load listing only what is on disk."""
 
 from __future__ import annotations
 
