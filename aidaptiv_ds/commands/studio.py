@@ -7,25 +7,29 @@
 A local web app (Gradio) that drives the product only through its commands (`plan`, `train`, `export`,
 `generate`, `report`) and the files they write, under --root. It listens on localhost unless --host says
 otherwise; any other address needs a password (AIDAPTIV_STUDIO_PASSWORD or --password-file), since whoever
-reaches the page can start processes and read the root. Training runs are processes of their own: closing
-the page or stopping the studio leaves them running, and the studio finds them again from their folders.
+reaches the page can start processes and read the root. On loopback it answers only requests for localhost
+or a loopback address, and never a request from another site's page (aidaptiv_ds.studio.server). Training
+runs are processes of their own: closing the page or stopping the studio leaves them running, and the studio
+finds them again from their folders; what it starts for a request (generate, plan, export) ends with it.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import sys
 
 HELP_EPILOG = (
-    "exit codes:\n  0  stopped by the user\n  1  refused (an address without a password, a bad --root, the studio's "
-    "packages not installed: pip install 'aidaptiv-ds[studio]')"
+    "exit codes:\n  0  stopped by the user\n  1  refused (an address without a password, a bad --root, the port taken, "
+    "the studio's packages not installed: pip install 'aidaptiv-ds[studio]')"
 )
 
 
 def add_arguments(parser) -> None:
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; ::1 and localhost too; any other "
+        "address needs a password)",
     )
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     parser.add_argument(
@@ -40,15 +44,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-upload", default="200MB", help="largest file an upload may be (default 200MB)")
 
 
-def is_loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def password_for(args) -> str | None:
     if args.password_file:
         with open(args.password_file, encoding="utf-8") as fh:
@@ -58,6 +53,7 @@ def password_for(args) -> str | None:
 
 def run(args) -> int:
     from aidaptiv_ds.common.extras import STUDIO, missing, missing_message
+    from aidaptiv_ds.studio.server import is_loopback
 
     absent = missing(*STUDIO)
     if absent:  # a training node installs the core only
@@ -103,16 +99,21 @@ def run(args) -> int:
             return hmac.compare_digest(given.encode(), password.encode())
 
     page.queue(default_concurrency_limit=4)
-    page.launch(
-        server_name=args.host,
-        server_port=args.port,
-        auth=auth,
-        auth_message="aidaptiv-ds studio: any user name, the password it was started with",
-        max_file_size=args.max_upload,
-        allowed_paths=[root],
-        ssr_mode=False,
-        share=False,  # never a public link (Gradio makes one by itself in notebooks, or with GRADIO_SHARE)
-        show_error=True,
-        quiet=False,
-    )
+    from aidaptiv_ds.studio.server import CannotListen, serve
+
+    try:
+        serve(
+            page,
+            host=args.host,
+            port=args.port,
+            auth=auth,
+            auth_message="aidaptiv-ds studio: any user name, the password it was started with",
+            max_file_size=args.max_upload,
+            allowed_paths=[root],
+        )
+    except CannotListen as e:  # the port taken, an address this machine does not have
+        print(f"aidaptiv-ds studio: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has shut down
+        pass
     return 0

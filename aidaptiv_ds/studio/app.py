@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from aidaptiv_ds.studio import chat, compare, data_sets, documents, qa
+from aidaptiv_ds.studio import chat, children, compare, data_sets, documents, qa
 from aidaptiv_ds.studio.runs import ACTIVE, Runs, RunSettings, launch_refusal, run_plan
 from aidaptiv_ds.studio.workspace import StudioError, Workspace, has_chat_template, safe_name
 
@@ -281,17 +281,12 @@ def sweep_folders(ws: Workspace) -> list[str]:
 def sweep_report(ws: Workspace, folder: str):
     """(report markdown, figure paths) of a sweep folder; the report is made when missing or older than the
     results."""
-    import subprocess
-    import sys
-
     d = ws.inside(folder, "sweep folder")
     results, report = d / "results.jsonl", d / "report.md"
     if not results.exists():
         raise StudioError(f"{folder} has no results.jsonl: it is no sweep folder")
     if not report.exists() or report.stat().st_mtime < results.stat().st_mtime:
-        done = subprocess.run(
-            [sys.executable, "-m", "aidaptiv_ds", "report", str(d)], capture_output=True, text=True, timeout=600
-        )
+        done = children.run([sys.executable, "-m", "aidaptiv_ds", "report", str(d)], timeout=600)
         if done.returncode != 0:
             raise StudioError(f"aidaptiv-ds report failed: {done.stderr.strip()[-800:]}")
     # The report's image links are relative to its folder, which the page cannot follow: the figures go to the
@@ -305,13 +300,37 @@ def sweep_report(ws: Workspace, folder: str):
 # ---------------------------------------------------------------- the page
 
 
+def disk_choices(ws: Workspace, runs: Runs) -> dict[str, dict]:
+    """Per dropdown fed from the disk (by elem_id): what it offers now, and what it shows picked at first (the
+    newest entry, as Gradio picks the first, or a fixed default). The page is built with these, and every page
+    load offers what exists then: a data set, model or run deleted or renamed since the studio started is
+    neither offered nor shown as picked after a refresh."""
+    sets, names, folders, sweeps = ws.data_sets(), runs.names(), ws.model_folders(), sweep_folders(ws)
+    presets_and_folders = ws.model_choices()
+
+    def newest(entries):
+        return {"choices": entries, "value": entries[0] if entries else None}
+
+    return {
+        "tok-model": {"choices": presets_and_folders, "value": "micro"},
+        "qa-model": {"choices": ["none"] + folders, "value": "none"},
+        "saved-set": {"choices": sets, "value": None},
+        "model-choice": {"choices": presets_and_folders, "value": "micro"},
+        "train-data": newest(sets),
+        "run-pick": newest(names),
+        "sweep-pick": newest(sweeps),
+        "model-a": newest(folders),
+        "model-b": newest(folders),
+        "chat-model": newest(folders),
+    }
+
+
 def build(root: str):
     import gradio as gr
 
     ws = Workspace(root)
     runs = Runs(ws)
-    models = ws.model_choices
-    folders = ws.model_folders
+    now = disk_choices(ws, runs)
 
     with gr.Blocks(title="aidaptiv-ds studio") as page:
         gr.Markdown(
@@ -328,12 +347,11 @@ def build(root: str):
                 )
                 with gr.Column():
                     tok_model = gr.Dropdown(
-                        models(), value="micro", label="Model the set is for (its tokenizer)", elem_id="tok-model"
+                        **now["tok-model"], label="Model the set is for (its tokenizer)", elem_id="tok-model"
                     )
                     passage_tokens = gr.Number(256, label="Passage length (tokens)", precision=0)
                     qa_model = gr.Dropdown(
-                        ["none"] + folders(),
-                        value="none",
+                        **now["qa-model"],
                         label="Write question/answer records with (a local model)",
                         elem_id="qa-model",
                     )
@@ -350,16 +368,16 @@ def build(root: str):
             with gr.Row():
                 set_name = gr.Textbox("my-data", label="Data set name", elem_id="set-name")
                 save = gr.Button("Save data set", variant="primary", elem_id="save-set")
-                saved = gr.Dropdown(ws.data_sets(), label="Open a saved set", value=None)
+                saved = gr.Dropdown(**now["saved-set"], label="Open a saved set", elem_id="saved-set")
                 open_set = gr.Button("Open")
 
         with gr.Tab("Train", id="train"):
             with gr.Row():
                 run_name = gr.Textbox(f"run-{time.strftime('%m%d-%H%M')}", label="Run name", elem_id="run-name")
                 model = gr.Dropdown(
-                    models(), value="micro", label="Model (preset: random weights; or a folder)", elem_id="model-choice"
+                    **now["model-choice"], label="Model (preset: random weights; or a folder)", elem_id="model-choice"
                 )
-                data = gr.Dropdown(ws.data_sets(), label="Data set", elem_id="train-data")
+                data = gr.Dropdown(**now["train-data"], label="Data set", elem_id="train-data")
                 mode = gr.Radio(["LoRA", "Full"], value="LoRA", label="Fine-tuning", elem_id="mode")
             with gr.Row():
                 lora_r = gr.Number(8, label="LoRA rank", precision=0)
@@ -388,7 +406,7 @@ def build(root: str):
                 elem_id="runs-table",
             )
             with gr.Row():
-                run_pick = gr.Dropdown(runs.names(), label="Run", elem_id="run-pick")
+                run_pick = gr.Dropdown(**now["run-pick"], label="Run", elem_id="run-pick")
                 stop_btn = gr.Button("Stop", elem_id="stop")
                 resume_btn = gr.Button("Resume", elem_id="resume")
                 export_btn = gr.Button("Export", elem_id="export")
@@ -406,7 +424,9 @@ def build(root: str):
                 nvme_plot = gr.LinePlot(x="step", y="value", color="series", title="NVMe GB/s", x_axis_format="d")
                 mem_plot = gr.LinePlot(x="step", y="value", color="series", title="memory (MiB)", x_axis_format="d")
             with gr.Accordion("Sweeps", open=False):
-                sweep_pick = gr.Dropdown(sweep_folders(ws), label="Sweep folder (under sweeps/)", elem_id="sweep-pick")
+                sweep_pick = gr.Dropdown(
+                    **now["sweep-pick"], label="Sweep folder (under sweeps/)", elem_id="sweep-pick"
+                )
                 sweep_btn = gr.Button("Show report", elem_id="sweep-show")
                 sweep_md = gr.Markdown(elem_id="sweep-report")
                 sweep_figs = gr.Gallery(label="Figures", elem_id="sweep-figures")
@@ -414,8 +434,8 @@ def build(root: str):
 
         with gr.Tab("Compare", id="compare"):
             with gr.Row():
-                model_a = gr.Dropdown(folders(), label="Model A (e.g. the base)", elem_id="model-a")
-                model_b = gr.Dropdown(folders(), label="Model B (e.g. the fine-tuned)", elem_id="model-b")
+                model_a = gr.Dropdown(**now["model-a"], label="Model A (e.g. the base)", elem_id="model-a")
+                model_b = gr.Dropdown(**now["model-b"], label="Model B (e.g. the fine-tuned)", elem_id="model-b")
             prompt = gr.Textbox("Once upon a time", label="Prompt", lines=3, elem_id="prompt")
             with gr.Row():
                 max_new = gr.Number(32, label="New tokens", precision=0)
@@ -431,7 +451,9 @@ def build(root: str):
 
         with gr.Tab("Chat", id="chat"):
             with gr.Row():
-                chat_model = gr.Dropdown(folders(), label="Model (an instruct model's folder)", elem_id="chat-model")
+                chat_model = gr.Dropdown(
+                    **now["chat-model"], label="Model (an instruct model's folder)", elem_id="chat-model"
+                )
                 chat_name = gr.Textbox("chat", label="Conversation (kept under chats/)", elem_id="chat-name")
                 chat_new = gr.Button("New conversation", elem_id="chat-new")
             chat_msg = gr.Markdown(elem_id="chat-msg")
@@ -543,19 +565,18 @@ def build(root: str):
 
         resume_btn.click(on_resume, [run_pick], [runs_msg])
 
-        @_outputs(4)
+        model_pickers = [model_a, model_b, chat_model, qa_model, model, tok_model]
+
+        @_outputs(len(model_pickers) + 1)
         def on_export(name):
             written = runs.export(picked(name))
-            choices = ws.model_folders()
-            return (
-                gr.update(choices=choices),
-                gr.update(choices=choices),
-                gr.update(choices=choices),
+            now = disk_choices(ws, runs)  # the new folders in every model dropdown, each keeping its pick
+            return tuple(gr.update(choices=now[d.elem_id]["choices"]) for d in model_pickers) + (
                 "Exported to " + ", ".join(f"**{w}**" for w in written) + ": compare them in the Compare tab, or "
                 "chat with them in the Chat tab",
             )
 
-        export_btn.click(on_export, [run_pick], [model_a, model_b, chat_model, runs_msg])
+        export_btn.click(on_export, [run_pick], model_pickers + [runs_msg])
 
         @_outputs(3)
         def on_sweep(folder):
@@ -619,20 +640,20 @@ def build(root: str):
 
         chat_name.submit(on_chat_open, [chat_name], [chatbot, chat_msg])
 
-        def on_load():
-            sets, names, mf = ws.data_sets(), runs.names(), ws.model_folders()
-            return (
-                gr.update(choices=sets),
-                gr.update(choices=sets),
-                gr.update(choices=names),
-                gr.update(choices=mf),
-                gr.update(choices=mf),
-                gr.update(choices=["none"] + mf),
-                gr.update(choices=sweep_folders(ws)),
-                gr.update(choices=mf),
-            )
+        from_disk = [tok_model, qa_model, saved, model, data, run_pick, sweep_pick, model_a, model_b, chat_model]
 
-        page.load(on_load, None, [saved, data, run_pick, model_a, model_b, qa_model, sweep_pick, chat_model])
+        def on_load():
+            # The page shows the values it was built with: each is kept while it exists (a pick made before
+            # this answer comes stays), and replaced when it is gone.
+            now = disk_choices(ws, runs)
+            updates = []
+            for d in from_disk:
+                fresh = now[d.elem_id]
+                kept = d.value is None or d.value in fresh["choices"]
+                updates.append(gr.update(choices=fresh["choices"]) if kept else gr.update(**fresh))
+            return tuple(updates)
+
+        page.load(on_load, None, from_disk)
     return page
 
 

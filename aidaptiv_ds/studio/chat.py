@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from aidaptiv_ds.studio import children
 from aidaptiv_ds.studio.workspace import StudioError, has_chat_template
 
 
@@ -53,7 +54,7 @@ def turn(
         argv += ["--host-budget", host_budget]
     if nvme_path:
         argv += ["--nvme-path", nvme_path]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc = children.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     err: list[bytes] = []
     reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
     reader.start()

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from aidaptiv_ds.studio import children
 from aidaptiv_ds.studio.workspace import StudioError, has_chat_template
 
 # What `aidaptiv-ds generate` prints on stderr once its weights are laid out (commands/generate.py).
@@ -40,7 +41,7 @@ class _Side:
             argv += ["--host-budget", host_budget]
         if nvme_path:
             argv += ["--nvme-path", str(Path(nvme_path) / f"compare-{tag}")]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        self.proc = children.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         self.text, self.err = "", ""
         self.laid_out = threading.Event()  # its weights are in place (or it ended): the other side may start
         self._out = threading.Thread(target=self._read_out, daemon=True)

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from aidaptiv_ds.studio import children
 from aidaptiv_ds.studio.workspace import StudioError, has_chat_template
 
 PROMPT = (
@@ -88,7 +89,7 @@ def _generate(prompts: list, model: str, max_new_tokens: int, host_budget, nvme_
             argv += ["--host-budget", host_budget]
         if nvme_path:
             argv += ["--nvme-path", nvme_path]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = children.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             done, seen = 0, ""
             for line in proc.stdout:

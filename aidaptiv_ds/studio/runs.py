@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aidaptiv_ds.common.durable import write_text_atomically
+from aidaptiv_ds.studio import children
 from aidaptiv_ds.studio.workspace import StudioError, Workspace, safe_name
 
 ACTIVE = ("starting", "running", "stopping")
@@ -122,7 +123,7 @@ def run_plan(s: RunSettings, folder: Path, timeout_s: float = 300) -> dict:
     """`aidaptiv-ds plan --json` of the settings; its config is written to folder/config.json."""
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run(plan_argv(s, folder / "config.json"), capture_output=True, text=True, timeout=timeout_s)
+        done = children.run(plan_argv(s, folder / "config.json"), timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise StudioError(f"aidaptiv-ds plan took over {timeout_s:.0f} s and was stopped") from None
     if done.returncode != 0 or not done.stdout.strip().startswith("{"):
@@ -324,7 +325,7 @@ class Runs:
 
                 shutil.rmtree(target)
             argv = [sys.executable, "-m", "aidaptiv_ds", "export", str(folder / "checkpoints"), "--out", str(target)]
-            done = subprocess.run(argv + extra, capture_output=True, text=True, timeout=timeout_s)
+            done = children.run(argv + extra, timeout=timeout_s)
             if done.returncode != 0:
                 raise StudioError(f"aidaptiv-ds export failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
             written.append(self.ws.relative(target))

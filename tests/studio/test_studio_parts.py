@@ -1,7 +1,8 @@
 """The studio's parts without a browser: the root's path gate, documents to passages (txt, md, pdf, docx, html,
 record files), the data set table to JSONL the job reads, question/answer parsing and its generate process,
-a run whose supervisor vanished (with and without its training), the supervisor passing signals on, and the
-refusals to listen beyond localhost without a password or to start on a bad root or password file."""
+a run whose supervisor vanished (with and without its training), the supervisor passing signals on, the
+refusals to listen beyond localhost without a password or to start on a bad root or password file, the
+processes of a request dying with the studio, and a page load listing only what is on disk."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import REPO, child_env
@@ -599,3 +601,135 @@ def test_the_second_model_starts_once_the_first_has_laid_out_its_weights(tmp_pat
     started[0].end()
     started[1].end()
     list(gen)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process (R, S, Z, ...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_child_of_the_studio_dies_with_it_even_by_sigkill(tmp_path):
+    """A stand-in studio starts a child through the studio's helper from a thread that then ends (as Gradio's
+    idle workers do): the child lives on while the studio does, and dies when the studio is killed with SIGKILL,
+    which no `finally` sees."""
+    studio = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, threading, time\n"
+            "from aidaptiv_ds.studio import children\n"
+            "started = []\n"
+            "asking = threading.Thread(target=lambda: started.append(children.popen(\n"
+            "    [sys.executable, '-c', 'import time; time.sleep(600)'])))\n"
+            "asking.start()\n"
+            "asking.join()\n"
+            "print(started[0].pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = None
+    try:
+        child = int(studio.stdout.readline())
+        time.sleep(1.0)  # the asking thread is gone: the child must outlive it
+        assert process_state(child) not in (None, "Z"), "the child died with the thread that started it"
+        studio.kill()
+        studio.wait(timeout=30)
+        deadline = time.time() + 10
+        while process_state(child) not in (None, "Z") and time.time() < deadline:
+            time.sleep(0.1)
+        assert process_state(child) in (None, "Z"), "the child outlived the studio"
+    finally:
+        if studio.poll() is None:
+            studio.kill()
+        if child and process_state(child) not in (None, "Z"):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_the_studio_starts_processes_through_the_helper_except_training():
+    """Every process the studio starts dies with it (aidaptiv_ds.studio.children), except the training run's
+    supervisor and the training itself, which are meant to outlive it."""
+    import ast
+
+    import aidaptiv_ds.studio as studio_package
+
+    starts = {"Popen", "run", "call", "check_call", "check_output", "system", "fork", "spawnv", "posix_spawn"}
+    direct = set()
+    for path in sorted(Path(studio_package.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                f = node.func if isinstance(node, ast.Call) else None
+                if (
+                    isinstance(f, ast.Attribute)
+                    and f.attr in starts
+                    and isinstance(f.value, ast.Name)
+                    and f.value.id in ("subprocess", "os")
+                ):
+                    direct.add((path.name, fn.name))
+    assert direct == {
+        ("children.py", "popen"),
+        ("runs.py", "_launch"),  # the supervisor: its own session, outlives the studio
+        ("supervise.py", "main"),  # the training, the supervisor's child
+    }, direct
+
+
+def test_a_page_load_offers_and_shows_only_what_is_on_disk(tmp_path):
+    """A data set, model or run deleted or renamed since the studio started: the next page load (a refresh)
+    neither offers it nor shows it as picked, in every dropdown fed from the disk."""
+    import shutil
+
+    import gradio as gr
+
+    from aidaptiv_ds.studio import app
+
+    root = tmp_path / "root"
+    ws = Workspace(root)
+    for i, name in enumerate(("old", "new")):  # "new" is the newest: the one the Train tab shows first
+        (ws.data / f"{name}.jsonl").write_text('{"text": "x"}\n')
+        os.utime(ws.data / f"{name}.jsonl", (1_000_000 + i, 1_000_000 + i))
+    (ws.models / "base").mkdir()
+    (ws.models / "base" / "config.json").write_text("{}")
+    (ws.runs / "r1").mkdir()
+    (ws.runs / "r1" / "settings.json").write_text(json.dumps({"name": "r1", "model": "micro", "data": ""}))
+    page = app.build(str(root))
+    load = next(f for f in page.fns.values() if f.name == "on_load")
+    dropdowns = [b for b in page.blocks.values() if isinstance(b, gr.Dropdown)]
+    static = [d.label for d in dropdowns if d not in load.outputs]
+    assert static == ["Precision (auto: the model's own)"], static  # every other one is refreshed on load
+
+    def shown():
+        """Per dropdown: (what it offers, what it shows) after a page load; the page shows the value it was
+        built with unless the load replaces it."""
+        out = {}
+        for d, update in zip(load.outputs, load.fn()):
+            offered = [c[0] if isinstance(c, (list, tuple)) else c for c in update["choices"]]
+            out[d.elem_id or d.label] = offered, update.get("value", d.value)
+        return out
+
+    before = shown()
+    assert before["train-data"] == (["data/new.jsonl", "data/old.jsonl"], "data/new.jsonl"), before["train-data"]
+    assert "models/base" in before["model-choice"][0] and before["model-a"] == (["models/base"], "models/base")
+    assert before["run-pick"] == (["r1"], "r1")
+
+    (ws.data / "new.jsonl").unlink()
+    (ws.data / "old.jsonl").rename(ws.data / "renamed.jsonl")
+    shutil.rmtree(ws.models / "base")
+    shutil.rmtree(ws.runs / "r1")
+    after = shown()
+    assert after["train-data"] == (["data/renamed.jsonl"], "data/renamed.jsonl"), after["train-data"]
+    assert after["saved-set"] == (["data/renamed.jsonl"], None) and after["run-pick"] == ([], None)
+    assert after["model-a"] == after["chat-model"] == ([], None) and after["qa-model"] == (["none"], "none")
+    for key, (offered, value) in after.items():
+        assert not any("new.jsonl" in c or "old.jsonl" in c or "base" in c or c == "r1" for c in offered), key
+        assert value is None or value in offered, (key, offered, value)

@@ -17,7 +17,7 @@ from aidaptiv_ds.common import extras
 PACKAGE = Path(REPO) / "aidaptiv_ds"
 # Where each optional package may be imported (inside a function, never at module level).
 USERS = {
-    "gradio": {"studio/app.py"},
+    "gradio": {"studio/app.py", "studio/server.py"},  # server.py also imports fastapi and uvicorn, which gradio brings
     "pandas": {"studio/app.py"},
     "pypdf": {"studio/documents.py"},
     "docx": {"studio/documents.py"},
