@@ -98,7 +98,8 @@ HOST_BUDGET = Flag(
 NVME_PATH = Flag(
     "--nvme-path",
     "the swap folder on the NVMe SSD",
-    "a directory (made with --create-nvme-path in train)",
+    "an existing directory on a disk that takes O_DIRECT (not tmpfs or ramfs), writable; train's "
+    "--create-nvme-path makes it",
     None,
     "DIR",
     aliases=(),

@@ -218,6 +218,12 @@ class Generator:
                 f"`model` {model} is a preset, whose weights are random: generate from a model with weights (a folder, "
                 "a hub id, a .gguf file, or a checkpoint or export of a run that trained the preset)"
             )
+        if nvme_path is not None:  # before a model is fetched or read: the rule of every swap folder
+            from aidaptiv_ds.engine.disk import swap_folder_problem
+
+            problem = swap_folder_problem(nvme_path)
+            if problem:
+                raise GenerationError(f"`nvme_path` {problem}")
         self.source: WeightSource = open_source(model_folder(model, log=progress))
         self.config = self.source.config()
         try:

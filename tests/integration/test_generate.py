@@ -55,6 +55,13 @@ def models(tmp_path_factory):
     }
 
 
+def _swap(tmp_path, name="nvme"):
+    """A swap folder for one test: made here, as generate takes an existing folder only."""
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    return str(folder)
+
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far, far away, there lived"]
 BUDGET = "2.5MiB"  # about 0.4 of the 6.1 MiB of weights: two layers in flight, four streamed
 
@@ -97,7 +104,7 @@ def test_streamed_greedy_tokens_are_the_in_memory_models(models, tmp_path, kind)
     from aidaptiv_ds.inference import Generator
 
     folder = models[kind]
-    with Generator(folder, host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu") as gen:
+    with Generator(folder, host_budget=BUDGET, nvme_path=_swap(tmp_path), device="cpu") as gen:
         st = gen.stats()
         assert st["slots"] >= 2 and st["streamed_bytes_per_pass"] > st["weight_bytes"] / 2, st
         swap_files = [f for _, _, fs in os.walk(tmp_path / "nvme") for f in fs if f == "weights"]
@@ -136,7 +143,7 @@ def test_encoded_layers_read_fewer_bytes_and_give_the_same_tokens(models, tmp_pa
     on = "auto" if dtype == "bfloat16" else "on"
     for encode in (on, "off"):
         with Generator(
-            folder, host_budget=budget, nvme_path=str(tmp_path / encode), device="cpu", dtype=dtype,
+            folder, host_budget=budget, nvme_path=_swap(tmp_path, encode), device="cpu", dtype=dtype,
             encode_weights=encode,
         ) as gen:  # fmt: skip
             results = gen.generate(PROMPTS[:1], max_new_tokens=10)
@@ -163,7 +170,7 @@ def test_encoding_is_not_chosen_when_it_would_read_more(models, tmp_path):
     folder = models["untied"]
     for budget, encode in ((BUDGET, "on"), ("3MiB", "auto")):
         with Generator(
-            folder, host_budget=budget, nvme_path=str(tmp_path / encode), device="cpu", encode_weights=encode
+            folder, host_budget=budget, nvme_path=_swap(tmp_path, encode), device="cpu", encode_weights=encode
         ) as g:
             st = g.stats()
         assert st["streamed_bytes_per_pass"] == st["streamed_weight_bytes_per_pass"] > 0, (encode, st)
@@ -181,10 +188,32 @@ def test_bf16_conversion_matches_the_in_memory_bf16_model(models, tmp_path):
     from aidaptiv_ds.inference import Generator
 
     folder = models["untied"]
-    with Generator(folder, host_budget="1.5MiB", nvme_path=str(tmp_path / "nvme"), device="cpu", dtype="bfloat16") as g:
+    with Generator(folder, host_budget="1.5MiB", nvme_path=_swap(tmp_path), device="cpu", dtype="bfloat16") as g:
         assert g.stats()["streamed_bytes_per_pass"] > 0
         got = [r.token_ids for r in g.generate(PROMPTS[:1], max_new_tokens=8)]
     assert got == _reference(folder, PROMPTS[:1], 8, dtype=torch.bfloat16)
+
+
+def test_a_swap_folder_must_exist_on_a_disk_as_for_every_command(models, tmp_path, capsys):
+    """generate once made a missing --nvme-path (even /nonexistent/...) and took tmpfs, which train refuses: one
+    rule now (aidaptiv_ds.engine.disk.swap_folder_problem, tests/unit/test_swap_folders.py), said before the
+    model is read, and nothing made."""
+    from aidaptiv_ds import cli
+    from aidaptiv_ds.engine import disk
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.inference.generate import GenerationError
+
+    for missing in ("/nonexistent/aidaptiv-swap", str(tmp_path / "swap")):
+        with pytest.raises(GenerationError, match=f"`nvme_path` {missing} does not exist: create it"):
+            Generator(models["untied"], host_budget=BUDGET, nvme_path=missing, device="cpu")
+        assert not os.path.exists(missing)
+    argv = ["generate", "--model", models["untied"], "--prompt", "hi", "--host-budget", BUDGET, "--device", "cpu"]
+    assert cli.main([*argv, "--nvme-path", str(tmp_path / "swap")]) == 1
+    assert f"aidaptiv-ds generate: --nvme-path {tmp_path}/swap does not exist" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "swap")
+    if os.path.isdir("/dev/shm") and disk.mount_of("/dev/shm")["fstype"] == "tmpfs":
+        with pytest.raises(GenerationError, match="`nvme_path` /dev/shm is on tmpfs .memory, not a disk."):
+            Generator(models["untied"], host_budget=BUDGET, nvme_path="/dev/shm", device="cpu")
 
 
 def test_embedding_rows_read_from_the_ssd_are_the_tables(tmp_path):
@@ -206,7 +235,7 @@ def test_embedding_rows_read_from_the_ssd_are_the_tables(tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(folder)
     save_byte_tokenizer(folder)
     table = load_file(os.path.join(folder, "model.safetensors"))["model.embed_tokens.weight"]
-    with Generator(folder, host_budget="4MiB", nvme_path=str(tmp_path / "nvme"), device="cpu") as gen:
+    with Generator(folder, host_budget="4MiB", nvme_path=_swap(tmp_path), device="cpu") as gen:
         w = gen.weights
         (g,) = w.row_groups
         assert g.row_bytes == 800 and w.row_buffer_bytes < g.nbytes / 8
@@ -239,7 +268,7 @@ def test_only_the_token_embedding_is_read_by_rows(tmp_path):
     folder = str(tmp_path / "opt")
     model.save_pretrained(folder)
     save_byte_tokenizer(folder)
-    with Generator(folder, host_budget="2MiB", nvme_path=str(tmp_path / "nvme"), device="cpu") as gen:
+    with Generator(folder, host_budget="2MiB", nvme_path=_swap(tmp_path), device="cpu") as gen:
         st = gen.stats()
         assert st["slots"] >= 2 and [g.label for g in gen.weights.row_groups] == ["model.decoder.embed_tokens"], st
         got = [r.token_ids for r in gen.generate(PROMPTS, max_new_tokens=8, batch_size=2)]
@@ -262,7 +291,7 @@ def test_prompt_cache_reuses_a_prefix_and_gives_the_same_tokens(models, tmp_path
     folder = models["untied"]
     document = "A long report on the harvest of the year, with every field and every crop listed. " * 12
     kv = str(tmp_path / "kv")
-    kw = dict(host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu")
+    kw = dict(host_budget=BUDGET, nvme_path=_swap(tmp_path), device="cpu")
     with Generator(folder, kv_cache=kv, kv_host_budget=0, **kw) as gen:
         first = gen.generate([document + "Question: which crop?"], max_new_tokens=8)[0]
         again = gen.generate([document + "Question: which crop?"], max_new_tokens=8)[0]
@@ -293,7 +322,7 @@ def test_prompt_cache_never_uses_a_torn_damaged_or_stale_entry(models, tmp_path)
     folder = models["untied"]
     prompt = "Remember this sentence well, it will come back again and again. " * 8
     kv = str(tmp_path / "kv")
-    kw = dict(host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu", kv_cache=kv, kv_host_budget=0)
+    kw = dict(host_budget=BUDGET, nvme_path=_swap(tmp_path), device="cpu", kv_cache=kv, kv_host_budget=0)
     with Generator(folder, **kw) as gen:
         base = gen.generate([prompt], max_new_tokens=6)[0]
     (entry,) = _entries(kv)
@@ -371,7 +400,7 @@ def test_bad_inputs_are_refused_with_one_message(models, tmp_path):
     with pytest.raises(ValueError, match="give `nvme_path`"):
         Generator(models["untied"], host_budget=BUDGET, device="cpu")
     with pytest.raises(ValueError, match=r"needs at least .* give `host_budget`"):
-        Generator(models["untied"], host_budget="1MiB", nvme_path=str(tmp_path / "n"), device="cpu")
+        Generator(models["untied"], host_budget="1MiB", nvme_path=_swap(tmp_path, "n"), device="cpu")
 
 
 def _generate_cli(args, cwd, limit_file_bytes=None):
@@ -395,6 +424,7 @@ def test_command_writes_metrics_and_a_full_disk_leaves_nothing_behind(models, tm
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
     metrics = tmp_path / "m.json"
     nvme = tmp_path / "nvme"
+    nvme.mkdir()
     common = ["--model", models["untied"], "--host-budget", BUDGET, "--nvme-path", str(nvme), "--device", "cpu"]
     p = _generate_cli(
         [*common, "--prompts", str(prompts), "--max-new-tokens", "5", "--metrics-out", str(metrics)], tmp_path
@@ -473,7 +503,7 @@ def _weights_for_a_device(folder, tmp_path, host_budget, device_budget):
         model,
         source,
         parse_size(host_budget),
-        str(tmp_path / "nvme"),
+        _swap(tmp_path),
         device="meta",
         device_budget=parse_size(device_budget),
     )
