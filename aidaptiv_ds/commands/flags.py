@@ -108,7 +108,8 @@ DTYPE = Flag(
     "--dtype",
     "the precision of weights and compute",
     "fp32, bf16 or fp16 (float32, bfloat16, float16 taken too); 'auto': the model's own precision (train: where "
-    "this machine computes it natively; generate: as stored)",
+    "this machine computes it natively; generate: as stored, or the config's dtype when the weight files mix "
+    "dtypes, as transformers loads them)",
     parse_dtype,
     None,
     choices=DTYPES,

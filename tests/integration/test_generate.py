@@ -194,6 +194,123 @@ def test_bf16_conversion_matches_the_in_memory_bf16_model(models, tmp_path):
     assert got == _reference(folder, PROMPTS[:1], 8, dtype=torch.bfloat16)
 
 
+def _mixed_dtypes(source, folder, config_dtype="bfloat16"):
+    """``source``'s model as some checkpoints ship one: bf16 weights with the norms kept in fp32, the config
+    saying ``config_dtype`` (None: no dtype in it)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    mixed = {k: v if k.endswith("norm.weight") else v.to(torch.bfloat16) for k, v in weights.items()}
+    assert {v.dtype for v in mixed.values()} == {torch.float32, torch.bfloat16}
+    save_file(mixed, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if config_dtype:
+        config["dtype"] = config_dtype
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+def test_fp32_norms_beside_bf16_weights_load_as_transformers_loads_them(models, tmp_path):
+    """A valid file that mixes dtypes (fp32 norms, bf16 weights; transformers loads it) once crashed generate with
+    'expected m1 and m2 to have the same dtype': every tensor now goes into the model's dtype, the config's, as
+    transformers 5's from_pretrained does, and the tokens are transformers' own, resident or streamed."""
+    from transformers import AutoModelForCausalLM
+
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.inference import generate as G
+
+    folder = _mixed_dtypes(models["untied"], tmp_path / "mixed")
+    loaded = AutoModelForCausalLM.from_pretrained(folder)  # its default dtype "auto": the config's
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    ref = _reference(folder, PROMPTS[:1], 8, dtype="auto")
+    for budget, nvme in (("64MiB", None), ("1.5MiB", _swap(tmp_path))):
+        with Generator(folder, host_budget=budget, nvme_path=nvme, device="cpu") as gen:
+            assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+            assert (gen.stats()["streamed_bytes_per_pass"] > 0) == (nvme is not None)
+            assert [r.token_ids for r in gen.generate(PROMPTS[:1], max_new_tokens=8)] == ref
+    # Without a dtype in the config transformers takes the first floating-point tensor's (by name, in the first
+    # file): here model.embed_tokens.weight, bf16.
+    bare = _mixed_dtypes(models["untied"], tmp_path / "bare", config_dtype=None)
+    with Generator(bare, host_budget="64MiB", device="cpu") as gen:
+        assert G.load_dtype(gen.source, gen.config) == torch.bfloat16
+        assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+    # One dtype in the file: laid out as stored, as before.
+    with Generator(models["untied"], host_budget="64MiB", device="cpu") as gen:
+        assert G.load_dtype(gen.source, gen.config) is None
+
+
+def _rewrite_header(path, edit):
+    """The safetensors file at ``path`` with its header changed by ``edit(header)`` and its data kept."""
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_a_damaged_or_forged_weight_file_is_refused_naming_the_file_and_the_tensor(models, tmp_path):
+    """What the safetensors library refuses, refused here before a byte is laid out, with the file and the
+    tensor: offsets that overlap (a file that once ran with one norm read from another's bytes), offsets past the
+    end (a truncated file), a size that is not dtype x shape, bytes no tensor owns, a header that is not JSON."""
+    import shutil
+
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.inference.sources import ModelSourceError
+
+    def copy(name):
+        folder = tmp_path / name
+        shutil.copytree(models["untied"], folder)
+        return str(folder), str(folder / "model.safetensors")
+
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+
+    def overlap(h):  # b's entry names a's bytes: the same size, read from the wrong place
+        h[b]["data_offsets"] = list(h[a]["data_offsets"])
+
+    folder, path = copy("overlap")
+    _rewrite_header(path, overlap)
+    with pytest.raises(
+        ModelSourceError, match=rf"{path}: tensor .*norm.weight's bytes .* overlap tensor .*norm.weight's"
+    ):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+    folder, path = copy("truncated")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 4096)
+    with pytest.raises(ModelSourceError, match=rf"{path}: tensor .* end at .* the file is truncated"):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+    folder, path = copy("shape")
+    _rewrite_header(path, lambda h: h[a].update(shape=[HIDDEN // 2]))
+    with pytest.raises(ModelSourceError, match=rf"{path}: tensor {a} is F32 \[64\], 256 bytes, but its data_offsets"):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+    folder, path = copy("gap")
+    _rewrite_header(path, lambda h: h.pop(a))
+    with pytest.raises(ModelSourceError, match=rf"{path}: bytes .* before tensor .* belong to no tensor"):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+    folder, path = copy("not-json")
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"\x00\xff{{")
+    with pytest.raises(ModelSourceError, match=rf"{path} is not a safetensors file \(its header is not JSON"):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+
 def test_a_swap_folder_must_exist_on_a_disk_as_for_every_command(models, tmp_path, capsys):
     """generate once made a missing --nvme-path (even /nonexistent/...) and took tmpfs, which train refuses: one
     rule now (aidaptiv_ds.engine.disk.swap_folder_problem, tests/unit/test_swap_folders.py), said before the
