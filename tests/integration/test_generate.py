@@ -312,18 +312,19 @@ def test_a_damaged_or_forged_weight_file_is_refused_naming_the_file_and_the_tens
 
 
 def test_a_swap_folder_must_exist_on_a_disk_as_for_every_command(models, tmp_path, capsys):
-    """generate once made a missing --nvme-path (even /nonexistent/...) and took tmpfs, which train refuses: one
-    rule now (aidaptiv_ds.engine.disk.swap_folder_problem, tests/unit/test_swap_folders.py), said before the
-    model is read, and nothing made."""
+    """generate once made a missing --nvme-path (with its parents: /nonexistent/...) and took tmpfs, which train
+    refuses: one rule now (aidaptiv_ds.engine.disk.swap_folder_problem, tests/unit/test_swap_folders.py), said
+    before the model is read, and nothing made."""
     from aidaptiv_ds import cli
     from aidaptiv_ds.engine import disk
     from aidaptiv_ds.inference import Generator
     from aidaptiv_ds.inference.generate import GenerationError
 
-    for missing in ("/nonexistent/aidaptiv-swap", str(tmp_path / "swap")):
+    for missing in (str(tmp_path / "no" / "such" / "swap"), str(tmp_path / "swap")):  # once made, parents too
         with pytest.raises(GenerationError, match=f"`nvme_path` {missing} does not exist: create it"):
             Generator(models["untied"], host_budget=BUDGET, nvme_path=missing, device="cpu")
         assert not os.path.exists(missing)
+    assert os.listdir(tmp_path) == []
     argv = ["generate", "--model", models["untied"], "--prompt", "hi", "--host-budget", BUDGET, "--device", "cpu"]
     assert cli.main([*argv, "--nvme-path", str(tmp_path / "swap")]) == 1
     assert f"aidaptiv-ds generate: --nvme-path {tmp_path}/swap does not exist" in capsys.readouterr().err
