@@ -96,6 +96,14 @@ class Run:
         if a.create_nvme_path and not a.nvme_path:
             found.append("`create_nvme_path` needs `nvme_path`: give the swap folder to make on this node")
         found += train_plan.output_problems(a)
+        from aidaptiv_ds.job.record_files import DataError, form_of
+
+        for name, path in (("data", a.data), ("eval_data", a.eval_data)):
+            try:
+                if path:
+                    form_of(path)  # there, and of a form the job reads (the records are read below)
+            except DataError as e:
+                found.append(f"`{name}`: {e}")
         if a.resume_from:
             from aidaptiv_ds.job.checkpoints import resolve_resume
 

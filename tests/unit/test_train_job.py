@@ -127,8 +127,9 @@ def test_bad_arguments_exit_1(clean_env, tmp_path, repo, capsys):
 def test_every_input_and_destination_is_refused_before_deepspeed_starts(clean_env, tmp_path, repo, capsys, monkeypatch):
     """What once failed only after every step (an --output-dir that cannot be written: a bare OSError at the end)
     or mid-run (--micro-batch 0: KeyError 'train_batch_size'; --grad-accum 0: ZeroDivisionError) or not at all
-    (--lr nan ran and said status=ok), with a --save-dir through a file, a missing --resume-from and a swap folder
-    in memory: all said at once, one sentence each, as flags, before DeepSpeed starts or a byte is written."""
+    (--lr nan ran and said status=ok), with a --save-dir through a file, a missing --resume-from and --data and a
+    swap folder in memory: all said at once, one sentence each, as flags, before DeepSpeed starts or a byte is
+    written."""
     built = []
     monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
     blocker = tmp_path / "a-file"
@@ -153,6 +154,8 @@ def test_every_input_and_destination_is_refused_before_deepspeed_starts(clean_en
         str(blocker / "ckpt"),
         "--resume-from",
         str(tmp_path / "no-such-run"),
+        "--data",
+        str(tmp_path / "no-such-data.jsonl"),
     ]
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and disk.mount_of("/dev/shm")["fstype"] == "tmpfs" else None
     if shm:
@@ -166,6 +169,7 @@ def test_every_input_and_destination_is_refused_before_deepspeed_starts(clean_en
         f"--output-dir {blocker} is a file, not a folder",
         f"--save-dir {blocker}/ckpt cannot be made because {blocker} is a file",
         f"--resume-from {tmp_path}/no-such-run does not exist",
+        f"--data: data file {tmp_path}/no-such-data.jsonl does not exist",
     ] + ([f"--nvme-path {shm} is on tmpfs (memory, not a disk"] if shm else [])
     assert all(s in error for s in said) and error.count("; ") == len(said) - 1, error
     assert "Traceback" not in capsys.readouterr().err
