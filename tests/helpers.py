@@ -1,4 +1,4 @@
-"""Test helpers: where the repository is, and how to run the CLI in a child process."""
+"""Test helpers: where the repository is, how to run the CLI in a child process, and a read-only mount."""
 
 import json
 import os
@@ -135,3 +135,28 @@ def run_one_rank_script(script: str, args, folder, tag: str = "RESULT", timeout:
     )
     assert p.returncode == 0, p.stdout[-4000:]
     return json.loads([x for x in p.stdout.splitlines() if x.startswith(tag + " ")][-1][len(tag) + 1 :])
+
+
+def read_only_mount(folder) -> list:
+    """A command prefix that runs a command with ``folder`` bind-mounted read-only in a mount namespace of its own
+    (in a user namespace, so it needs no privilege): what refuses a write even to root (EROFS), as a read-only
+    file system or bind mount does. [] where this kernel or sandbox refuses those namespaces (the caller skips)."""
+    import shutil
+
+    if not shutil.which("unshare"):
+        return []
+    script = f'mount --bind "{folder}" "{folder}" && mount -o remount,bind,ro "{folder}" && exec "$@"'
+    wrap = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh"]
+    try:
+        # This Python must run there, and the mount refuse a file in fact (one made anyway is removed, and the
+        # mount not offered).
+        check = (
+            "import os, sys\n"
+            "probe = os.path.join(sys.argv[1], '.rw-probe')\n"
+            "try:\n    open(probe, 'w').close()\nexcept OSError:\n    sys.exit(0)\n"
+            "os.unlink(probe)\nsys.exit(1)\n"
+        )
+        probe = subprocess.run([*wrap, sys.executable, "-c", check, str(folder)], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return wrap if probe.returncode == 0 else []

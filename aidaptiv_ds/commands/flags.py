@@ -102,7 +102,8 @@ HOST_BUDGET = Flag(
 NVME_PATH = Flag(
     "--nvme-path",
     "the swap folder on the NVMe SSD",
-    "a directory (made with --create-nvme-path in train)",
+    "an existing directory on a disk that takes O_DIRECT (not tmpfs or ramfs), writable; train's "
+    "--create-nvme-path makes it",
     None,
     "DIR",
     aliases=(),
@@ -111,7 +112,8 @@ DTYPE = Flag(
     "--dtype",
     "the precision of weights and compute",
     "fp32, bf16 or fp16 (float32, bfloat16, float16 taken too); 'auto': the model's own precision (train: where "
-    "this machine computes it natively; generate: as stored)",
+    "this machine computes it natively; generate: as stored, or the config's dtype when the weight files mix "
+    "dtypes, as transformers loads them)",
     parse_dtype,
     None,
     choices=DTYPES,

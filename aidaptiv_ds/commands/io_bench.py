@@ -19,7 +19,7 @@ import tempfile
 from typing import List
 
 from aidaptiv_ds.commands import flags
-from aidaptiv_ds.engine.disk import UnsuitableDisk, check_dir
+from aidaptiv_ds.engine.disk import UnsuitableDisk, check_dir, swap_folder_problem
 from aidaptiv_ds.harness.io_bench import (
     ALIASES,
     ENGINES,
@@ -98,8 +98,10 @@ def run(args) -> int:
         directory = args.nvme_path
         if directory is None:
             created = directory = tempfile.mkdtemp(prefix=".io-bench-", dir=os.getcwd())
-        elif not os.path.isdir(directory):
-            raise ValueError(f"--nvme-path {directory} is not a directory: create it or choose another")
+        else:  # the rule of every swap folder: it exists, on a disk that takes O_DIRECT, writable
+            problem = swap_folder_problem(directory)
+            if problem:
+                raise ValueError(f"--nvme-path {problem}")
         try:
             mount = check_dir(directory)
         except UnsuitableDisk as e:

@@ -325,9 +325,11 @@ def _run(args) -> int:
         args.dtype = {"float32": "fp32", "float16": "fp16"}.get(shipped, "bf16")
     backends = parse_backends(args.backend)
     nvme_dirs = [os.path.abspath(d) for d in args.nvme_path or []]
-    for d in nvme_dirs:
-        if not os.path.isdir(d):
-            raise ValueError(f"--nvme-path {d} is not a directory: give an existing directory on the swap disk")
+    from aidaptiv_ds.engine.disk import swap_folder_problem
+
+    problems = [p for p in map(swap_folder_problem, nvme_dirs) if p]  # the rule of every swap folder
+    if problems:
+        raise ValueError("; ".join(f"--nvme-path {p}" for p in problems))
     from aidaptiv_ds.config.host import budget_bytes
     from aidaptiv_ds.engine.machine import cuda_memory_bytes, total_ram_bytes
 

@@ -196,6 +196,29 @@ def lookalike_blocks(ds_config) -> list:
     return out
 
 
+_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+LR_KEY = "optimizer.params.lr"
+
+
+def number_problems(cfg: dict, skip: Iterable[str] = ()) -> list[str]:
+    """The config's batch sizes (each a whole number of at least 1) and optimizer lr (finite, 0 or more), one
+    sentence each: DeepSpeed takes a 0 or a NaN and fails mid-run (a KeyError, a division by zero) or trains
+    nothing without a word. ``skip``: keys the command line set (it checks its own values); "auto" is the
+    Hugging Face Trainer's placeholder, which :func:`check` reports."""
+    problems = []
+    for key in _BATCH_KEYS:
+        value = cfg.get(key)
+        if key in skip or key not in cfg or value == "auto":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{key} {value!r} must be a whole number of at least 1")
+    lr = ((cfg.get("optimizer") or {}).get("params") or {}).get("lr")
+    if LR_KEY not in skip and isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        if not (math.isfinite(lr) and lr >= 0):
+            problems.append(f"{LR_KEY} {lr} must be a finite number, 0 or more (e.g. 1e-5)")
+    return problems
+
+
 def check(
     cfg: dict,
     *,
@@ -218,6 +241,7 @@ def check(
             "neither train_micro_batch_size_per_gpu nor train_batch_size is set: give "
             "train_micro_batch_size_per_gpu (or `micro_batch`)"
         )
+    problems += number_problems(cfg)
     if dtype_name(cfg) == "fp16" and not cuda:
         problems.append("fp16 training needs CUDA: on CPU use fp32 or bf16 (`dtype`)")
     for b in nvme_blocks(cfg):

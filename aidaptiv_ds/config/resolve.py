@@ -38,46 +38,15 @@ from aidaptiv_ds.config.translate import auto_keys, to_deepspeed_config
 from aidaptiv_ds.engine import machine  # by module: tests replace machine.total_ram_bytes
 
 
-def _read_only_mount(path: str) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
 def _check_nvme_path(path: str, needed_bytes: Optional[int]) -> List[str]:
-    problems = []
-    if not os.path.isdir(path):
-        problems.append(
-            f"{BLOCK}.nvme_path {path} does not exist: create it on an NVMe filesystem you own "
-            f"(mkdir -p {path}) or point nvme_path at one"
-        )
-        return problems
-    if not os.access(path, os.W_OK | os.X_OK):
-        if _read_only_mount(path):
-            problems.append(
-                f"{BLOCK}.nvme_path {path} is on a read-only file system (EROFS): remount it read-write or choose "
-                "a directory on a writable disk"
-            )
-        else:
-            problems.append(
-                f"{BLOCK}.nvme_path {path} is not writable (EACCES): choose a directory you own or fix its permissions"
-            )
-        return problems
-    try:
-        import subprocess
+    """The swap folder rule every command applies (aidaptiv_ds.engine.disk.swap_folder_problem: it exists, on a
+    disk that takes O_DIRECT, writable), then the free space the model state needs."""
+    from aidaptiv_ds.engine.disk import swap_folder_problem
 
-        fstype = subprocess.run(
-            ["stat", "-f", "-c", "%T", path], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except Exception:  # stat missing: the engine will report O_DIRECT failures with the file name
-        fstype = ""
-    if fstype in ("tmpfs", "ramfs"):
-        problems.append(
-            f"{BLOCK}.nvme_path {path} is on {fstype}, which is RAM and does not support O_DIRECT: "
-            "choose a directory on an NVMe (or other block-device) filesystem"
-        )
-    return problems + _free_space_problems(path, needed_bytes)
+    problem = swap_folder_problem(path)
+    if problem:
+        return [f"{BLOCK}.nvme_path {problem}"]
+    return _free_space_problems(path, needed_bytes)
 
 
 def _free_space_problems(path: str, needed_bytes: Optional[int]) -> List[str]:

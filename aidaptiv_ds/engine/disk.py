@@ -1,6 +1,7 @@
 """What is known of this machine's disks: the mount table (the one reader of /proc/self/mounts), the mount and
 block device under a folder (the whole disk's name, model, size, whether it rotates, how much one request may
-carry), its free space, and whether the folder can take O_DIRECT I/O at all (:func:`check_dir`).
+carry), its free space, and whether the folder can take O_DIRECT I/O at all (:func:`check_dir`); and the one rule
+for a swap folder that every command applies before it starts (:func:`swap_folder_problem`).
 
 io-bench, the rate cache, the planner, the sweep's rows (:func:`disk_of`), the harness's host cap (the cgroup
 mounts) and ``aidaptiv-ds env`` (:func:`disk_facts`) read the disks here; the rest of the machine is
@@ -9,10 +10,12 @@ mounts) and ``aidaptiv-ds env`` (:func:`disk_facts`) read the disks here; the re
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from typing import Dict, List, Optional, Tuple
 
+from aidaptiv_ds.common.destinations import nearest_existing, probe, refusal
 from aidaptiv_ds.engine.machine import read_fact
 
 MOUNTS = "/proc/self/mounts"
@@ -20,8 +23,8 @@ MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 
 
 class UnsuitableDisk(ValueError):
-    """A folder whose disk cannot hold swap files or be measured: memory, or no O_DIRECT. One sentence that
-    names the folder (the caller's parameter names its role)."""
+    """A folder that cannot hold swap files or be measured: missing, memory, no O_DIRECT, read-only. One sentence
+    that names the folder (the caller's parameter names its role)."""
 
 
 # -- mounts -----------------------------------------------------------------------------------------------
@@ -71,14 +74,6 @@ def mount_of(path: str, mounts_text: Optional[str] = None) -> Dict[str, str]:
         if inside and len(mountpoint) >= best_len:  # later mounts over the same point win
             best, best_len = {"mountpoint": mountpoint, "fstype": m["fstype"], "source": m["source"]}, len(mountpoint)
     return best
-
-
-def nearest_existing(path: str) -> str:
-    """``path`` made absolute, or its nearest parent that exists (a swap folder is made by its first run)."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p) and p != "/":
-        p = os.path.dirname(p)
-    return p
 
 
 # -- block devices ----------------------------------------------------------------------------------------
@@ -153,28 +148,71 @@ def disk_of(path: str) -> dict:
     return info
 
 
-def check_dir(path: str, mounts_text: Optional[str] = None) -> Dict[str, str]:
-    """Refuse memory filesystems and filesystems that refuse O_DIRECT; return the mount. ``mounts_text`` is
-    /proc/self/mounts's format, read here when None (OSError when it cannot be)."""
-    mount = mount_of(path, read_mounts() if mounts_text is None else mounts_text)
+def _dir_refusal(path: str, mounts_text: Optional[str] = None) -> Tuple[Optional[str], Dict[str, str]]:
+    """(why the existing folder ``path`` cannot hold swap files, as the end of a sentence starting with 'is',
+    or None; its mount). The mount table is ``mounts_text`` (/proc/self/mounts's format), read here when None;
+    without one (no /proc) only the file probe decides."""
+    if mounts_text is None:
+        try:
+            mounts_text = read_mounts()
+        except OSError:
+            mounts_text = ""
+    mount = mount_of(path, mounts_text)
+    # By the mount table, not by a probe: tmpfs takes O_DIRECT on recent kernels (6.6), and is still memory.
     if mount["fstype"] in MEMORY_FILESYSTEMS:
-        raise UnsuitableDisk(
-            f"{path} is on {mount['fstype']} (memory, not a disk): choose a directory on the disk (the SSD)"
-        )
-    probe = os.path.join(path, f".io-bench-probe-{os.getpid()}")
+        return (
+            f"is on {mount['fstype']} (memory, not a disk): swap files need a disk that takes O_DIRECT, such as a "
+            "directory on the SSD"
+        ), mount
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL | os.O_DIRECT, 0o600)
-        os.close(fd)
+        probe(path, direct=True)
     except OSError as e:
-        why = "refuses O_DIRECT" if e.errno == 22 else f"cannot take a file ({e.strerror})"
-        raise UnsuitableDisk(
-            f"{path} is on {mount['fstype']}, which {why}: swap files and page-cache-free measurements need "
-            "O_DIRECT; choose a directory on a disk filesystem such as ext4 or xfs"
-        ) from None
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)
+        if e.errno == errno.EINVAL:
+            return (
+                f"is on {mount['fstype']}, which refuses O_DIRECT (what swap files and page-cache-free "
+                "measurements need): choose a directory on a disk filesystem such as ext4 or xfs"
+            ), mount
+        return refusal(e, "directory"), mount
+    return None, mount
+
+
+def check_dir(path: str, mounts_text: Optional[str] = None) -> Dict[str, str]:
+    """Refuse (UnsuitableDisk) an existing folder on a memory filesystem, on one that refuses O_DIRECT, or that
+    does not take a new file (read-only, not writable); return its mount. ``mounts_text`` is
+    /proc/self/mounts's format, read here when None."""
+    why, mount = _dir_refusal(path, mounts_text)
+    if why:
+        raise UnsuitableDisk(f"{path} {why}")
     return mount
+
+
+def swap_folder_problem(path: str, made_by_job: bool = False, mounts_text: Optional[str] = None) -> Optional[str]:
+    """Why ``path`` cannot be a swap folder, in one sentence that starts with it (the caller names the setting
+    before it), or None. The one rule of every command that takes a swap folder (train, generate, plan,
+    io-bench): it exists, is a directory, and :func:`check_dir` takes it (a disk, not memory; O_DIRECT; writable).
+    ``made_by_job``: the job makes it when missing (train's ``create_nvme_path``; DeepSpeed's own ZeRO-Infinity
+    swapper), so a missing folder is checked at its nearest existing parent, where it will be made."""
+    path = os.path.abspath(path)
+    where = path
+    if not os.path.isdir(path):
+        if os.path.exists(path):
+            return f"{path} is not a directory: give a directory on the SSD"
+        if not made_by_job:
+            return f"{path} does not exist: create it on the SSD (mkdir -p {path}) or choose an existing directory"
+        where = nearest_existing(path)
+        if not os.path.isdir(where):
+            return f"{path} cannot be made because {where} is a file, not a directory: give a path under a directory"
+    why, _ = _dir_refusal(where, mounts_text)
+    if why is None:
+        return None
+    return f"{path} {why}" if where == path else f"{path} would be made in {where}, which {why}"
+
+
+def check_swap_folder(path: str, made_by_job: bool = False) -> None:
+    """:func:`swap_folder_problem` as an UnsuitableDisk (a ValueError)."""
+    problem = swap_folder_problem(path, made_by_job)
+    if problem:
+        raise UnsuitableDisk(problem)
 
 
 def disk_facts(path: str) -> dict:
@@ -183,14 +221,14 @@ def disk_facts(path: str) -> dict:
     sentence saying why not)."""
     info = disk_of(path)
     info.update(queue_limits(info.get("device")))
-    probe = nearest_existing(path)
+    where = nearest_existing(path)
     try:
-        info["free_gb"] = round(shutil.disk_usage(probe).free / 1e9, 1)
+        info["free_gb"] = round(shutil.disk_usage(where).free / 1e9, 1)
     except OSError as e:
         info["free_gb"] = None
         info["free_error"] = str(e)
     try:
-        check_dir(probe)
+        check_dir(where)
         info["o_direct"] = "works"
     except UnsuitableDisk as e:
         info["o_direct"] = str(e)

@@ -13,7 +13,8 @@ The model is a Hugging Face folder, a hub id, a .gguf file (aidaptiv_ds.models.l
 ``{"role", "content"}`` messages) goes through the model's chat template with the assistant's turn opened, and
 the reply ends at the tokenizer's end of text or any ``eos_token_id`` of the model's generation config.
 
-The model is built empty from its config.json, its weights laid out by
+The model is built empty from its config.json, its weights (in ``dtype`` when one is asked for; else as stored,
+or, when the files mix dtypes, in the config's, as transformers loads them: :func:`load_dtype`) laid out by
 :class:`aidaptiv_ds.inference.streamed.StreamedWeights` (resident when they fit ``host_budget``, streamed from
 the swap space when not, on CPU with bf16 layers encoded losslessly so that a token reads fewer bytes; on CUDA
 resident on the GPU within ``gpu_budget``, default three quarters of the GPU memory free, then in pinned host
@@ -118,6 +119,24 @@ def _tokenizer_identity(files_dir: str) -> str:
             with open(os.path.join(files_dir, f), "rb") as fh:
                 h.update(fh.read())
     return h.hexdigest()
+
+
+def load_dtype(source: WeightSource, config) -> Optional[torch.dtype]:
+    """The dtype the weights are laid out in when none is asked for: None (each tensor as stored) when the
+    floating-point tensors share one dtype; when they mix (fp32 norms beside bf16 weights, as some checkpoints
+    ship them), the model's one dtype as transformers 5 loads it (``from_pretrained``'s default "auto"): the
+    config's ``dtype``, else that of the first floating-point tensor of the first weight file, every
+    floating-point tensor converted to it. One dtype, because a layer multiplies its input by its weights and
+    torch refuses two dtypes there."""
+    floating = [e for e in source.tensors.values() if e.dtype.is_floating_point]
+    if len({e.dtype for e in floating}) <= 1:
+        return None
+    named = getattr(config, "dtype", None)  # transformers 5 reads config.json's "dtype" (or "torch_dtype") here
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    if isinstance(named, torch.dtype) and named.is_floating_point:
+        return named
+    return min(floating, key=lambda e: (e.pieces[0][0], e.name)).dtype
 
 
 def default_host_budget(weight_bytes: int) -> int:
@@ -227,6 +246,12 @@ class Generator:
                 f"`model` {model} is a preset, whose weights are random: generate from a model with weights (a folder, "
                 "a hub id, a .gguf file, or a checkpoint or export of a run that trained the preset)"
             )
+        if nvme_path is not None:  # before a model is fetched or read: the rule of every swap folder
+            from aidaptiv_ds.engine.disk import swap_folder_problem
+
+            problem = swap_folder_problem(nvme_path)
+            if problem:
+                raise GenerationError(f"`nvme_path` {problem}")
         self.source: WeightSource = open_source(model_folder(model, log=progress))
         self.config = self.source.config()
         try:
@@ -242,6 +267,8 @@ class Generator:
         if dtype not in DTYPES:
             raise GenerationError(f"`dtype` {dtype}: choose one of {', '.join(DTYPES)}")
         self.dtype = DTYPES[dtype]
+        if self.dtype is None:
+            self.dtype = load_dtype(self.source, self.config)
         budget = default_host_budget(self.source.nbytes) if host_budget in (None, "auto") else _bytes(host_budget)
         if encode_weights not in ENCODE_CHOICES:
             raise GenerationError(f"`encode_weights` {encode_weights}: choose one of {', '.join(ENCODE_CHOICES)}")

@@ -6,7 +6,9 @@ Nothing is loaded here: :class:`WeightSource` reads the safetensors headers (or 
 the table of a 70B model costs kilobytes, and :meth:`WeightSource.read_into` copies one tensor's bytes into a
 buffer the caller owns (a pinned slot), so no tensor is ever held twice. Each folder's problems are said in
 one :class:`ModelSourceError`: no weights, weights only in pickle files, a LoRA checkpoint whose adapters are
-not merged, a header that is not safetensors'.
+not merged, a header that is not safetensors', and a safetensors file the safetensors library itself would
+refuse (offsets that overlap, leave gaps or run past the end, sizes that are not dtype x shape), naming the
+file and the tensor: read as they are, such offsets would give a tensor another's bytes.
 """
 
 from __future__ import annotations
@@ -166,21 +168,75 @@ def from_hf_folder(folder: str) -> WeightSource:
         path = os.path.join(folder, fname)
         header, data_start, raw = read_safetensors_header(path)
         identity.append(_file_identity(path, raw))
-        size = os.path.getsize(path)
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _ST_DTYPES.get(meta.get("dtype"))
-            begin, end = meta.get("data_offsets", (0, -1))
-            if dtype is None or not 0 <= begin <= end or data_start + end > size:
-                raise ModelSourceError(
-                    f"{path}: tensor {name} has dtype {meta.get('dtype')} and bytes {begin}..{end} of a file of "
-                    f"{size:,}: the file is damaged or of an unknown dtype"
-                )
+        for name, (dtype, shape, begin, end) in _checked_entries(path, header, os.path.getsize(path) - data_start):
             if name in tensors:
                 raise ModelSourceError(f"{folder}: tensor {name} is in two weight files; keep one copy of the shards")
-            tensors[name] = TensorEntry(name, tuple(meta["shape"]), dtype, ((path, data_start + begin, end - begin),))
+            tensors[name] = TensorEntry(name, shape, dtype, ((path, data_start + begin, end - begin),))
     return WeightSource("hf", folder, folder, tensors, _digest(identity))
+
+
+def _checked_entries(path: str, header: dict, data_bytes: int) -> List[Tuple[str, tuple]]:
+    """(name, (dtype, shape, begin, end)) of every tensor of one safetensors file, checked as the safetensors
+    library checks them before transformers loads a byte: a known dtype and a shape of whole numbers; bytes
+    dtype x shape long; the tensors' bytes, in offset order, tiling the data that follows the header exactly
+    (no overlap, no gap, nothing past the end or left over). A file that breaks one of these is damaged or
+    forged, and read as it is it would give some tensor another's bytes (overlapping offsets) or bytes from
+    past its end: refused, naming the file and the tensor."""
+    damaged = "the file is damaged; download or export it again"
+    out = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(meta, dict):
+            raise ModelSourceError(f"{path}: tensor {name}'s header entry is not an object: {damaged}")
+        dtype = _ST_DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise ModelSourceError(
+                f"{path}: tensor {name} has dtype {meta.get('dtype')!r}, which is not one of "
+                f"{', '.join(_ST_DTYPES)}: the file is damaged or of a dtype generate does not read"
+            )
+        shape, offsets = meta.get("shape"), meta.get("data_offsets")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ModelSourceError(f"{path}: tensor {name} has shape {shape!r}, not a list of sizes: {damaged}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ModelSourceError(f"{path}: tensor {name} has data_offsets {offsets!r}, not [begin, end]: {damaged}")
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * dtype.itemsize:
+            raise ModelSourceError(
+                f"{path}: tensor {name} is {meta['dtype']} {shape}, {numel * dtype.itemsize:,} bytes, but its "
+                f"data_offsets {begin}..{end} hold {end - begin:,}: {damaged}"
+            )
+        out.append((name, (dtype, tuple(shape), begin, end)))
+    at, previous = 0, None
+    for name, (_, _, begin, end) in sorted(out, key=lambda e: (e[1][2], e[1][3])):
+        if begin < at:
+            raise ModelSourceError(
+                f"{path}: tensor {name}'s bytes {begin}..{end} overlap tensor {previous}'s, which end at {at}: "
+                f"one tensor would be read from another's bytes; {damaged}"
+            )
+        if begin > at:
+            raise ModelSourceError(f"{path}: bytes {at}..{begin} before tensor {name} belong to no tensor: {damaged}")
+        at, previous = end, name
+    if at > data_bytes:
+        raise ModelSourceError(
+            f"{path}: tensor {previous}'s bytes end at {at:,} but the file holds {data_bytes:,} after its header: "
+            f"the file is truncated; {damaged}"
+        )
+    if at < data_bytes:
+        raise ModelSourceError(
+            f"{path}: {data_bytes - at:,} bytes after the last tensor ({previous}) belong to no tensor: {damaged}"
+        )
+    return out
 
 
 def from_checkpoint(path: str) -> WeightSource:

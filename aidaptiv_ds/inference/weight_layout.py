@@ -14,13 +14,13 @@ buffers in the pool (the slots and their GPU twins, the row and decode buffers);
 
 from __future__ import annotations
 
-import os
 import time
 from typing import List, Optional, Tuple
 
 import torch
 
 from aidaptiv_ds.common.sizes import align_up, format_size
+from aidaptiv_ds.engine.disk import UnsuitableDisk, swap_folder_problem
 from aidaptiv_ds.engine.io import IOEngine, PinnedPool
 from aidaptiv_ds.inference.sources import WeightSource
 from aidaptiv_ds.inference.weight_codec import decode_into, encode_into
@@ -143,7 +143,10 @@ class LaidOutWeights(WeightPlan):
                 f"{format_size(sum(g.nbytes for g in self.groups))}"
             )
         if streamed or self.row_groups:
-            os.makedirs(nvme_path, exist_ok=True)
+            # The rule of every swap folder (it exists, on a disk that takes O_DIRECT): never made here.
+            problem = swap_folder_problem(nvme_path)
+            if problem:
+                raise UnsuitableDisk(f"`nvme_path` {problem}")
             self.space = SwapSpace(nvme_path, rank=0)
             self.file = self.space.create_file("weights", self.engine)
         if self.row_groups:

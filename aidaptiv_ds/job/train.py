@@ -91,13 +91,50 @@ class Run:
         from aidaptiv_ds.models.tokenizer import tokenizer_for
 
         a = self.settings
-        if a.seq_len < 1:
-            raise ValueError(f"`seq_len` {a.seq_len} must be at least 1")
-        if a.save_every < 0 or a.warmup < 0:
-            raise ValueError("`save_every` and `warmup` must not be negative")
+        # Every problem of the settings, of the places the run writes and of the config's swap folders, at once.
         found = train_plan.problems(a)
         if a.create_nvme_path and not a.nvme_path:
             found.append("`create_nvme_path` needs `nvme_path`: give the swap folder to make on this node")
+        found += train_plan.output_problems(a)
+        from aidaptiv_ds.job.record_files import DataError, form_of
+
+        for name, path in (("data", a.data), ("eval_data", a.eval_data)):
+            try:
+                if path:
+                    form_of(path)  # there, and of a form the job reads (the records are read below)
+            except DataError as e:
+                found.append(f"`{name}`: {e}")
+        if a.resume_from:
+            from aidaptiv_ds.job.checkpoints import resolve_resume
+
+            try:
+                resolve_resume(a.resume_from)
+            except TrainingFailed as e:
+                found.append(str(e))
+        cfg = None
+        try:
+            cfg = ds_config.load(a.config, what="`config`")
+            cfg = ds_config.apply_overrides(
+                cfg,
+                micro_batch=a.micro_batch,
+                grad_accum=a.grad_accum,
+                lr=a.lr,
+                nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
+                host_budget=a.host_budget,
+            )
+        except ds_config.ConfigError as e:
+            found += e.problems
+        if cfg is not None:
+            given = {  # the config's values these flags replace: the flags' own values are checked above
+                "train_micro_batch_size_per_gpu": a.micro_batch,
+                "gradient_accumulation_steps": a.grad_accum,
+                ds_config.LR_KEY: a.lr,
+            }
+            found += ds_config.number_problems(cfg, skip=[k for k, v in given.items() if v is not None])
+            for block in ds_config.nvme_blocks(cfg):  # relative paths mean the working directory, as in DeepSpeed;
+                if block["nvme_path"]:  # made absolute so that logs and metrics are unambiguous
+                    block["nvme_path"] = os.path.abspath(block["nvme_path"])
+            found += self.swap_problems(cfg)
         if found:
             raise TrainingFailed("; ".join(found))
         if a.create_nvme_path:  # before the config check, which refuses a missing folder
@@ -110,24 +147,12 @@ class Run:
             self.lora = parse_spec(a.lora)
             if self.lora.bits == 4 and missing("bitsandbytes"):  # said before the model is built, not after
                 raise ValueError(missing_message("`lora` bits=4 (QLoRA)", ["bitsandbytes"]))
-        cfg = ds_config.load(a.config, what="`config`")
-        cfg = ds_config.apply_overrides(
-            cfg,
-            micro_batch=a.micro_batch,
-            grad_accum=a.grad_accum,
-            lr=a.lr,
-            nvme_path=os.path.abspath(a.nvme_path) if a.nvme_path else None,
-            host_budget=a.host_budget,
-        )
         if a.gradient_checkpointing:
             cfg, applied = run_config.checkpointing_in_block(cfg)
             if applied:
                 self.info["gradient_checkpointing"] = applied
         else:
             cfg = run_config.auto_activations_by_default(cfg)
-        for block in ds_config.nvme_blocks(cfg):  # relative paths mean the working directory, as in DeepSpeed;
-            if block["nvme_path"]:  # made absolute so that logs and metrics are unambiguous
-                block["nvme_path"] = os.path.abspath(block["nvme_path"])
         self.spec = models.resolve(a.model, log=self.log)
         import torch
 
@@ -238,6 +263,36 @@ class Run:
             chat_template=bool(getattr(self.tokenizer, "has_chat_template", False)),
         )
         return data_path
+
+    def swap_problems(self, cfg: dict) -> list[str]:
+        """The swap folders the run will use, by the rule every command applies
+        (aidaptiv_ds.engine.disk.swap_folder_problem): one that exists, on a disk that takes O_DIRECT, writable.
+        Made by the run instead when ``create_nvme_path`` says so, and by DeepSpeed when its own swapper
+        (ZeRO-Infinity's offload blocks) uses it: those are checked at the parent they will be made in."""
+        from aidaptiv_ds.config import ds_config
+        from aidaptiv_ds.engine.disk import swap_folder_problem
+
+        a = self.settings
+        ours = ds_config.backend(cfg) == "aidaptiv"
+        sections = [("aidaptiv", cfg.get("aidaptiv"))] if ours else []
+        if not ours:  # with the aidaptiv block, DeepSpeed's offload blocks are ours (its check keeps them equal)
+            zero = cfg.get("zero_optimization") or {}
+            sections += [(f"zero_optimization.{k}", zero.get(k)) for k in ("offload_param", "offload_optimizer")]
+        found, seen = [], set()
+        for name, block in sections:
+            if not isinstance(block, dict) or not block.get("nvme_path") or block["nvme_path"] in seen:
+                continue  # an empty nvme_path is the config check's to report
+            if name != "aidaptiv" and str(block.get("device", "none")).lower() != "nvme":
+                continue
+            path = block["nvme_path"]
+            seen.add(path)
+            made = name != "aidaptiv" or bool(
+                a.create_nvme_path and a.nvme_path and path == os.path.abspath(a.nvme_path)
+            )
+            problem = swap_folder_problem(path, made_by_job=made)
+            if problem:
+                found.append(f"`nvme_path` {problem}" if a.nvme_path else f"{name}.nvme_path {problem}")
+        return found
 
     def check_fits(self, cfg: dict) -> None:
         """Refuse, before a byte is written, a job the plan says this node cannot hold (every problem, in full),
@@ -432,6 +487,7 @@ class Run:
         with torch.no_grad():
             logits = self.engine(input_ids=batch["input_ids"]).logits
         if self.rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked writable in prepare()
             torch.save({"input_ids": batch["input_ids"].cpu(), "logits": logits.float().cpu()}, path)
 
     def host_budget_bytes(self) -> int | None:

@@ -1,7 +1,8 @@
 """The training run's settings beyond a benchmark loop, and what they decide before DeepSpeed starts.
 
-One job: the checks of the settings for epochs, held-out evaluation, learning-rate schedule and ``resume``
-(every problem at once), and the plain arithmetic they imply: how many optimizer steps a run makes, when it
+One job: the checks of the settings (every problem at once: the numbers of the schedule, held-out evaluation,
+learning-rate schedule and ``resume``; the places the run writes are checked on disk by
+:meth:`aidaptiv_ds.job.train.Run.prepare`, with :func:`output_problems`), and the plain arithmetic they imply: how many optimizer steps a run makes, when it
 evaluates, which checkpoint it resumes. Nothing here imports torch or DeepSpeed; aidaptiv_ds.job.train wires the
 results into the run.
 """
@@ -19,6 +20,18 @@ def problems(args) -> list[str]:
     from aidaptiv_ds.job.lr_schedule import problems as schedule_problems
 
     out = []
+    if args.seq_len < 1:
+        out.append(f"`seq_len` {args.seq_len} must be at least 1")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        out.append(f"`micro_batch` {args.micro_batch} must be at least 1 (sequences per rank per micro-step)")
+    if args.grad_accum is not None and args.grad_accum < 1:
+        out.append(f"`grad_accum` {args.grad_accum} must be at least 1 (micro-steps per optimizer step)")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
+        out.append(f"`lr` {args.lr} must be a finite number, 0 or more (e.g. 1e-5)")
+    if args.save_every < 0:
+        out.append(f"`save_every` {args.save_every} must not be negative")
+    if args.warmup < 0:
+        out.append(f"`warmup` {args.warmup} must not be negative")
     if args.steps is not None and args.steps < 1:
         out.append(f"`steps` {args.steps} must be at least 1")
     if args.epochs is not None and not (args.epochs > 0 and math.isfinite(args.epochs)):
@@ -42,6 +55,22 @@ def problems(args) -> list[str]:
     # The check against the step count comes later: with --epochs it is known once the data is read.
     out += schedule_problems(args.lr_schedule, args.warmup_steps, None)
     return out
+
+
+def output_problems(args) -> list[str]:
+    """Every place the run will write that cannot take its files, one sentence each (empty when none): the
+    checkpoints' folder (``save_dir``), the model's (``output_dir``), the metrics and logits files. Each is tried
+    on disk as the write will meet it (aidaptiv_ds.common.destinations), so a read-only or unwritable destination
+    stops the run before its first step instead of after its last."""
+    from aidaptiv_ds.common.destinations import file_problem, folder_problem
+
+    found = [
+        folder_problem(args.save_dir, "`save_dir`") if args.save_dir else None,
+        folder_problem(args.output_dir, "`output_dir`") if args.output_dir else None,
+        file_problem(args.metrics_out, "`metrics_out`") if args.metrics_out else None,
+        file_problem(args.logits_out, "`logits_out`") if args.logits_out else None,
+    ]
+    return [p for p in found if p]
 
 
 def total_steps(steps: int | None, epochs: float | None, epoch_tokens: int, tokens_per_step: int) -> int:

@@ -39,8 +39,10 @@ class _Side:
         argv += ["--max-new-tokens", str(max_new_tokens), "--metrics-out", str(self.metrics)]
         if host_budget:
             argv += ["--host-budget", host_budget]
-        if nvme_path:
-            argv += ["--nvme-path", str(Path(nvme_path) / f"compare-{tag}")]
+        if nvme_path:  # generate takes an existing swap folder only: this one is the compare's, made here
+            swap = Path(nvme_path) / f"compare-{tag}"
+            swap.mkdir(parents=True, exist_ok=True)
+            argv += ["--nvme-path", str(swap)]
         self.proc = children.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         self.text, self.err = "", ""
         self.laid_out = threading.Event()  # its weights are in place (or it ended): the other side may start

@@ -24,6 +24,9 @@ from typing import Callable, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/helpers.py, also when bench/faults.py imports this module
+from helpers import read_only_mount  # noqa: E402
+
 CONFIGS = os.path.join(REPO, "ds_configs")
 
 STEPS, SAVE_EVERY, FAULT_STEP = 6, 2, 3  # a checkpoint at step 2; the fault in the 4th step
@@ -75,6 +78,8 @@ class Job:
         step: int = FAULT_STEP,
         delay: float = 0.0,
         resume=False,  # True: --resume-from the save dir; "auto": --resume auto
+        extra=(),  # more train arguments
+        wrap=(),  # a command the job runs under (unshare, for a read-only mount of its own)
     ):
         self.metrics = os.path.join(folder, f"{name}.json")
         self.save = os.path.join(folder, "ckpt")
@@ -95,7 +100,8 @@ class Job:
             args += ["--resume", "auto"]
         elif resume:
             args += ["--resume-from", self.save]
-        cmd = [sys.executable, os.path.join(HERE, "fault_job.py"), fault, str(step), str(delay), "--", *args]
+        args += list(extra)
+        cmd = [*wrap, sys.executable, os.path.join(HERE, "fault_job.py"), fault, str(step), str(delay), "--", *args]
         self.t0 = time.time()
         self.proc = subprocess.Popen(
             cmd, cwd=folder, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -402,6 +408,44 @@ def _budgets(folder, ref_losses, rng):
     return row
 
 
+def _unwritable_output(folder, ref_losses, rng):
+    """--output-dir (and --save-dir) where nothing can be written: a read-only bind mount (EROFS, refused to root
+    as well) where the kernel gives the job a mount namespace, else a path through a regular file. The job is
+    refused before its first step, naming the flag, the path and why; no step runs and nothing is written."""
+    config = write_config(folder)
+    locked = os.path.join(folder, "locked")
+    os.makedirs(locked)
+    wrap = read_only_mount(locked)
+    if wrap:
+        where, words = locked, ("read-only file system (EROFS)",)
+    else:
+        where = os.path.join(folder, "a-file")
+        open(where, "w").close()
+        words = ("is a file, not a folder",)
+    out = os.path.join(where, "model")
+    job = Job(folder, config, "refused", extra=["--output-dir", out], wrap=wrap).finish()
+    try:
+        with open(job.metrics) as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        m = {}
+    row = {
+        "rc": job.rc,
+        "hang": job.hang,
+        "crash": job.rc != 1,
+        "seconds": round(job.seconds, 1),
+        "status": job.status[-400:],
+        "how": "read-only bind mount" if wrap else "a path through a regular file",
+    }
+    row["clear_error"] = f"--output-dir {out}" in job.status and any(w in job.status for w in words)
+    # Refused before training: no step ran (no loss), nothing was saved, nothing was made where it was refused.
+    row["intact"] = m.get("status") == "error" and not m.get("losses") and job.latest() is None
+    row["intact"] = row["intact"] and os.listdir(locked) == [] and not os.path.exists(job.save)
+    if not row["intact"]:
+        row["log"] = job.log[-1500:]
+    return row
+
+
 CASES: Dict[str, Dict[str, Callable]] = {
     "eio-read": {
         "fault": "EIO on every read from step 4 (posix backend, seccomp)",
@@ -463,6 +507,11 @@ CASES: Dict[str, Dict[str, Callable]] = {
     "damaged-model-states": {
         "fault": "the newest checkpoint's model_states.pt cut to half its size",
         "run": _damaged(_truncate_model_states, ("is not what its save wrote", "cannot be read")),
+    },
+    "unwritable-output": {
+        "fault": "--output-dir on a read-only bind mount (EROFS; a path through a regular file where the kernel "
+        "refuses mount namespaces): refused before the first step",
+        "run": _unwritable_output,
     },
     "budget-monotonicity": {
         "fault": "none: the same job under a 16 times larger host budget",

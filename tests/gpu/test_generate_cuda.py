@@ -34,6 +34,7 @@ def test_streamed_on_cuda_gives_the_in_memory_tokens(tmp_path, dtype, host, gpu,
     from aidaptiv_ds.models.tokenizer import HFTokenizer
 
     folder = _save_model(tmp_path / "model")
+    (tmp_path / "nvme").mkdir()  # generate takes an existing swap folder only
     kw = dict(host_budget=host, gpu_budget=gpu, nvme_path=str(tmp_path / "nvme"), device="cuda", dtype=dtype)
     with Generator(folder, **kw) as g:
         st = g.stats()

@@ -55,6 +55,13 @@ def models(tmp_path_factory):
     }
 
 
+def _swap(tmp_path, name="nvme"):
+    """A swap folder for one test: made here, as generate takes an existing folder only."""
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    return str(folder)
+
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far, far away, there lived"]
 BUDGET = "2.5MiB"  # about 0.4 of the 6.1 MiB of weights: two layers in flight, four streamed
 
@@ -97,7 +104,7 @@ def test_streamed_greedy_tokens_are_the_in_memory_models(models, tmp_path, kind)
     from aidaptiv_ds.inference import Generator
 
     folder = models[kind]
-    with Generator(folder, host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu") as gen:
+    with Generator(folder, host_budget=BUDGET, nvme_path=_swap(tmp_path), device="cpu") as gen:
         st = gen.stats()
         assert st["slots"] >= 2 and st["streamed_bytes_per_pass"] > st["weight_bytes"] / 2, st
         swap_files = [f for _, _, fs in os.walk(tmp_path / "nvme") for f in fs if f == "weights"]
@@ -136,7 +143,7 @@ def test_encoded_layers_read_fewer_bytes_and_give_the_same_tokens(models, tmp_pa
     on = "auto" if dtype == "bfloat16" else "on"
     for encode in (on, "off"):
         with Generator(
-            folder, host_budget=budget, nvme_path=str(tmp_path / encode), device="cpu", dtype=dtype,
+            folder, host_budget=budget, nvme_path=_swap(tmp_path, encode), device="cpu", dtype=dtype,
             encode_weights=encode,
         ) as gen:  # fmt: skip
             results = gen.generate(PROMPTS[:1], max_new_tokens=10)
@@ -163,7 +170,7 @@ def test_encoding_is_not_chosen_when_it_would_read_more(models, tmp_path):
     folder = models["untied"]
     for budget, encode in ((BUDGET, "on"), ("3MiB", "auto")):
         with Generator(
-            folder, host_budget=budget, nvme_path=str(tmp_path / encode), device="cpu", encode_weights=encode
+            folder, host_budget=budget, nvme_path=_swap(tmp_path, encode), device="cpu", encode_weights=encode
         ) as g:
             st = g.stats()
         assert st["streamed_bytes_per_pass"] == st["streamed_weight_bytes_per_pass"] > 0, (encode, st)
@@ -181,10 +188,150 @@ def test_bf16_conversion_matches_the_in_memory_bf16_model(models, tmp_path):
     from aidaptiv_ds.inference import Generator
 
     folder = models["untied"]
-    with Generator(folder, host_budget="1.5MiB", nvme_path=str(tmp_path / "nvme"), device="cpu", dtype="bfloat16") as g:
+    with Generator(folder, host_budget="1.5MiB", nvme_path=_swap(tmp_path), device="cpu", dtype="bfloat16") as g:
         assert g.stats()["streamed_bytes_per_pass"] > 0
         got = [r.token_ids for r in g.generate(PROMPTS[:1], max_new_tokens=8)]
     assert got == _reference(folder, PROMPTS[:1], 8, dtype=torch.bfloat16)
+
+
+def _mixed_dtypes(source, folder, config_dtype="bfloat16"):
+    """``source``'s model as some checkpoints ship one: bf16 weights with the norms kept in fp32, the config
+    saying ``config_dtype`` (None: no dtype in it)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    mixed = {k: v if k.endswith("norm.weight") else v.to(torch.bfloat16) for k, v in weights.items()}
+    assert {v.dtype for v in mixed.values()} == {torch.float32, torch.bfloat16}
+    save_file(mixed, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if config_dtype:
+        config["dtype"] = config_dtype
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+def test_fp32_norms_beside_bf16_weights_load_as_transformers_loads_them(models, tmp_path):
+    """A valid file that mixes dtypes (fp32 norms, bf16 weights; transformers loads it) once crashed generate with
+    'expected m1 and m2 to have the same dtype': every tensor now goes into the model's dtype, the config's, as
+    transformers 5's from_pretrained does, and the tokens are transformers' own, resident or streamed."""
+    from transformers import AutoModelForCausalLM
+
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.inference import generate as G
+
+    folder = _mixed_dtypes(models["untied"], tmp_path / "mixed")
+    loaded = AutoModelForCausalLM.from_pretrained(folder)  # its default dtype "auto": the config's
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    ref = _reference(folder, PROMPTS[:1], 8, dtype="auto")
+    for budget, nvme in (("64MiB", None), ("1.5MiB", _swap(tmp_path))):
+        with Generator(folder, host_budget=budget, nvme_path=nvme, device="cpu") as gen:
+            assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+            assert (gen.stats()["streamed_bytes_per_pass"] > 0) == (nvme is not None)
+            assert [r.token_ids for r in gen.generate(PROMPTS[:1], max_new_tokens=8)] == ref
+    # Without a dtype in the config transformers takes the first floating-point tensor's (by name, in the first
+    # file): here model.embed_tokens.weight, bf16.
+    bare = _mixed_dtypes(models["untied"], tmp_path / "bare", config_dtype=None)
+    with Generator(bare, host_budget="64MiB", device="cpu") as gen:
+        assert G.load_dtype(gen.source, gen.config) == torch.bfloat16
+        assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+    # One dtype in the file: laid out as stored, as before.
+    with Generator(models["untied"], host_budget="64MiB", device="cpu") as gen:
+        assert G.load_dtype(gen.source, gen.config) is None
+
+
+def _rewrite_header(path, edit):
+    """The safetensors file at ``path`` with its header changed by ``edit(header)`` and its data kept."""
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_a_damaged_or_forged_weight_file_is_refused_naming_the_file_and_the_tensor(models, tmp_path):
+    """What the safetensors library refuses, refused here before a byte is laid out, with the file and the
+    tensor: offsets that overlap (a file that once ran with one norm read from another's bytes), offsets past the
+    end (a truncated file), a size that is not dtype x shape, bytes no tensor owns, a header that is not JSON."""
+    import shutil
+
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.inference.sources import ModelSourceError
+
+    def copy(name):
+        folder = tmp_path / name
+        shutil.copytree(models["untied"], folder)
+        return str(folder), str(folder / "model.safetensors")
+
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"
+
+    def overlap(h):  # b's entry names a's bytes: the same size, read from the wrong place
+        h[b]["data_offsets"] = list(h[a]["data_offsets"])
+
+    folder, path = copy("overlap")
+    _rewrite_header(path, overlap)
+    with pytest.raises(
+        ModelSourceError, match=rf"{path}: tensor .*norm.weight's bytes .* overlap tensor .*norm.weight's"
+    ):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+    folder, path = copy("truncated")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 4096)
+    with pytest.raises(ModelSourceError, match=rf"{path}: tensor .* end at .* the file is truncated"):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+    folder, path = copy("shape")
+    _rewrite_header(path, lambda h: h[a].update(shape=[HIDDEN // 2]))
+    with pytest.raises(ModelSourceError, match=rf"{path}: tensor {a} is F32 \[64\], 256 bytes, but its data_offsets"):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+    folder, path = copy("gap")
+    _rewrite_header(path, lambda h: h.pop(a))
+    with pytest.raises(ModelSourceError, match=rf"{path}: bytes .* before tensor .* belong to no tensor"):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+    folder, path = copy("not-json")
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"\x00\xff{{")
+    with pytest.raises(ModelSourceError, match=rf"{path} is not a safetensors file \(its header is not JSON"):
+        Generator(folder, host_budget="64MiB", device="cpu")
+
+
+def test_a_swap_folder_must_exist_on_a_disk_as_for_every_command(models, tmp_path, capsys):
+    """generate once made a missing --nvme-path (with its parents: /nonexistent/...) and took tmpfs, which train
+    refuses: one rule now (aidaptiv_ds.engine.disk.swap_folder_problem, tests/unit/test_swap_folders.py), said
+    before the model is read, and nothing made."""
+    from aidaptiv_ds import cli
+    from aidaptiv_ds.engine import disk
+    from aidaptiv_ds.inference import Generator
+    from aidaptiv_ds.inference.generate import GenerationError
+
+    for missing in (str(tmp_path / "no" / "such" / "swap"), str(tmp_path / "swap")):  # once made, parents too
+        with pytest.raises(GenerationError, match=f"`nvme_path` {missing} does not exist: create it"):
+            Generator(models["untied"], host_budget=BUDGET, nvme_path=missing, device="cpu")
+        assert not os.path.exists(missing)
+    assert os.listdir(tmp_path) == []
+    argv = ["generate", "--model", models["untied"], "--prompt", "hi", "--host-budget", BUDGET, "--device", "cpu"]
+    assert cli.main([*argv, "--nvme-path", str(tmp_path / "swap")]) == 1
+    assert f"aidaptiv-ds generate: --nvme-path {tmp_path}/swap does not exist" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "swap")
+    if os.path.isdir("/dev/shm") and disk.mount_of("/dev/shm")["fstype"] == "tmpfs":
+        with pytest.raises(GenerationError, match="`nvme_path` /dev/shm is on tmpfs .memory, not a disk."):
+            Generator(models["untied"], host_budget=BUDGET, nvme_path="/dev/shm", device="cpu")
 
 
 def test_embedding_rows_read_from_the_ssd_are_the_tables(tmp_path):
@@ -206,7 +353,7 @@ def test_embedding_rows_read_from_the_ssd_are_the_tables(tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(folder)
     save_byte_tokenizer(folder)
     table = load_file(os.path.join(folder, "model.safetensors"))["model.embed_tokens.weight"]
-    with Generator(folder, host_budget="4MiB", nvme_path=str(tmp_path / "nvme"), device="cpu") as gen:
+    with Generator(folder, host_budget="4MiB", nvme_path=_swap(tmp_path), device="cpu") as gen:
         w = gen.weights
         (g,) = w.row_groups
         assert g.row_bytes == 800 and w.row_buffer_bytes < g.nbytes / 8
@@ -239,7 +386,7 @@ def test_only_the_token_embedding_is_read_by_rows(tmp_path):
     folder = str(tmp_path / "opt")
     model.save_pretrained(folder)
     save_byte_tokenizer(folder)
-    with Generator(folder, host_budget="2MiB", nvme_path=str(tmp_path / "nvme"), device="cpu") as gen:
+    with Generator(folder, host_budget="2MiB", nvme_path=_swap(tmp_path), device="cpu") as gen:
         st = gen.stats()
         assert st["slots"] >= 2 and [g.label for g in gen.weights.row_groups] == ["model.decoder.embed_tokens"], st
         got = [r.token_ids for r in gen.generate(PROMPTS, max_new_tokens=8, batch_size=2)]
@@ -262,7 +409,7 @@ def test_prompt_cache_reuses_a_prefix_and_gives_the_same_tokens(models, tmp_path
     folder = models["untied"]
     document = "A long report on the harvest of the year, with every field and every crop listed. " * 12
     kv = str(tmp_path / "kv")
-    kw = dict(host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu")
+    kw = dict(host_budget=BUDGET, nvme_path=_swap(tmp_path), device="cpu")
     with Generator(folder, kv_cache=kv, kv_host_budget=0, **kw) as gen:
         first = gen.generate([document + "Question: which crop?"], max_new_tokens=8)[0]
         again = gen.generate([document + "Question: which crop?"], max_new_tokens=8)[0]
@@ -293,7 +440,7 @@ def test_prompt_cache_never_uses_a_torn_damaged_or_stale_entry(models, tmp_path)
     folder = models["untied"]
     prompt = "Remember this sentence well, it will come back again and again. " * 8
     kv = str(tmp_path / "kv")
-    kw = dict(host_budget=BUDGET, nvme_path=str(tmp_path / "nvme"), device="cpu", kv_cache=kv, kv_host_budget=0)
+    kw = dict(host_budget=BUDGET, nvme_path=_swap(tmp_path), device="cpu", kv_cache=kv, kv_host_budget=0)
     with Generator(folder, **kw) as gen:
         base = gen.generate([prompt], max_new_tokens=6)[0]
     (entry,) = _entries(kv)
@@ -371,7 +518,7 @@ def test_bad_inputs_are_refused_with_one_message(models, tmp_path):
     with pytest.raises(ValueError, match="give `nvme_path`"):
         Generator(models["untied"], host_budget=BUDGET, device="cpu")
     with pytest.raises(ValueError, match=r"needs at least .* give `host_budget`"):
-        Generator(models["untied"], host_budget="1MiB", nvme_path=str(tmp_path / "n"), device="cpu")
+        Generator(models["untied"], host_budget="1MiB", nvme_path=_swap(tmp_path, "n"), device="cpu")
 
 
 def _generate_cli(args, cwd, limit_file_bytes=None):
@@ -395,6 +542,7 @@ def test_command_writes_metrics_and_a_full_disk_leaves_nothing_behind(models, tm
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n")
     metrics = tmp_path / "m.json"
     nvme = tmp_path / "nvme"
+    nvme.mkdir()
     common = ["--model", models["untied"], "--host-budget", BUDGET, "--nvme-path", str(nvme), "--device", "cpu"]
     p = _generate_cli(
         [*common, "--prompts", str(prompts), "--max-new-tokens", "5", "--metrics-out", str(metrics)], tmp_path
@@ -473,7 +621,7 @@ def _weights_for_a_device(folder, tmp_path, host_budget, device_budget):
         model,
         source,
         parse_size(host_budget),
-        str(tmp_path / "nvme"),
+        _swap(tmp_path),
         device="meta",
         device_budget=parse_size(device_budget),
     )

@@ -519,6 +519,7 @@ def test_two_compares_at_once_use_swap_folders_of_their_own_and_leave_none(tmp_p
         def __init__(self, argv, **kw):
             started.append(argv)
             nvme = argv[argv.index("--nvme-path") + 1]
+            assert os.path.isdir(nvme), "generate takes an existing swap folder: the compare makes it"
             os.makedirs(os.path.join(nvme, "aidaptiv-swap"))  # what a killed side would leave
             self.stdout, self.stderr, self.returncode = io.BytesIO(b"text"), io.BytesIO(b""), 0
 

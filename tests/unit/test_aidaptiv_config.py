@@ -2,6 +2,7 @@
 the ZeRO-3 settings DeepSpeed needs."""
 
 import dataclasses
+import errno
 import os
 import types
 
@@ -12,7 +13,7 @@ from aidaptiv_ds.config import resolve as config_resolve
 from aidaptiv_ds.config import schema, translate
 from aidaptiv_ds.config import settings as config_settings
 from aidaptiv_ds.engine import backend as config_backend
-from aidaptiv_ds.engine import machine
+from aidaptiv_ds.engine import disk, machine
 
 
 def ds(block=None, **top):
@@ -89,9 +90,10 @@ def test_nvme_path_missing_not_a_directory_unwritable_or_too_small(tmp_path, mon
     assert "does not exist" in problems(ds({"enabled": True, "nvme_path": str(tmp_path / "nope")}))[0]
     f = tmp_path / "file"
     f.write_text("x")
-    assert "does not exist" in problems(ds({"enabled": True, "nvme_path": str(f)}))[0]
-    # Root passes every access check, so the permission answer is stubbed: what is checked is the message.
-    monkeypatch.setattr(config_resolve.os, "access", lambda path, mode: False)
+    assert "is not a directory" in problems(ds({"enabled": True, "nvme_path": str(f)}))[0]
+    # Root passes every permission check, so the refusal is stubbed here: what is checked is the message (the
+    # real refusals: tests/unit/test_swap_folders.py).
+    monkeypatch.setattr(disk, "probe", _refuse(errno.EACCES))
     msg = problems(ds({"enabled": True, "nvme_path": str(tmp_path)}))[0]
     assert "not writable (EACCES)" in msg and str(tmp_path) in msg
     monkeypatch.undo()
@@ -99,15 +101,16 @@ def test_nvme_path_missing_not_a_directory_unwritable_or_too_small(tmp_path, mon
     assert "GiB free but the model state needs" in msg
 
 
+def _refuse(code):
+    def probe(folder, direct=False):
+        raise OSError(code, os.strerror(code), folder)
+
+    return probe
+
+
 def test_a_read_only_mount_is_reported_as_erofs(tmp_path, monkeypatch):
     """Not as EACCES: permissions are not what to fix on a read-only file system."""
-    import types
-
-    real = os.statvfs
-    monkeypatch.setattr(config_resolve.os, "access", lambda path, mode: False)
-    monkeypatch.setattr(
-        config_resolve.os, "statvfs", lambda p: types.SimpleNamespace(f_flag=real(p).f_flag | os.ST_RDONLY)
-    )
+    monkeypatch.setattr(disk, "probe", _refuse(errno.EROFS))
     msg = problems(ds({"enabled": True, "nvme_path": str(tmp_path)}))[0]
     assert "read-only file system (EROFS)" in msg and str(tmp_path) in msg and "EACCES" not in msg
 

@@ -108,6 +108,32 @@ def test_check_reports_every_problem_at_once():
     ds_config.check(shipped("zero_infinity.json"), world_size=1, largest_param_numel=7_680_000)
 
 
+def test_batch_sizes_and_lr_deepspeed_fails_on_mid_run_are_refused_at_once():
+    """A micro-batch of 0 was a KeyError ('train_batch_size') in the job, an accumulation of 0 a ZeroDivisionError,
+    and an lr of NaN or below 0 trained on with status=ok: each is one sentence of the config check."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 0,
+        "gradient_accumulation_steps": 0,
+        "train_batch_size": 2.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": float("nan")}},
+        "zero_optimization": {"stage": 3},
+    }
+    with pytest.raises(ConfigError) as e:
+        ds_config.check(cfg, world_size=1)
+    assert e.value.problems == [
+        "train_micro_batch_size_per_gpu 0 must be a whole number of at least 1",
+        "gradient_accumulation_steps 0 must be a whole number of at least 1",
+        "train_batch_size 2.5 must be a whole number of at least 1",
+        "optimizer.params.lr nan must be a finite number, 0 or more (e.g. 1e-5)",
+    ]
+    for lr in (float("inf"), -1):
+        assert ds_config.number_problems({"optimizer": {"params": {"lr": lr}}}) == [
+            f"optimizer.params.lr {lr} must be a finite number, 0 or more (e.g. 1e-5)"
+        ]
+    # What the command line sets it checks itself: those keys are skipped.
+    assert ds_config.number_problems(cfg, skip=[*cfg, ds_config.LR_KEY]) == []
+
+
 def test_buffer_check_fails_for_a_big_preset_on_the_shipped_file():
     from aidaptiv_ds.models.presets import largest_parameter_numel, preset_config
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from aidaptiv_ds import cli
+from aidaptiv_ds.engine import disk
 from aidaptiv_ds.job import checkpoints, rank_env, train
 from aidaptiv_ds.job import failures as job_args
 from aidaptiv_ds.job.settings import TrainSettings
@@ -123,6 +124,74 @@ def test_bad_arguments_exit_1(clean_env, tmp_path, repo, capsys):
     assert run_cli(["--config", str(tmp_path / "none.json")]) == 1
 
 
+def test_every_input_and_destination_is_refused_before_deepspeed_starts(clean_env, tmp_path, repo, capsys, monkeypatch):
+    """What once failed only after every step (an --output-dir that cannot be written: a bare OSError at the end)
+    or mid-run (--micro-batch 0: KeyError 'train_batch_size'; --grad-accum 0: ZeroDivisionError) or not at all
+    (--lr nan ran and said status=ok), with a --save-dir through a file, a missing --resume-from and --data and a
+    swap folder in memory: all said at once, one sentence each, as flags, before DeepSpeed starts or a byte is
+    written."""
+    built = []
+    monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = tmp_path / "m.json"
+    argv = [
+        "--config",
+        os.path.join(repo, "ds_configs", "aidaptiv.json"),
+        "--model",
+        "micro",
+        "--metrics-out",
+        str(out),
+        "--micro-batch",
+        "0",
+        "--grad-accum",
+        "0",
+        "--lr",
+        "nan",
+        "--output-dir",
+        str(blocker),
+        "--save-dir",
+        str(blocker / "ckpt"),
+        "--resume-from",
+        str(tmp_path / "no-such-run"),
+        "--data",
+        str(tmp_path / "no-such-data.jsonl"),
+    ]
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and disk.mount_of("/dev/shm")["fstype"] == "tmpfs" else None
+    if shm:
+        argv += ["--nvme-path", shm]
+    assert run_cli(argv) == 1 and built == []
+    error = json.loads(out.read_text())["error"]
+    said = [
+        "--micro-batch 0 must be at least 1",
+        "--grad-accum 0 must be at least 1",
+        "--lr nan must be a finite number",
+        f"--output-dir {blocker} is a file, not a folder",
+        f"--save-dir {blocker}/ckpt cannot be made because {blocker} is a file",
+        f"--resume-from {tmp_path}/no-such-run does not exist",
+        f"--data: data file {tmp_path}/no-such-data.jsonl does not exist",
+    ] + ([f"--nvme-path {shm} is on tmpfs (memory, not a disk"] if shm else [])
+    assert all(s in error for s in said) and error.count("; ") == len(said) - 1, error
+    assert "Traceback" not in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "m.json"]
+
+
+def test_a_config_whose_numbers_deepspeed_fails_on_mid_run_is_refused(clean_env, tmp_path, repo, monkeypatch):
+    """The same numbers in the config itself (a micro-batch of 0, an lr of NaN) are the config check's."""
+    built = []
+    monkeypatch.setattr(train.Run, "build", lambda self: built.append(True))
+    cfg = json.load(open(os.path.join(repo, "ds_configs", "zero3.json")))
+    cfg["train_micro_batch_size_per_gpu"] = 0
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = float("nan")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))  # Python's json writes NaN, and reads it back
+    out = tmp_path / "m.json"
+    assert run_cli(["--config", str(path), "--model", "micro", "--metrics-out", str(out)]) == 1 and built == []
+    error = json.loads(out.read_text())["error"]
+    assert "train_micro_batch_size_per_gpu 0 must be a whole number of at least 1" in error, error
+    assert "optimizer.params.lr nan must be a finite number" in error, error
+
+
 def test_aidaptiv_block_without_initialize_is_a_clear_error(monkeypatch):
     import aidaptiv_ds
 
@@ -176,10 +245,13 @@ def test_a_rank_whose_node_lacks_the_swap_folder_makes_it_when_told(clean_env, t
     from aidaptiv_ds.config import resolve as config
 
     swap = tmp_path / "node-local" / "cell.7"
-    job = _prepare(tmp_path, "--nvme-path", str(swap))
-    # What deepspeed.initialize then checks (config.validate): the sweep made the folder on the first node only.
+    # The sweep made the folder on the first node only: without --create-nvme-path the job refuses it before
+    # DeepSpeed starts (as deepspeed.initialize's own check, config.validate, would), and makes nothing.
+    with pytest.raises(job_args.TrainingFailed, match=f"`nvme_path` {swap} does not exist"):
+        _prepare(tmp_path, "--nvme-path", str(swap))
+    assert not (tmp_path / "node-local").exists()
     with pytest.raises(ds_config.ConfigError, match="does not exist"):
-        config.validate(job.cfg)
+        config.validate({"zero_optimization": {"stage": 3}, "aidaptiv": {"enabled": True, "nvme_path": str(swap)}})
     job = _prepare(tmp_path, "--nvme-path", str(swap), "--create-nvme-path")
     assert swap.is_dir() and (swap.stat().st_mode & 0o777) == 0o700
     assert job.info["nvme_paths"] == [str(swap)] and job.info["nvme_path_created"] is True

@@ -1,9 +1,13 @@
 """The training job's new options without DeepSpeed: step count from --epochs, evaluation steps, --resume auto,
-the checks of every option at once, the lr schedules (and their state across a save and load), the held-out
-split and its batches, the held-out loss, and records rendered through a tokenizer's chat template."""
+the checks of every option at once (numbers, and every place the run writes, tried on disk), the lr schedules
+(and their state across a save and load), the held-out split and its batches, the held-out loss, and records
+rendered through a tokenizer's chat template."""
 
 import argparse
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,6 +87,105 @@ def test_every_problem_at_once():
         == []
     )
     assert lr_schedule.problems("linear", 10, 10) and not lr_schedule.problems("constant", 10, 10)
+
+
+def test_numbers_that_failed_mid_run_or_trained_nonsense_are_refused_at_once():
+    """--micro-batch 0 (once a KeyError in the job), --grad-accum 0 (a ZeroDivisionError) and an lr of nan, inf or
+    -1 (which ran and said status=ok) are each one sentence, said together before anything starts."""
+    found = said(
+        parse("--micro-batch", "0", "--grad-accum", "0", "--lr", "nan", "--seq-len", "0", "--save-every", "-1")
+    )
+    assert found == [
+        "--seq-len 0 must be at least 1",
+        "--micro-batch 0 must be at least 1 (sequences per rank per micro-step)",
+        "--grad-accum 0 must be at least 1 (micro-steps per optimizer step)",
+        "--lr nan must be a finite number, 0 or more (e.g. 1e-5)",
+        "--save-every -1 must not be negative",
+    ]
+    for lr in ("inf", "-inf", "-1"):
+        assert said(parse(f"--lr={lr}")) == [f"--lr {float(lr)} must be a finite number, 0 or more (e.g. 1e-5)"]
+    assert said(parse("--lr", "0", "--micro-batch", "1", "--grad-accum", "1", "--warmup", "0")) == []
+
+
+def _writes(**where):
+    places = {"save_dir": None, "output_dir": None, "metrics_out": None, "logits_out": None}
+    return [as_flags(p) for p in train_plan.output_problems(argparse.Namespace(**{**places, **where}))]
+
+
+def test_every_place_the_run_writes_is_tried_before_it_starts_and_nothing_is_left(tmp_path):
+    """A file where a folder is expected, a folder to be made under a regular file, a folder where a file is
+    expected: one sentence each, naming the flag, all at once. Folders and files that do not exist yet pass where
+    their nearest existing parent takes a file; the check makes nothing and leaves nothing behind."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    (tmp_path / "folder").mkdir()
+    assert _writes(
+        save_dir=str(blocker),
+        output_dir=str(blocker / "model"),
+        metrics_out=str(tmp_path / "folder"),
+        logits_out=str(blocker / "logits.pt"),
+    ) == [
+        f"--save-dir {blocker} is a file, not a folder: give a folder (it is made when missing)",
+        f"--output-dir {blocker}/model cannot be made because {blocker} is a file, not a folder: give a path "
+        "under a folder",
+        f"--metrics-out {tmp_path}/folder is a folder: give a file name",
+        f"--logits-out {blocker}/logits.pt cannot be written because {blocker} is a file, not a folder: give a "
+        "path under a folder",
+    ]
+    before = sorted(os.listdir(tmp_path))
+    assert (
+        _writes(
+            save_dir=str(tmp_path / "new" / "ckpt"),
+            output_dir=str(tmp_path / "folder"),
+            metrics_out=str(tmp_path / "new" / "m.json"),
+            logits_out=str(tmp_path / "logits.pt"),
+        )
+        == []
+    )
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "folder") == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root passes permission bits: the read-only mount test covers root")
+def test_a_folder_without_write_permission_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        found = _writes(save_dir=str(locked / "ckpt"), output_dir=str(locked), metrics_out=str(locked / "m.json"))
+    finally:
+        locked.chmod(0o700)
+    assert len(found) == 3 and all("is not writable (EACCES)" in p and str(locked) in p for p in found), found
+
+
+def test_a_read_only_mount_is_refused_even_to_root(tmp_path):
+    """EROFS, what refuses root as well (root passes every permission bit, and os.access says yes to it): the
+    check runs in a mount namespace of its own with a folder bind-mounted read-only. Skipped where the kernel or
+    sandbox refuses user and mount namespaces; the test above and the one of a path through a file still run."""
+    from helpers import REPO, read_only_mount
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    wrap = read_only_mount(locked)
+    if not wrap:
+        pytest.skip("no user and mount namespace this Python runs in here: EROFS cannot be made without privilege")
+    code = (
+        "import argparse, sys\n"
+        "from aidaptiv_ds.commands.flags import as_flags\n"
+        "from aidaptiv_ds.job.train_plan import output_problems\n"
+        "d = sys.argv[1]\n"
+        "ns = argparse.Namespace(save_dir=d + '/ckpt', output_dir=d, metrics_out=d + '/m.json', logits_out=None)\n"
+        "print('\\n'.join(as_flags(p) for p in output_problems(ns)))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([*wrap, sys.executable, "-c", code, str(locked)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    erofs = "is on a read-only file system (EROFS): remount it read-write or choose a folder on a writable disk"
+    assert out.stdout.splitlines() == [
+        f"--save-dir {locked}/ckpt would be made in {locked}, which {erofs}",
+        f"--output-dir {locked} {erofs}",
+        f"--metrics-out {locked}/m.json cannot be written: its folder {locked} {erofs}",
+    ]
+    assert os.listdir(locked) == []
 
 
 def test_latest_checkpoint(tmp_path):
