@@ -42,8 +42,8 @@ from aidaptiv_ds.swap.checkpoint_format import (
     rank_dir,
     resolve_tag,
 )
+from aidaptiv_ds.swap.checkpoint_verify import ALGORITHM, inspectors
 from aidaptiv_ds.zero3.checkpoint_transfer import Mover, close_file, pread_into, read_into, write_from
-from aidaptiv_ds.zero3.checkpoint_verify import ALGORITHM, inspectors
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from deepspeed import comm as dist
 
 def attach(engine, runtime) -> None:
     from aidaptiv_ds.common import durable
-    from aidaptiv_ds.swap import checkpoint_format
-    from aidaptiv_ds.zero3 import checkpoint, checkpoint_verify, compat
+    from aidaptiv_ds.swap import checkpoint_format, checkpoint_verify
+    from aidaptiv_ds.zero3 import checkpoint, compat
 
     engine.aidaptiv_runtime = runtime
     engine.aidaptiv_stats = runtime.stats_dict

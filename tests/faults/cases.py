@@ -282,7 +282,7 @@ def _plant_payload(tag: str, rng) -> None:
 
     import torch
 
-    from aidaptiv_ds.zero3.checkpoint_verify import write_tag_checksums
+    from aidaptiv_ds.swap.checkpoint_verify import write_tag_checksums
 
     path = glob.glob(os.path.join(tag, "*model_states.pt"))[0]
     sd = torch.load(path, weights_only=False)  # the test wrote it: trusted here
