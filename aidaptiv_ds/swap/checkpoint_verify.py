@@ -11,10 +11,12 @@ weights and optimizer state that must be finite.
 
 :func:`verify_tag` reads the tag once more and refuses, with the file, the offset and what to do, a file that
 changed, a file the save did not write, or a non-finite value. CRC32 finds damage (flipped bits, torn or
-truncated writes, files swapped between tags), not a forger who rewrites the manifest too; what is unpickled
-is loaded as data only (:mod:`aidaptiv_ds.zero3.compat`, ``checkpoint_loads_as_data``). A checkpoint saved
-before checksums existed loads with a warning that it was not verified. The refusals it raises are the
-format's (:mod:`aidaptiv_ds.swap.checkpoint_format`).
+truncated writes, files swapped between tags), not a forger who rewrites the manifest and checksums.json too;
+what stands in that one's way is that every pickle of the tag is loaded as data only, on a resume before
+DeepSpeed loads anything (:func:`aidaptiv_ds.zero3.checkpoint.check_pickles_are_data`) and by DeepSpeed's own
+load (:mod:`aidaptiv_ds.zero3.compat`, ``checkpoint_loads_as_data``). A checkpoint saved before checksums
+existed loads with a warning that it was not verified. The refusals it raises are the format's
+(:mod:`aidaptiv_ds.swap.checkpoint_format`). Nothing here needs DeepSpeed.
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def file_crc32(path: str) -> Tuple[int, int]:
             size += len(block)
 
 
-def _tag_files(tag_dir: str) -> List[str]:
+def tag_files(tag_dir: str) -> List[str]:
     """The tag's files outside aidaptiv/ and hf/, relative to it, except checksums.json."""
     out = []
     for root, dirs, files in os.walk(tag_dir):
@@ -251,7 +253,7 @@ def _tag_files(tag_dir: str) -> List[str]:
 def write_tag_checksums(tag_dir: str) -> None:
     """Write ``<tag_dir>/checksums.json`` for the tag's files outside aidaptiv/ and hf/ (DeepSpeed's), fsync'd."""
     entries = {}
-    for rel in _tag_files(tag_dir):
+    for rel in tag_files(tag_dir):
         size, crc = file_crc32(os.path.join(tag_dir, rel))
         entries[rel] = [size, crc]
     path = os.path.join(tag_dir, CHECKSUMS)
@@ -275,7 +277,7 @@ def verify_tag_files(tag_dir: str) -> bool:
         raise CheckpointDamagedError(f"checkpoint file {path} cannot be read ({e}): {AGAIN}") from None
     if listed.get("algorithm") != ALGORITHM:
         raise _unknown_algorithm(tag_dir, listed.get("algorithm"))
-    present = set(_tag_files(tag_dir))
+    present = set(tag_files(tag_dir))
     extra = sorted(present - set(files))
     if extra:
         raise CheckpointDamagedError(
