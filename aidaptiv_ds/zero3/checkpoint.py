@@ -42,14 +42,11 @@ from aidaptiv_ds.swap.checkpoint_format import (
     rank_dir,
     resolve_tag,
 )
-from aidaptiv_ds.swap.checkpoint_verify import ALGORITHM, inspectors, tag_files
+from aidaptiv_ds.swap.checkpoint_verify import AGAIN, ALGORITHM, inspectors, tag_files
 from aidaptiv_ds.zero3 import compat
 from aidaptiv_ds.zero3.checkpoint_transfer import Mover, close_file, pread_into, read_into, write_from
 
 log = logging.getLogger(__name__)
-
-
-AGAIN = "resume from another checkpoint (--resume auto takes the newest that verifies)"
 
 
 def refused_file(path: str, error: BaseException) -> CheckpointDamagedError:
