@@ -1,11 +1,12 @@
-"""A checkpoint is data, not code, and a damaged one does not resume as a success.
+"""A checkpoint is data, not code, and a damaged one does not resume, export or generate as a success.
 
 One aidaptiv run of the micro preset saves at steps 2 and 4; each test damages a copy of that folder as a user
 or an attacker might and resumes from it: a pickle payload planted in any of DeepSpeed's .pt files (with its
 checksum rewritten too, so only the data-only load stands in the way) does not run, neither through a resume
 nor through the scripts DeepSpeed copies into a save folder; a planted file, flipped bytes in params.bin or
 optim.bin, NaNs in params.bin and a truncated model_states.pt are each refused with the file and what to do;
-``--resume auto`` skips a damaged newest tag, says why, and resumes the one before.
+``--resume auto`` skips a damaged newest tag, says why, and resumes the one before; ``export`` and
+``generate`` refuse the damaged weights resume refuses, and write nothing.
 """
 
 from __future__ import annotations
@@ -248,6 +249,83 @@ def test_nans_in_the_weights_are_refused_with_the_parameter_and_offset(saved):
     assert f"holds a non-finite value (nan) in parameter {p['name']} at byte offset {p['offset'] + 8}" in log, log[
         -3000:
     ]
+
+
+def nan_in_a_weight(tag):
+    """A NaN written into the second parameter of rank 0's params.bin: (file, parameter, byte offset)."""
+    folder = tag / "aidaptiv" / "rank0"
+    p = json.loads((folder / "manifest.json").read_text())["parameters"][1]
+    with open(folder / "params.bin", "r+b") as f:
+        f.seek(p["offset"] + 8)
+        f.write(torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes())
+    return folder / "params.bin", p["name"], p["offset"] + 8
+
+
+def cli(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", *args],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def last_line(p):
+    return (p.stderr.strip().splitlines() or [""])[-1]
+
+
+def test_export_refuses_nans_in_the_weights_and_writes_nothing(saved):
+    root, _ = saved
+    tag = copy_checkpoint(root, "nan_export") / "step4"
+    path, name, offset = nan_in_a_weight(tag)
+    out = root / "nan_export_out"
+    p = cli("export", str(tag), "--out", str(out), cwd=root)
+    assert p.returncode == 1, p.stderr[-3000:]
+    message = last_line(p)
+    assert message.startswith(
+        f"aidaptiv-ds export: checkpoint file {path} holds a non-finite value (nan) in parameter {name} at byte offset "
+        f"{offset}: "
+    ), message
+    assert "export another checkpoint" in message and one_sentence(message), message
+    assert not out.exists(), sorted(os.listdir(out))
+
+
+def test_export_refuses_weights_that_do_not_match_their_checksum(saved):
+    """One bit flipped in a value (it stays finite): the CRC32 of its block names the file and byte range."""
+    root, _ = saved
+    tag = copy_checkpoint(root, "flipped_export") / "step4"
+    path = tag / "aidaptiv" / "rank0" / "params.bin"
+    with open(path, "r+b") as f:
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 0x10]))
+    out = root / "flipped_export_out"
+    p = cli("export", str(tag), "--out", str(out), cwd=root)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert f"checkpoint file {path}: bytes 0-" in last_line(p), p.stderr[-3000:]
+    assert "do not match the checksum written with them" in last_line(p), p.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_generate_refuses_nans_in_the_weights_of_a_checkpoint(saved):
+    root, _ = saved
+    tag = copy_checkpoint(root, "nan_generate") / "step4"
+    path, name, offset = nan_in_a_weight(tag)
+    swap = root / "nan_generate_swap"
+    p = cli(
+        "generate", "--model", str(tag), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu",
+        "--nvme-path", str(swap), cwd=root,
+    )  # fmt: skip
+    assert p.returncode == 1, p.stderr[-3000:]
+    message = last_line(p)
+    assert message.startswith(
+        f"aidaptiv-ds generate: checkpoint file {path} holds a non-finite value (nan) in parameter {name} at byte "
+        f"offset {offset}: "
+    ), message
+    assert one_sentence(message), message
 
 
 def test_a_truncated_model_states_is_one_clear_sentence(saved):
