@@ -393,7 +393,10 @@ def faults_section():
         "differed.",
         "",
         "Clear error: the job's status line names the file, the errno, the offset and what to do; for a fault "
-        "the job rides through, its log says what fell back.",
+        "the job rides through, its log says what fell back. The checkpoint cases (planted-payload*, flipped-*, "
+        "nan-*, damaged-model-states) damage the newest checkpoint of a finished job, then resume it with "
+        "`--resume auto` (nan-export: export and generate it): clear error is a refusal that names the file and "
+        "what to do, data lost a checkpoint before it that did not resume or export, or a payload that ran.",
         "",
         "| case | fault injected | runs | clear error | hangs | crashes | data lost |",
         "|---|---|---|---|---|---|---|",

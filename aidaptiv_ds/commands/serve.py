@@ -25,7 +25,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from aidaptiv_ds.commands import flags
-from aidaptiv_ds.commands.studio import is_loopback
 
 HELP_EPILOG = """exit codes:
   0  stopped (Ctrl-C)
@@ -80,6 +79,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="keep prompts' keys and values here (requests then run one at a time)",
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (localhost, 127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def api_key(args) -> Optional[str]:

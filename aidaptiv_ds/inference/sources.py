@@ -6,15 +6,21 @@ Nothing is loaded here: :class:`WeightSource` reads the safetensors headers (or 
 the table of a 70B model costs kilobytes, and :meth:`WeightSource.read_into` copies one tensor's bytes into a
 buffer the caller owns (a pinned slot), so no tensor is ever held twice. Each folder's problems are said in
 one :class:`ModelSourceError`: no weights, weights only in pickle files, a LoRA checkpoint whose adapters are
+<<<<<<< HEAD
 not merged, a header that is not safetensors', and a safetensors file the safetensors library itself would
 refuse (offsets that overlap, leave gaps or run past the end, sizes that are not dtype x shape), naming the
 file and the tensor: read as they are, such offsets would give a tensor another's bytes.
+=======
+not merged, a header that is not safetensors', a checkpoint whose weights do not verify (their checksums, or
+NaN/inf values: what a resume refuses).
+>>>>>>> checkpoint-security
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -33,6 +39,9 @@ from aidaptiv_ds.swap.checkpoint_format import (
     read_pieces,
     resolve_checkpoint,
 )
+from aidaptiv_ds.swap.checkpoint_verify import GENERATE_AGAIN, verify_weights
+
+log = logging.getLogger(__name__)
 
 # safetensors' dtype names, and torch's names as our checkpoint manifests write them
 _ST_DTYPES = {
@@ -256,6 +265,16 @@ def from_checkpoint(path: str) -> WeightSource:
         raise ModelSourceError(
             f"checkpoint {tag} has no {MODEL_FILES}/config.json (saved by an older aidaptiv-ds): export it with "
             "'aidaptiv-ds export --model PRESET' and generate from the folder"
+        )
+    # The weights a resume would refuse are refused here too (CRC32 of each block of params.bin, finite values):
+    # one read of the checkpoint before the generator lays it out.
+    try:
+        verified = verify_weights(ck, GENERATE_AGAIN)
+    except CheckpointMismatchError as e:
+        raise ModelSourceError(str(e)) from None
+    if not verified:
+        log.warning(
+            "checkpoint %s has no checksums (saved before aidaptiv-ds wrote them): its weights are not verified", tag
         )
     dtype = getattr(torch, ck.dtype)
     tensors = {

@@ -19,13 +19,16 @@ buffer however large the model or a single tensor is (a 70B model exports on a m
 RAM). The format is the one the safetensors library defines (8-byte header length, JSON header, data); the
 tests read the files back with that library and with transformers.
 
-Checkpoints of plain DeepSpeed runs (no "aidaptiv" block) keep their weights in DeepSpeed's own files and
-are refused with a message. Nothing here imports DeepSpeed.
+The weights are verified before anything is written, as a resume verifies them (:func:`verify`): a block of
+params.bin that does not match its checksum, or a NaN or inf in a parameter, is refused with the file, the
+byte range or offset, and what to do. Checkpoints of plain DeepSpeed runs (no "aidaptiv" block) keep their
+weights in DeepSpeed's own files and are refused with a message. Nothing here imports DeepSpeed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from typing import Dict, List, Optional
@@ -214,6 +217,24 @@ class LoraExport:
         return [f"{ADAPTER_DIR}/{ADAPTER_CONFIG}", f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"]
 
 
+def verify(ck: Checkpoint, log=None) -> None:
+    """Refuse weights a resume would refuse: every rank's params.bin against the CRC32 of each block in its
+    manifest, and finite values where a parameter holds numbers (a pass of its own, through one buffer of at
+    most 16 MiB, before the copy: a block's checksum covers bytes the copy reads in another order)."""
+    from aidaptiv_ds.swap.checkpoint_verify import EXPORT_AGAIN, verify_weights
+
+    try:
+        verified = verify_weights(ck, EXPORT_AGAIN)
+    except CheckpointMismatchError as e:
+        raise ExportError(str(e)) from None
+    if not verified:
+        unverified = f"checkpoint {ck.tag_dir} has no checksums (saved before aidaptiv-ds wrote them): its weights are not verified"
+        if log:
+            log(unverified)
+        else:
+            logging.getLogger(__name__).warning(unverified)
+
+
 def out_problem(out: str) -> Optional[str]:
     """Why ``out`` cannot receive a model (it holds weights already, or is a file), or None."""
     if os.path.exists(out) and not os.path.isdir(out):
@@ -264,6 +285,7 @@ def export(
     problem = out_problem(out)
     if problem:
         raise ExportError(problem)
+    verify(ck, log)  # before anything is written: a refused checkpoint leaves no folder behind
     os.makedirs(out, exist_ok=True)
     if model is None:
         copied = copy_model_files(files_dir, out)

@@ -19,7 +19,7 @@ holding elements ``[r * partition_numel, (r + 1) * partition_numel)``; a paramet
 rank order, cut to its size.
 
 Its users: :mod:`aidaptiv_ds.zero3.checkpoint` writes and loads a rank's folder (which needs the running
-engine), :mod:`aidaptiv_ds.zero3.checkpoint_verify` checks its bytes, :mod:`aidaptiv_ds.job.export` writes its
+engine), :mod:`aidaptiv_ds.swap.checkpoint_verify` checks its bytes, :mod:`aidaptiv_ds.job.export` writes its
 model as a Hugging Face folder and :mod:`aidaptiv_ds.inference.sources` generates from it. What they share is
 here: the names and paths, the refusals (:class:`CheckpointMismatchError`, :class:`CheckpointDamagedError`),
 one rank's manifest checked before a load (:func:`read_manifest`), every rank's manifest of a tag checked to

@@ -166,26 +166,32 @@ def checkpoint_data_classes() -> list:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum]
 
 
+def load_as_data(path: str, map_location=None, mmap: bool = False):
+    """``torch.load(path, weights_only=True)`` allowing only :func:`checkpoint_data_classes`: a file that holds any
+    other object raises ``pickle.UnpicklingError`` before the object is built. ``mmap`` maps the tensors' bytes
+    instead of reading them (what a check that only unpickles needs)."""
+    import torch
+
+    with torch.serialization.safe_globals(checkpoint_data_classes()):
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
 class checkpoint_loads_as_data:
-    """For a ``with``: DeepSpeed's checkpoint engine loads each file with ``torch.load(weights_only=True)``
-    (DeepSpeed 0.19.8 loads with ``weights_only=False``, which runs whatever a planted pickle asks), allowing
-    only :func:`checkpoint_data_classes`; ``refuse(path, error)`` makes the exception raised for a file that
-    holds anything else or cannot be read."""
+    """For a ``with``: DeepSpeed's checkpoint engine loads each file with :func:`load_as_data` (DeepSpeed 0.19.8
+    loads with ``weights_only=False``, which runs whatever a planted pickle asks); ``refuse(path, error)`` makes
+    the exception raised for a file that holds anything else or cannot be read."""
 
     def __init__(self, engine, refuse):
         self.engine, self.refuse, self.saved = engine, refuse, None
 
     def __enter__(self):
-        import torch
-
         ce = self.engine.checkpoint_engine
         self.saved = ce.load
-        allowed, refuse = checkpoint_data_classes(), self.refuse
+        refuse = self.refuse
 
         def load(path, map_location=None, *args, **kwargs):
             try:
-                with torch.serialization.safe_globals(allowed):
-                    return torch.load(path, map_location=map_location, weights_only=True)
+                return load_as_data(path, map_location=map_location)
             except Exception as e:  # UnpicklingError, a truncated zip (RuntimeError), OSError: all say "refused"
                 raise refuse(path, e) from None
 
@@ -195,6 +201,35 @@ class checkpoint_loads_as_data:
     def __exit__(self, *exc):
         if self.saved is not None:
             self.engine.checkpoint_engine.load = self.saved
+
+
+# -- the scripts DeepSpeed 0.19.8 copies into a save dir (``DeepSpeedEngine._copy_recovery_script(save_dir)``,
+# called by rank 0 from ``_save_zero_checkpoint``): they rebuild fp32 weights from *_optim_states.pt, unpickled
+# with weights_only=False, which an aidaptiv checkpoint does not keep its weights in.
+COPY_RECOVERY_SCRIPT = "_copy_recovery_script"
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+class recovery_scripts_replaced:
+    """For a ``with`` around DeepSpeed's save: instead of copying :data:`RECOVERY_SCRIPTS` into the save dir,
+    DeepSpeed calls ``write(save_dir)``."""
+
+    def __init__(self, engine, write):
+        self.engine, self.write, self.replaced = engine, write, False
+
+    def __enter__(self):
+        if not callable(getattr(self.engine, COPY_RECOVERY_SCRIPT, None)):
+            raise UnsupportedDeepSpeedError(
+                f"DeepSpeed's engine has no {COPY_RECOVERY_SCRIPT} where 0.19 copies {', '.join(RECOVERY_SCRIPTS)} "
+                "into a save folder: this DeepSpeed is not supported"
+            )
+        setattr(self.engine, COPY_RECOVERY_SCRIPT, self.write)  # an instance attribute hides the method
+        self.replaced = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.replaced:
+            delattr(self.engine, COPY_RECOVERY_SCRIPT)
 
 
 class checkpoint_file_hooks:

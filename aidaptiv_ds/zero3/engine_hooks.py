@@ -9,7 +9,9 @@ and a clean close of the swap space.
   hyperparameters, keyed by parameter name), so that a resumed run continues the uninterrupted run's
   trajectory exactly. A save is durable and atomic: everything (ours and DeepSpeed's files) is written into
   a staging tag, fsync'd, and published by one rename or folder exchange, then ``latest`` is replaced
-  atomically by us rather than rewritten in place by DeepSpeed (:mod:`aidaptiv_ds.common.durable`).
+  atomically by us rather than rewritten in place by DeepSpeed (:mod:`aidaptiv_ds.common.durable`). A load
+  verifies the tag first and unpickles every file as data only; the save dir gets, in place of DeepSpeed's
+  zero_to_fp32.py and zero_to_torch.py, scripts that point to ``aidaptiv-ds export``.
 - ``engine.destroy()``: DeepSpeed's, then the swap files are closed and removed (unless kept).
 """
 
@@ -23,8 +25,8 @@ from deepspeed import comm as dist
 
 def attach(engine, runtime) -> None:
     from aidaptiv_ds.common import durable
-    from aidaptiv_ds.swap import checkpoint_format
-    from aidaptiv_ds.zero3 import checkpoint, checkpoint_verify, compat
+    from aidaptiv_ds.swap import checkpoint_format, checkpoint_verify
+    from aidaptiv_ds.zero3 import checkpoint, compat
 
     engine.aidaptiv_runtime = runtime
     engine.aidaptiv_stats = runtime.stats_dict
@@ -64,7 +66,12 @@ def attach(engine, runtime) -> None:
                     f"not saved: another rank's state holds a non-finite value (its message says where); the "
                     f"last checkpoint in {save_dir} stays the one to resume from"
                 )
-            with compat.checkpoint_file_hooks(engine, durable.crash_point, durable.hooks_active()):
+            # DeepSpeed's zero_to_fp32.py cannot convert this checkpoint and unpickles whatever its folder holds:
+            # the save dir gets a script that says what to run instead (see checkpoint.RECOVERY_POINTER).
+            with (
+                compat.checkpoint_file_hooks(engine, durable.crash_point, durable.hooks_active()),
+                compat.recovery_scripts_replaced(engine, checkpoint.write_recovery_pointers),
+            ):
                 ds_save(
                     save_dir,
                     tag=staging,
@@ -91,6 +98,7 @@ def attach(engine, runtime) -> None:
                 try:
                     folder, manifest = checkpoint.read_manifest(load_dir, resolved, runtime.rank)
                     checkpoint_verify.verify_tag(os.path.join(load_dir, resolved), folder, manifest)
+                    checkpoint.check_pickles_are_data(os.path.join(load_dir, resolved))
                     checkpoint.check_fits_this_run(engine, runtime, folder, manifest)
                 except checkpoint_format.CheckpointMismatchError as e:
                     problem = e
@@ -106,7 +114,8 @@ def attach(engine, runtime) -> None:
                 f"checkpoint {os.path.join(load_dir, str(resolved))} was refused by another rank (its message says "
                 "why): resume from another checkpoint (--resume auto takes the newest one that verifies)"
             )
-        # Every file DeepSpeed unpickles is loaded as data only: a planted object is refused, not run.
+        # Every file DeepSpeed unpickles is loaded as data only, as the check above loaded every pickle of the tag:
+        # a planted object is refused, not run, also when the file changed between the two.
         with compat.checkpoint_loads_as_data(engine, checkpoint.refused_file):
             load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)
         if load_path is not None:

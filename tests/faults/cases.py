@@ -281,18 +281,19 @@ class _Payload:
         return (exec, (f"open({self.marker!r}, 'w').write('the payload ran')",))
 
 
-def _plant_payload(tag: str, rng) -> None:
-    """A pickle payload added to DeepSpeed's model_states.pt, with the tag's checksums rewritten as an attacker
-    would, so only the data-only load stands between it and a run."""
+def _plant_payload(tag: str, rng, name: Optional[str] = None, marker: Optional[str] = None) -> None:
+    """A pickle payload added to one of DeepSpeed's files of ``tag`` (``name``; its model_states.pt by default),
+    with the tag's checksums rewritten as an attacker would, so only the data-only load stands between it and a
+    run. The payload writes ``marker`` (``payload_ran`` beside the save dir by default)."""
     import glob
 
     import torch
 
-    from aidaptiv_ds.zero3.checkpoint_verify import write_tag_checksums
+    from aidaptiv_ds.swap.checkpoint_verify import write_tag_checksums
 
-    path = glob.glob(os.path.join(tag, "*model_states.pt"))[0]
+    path = os.path.join(tag, name) if name else glob.glob(os.path.join(tag, "*model_states.pt"))[0]
     sd = torch.load(path, weights_only=False)  # the test wrote it: trusted here
-    sd["planted"] = _Payload(os.path.join(os.path.dirname(os.path.dirname(tag)), "payload_ran"))
+    sd["planted"] = _Payload(marker or os.path.join(os.path.dirname(os.path.dirname(tag)), "payload_ran"))
     torch.save(sd, path)
     write_tag_checksums(tag)
 
@@ -367,6 +368,132 @@ def _damaged(damage: Callable, words):
         return row
 
     return run
+
+
+def _child(argv, cwd: str) -> Dict:
+    """``argv`` in a child process: its exit status (None when it hung), last line of output and seconds."""
+    t0 = time.time()
+    try:
+        p = subprocess.run(argv, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = None, str(e.stderr or "")
+    lines = out.strip().splitlines()
+    return {"rc": rc, "last": lines[-1] if lines else "", "log": out[-1500:], "seconds": time.time() - t0}
+
+
+def _command(args, cwd: str) -> Dict:
+    """``aidaptiv-ds ARGS`` in a child process (see :func:`_child`)."""
+    return _child([sys.executable, "-m", "aidaptiv_ds", *args], cwd)
+
+
+def _planted_in_every_file(folder, ref_losses, rng):
+    """A pickle payload planted in each .pt file of the newest checkpoint in turn (DeepSpeed's model and optimizer
+    states), its checksums rewritten: ``--resume auto`` refuses the tag naming that file and resumes the one
+    before, and the zero_to_fp32.py in the save dir, run as DeepSpeed's users run it, says to use
+    ``aidaptiv-ds export``; the payload never runs."""
+    import glob
+    import shutil
+
+    config = write_config(folder)
+    job = Job(folder, config, "saved").finish()
+    tag = job.latest()
+    row = {"rc": job.rc, "hang": job.hang, "crash": job.rc != 0, "latest": tag, "injected": 0}
+    if job.rc != 0 or tag is None:
+        row.update(intact=False, clear_error=False, log=job.log[-1500:])
+        return row
+    files = sorted(
+        os.path.relpath(p, os.path.join(job.save, tag)) for p in glob.glob(os.path.join(job.save, tag, "*.pt"))
+    )
+    row.update(injected=len(files), files=files, seconds=job.seconds)
+    clear, intact, statuses = bool(files), bool(files), []
+    for i, rel in enumerate(files):
+        where = os.path.join(folder, f"planted{i}")
+        os.makedirs(where)
+        shutil.copytree(job.save, os.path.join(where, "ckpt"))
+        marker = os.path.join(where, "payload_ran")
+        _plant_payload(os.path.join(where, "ckpt", tag), rng, name=rel, marker=marker)
+        resumed = Job(where, config, "resumed", resume="auto").finish()
+        script = _child([sys.executable, os.path.join(where, "ckpt", "zero_to_fp32.py"), "ckpt", "out"], where)
+        skipped = [ln for ln in resumed.log.splitlines() if "--resume auto: skipped" in ln]
+        statuses.append((skipped[-1] if skipped else resumed.status)[:300])
+        path = os.path.join(where, "ckpt", tag, rel)
+        clear = (
+            clear
+            and bool(skipped)
+            and f"checkpoint file {path} holds objects other than tensors" in skipped[-1]
+            and "aidaptiv-ds export" in script["last"]
+        )
+        try:
+            with open(resumed.metrics) as f:
+                first_step = json.load(f).get("first_step")
+        except (OSError, ValueError):
+            first_step = None
+        ran = os.path.exists(marker)
+        row["payload_ran"] = row.get("payload_ran", False) or ran
+        row["hang"] = row["hang"] or resumed.hang or script["rc"] is None
+        row["crash"] = row["crash"] or resumed.rc not in (0, 1) or script["rc"] not in (0, 1)
+        row["seconds"] += resumed.seconds + script["seconds"]
+        ok = (
+            resumed.rc == 0
+            and not ran
+            and script["rc"] == 1
+            and first_step == int(tag[len("step") :]) - SAVE_EVERY
+            and same(resumed.losses(), ref_losses)
+        )
+        if not ok:
+            row.setdefault("resume_log", resumed.log[-1500:] + script["log"])
+        intact = intact and ok
+    row.update(status=" | ".join(statuses), clear_error=clear, intact=intact, seconds=round(row["seconds"], 1))
+    return row
+
+
+def _nan_export(folder, ref_losses, rng):
+    """A NaN written into a random parameter of the newest checkpoint's params.bin: ``aidaptiv-ds export`` and
+    ``aidaptiv-ds generate`` of that tag refuse it (exit 1, the file, the parameter and offset, what to do) and
+    the export writes nothing; the checkpoint before it still exports."""
+    config = write_config(folder)
+    job = Job(folder, config, "saved").finish()
+    tag = job.latest()
+    row = {"rc": job.rc, "hang": job.hang, "crash": job.rc != 0, "latest": tag}
+    if job.rc != 0 or tag is None:
+        row.update(intact=False, clear_error=False, log=job.log[-1500:])
+        return row
+    damaged = os.path.join(job.save, tag)
+    _nan_weight(damaged, rng)
+    out = os.path.join(folder, "exported")
+    export = _command(["export", damaged, "--out", out], folder)
+    generate = _command(
+        ["generate", "--model", damaged, "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu",
+         "--nvme-path", os.path.join(folder, "generate-swap")],
+        folder,
+    )  # fmt: skip
+    previous = os.path.join(job.save, f"step{int(tag[len('step') :]) - SAVE_EVERY}")
+    good = _command(["export", previous, "--out", os.path.join(folder, "previous")], folder)
+    params = os.path.join(damaged, "aidaptiv", "rank0", "params.bin")
+    said = [f"checkpoint file {params} holds a non-finite value (nan) in parameter", "at byte offset"]
+    row.update(
+        rc=export["rc"],
+        generate_rc=generate["rc"],
+        hang=job.hang or None in (export["rc"], generate["rc"], good["rc"]),
+        crash=any(c["rc"] not in (0, 1, None) for c in (export, generate, good)),
+        seconds=round(job.seconds + export["seconds"] + generate["seconds"] + good["seconds"], 1),
+        status=export["last"][-400:],
+    )
+    row["clear_error"] = all(
+        all(w in said_last for w in said) and advice in said_last
+        for said_last, advice in ((export["last"], "export another checkpoint"), (generate["last"], "generate from"))
+    )
+    row["intact"] = (
+        export["rc"] == 1
+        and generate["rc"] == 1
+        and not os.path.exists(out)
+        and good["rc"] == 0
+        and os.path.isfile(os.path.join(folder, "previous", "model.safetensors"))
+    )
+    if not row["intact"]:
+        row["log"] = export["log"] + generate["log"] + good["log"]
+    return row
 
 
 def _budgets(folder, ref_losses, rng):
@@ -492,6 +619,11 @@ CASES: Dict[str, Dict[str, Callable]] = {
         "fault": "a pickle payload planted in the newest checkpoint's model_states.pt, its checksums rewritten",
         "run": _damaged(_plant_payload, ("holds objects other than tensors",)),
     },
+    "planted-payload-every-file": {
+        "fault": "a pickle payload planted in each .pt file of the newest checkpoint in turn (model and optimizer "
+        "states), its checksums rewritten; resumed, and its save dir's zero_to_fp32.py run",
+        "run": _planted_in_every_file,
+    },
     "flipped-params": {
         "fault": "one bit flipped at a random offset of the newest checkpoint's params.bin",
         "run": _damaged(_flip_bit("params.bin"), ("do not match the checksum", "non-finite")),
@@ -503,6 +635,11 @@ CASES: Dict[str, Dict[str, Callable]] = {
     "nan-weights": {
         "fault": "a NaN written into a random parameter of the newest checkpoint's params.bin",
         "run": _damaged(_nan_weight, ("non-finite value (nan)",)),
+    },
+    "nan-export": {
+        "fault": "a NaN written into a random parameter of the newest checkpoint's params.bin, then `aidaptiv-ds "
+        "export` and `generate` of it",
+        "run": _nan_export,
     },
     "damaged-model-states": {
         "fault": "the newest checkpoint's model_states.pt cut to half its size",

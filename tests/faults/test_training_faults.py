@@ -2,9 +2,9 @@
 how each fault is made). The uninterrupted reference run doubles as the first of two jobs on one nvme_path.
 
 CI runs one case of each kind (an I/O error, a kill, the swap space damaged under the job, refused
-fallbacks, two jobs, a checkpoint planted after its save, an output folder refused before the first step); set
-AIDAPTIV_FAULTS_ALL=1 to run every case here (EIO on reads, ulimit -f mid-step and mid-save, deleted swap files,
-each refusal alone), as bench/faults.py does N times.
+fallbacks, two jobs, a payload planted in every pickle file of a checkpoint, a damaged checkpoint exported, an
+output folder refused before the first step); set AIDAPTIV_FAULTS_ALL=1 to run every case here (EIO on reads,
+ulimit -f mid-step and mid-save, deleted swap files, each refusal alone), as bench/faults.py does N times.
 """
 
 import os
@@ -45,7 +45,8 @@ def test_a_second_job_on_the_same_nvme_path_is_refused_and_the_first_is_untouche
 
 
 # In CI (about 4 minutes on 2 cores): one case of each kind. The rest, and every case N times: bench/faults.py.
-CI = ["eio-write", "kill9-step", "truncated-swap", "both-refused", "planted-payload", "unwritable-output"]
+CI = ["eio-write", "kill9-step", "truncated-swap", "both-refused", "planted-payload-every-file", "nan-export",
+      "unwritable-output"]  # fmt: skip
 MORE = [name for name in cases.CASES if name not in CI and name != "two-jobs"]
 
 

@@ -1,26 +1,33 @@
-"""A checkpoint is data, not code, and a damaged one does not resume as a success.
+"""A checkpoint is data, not code, and a damaged one does not resume, export or generate as a success.
 
 One aidaptiv run of the micro preset saves at steps 2 and 4; each test damages a copy of that folder as a user
-or an attacker might and resumes from it: a pickle payload planted in DeepSpeed's model_states.pt (with its
-checksum rewritten too, so only the data-only load stands in the way) does not run; a planted file, flipped
-bytes in params.bin or optim.bin, NaNs in params.bin and a truncated model_states.pt are each refused with the
-file and what to do; ``--resume auto`` skips a damaged newest tag, says why, and resumes the one before.
+or an attacker might and resumes from it: a pickle payload planted in any of DeepSpeed's .pt files (with its
+checksum rewritten too, so only the data-only load stands in the way) does not run, neither through a resume
+nor through the scripts DeepSpeed copies into a save folder; a planted file, flipped bytes in params.bin or
+optim.bin, NaNs in params.bin and a truncated model_states.pt are each refused with the file and what to do;
+``--resume auto`` skips a damaged newest tag, says why, and resumes the one before; ``export`` and
+``generate`` refuse the damaged weights resume refuses, and write nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import CONFIGS, read_metrics, run_train
+from helpers import CONFIGS, child_env, read_metrics, run_train
 
-from aidaptiv_ds.zero3.checkpoint_verify import write_tag_checksums
+from aidaptiv_ds.swap.checkpoint_verify import write_tag_checksums
 
 COMMON = ["--model", "micro", "--seq-len", "64", "--warmup", "0", "--no-progress"]
 STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+PICKLES = (STATES, OPTIM_STATES)  # every file of a tag that is unpickled (the test below checks there is no other)
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +95,17 @@ class Payload:
         return (exec, (f"open({str(self.marker)!r}, 'w').write('the payload ran')",))
 
 
-def plant(tag, marker):
-    states = tag / STATES
-    sd = torch.load(states, weights_only=False)  # we wrote it: trusted here
+def plant(tag, marker, name=STATES):
+    path = tag / name
+    sd = torch.load(path, weights_only=False)  # we wrote it: trusted here
     sd["planted"] = Payload(marker)
-    torch.save(sd, states)
-    return states
+    torch.save(sd, path)
+    return path
+
+
+def one_sentence(message):
+    """Whether ``message`` is one sentence: no full stop followed by another sentence (paths' dots are not)."""
+    return re.search(r"\.\s+[A-Z(]", message) is None
 
 
 def test_a_payload_planted_with_its_checksum_rewritten_does_not_run(saved):
@@ -117,6 +129,83 @@ def test_a_payload_planted_alone_fails_its_checksum(saved):
     rc, log, _ = resume(root, "planted_only", "--resume-from", str(tag))
     assert not marker.exists() and rc == 1, log[-3000:]
     assert f"checkpoint file {states} is not what its save wrote" in log, log[-3000:]
+
+
+def test_every_unpickled_file_of_a_tag_is_one_the_tests_plant_in(saved):
+    root, _ = saved
+    tag = root / "ck" / "step4"
+    found = sorted(
+        str(p.relative_to(tag))
+        for p in tag.rglob("*")
+        if p.is_file() and p.parts[len(tag.parts)] not in ("aidaptiv", "hf")
+    )
+    assert [f for f in found if f not in ("checksums.json",)] == sorted(PICKLES), found
+
+
+@pytest.mark.parametrize("name", PICKLES)
+def test_resume_auto_refuses_a_payload_planted_in_any_pickle_file(saved, name):
+    """DeepSpeed 0.19.8 never reads optim_states.pt on an aidaptiv resume (its optimizer is on NVMe): a payload
+    there, checksums rewritten, used to resume as a success and wait for the next tool that unpickles it."""
+    root, full = saved
+    copy = f"planted_auto_{name[:-3]}"
+    ck = copy_checkpoint(root, copy)
+    marker = root / f"payload_ran_{name}"
+    path = plant(ck / "step4", marker, name)
+    write_tag_checksums(str(ck / "step4"))
+    rc, log, metrics = resume(root, copy, "--resume", "auto", "--save-dir", str(ck))
+    assert not marker.exists(), "the planted payload ran"
+    assert rc == 0, log[-3000:]
+    skipped = [ln for ln in log.splitlines() if f"--resume auto: skipped {ck / 'step4'}: " in ln]
+    assert skipped, log[-3000:]
+    message = skipped[0].split(f"skipped {ck / 'step4'}: ", 1)[1]
+    assert message.startswith(f"checkpoint file {path} holds objects other than tensors and plain data"), message
+    assert one_sentence(message), message
+    assert metrics["first_step"] == 2 and metrics["resume_skipped"] == [str(ck / "step4")]
+    assert metrics["losses"][2:4] == pytest.approx(full["losses"][2:4], rel=1e-5, abs=0)
+
+
+# DeepSpeed's scripts, how its users run them, and what they import from them
+RECOVERY_SCRIPTS = {
+    "zero_to_fp32.py": ([], "from zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as f; f('.')"),
+    "zero_to_torch.py": (
+        ["--dtype", "float32"],
+        "from zero_to_torch import main; main(['.', 'o', '--dtype', 'float32'])",
+    ),
+}
+
+
+def test_the_save_folder_ships_no_script_that_unpickles_it(saved):
+    """DeepSpeed copies zero_to_fp32.py and zero_to_torch.py into every save folder; run as DeepSpeed's users
+    run them (or imported), on a folder with a payload in every pickle file, they must not unpickle anything,
+    and must say what converts this folder."""
+    root, _ = saved
+    ck = copy_checkpoint(root, "scripts")
+    marker = root / "payload_ran_scripts"
+    for name in PICKLES:
+        plant(ck / "step4", marker, name)
+    out = root / "scripts_out"
+    for script, (extra, use) in RECOVERY_SCRIPTS.items():
+        assert (ck / script).is_file(), f"{script} is missing: a user following DeepSpeed's habit finds nothing"
+        ran = subprocess.run(
+            [sys.executable, str(ck / script), str(ck), str(out), *extra],
+            cwd=ck,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        imported = subprocess.run(
+            [sys.executable, "-c", use],
+            cwd=ck,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert not marker.exists(), f"{script} ran the planted payload"
+        for p in (ran, imported):
+            assert p.returncode != 0 and "aidaptiv-ds export" in p.stderr, p.stderr[-3000:]
+    assert not out.exists()
 
 
 def test_a_file_added_to_a_tag_is_refused(saved):
@@ -160,6 +249,83 @@ def test_nans_in_the_weights_are_refused_with_the_parameter_and_offset(saved):
     assert f"holds a non-finite value (nan) in parameter {p['name']} at byte offset {p['offset'] + 8}" in log, log[
         -3000:
     ]
+
+
+def nan_in_a_weight(tag):
+    """A NaN written into the second parameter of rank 0's params.bin: (file, parameter, byte offset)."""
+    folder = tag / "aidaptiv" / "rank0"
+    p = json.loads((folder / "manifest.json").read_text())["parameters"][1]
+    with open(folder / "params.bin", "r+b") as f:
+        f.seek(p["offset"] + 8)
+        f.write(torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes())
+    return folder / "params.bin", p["name"], p["offset"] + 8
+
+
+def cli(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "aidaptiv_ds", *args],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def last_line(p):
+    return (p.stderr.strip().splitlines() or [""])[-1]
+
+
+def test_export_refuses_nans_in_the_weights_and_writes_nothing(saved):
+    root, _ = saved
+    tag = copy_checkpoint(root, "nan_export") / "step4"
+    path, name, offset = nan_in_a_weight(tag)
+    out = root / "nan_export_out"
+    p = cli("export", str(tag), "--out", str(out), cwd=root)
+    assert p.returncode == 1, p.stderr[-3000:]
+    message = last_line(p)
+    assert message.startswith(
+        f"aidaptiv-ds export: checkpoint file {path} holds a non-finite value (nan) in parameter {name} at byte offset "
+        f"{offset}: "
+    ), message
+    assert "export another checkpoint" in message and one_sentence(message), message
+    assert not out.exists(), sorted(os.listdir(out))
+
+
+def test_export_refuses_weights_that_do_not_match_their_checksum(saved):
+    """One bit flipped in a value (it stays finite): the CRC32 of its block names the file and byte range."""
+    root, _ = saved
+    tag = copy_checkpoint(root, "flipped_export") / "step4"
+    path = tag / "aidaptiv" / "rank0" / "params.bin"
+    with open(path, "r+b") as f:
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 0x10]))
+    out = root / "flipped_export_out"
+    p = cli("export", str(tag), "--out", str(out), cwd=root)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert f"checkpoint file {path}: bytes 0-" in last_line(p), p.stderr[-3000:]
+    assert "do not match the checksum written with them" in last_line(p), p.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_generate_refuses_nans_in_the_weights_of_a_checkpoint(saved):
+    root, _ = saved
+    tag = copy_checkpoint(root, "nan_generate") / "step4"
+    path, name, offset = nan_in_a_weight(tag)
+    swap = root / "nan_generate_swap"
+    p = cli(
+        "generate", "--model", str(tag), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu",
+        "--nvme-path", str(swap), cwd=root,
+    )  # fmt: skip
+    assert p.returncode == 1, p.stderr[-3000:]
+    message = last_line(p)
+    assert message.startswith(
+        f"aidaptiv-ds generate: checkpoint file {path} holds a non-finite value (nan) in parameter {name} at byte "
+        f"offset {offset}: "
+    ), message
+    assert one_sentence(message), message
 
 
 def test_a_truncated_model_states_is_one_clear_sentence(saved):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aidaptiv_ds.job.train_plan import checkpoint_candidates
-from aidaptiv_ds.zero3 import checkpoint_verify as V
+from aidaptiv_ds.swap import checkpoint_verify as V
 
 
 def manifest(master_is_parameter=True, state_valid=True, rank=0):

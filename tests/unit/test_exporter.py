@@ -5,6 +5,7 @@ shards when asked, through one bounded buffer."""
 
 import json
 import os
+import re
 import tracemalloc
 
 import pytest
@@ -193,6 +194,78 @@ def test_refusals_name_the_problem(tmp_path, micro):
     shutil.rmtree(checkpoint_format.rank_dir(str(tmp_path / "ck"), "step3", 1))
     with pytest.raises(export.ExportError, match="copy every rank"):
         export.export(tag, str(tmp_path / "out"))
+
+
+def _with_checksums(tag, block=64 * 1024):
+    """Add to every rank's manifest the CRC32 of each block of its params.bin, as zero3.checkpoint.save records
+    them while it writes the file (checking that the weights are finite on the way)."""
+    from aidaptiv_ds.swap import checkpoint_verify
+
+    for rank in sorted(os.listdir(os.path.join(tag, checkpoint_format.STATE_DIR))):
+        folder = os.path.join(tag, checkpoint_format.STATE_DIR, rank)
+        with open(os.path.join(folder, checkpoint_format.MANIFEST)) as f:
+            manifest = json.load(f)
+        seen = checkpoint_verify.inspectors(folder, manifest)[checkpoint_format.PARAMS]
+        with open(os.path.join(folder, checkpoint_format.PARAMS), "rb") as f:
+            for offset in range(0, manifest["params_bytes"], block):
+                seen.see(offset, torch.frombuffer(bytearray(f.read(block)), dtype=torch.uint8))
+        manifest["checksums"] = {"algorithm": checkpoint_verify.ALGORITHM, checkpoint_format.PARAMS: seen.blocks}
+        with open(os.path.join(folder, checkpoint_format.MANIFEST), "w") as f:
+            json.dump(manifest, f)
+
+
+def _write_at(tag, rank, offset, data):
+    with open(os.path.join(checkpoint_format.rank_dir(os.path.dirname(tag), "step3", rank), "params.bin"), "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_weights_that_a_resume_would_refuse_are_neither_exported_nor_generated_from(tmp_path, micro):
+    """A NaN in a weight and a flipped bit (which leaves the value finite) in rank 1's params.bin: export and
+    generation refuse each with the file, the parameter and offset or the byte range, and what to do, and the
+    export writes nothing; the same checkpoint undamaged exports its exact weights."""
+    from safetensors.torch import load_file
+
+    from aidaptiv_ds.inference.sources import ModelSourceError, from_checkpoint
+
+    spec, model = micro
+    tag = _fake_checkpoint(str(tmp_path / "ck"), model, 3, spec=spec)
+    _with_checksums(tag)
+    export.export(tag, str(tmp_path / "good"))
+    got = load_file(str(tmp_path / "good" / "model.safetensors"))
+    assert all(torch.equal(got[n], p.detach()) for n, p in model.named_parameters())
+    assert from_checkpoint(tag).tensors
+
+    ck = checkpoint_format.Checkpoint(tag)
+    name = list(ck.parameters)[2]
+    offset = ck.parameters[name]["offsets"][1] + 12
+    params = checkpoint_format.rank_dir(str(tmp_path / "ck"), "step3", 1) + "/params.bin"
+    _write_at(tag, 1, offset, torch.tensor([float("nan")]).numpy().tobytes())
+    nan = f"checkpoint file {params} holds a non-finite value (nan) in parameter {name} at byte offset {offset}: "
+    with pytest.raises(export.ExportError, match=re.escape(nan) + ".*export another checkpoint"):
+        export.export(tag, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ModelSourceError, match=re.escape(nan) + ".*generate from another checkpoint"):
+        from_checkpoint(tag)
+
+    _write_at(tag, 1, offset, torch.tensor([1.5]).numpy().tobytes())  # finite, but not what was saved
+    block = offset // (64 * 1024) * (64 * 1024)
+    crc = f"checkpoint file {params}: bytes {block}-{block + 64 * 1024} do not match the checksum written with them"
+    with pytest.raises(export.ExportError, match=re.escape(crc)):
+        export.export(tag, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ModelSourceError, match=re.escape(crc)):
+        from_checkpoint(tag)
+
+
+def test_a_checkpoint_without_checksums_exports_and_says_it_was_not_verified(tmp_path, micro):
+    spec, model = micro
+    tag = _fake_checkpoint(str(tmp_path / "ck"), model, 1, spec=spec)
+    said = []
+    export.export(tag, str(tmp_path / "out"), log=said.append)
+    assert (
+        f"checkpoint {tag} has no checksums (saved before aidaptiv-ds wrote them): its weights are not verified" in said
+    )
 
 
 def test_plan_shards_puts_an_oversized_tensor_alone():

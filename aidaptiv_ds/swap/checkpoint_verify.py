@@ -9,12 +9,16 @@ weights and optimizer state that must be finite.
   ``<tag>/checksums.json``, written by the rank that publishes the tag once DeepSpeed has written them. The
   folder ``hf/`` (config and tokenizer files the train job adds after the save) is not listed.
 
-:func:`verify_tag` reads the tag once more and refuses, with the file, the offset and what to do, a file that
-changed, a file the save did not write, or a non-finite value. CRC32 finds damage (flipped bits, torn or
-truncated writes, files swapped between tags), not a forger who rewrites the manifest too; what is unpickled
-is loaded as data only (:mod:`aidaptiv_ds.zero3.compat`, ``checkpoint_loads_as_data``). A checkpoint saved
-before checksums existed loads with a warning that it was not verified. The refusals it raises are the
-format's (:mod:`aidaptiv_ds.swap.checkpoint_format`).
+:func:`verify_tag` reads the tag once more before a resume and refuses, with the file, the offset and what to
+do, a file that changed, a file the save did not write, or a non-finite value; :func:`verify_weights` checks
+the same way what an export or a generation reads (every rank's params.bin), each reader saying its own what
+to do (:data:`AGAIN`, :data:`EXPORT_AGAIN`, :data:`GENERATE_AGAIN`). CRC32 finds damage (flipped bits, torn or
+truncated writes, files swapped between tags), not a forger who rewrites the manifest and checksums.json too;
+what stands in that one's way is that every pickle of the tag is loaded as data only, on a resume before
+DeepSpeed loads anything (:func:`aidaptiv_ds.zero3.checkpoint.check_pickles_are_data`) and by DeepSpeed's own
+load (:mod:`aidaptiv_ds.zero3.compat`, ``checkpoint_loads_as_data``). A checkpoint saved before checksums
+existed loads with a warning that it was not verified. The refusals it raises are the format's
+(:mod:`aidaptiv_ds.swap.checkpoint_format`). Nothing here needs DeepSpeed.
 """
 
 from __future__ import annotations
@@ -45,7 +49,10 @@ CHECKSUMS = "checksums.json"  # <tag>/checksums.json: the tag's files outside ai
 UNLISTED_DIRS = (STATE_DIR, MODEL_FILES)  # covered by the manifests / written after the save
 READ_BLOCK = 16 << 20  # bytes read at a time when verifying (plain reads, outside the host budget)
 
+# What to do about a refused checkpoint, by who reads it: a resume, an export, a generation.
 AGAIN = "resume from another checkpoint (--resume auto takes the newest one that verifies)"
+EXPORT_AGAIN = "export another checkpoint of the run (another tag of its save dir)"
+GENERATE_AGAIN = "generate from another checkpoint of the run (another tag of its save dir) or from its export"
 
 # (file offset, bytes, dtype, what the bytes hold) of a range that must hold finite values
 Range = Tuple[int, int, torch.dtype, str]
@@ -107,8 +114,8 @@ class FileInspector:
     """Watches the bytes of one file go by, in increasing offsets: a CRC32 per block (:meth:`see` at save,
     :meth:`check` at load) and finite values in its :data:`Range` s."""
 
-    def __init__(self, path: str, ranges: List[Range]):
-        self.path, self.ranges = path, ranges
+    def __init__(self, path: str, ranges: List[Range], advice: str = AGAIN):
+        self.path, self.ranges, self.advice = path, ranges, advice
         self.starts = [r[0] for r in ranges]
         self.blocks: List[List[int]] = []  # [offset, bytes, crc32]
         self.at_save = True  # what a non-finite value means: a diverged run (save) or a damaged file (load)
@@ -139,7 +146,7 @@ class FileInspector:
                             "the training diverged before this save, so it was not published; lower the learning "
                             "rate or check the data, and resume from the last good checkpoint"
                             if self.at_save
-                            else f"the file was damaged after its save; {AGAIN}"
+                            else f"the file was damaged after its save; {self.advice}"
                         )
                     )
             i += 1
@@ -152,13 +159,13 @@ class FileInspector:
             if off != covered:
                 raise CheckpointDamagedError(
                     f"checkpoint file {self.path}: its manifest's checksums skip bytes {covered}-{off}: the manifest "
-                    f"was changed after the save; {AGAIN}"
+                    f"was changed after the save; {self.advice}"
                 )
             covered = off + n
         if covered < size_needed:
             raise CheckpointDamagedError(
                 f"checkpoint file {self.path}: its checksums cover {covered} of the {size_needed} bytes the manifest "
-                f"names: the manifest was changed after the save; {AGAIN}"
+                f"names: the manifest was changed after the save; {self.advice}"
             )
         buf = torch.empty(min(READ_BLOCK, max((n for _, n, _ in expected), default=1)), dtype=torch.uint8)
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -167,7 +174,7 @@ class FileInspector:
                 got, done = 0, 0
                 while done < n:
                     view = buf[: min(len(buf), n - done)]
-                    _pread_exactly(fd, self.path, off + done, view)
+                    _pread_exactly(fd, self.path, off + done, view, self.advice)
                     self.finite(off + done, view)
                     got = zlib.crc32(view.numpy(), got)
                     done += len(view)
@@ -175,50 +182,75 @@ class FileInspector:
                     raise CheckpointDamagedError(
                         f"checkpoint file {self.path}: bytes {off}-{off + n} do not match the checksum written with "
                         f"them (crc32 {crc:08x}, read {got:08x}): the file was changed or damaged after the save; "
-                        f"{AGAIN}"
+                        f"{self.advice}"
                     )
         finally:
             os.close(fd)
 
 
-def _pread_exactly(fd: int, path: str, offset: int, view: torch.Tensor) -> None:
+def _pread_exactly(fd: int, path: str, offset: int, view: torch.Tensor, advice: str) -> None:
     mv = memoryview(view.numpy())
     done = 0
     while done < len(mv):
         n = os.preadv(fd, [mv[done:]], offset + done)
         if n == 0:
             raise CheckpointDamagedError(
-                f"checkpoint file {path} is truncated: wanted {len(mv)} bytes at offset {offset}, got {done}; {AGAIN}"
+                f"checkpoint file {path} is truncated: wanted {len(mv)} bytes at offset {offset}, got {done}; {advice}"
             )
         done += n
 
 
-def inspectors(folder: str, manifest: dict) -> Dict[str, FileInspector]:
+def inspectors(folder: str, manifest: dict, advice: str = AGAIN) -> Dict[str, FileInspector]:
     """The inspectors of a rank's params.bin and optim.bin, from its manifest (or the one being written)."""
     return {
-        PARAMS: FileInspector(os.path.join(folder, PARAMS), param_ranges(manifest)),
-        OPTIM: FileInspector(os.path.join(folder, OPTIM), optim_ranges(manifest)),
+        PARAMS: FileInspector(os.path.join(folder, PARAMS), param_ranges(manifest), advice),
+        OPTIM: FileInspector(os.path.join(folder, OPTIM), optim_ranges(manifest), advice),
     }
 
 
-def verify_rank(folder: str, manifest: dict) -> bool:
-    """Check a rank's params.bin and optim.bin against the checksums of its manifest; False when the manifest
-    has none (a checkpoint saved before checksums existed), after which nothing was checked."""
+def verify_rank(folder: str, manifest: dict, files=(PARAMS, OPTIM), advice: str = AGAIN) -> bool:
+    """Check a rank's ``files`` (params.bin and optim.bin) against the checksums of its manifest, and their
+    values where they must be finite; False when the manifest has none (a checkpoint saved before checksums
+    existed), after which nothing was checked. Reads through one buffer of at most :data:`READ_BLOCK` bytes."""
     sums = manifest.get("checksums")
     if not sums:
         return False
     if sums.get("algorithm") != ALGORITHM:
         raise _unknown_algorithm(folder, sums.get("algorithm"))
     needed = {PARAMS: manifest["params_bytes"], OPTIM: manifest["optim_bytes"]}
-    for name, insp in inspectors(folder, manifest).items():
-        insp.check(sums.get(name) or [], needed[name])
+    for name, insp in inspectors(folder, manifest, advice).items():
+        if name in files:
+            insp.check(sums.get(name) or [], needed[name])
     return True
+
+
+def verify_weights(ck, advice: str) -> bool:
+    """Check what an export or a generation reads of a checkpoint (a
+    :class:`aidaptiv_ds.swap.checkpoint_format.Checkpoint`): every rank's params.bin, each block against its
+    CRC32 and each parameter that holds numbers for finite values, as a resume checks it, refusing with the
+    file, the byte range or offset, and ``advice``. optim.bin is not read (neither reads it). False when the
+    manifests have no checksums (saved before they existed): nothing was checked."""
+    checked = True
+    for folder, manifest in zip(ck.folders, ck.manifests):
+        try:
+            checked = verify_rank(folder, manifest, files=(PARAMS,), advice=advice) and checked
+        except CheckpointMismatchError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest changed by hand or damaged
+            raise _malformed(folder, e, advice) from None
+    return checked
 
 
 def _unknown_algorithm(folder: str, algorithm) -> CheckpointDamagedError:
     return CheckpointDamagedError(
-        f"checkpoint {folder}: checksums of algorithm {algorithm!r}, this version knows {ALGORITHM!r}: resume it with "
+        f"checkpoint {folder}: checksums of algorithm {algorithm!r}, this version knows {ALGORITHM!r}: read it with "
         "the aidaptiv-ds version that saved it"
+    )
+
+
+def _malformed(folder: str, error: BaseException, advice: str) -> CheckpointDamagedError:
+    return CheckpointDamagedError(
+        f"checkpoint manifest {os.path.join(folder, MANIFEST)} is malformed ({type(error).__name__}: {error}): {advice}"
     )
 
 
@@ -234,7 +266,7 @@ def file_crc32(path: str) -> Tuple[int, int]:
             size += len(block)
 
 
-def _tag_files(tag_dir: str) -> List[str]:
+def tag_files(tag_dir: str) -> List[str]:
     """The tag's files outside aidaptiv/ and hf/, relative to it, except checksums.json."""
     out = []
     for root, dirs, files in os.walk(tag_dir):
@@ -251,7 +283,7 @@ def _tag_files(tag_dir: str) -> List[str]:
 def write_tag_checksums(tag_dir: str) -> None:
     """Write ``<tag_dir>/checksums.json`` for the tag's files outside aidaptiv/ and hf/ (DeepSpeed's), fsync'd."""
     entries = {}
-    for rel in _tag_files(tag_dir):
+    for rel in tag_files(tag_dir):
         size, crc = file_crc32(os.path.join(tag_dir, rel))
         entries[rel] = [size, crc]
     path = os.path.join(tag_dir, CHECKSUMS)
@@ -275,7 +307,7 @@ def verify_tag_files(tag_dir: str) -> bool:
         raise CheckpointDamagedError(f"checkpoint file {path} cannot be read ({e}): {AGAIN}") from None
     if listed.get("algorithm") != ALGORITHM:
         raise _unknown_algorithm(tag_dir, listed.get("algorithm"))
-    present = set(_tag_files(tag_dir))
+    present = set(tag_files(tag_dir))
     extra = sorted(present - set(files))
     if extra:
         raise CheckpointDamagedError(
@@ -308,9 +340,7 @@ def verify_tag(tag_dir: str, folder: str, manifest: dict) -> None:
     except CheckpointMismatchError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest changed by hand or damaged
-        raise CheckpointDamagedError(
-            f"checkpoint manifest {os.path.join(folder, MANIFEST)} is malformed ({type(e).__name__}: {e}): {AGAIN}"
-        ) from None
+        raise _malformed(folder, e, AGAIN) from None
     if not (files_checked and state_checked):
         log.warning(
             "aidaptiv: checkpoint %s has no checksums (saved before aidaptiv-ds wrote them): its files are not "
