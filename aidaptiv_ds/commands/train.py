@@ -314,7 +314,7 @@ def run(args) -> int:
         if status == "error":
             # A known error's one line says what to do; where it came from goes to the metrics, so a failure on a
             # machine one can no longer reach (a sweep cell, a lent GPU) can still be traced.
-            where = traceback.format_exc(limit=-12)
+            where = flags.as_flags(traceback.format_exc(limit=-12), _setting_names())
         # A config's problems are all said at once (ConfigError lists them); other errors by their last line.
         listed = getattr(exc, "problems", None)
         if isinstance(listed, list) and len(listed) > 1:

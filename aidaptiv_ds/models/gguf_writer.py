@@ -88,6 +88,10 @@ def _check_rope(config) -> None:
 
 def write(folder: str, out: str, out_type: str = "bf16", log: Optional[Callable[[str], None]] = None) -> dict:
     """Write the model of Hugging Face ``folder`` to GGUF file ``out``; returns a summary."""
+    from aidaptiv_ds.common.extras import missing, missing_message
+
+    if missing("gguf"):
+        raise GGUFExportError(missing_message("writing GGUF files", ["gguf"]))
     import gguf
     import torch
     from safetensors import safe_open

@@ -25,7 +25,7 @@ USERS = {
     "wandb": {"zero3/monitors.py"},
     "tensorboard": set(),  # DeepSpeed's monitor imports it; job/train.py only checks that it is there
     "matplotlib": {"harness/report_figures.py", "harness/run_report.py"},
-    "gguf": {"models/gguf.py"},  # and transformers' GGUF reader, which it drives
+    "gguf": {"models/gguf.py", "models/gguf_writer.py"},  # reading (with transformers' reader) and writing
 }
 
 
