@@ -53,7 +53,7 @@ for op in CPUAdamBuilder AsyncIOBuilder FusedAdamBuilder; do
 done
 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; echo "engine build rc=$?"
 tail -3 "$OUT/build.log"
-python3 -c 'import torch; from aidaptiv_ds import _C; print("engine WITH_CUDA =", _C.WITH_CUDA)'
+python3 -c 'import torch; from aidaptiv_ds.engine import _C; print("engine WITH_CUDA =", _C.WITH_CUDA)'
 phase "engine built; waiting for the ops"
 for pid in "${ops[@]}"; do   # polled, so a hung build cannot eat the deadline
   while kill -0 "$pid" 2>/dev/null && [ "$(left)" -gt 60 ]; do sleep 2; done
