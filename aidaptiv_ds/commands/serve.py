@@ -8,8 +8,9 @@
 openai client, LangChain, Open WebUI and the editors' assistants: point them at http://HOST:PORT/v1. Requests
 that arrive together are decoded together (see aidaptiv_ds.inference.serving); bad ones are answered in the API's
 error shape. It listens on loopback unless a key is set (AIDAPTIV_SERVE_API_KEY or --api-key-file; clients send
-it as their API key), answers only requests addressed to the host it is bound to (a web page whose name resolves
-to this machine gets nothing), and sends no CORS grant to any other origin.
+it as their API key), answers on loopback only requests for localhost or a loopback address (a web page whose name
+resolves to this machine gets nothing) and no other site's page (aidaptiv_ds.common.http_guard, the studio's rule
+too), and sends no CORS grant to any origin.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from aidaptiv_ds.commands import flags
+from aidaptiv_ds.common.http_guard import is_loopback, refusal
 
 HELP_EPILOG = """exit codes:
   0  stopped (Ctrl-C)
@@ -81,18 +83,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is this machine only (localhost, 127.0.0.0/8, ::1)."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def api_key(args) -> Optional[str]:
     if args.api_key_file:
         with open(args.api_key_file, encoding="utf-8") as fh:
@@ -100,24 +90,14 @@ def api_key(args) -> Optional[str]:
     return os.environ.get("AIDAPTIV_SERVE_API_KEY") or None
 
 
-def allowed_hosts(host: str, port: int) -> set:
-    """The Host headers this server answers: the address it is bound to with its port, and for loopback the
-    names of loopback (a DNS-rebinding page sends its own name, which is none of these)."""
-    names = {host}
-    if is_loopback(host):
-        names |= {"127.0.0.1", "localhost", "[::1]", "::1"}
-    if ":" in host and not host.startswith("["):
-        names.add(f"[{host}]")
-    return {f"{n}:{port}" for n in names} | ({n for n in names} if port == 80 else set())
-
-
 class Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address, handler, *, queue, served, hosts, key, max_tokens, context, log):
+    def __init__(self, address, handler, *, queue, served, key, max_tokens, context, log):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, handler)
-        self.queue, self.served, self.hosts, self.key = queue, served, hosts, key
+        self.queue, self.served, self.key = queue, served, key
+        self.bound = address[0]
         self.max_tokens, self.context, self.log = max_tokens, context, log
         self.started = int(time.time())
 
@@ -144,10 +124,12 @@ class Handler(BaseHTTPRequestHandler):
         """The checks every request passes first: addressed to this server, and with the key when one is set."""
         from aidaptiv_ds.inference.openai_api import APIError
 
-        if self.headers.get("Host", "") not in self.server.hosts:
-            return APIError(
-                403, "this server answers requests addressed to the host it listens on only", kind="forbidden"
-            )
+        refused = refusal(
+            self.headers.get_all("Host") or [], self.headers.get_all("Origin") or [], self.server.bound,
+            who="aidaptiv-ds serve",
+        )  # fmt: skip
+        if refused:
+            return APIError(refused[0], refused[1], kind="forbidden")
         if self.server.key:
             given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
             if not hmac.compare_digest(given.encode(), self.server.key.encode()):
@@ -310,7 +292,6 @@ def run(args) -> int:
             Handler,
             queue=queue,
             served=served,
-            hosts=allowed_hosts(args.host, args.port),
             key=key,
             max_tokens=args.max_tokens,
             context=gen.max_context,

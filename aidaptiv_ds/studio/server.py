@@ -7,55 +7,23 @@ name resolves to 127.0.0.1 (DNS rebinding) could then start training and read th
 listens on loopback without a password. launch() also calls itself at http://{host}:{port}/, which is no URL
 for an IPv6 address (`--host ::1` failed with httpx.InvalidURL).
 
-What is accepted:
-
-- Host: bound to a loopback address, only `localhost` and loopback IP literals (127.0.0.1, [::1], ...), on any
-  port: a rebinding page cannot send those names (its requests carry its own name), while the port is the one
-  the browser dialled, which differs behind `ssh -L 8080:localhost:7860`. Bound to any other address (which
-  needs a password), any name: the studio cannot know every name the machine is reached by, and a rebinding
-  page has no login for its own name, so the password is the check.
-- Origin: absent, or the request's own Host (the studio's own page). Any other origin, `null` included, is
-  refused, so no answer ever grants another origin (Gradio's CORS layer only sees same-origin requests).
+What is accepted is aidaptiv_ds.common.http_guard's rule, the one every HTTP endpoint of the product keeps
+(`serve` too): on loopback only localhost and loopback names, on any port (an SSH tunnel's); bound to another
+address (which needs a password), any name, the password being the check; and no other origin's page.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
-import re
 import socket
-from urllib.parse import urlsplit
 
-# A Host header (or an Origin's authority): a name or a bracketed IPv6 literal, then an optional port.
-_AUTHORITY = re.compile(r"^(?P<name>\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::(?P<port>[0-9]{1,5}))?$")
-_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether an address (a `--host`, or a Host header's name) is this machine only."""
-    host = host.strip().lower()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from aidaptiv_ds.common.http_guard import is_loopback, refusal
 
 
 def url_for(host: str, port: int) -> str:
     host = host.strip("[]")
     return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
-
-
-def split_authority(text: str, default_port: int) -> tuple[str, int] | None:
-    """(name, port) of a Host header's value, names lower-cased and IPv6 brackets kept; None when it is none."""
-    m = _AUTHORITY.match(text.strip().lower())
-    if not m:
-        return None
-    return m.group("name"), int(m.group("port")) if m.group("port") else default_port
 
 
 class HostOriginGuard:
@@ -73,27 +41,8 @@ class HostOriginGuard:
                 hosts.append(value.decode("latin-1"))
             elif key == b"origin":
                 origins.append(value.decode("latin-1"))
-        default_port = _DEFAULT_PORTS.get(scope.get("scheme", "http"), 80)
-        own = split_authority(hosts[0], default_port) if len(hosts) == 1 else None
-        if own is None:
-            said = repr(hosts[0]) if len(hosts) == 1 else f"{len(hosts)} Host headers"
-            return 421, f"aidaptiv-ds studio: refused a request with the Host {said}: send one host name"
-        if not (self.any_host or is_loopback(own[0])):
-            return 421, (
-                f"aidaptiv-ds studio: refused a request for {hosts[0]!r}: this studio answers only to localhost, "
-                "127.0.0.1 and [::1] (open it by one of those names, or start it with --host and a password)"
-            )
-        if not origins:
-            return None
-        parts = urlsplit(origins[0]) if len(origins) == 1 else None
-        scheme = parts.scheme if parts else ""
-        theirs = split_authority(parts.netloc, _DEFAULT_PORTS.get(scheme, 80)) if parts and scheme else None
-        if theirs != own:
-            return 403, (
-                f"aidaptiv-ds studio: refused a request from the page at {origins[0]!r}: the studio answers its "
-                "own page only"
-            )
-        return None
+        bound = "localhost" if not self.any_host else "0.0.0.0"
+        return refusal(hosts, origins, bound, scope.get("scheme", "http"), who="aidaptiv-ds studio")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):  # lifespan: Gradio's queue starts and stops through it

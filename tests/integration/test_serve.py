@@ -127,9 +127,13 @@ def test_bad_requests_get_the_apis_error_shape_and_foreign_hosts_nothing(tiny, t
         # DNS rebinding: a page whose name resolves here sends its own Host and Origin
         rebound = {"Host": f"evil.example:{served.port}", "Origin": "http://evil.example"}
         status, headers, _ = served.request("POST", "/v1/completions", {"prompt": "x"}, rebound)
-        assert status == 403 and not any(k.lower().startswith("access-control") for k in headers)
+        assert status == 421 and not any(k.lower().startswith("access-control") for k in headers)
+        # another site's page, even addressed to 127.0.0.1, is refused; no answer grants any origin
         status, headers, _ = served.request("GET", "/v1/models", None, {"Origin": "http://evil.example"})
-        assert status == 200 and not any(k.lower().startswith("access-control") for k in headers)
+        assert status == 403 and not any(k.lower().startswith("access-control") for k in headers)
+        # loopback names on any port (an SSH tunnel's) and no Origin (the openai client, curl) are served
+        for host in (f"localhost:{served.port + 1}", f"[::1]:{served.port}", "127.0.0.1"):
+            assert served.request("GET", "/v1/models", None, {"Host": host})[0] == 200, host
         # a form post (what another site may send without a preflight) is refused
         conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
         conn.request("POST", "/v1/completions", body=b"prompt=x", headers={"Content-Type": "text/plain"})
