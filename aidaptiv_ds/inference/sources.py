@@ -29,6 +29,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from aidaptiv_ds.swap.checkpoint_format import (
+    BASE,
     LATEST,
     MANIFEST,
     MODEL_FILES,
@@ -282,7 +283,7 @@ def from_checkpoint(path: str) -> WeightSource:
     }
     identity = [_config_text(files_dir)]
     for folder in ck.folders:
-        for f in (MANIFEST, PARAMS):
+        for f in (MANIFEST, PARAMS, BASE):
             p = os.path.join(folder, f)
             identity.append(_file_identity(p, b"") if os.path.exists(p) else f)
     return WeightSource("checkpoint", tag, files_dir, tensors, _digest(identity))

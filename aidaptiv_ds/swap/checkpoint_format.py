@@ -5,10 +5,13 @@ An aidaptiv run saves, next to DeepSpeed's files, a folder per rank with every b
 
     <save_dir>/<tag>/aidaptiv/rank<r>/
         params.bin     this rank's partition of every parameter (model dtype), in the swap file's layout
+        base.bin       with a frozen base (LoRA, QLoRA): the frozen parameters' partitions, at their offsets in the
+                       same layout (params.bin then holds the trained ones only; both files are sparse), the
+                       same file (a hard link) in every checkpoint of one run
         optim.bin      the optimizer chunk images: fp32 master (unless the parameter is the master) and the
                        optimizer's state tensors, in the optimizer swap file's layout
         manifest.json  FORMAT 2: for every parameter (by the name ``module.named_parameters()`` gives it in
-                       the model DeepSpeed wraps) its shape, partition size and place in params.bin; for
+                       the model DeepSpeed wraps) its shape, partition size, file and offset; for
                        every sub-group its chunks as pieces of named parameters, its state keys and scalars
                        (Adam's step count); the optimizer's hyperparameters; the sizes of both files
     <save_dir>/<tag>/hf/    config.json and tokenizer files the train job saves with a tag (MODEL_FILES)
@@ -37,6 +40,9 @@ FORMAT = 2
 STATE_DIR = "aidaptiv"  # <tag>/aidaptiv/: the swapped state, a folder per rank
 MANIFEST = "manifest.json"
 PARAMS = "params.bin"
+# A run with a frozen base (LoRA, QLoRA) keeps the base's partitions apart from the trained ones: hard-linked from
+# one checkpoint to the next of the same run, since a frozen weight never changes (see zero3/checkpoint.py).
+BASE = "base.bin"
 OPTIM = "optim.bin"
 MODEL_FILES = "hf"  # <save_dir>/<tag>/hf/: config.json and tokenizer files the train job saves with a tag
 LATEST = "latest"  # <save_dir>/latest: the newest tag's name
@@ -111,7 +117,9 @@ def read_manifest(load_dir: str, tag: str, rank: int, world_size: int) -> tuple:
             "each rank's partition of every parameter is saved as DeepSpeed cut it, so resume with "
             f"{manifest.get('world_size')} ranks (any host budget, chunk size or node)"
         )
-    for name, key in ((PARAMS, "params_bytes"), (OPTIM, "optim_bytes")):
+    for name, key in ((PARAMS, "params_bytes"), (OPTIM, "optim_bytes"), (BASE, "base_bytes")):
+        if key not in manifest:  # no frozen base: no base.bin
+            continue
         p = os.path.join(folder, name)
         size = os.path.getsize(p) if os.path.exists(p) else -1
         if size < manifest[key]:
@@ -171,13 +179,16 @@ class Checkpoint:
                     f"checkpoint {folder} has aidaptiv format {m.get('format')}; this version "
                     f"exports format {FORMAT}: export it with the aidaptiv-ds version that saved it"
                 )
-            params = os.path.join(folder, PARAMS)
-            size = os.path.getsize(params) if os.path.exists(params) else -1
-            if size < m["params_bytes"]:
-                raise CheckpointDamagedError(
-                    f"checkpoint file {params} has {max(size, 0)} bytes, "
-                    f"its manifest says {m['params_bytes']}: the checkpoint is damaged"
-                )
+            for name, key in ((PARAMS, "params_bytes"), (BASE, "base_bytes")):
+                if key not in m:
+                    continue
+                path = os.path.join(folder, name)
+                size = os.path.getsize(path) if os.path.exists(path) else -1
+                if size < m[key]:
+                    raise CheckpointDamagedError(
+                        f"checkpoint file {path} has {max(size, 0)} bytes, "
+                        f"its manifest says {m[key]}: the checkpoint is damaged"
+                    )
             self.manifests.append(m)
             self.folders.append(folder)
         self.world_size = self.manifests[0]["world_size"]
@@ -204,7 +215,7 @@ class Checkpoint:
                         f"checkpoint {tag_dir}: parameter {name} differs between rank 0 and rank {r} "
                         "(missing, or another shape or partition): the rank folders are not of one save"
                     )
-                parts.append(q["offset"])
+                parts.append((q.get("file", PARAMS), q["offset"]))
             if p["partition_numel"] * self.world_size < numel:
                 raise CheckpointDamagedError(
                     f"checkpoint {tag_dir}: parameter {name} of shape {p['shape']} has partitions of "
@@ -230,11 +241,11 @@ class Checkpoint:
         """(file, byte offset, byte count) of the ranks' slices of ``name``, in order, cut to its size."""
         p, esize = self.parameters[name], ELEMENT_BYTES[self.dtype]
         left = p["numel"]
-        for r, off in enumerate(p["offsets"]):
+        for r, (file, off) in enumerate(p["offsets"]):
             n = min(left, p["partition_numel"])
             if n <= 0:
                 break
-            yield os.path.join(self.folders[r], PARAMS), off, n * esize
+            yield os.path.join(self.folders[r], file), off, n * esize
             left -= n
 
 

@@ -33,6 +33,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from aidaptiv_ds.swap.checkpoint_format import (
+    BASE,
     MANIFEST,
     MODEL_FILES,
     OPTIM,
@@ -71,16 +72,17 @@ def _valid_numel(manifest: dict) -> Dict[str, int]:
     return out
 
 
-def param_ranges(manifest: dict) -> List[Range]:
-    """The ranges of params.bin holding each parameter's partition (in the model dtype), without ZeRO's padding
-    and without parameters that do not hold numbers (a QLoRA base's packed 4-bit data: ``"values": false``)."""
+def param_ranges(manifest: dict, file: str = PARAMS) -> List[Range]:
+    """The ranges of ``file`` (params.bin, or base.bin for a frozen base) holding each parameter's partition (in
+    the model dtype), without ZeRO's padding and without parameters that do not hold numbers (a QLoRA base's
+    packed 4-bit data: ``"values": false``)."""
     dtype = getattr(torch, manifest["model_dtype"])
     size = torch.tensor([], dtype=dtype).element_size()
     valid = _valid_numel(manifest)
     out = [
         (p["offset"], valid[p["name"]] * size, dtype, f"parameter {p['name']}")
         for p in manifest["parameters"]
-        if p.get("values", True) and valid[p["name"]] > 0
+        if p.get("values", True) and valid[p["name"]] > 0 and p.get("file", PARAMS) == file
     ]
     return sorted(out)
 
@@ -125,6 +127,17 @@ class FileInspector:
         self.finite(offset, data)
         self.blocks.append([offset, data.numel(), zlib.crc32(data.numpy())])
 
+    def hole(self, offset: int, nbytes: int) -> None:
+        """Bytes this file does not hold (params.bin's frozen parameters, which are in base.bin, and base.bin's
+        trained ones): recorded as such (a checksum of None), so the blocks still cover the file and a manifest
+        whose blocks were cut out is still found."""
+        if nbytes > 0:
+            self.blocks.append([offset, nbytes, None])
+
+    def seen(self, blocks: List[List[int]]) -> None:
+        """The blocks of a file written before and linked here (a frozen base: the same bytes)."""
+        self.blocks.extend([list(b) for b in blocks])
+
     def finite(self, offset: int, data: torch.Tensor) -> None:
         end = offset + data.numel()
         i = max(0, bisect.bisect_right(self.starts, offset) - 1)
@@ -155,7 +168,12 @@ class FileInspector:
         """Read the file's recorded blocks back and compare each CRC32 (and the finite ranges)."""
         self.at_save = False
         covered = 0
-        for off, n, _ in sorted(expected):
+        for off, n, crc in sorted(expected):
+            if crc is None and any(r[0] < off + n and off < r[0] + r[1] for r in self.ranges):
+                raise CheckpointDamagedError(
+                    f"checkpoint file {self.path}: its manifest says bytes {off}-{off + n} are not in it, where a "
+                    f"parameter of this file lies: the manifest was changed after the save; {self.advice}"
+                )
             if off != covered:
                 raise CheckpointDamagedError(
                     f"checkpoint file {self.path}: its manifest's checksums skip bytes {covered}-{off}: the manifest "
@@ -167,10 +185,14 @@ class FileInspector:
                 f"checkpoint file {self.path}: its checksums cover {covered} of the {size_needed} bytes the manifest "
                 f"names: the manifest was changed after the save; {self.advice}"
             )
-        buf = torch.empty(min(READ_BLOCK, max((n for _, n, _ in expected), default=1)), dtype=torch.uint8)
+        buf = torch.empty(
+            min(READ_BLOCK, max((n for _, n, c in expected if c is not None), default=1)), dtype=torch.uint8
+        )
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             for off, n, crc in expected:
+                if crc is None:  # a hole: its bytes are in the rank's other parameter file
+                    continue
                 got, done = 0, 0
                 while done < n:
                     view = buf[: min(len(buf), n - done)]
@@ -202,13 +224,16 @@ def _pread_exactly(fd: int, path: str, offset: int, view: torch.Tensor, advice: 
 
 def inspectors(folder: str, manifest: dict, advice: str = AGAIN) -> Dict[str, FileInspector]:
     """The inspectors of a rank's params.bin and optim.bin, from its manifest (or the one being written)."""
-    return {
+    out = {
         PARAMS: FileInspector(os.path.join(folder, PARAMS), param_ranges(manifest), advice),
         OPTIM: FileInspector(os.path.join(folder, OPTIM), optim_ranges(manifest), advice),
     }
+    if "base_bytes" in manifest:  # a frozen base, in its own file
+        out[BASE] = FileInspector(os.path.join(folder, BASE), param_ranges(manifest, BASE), advice)
+    return out
 
 
-def verify_rank(folder: str, manifest: dict, files=(PARAMS, OPTIM), advice: str = AGAIN) -> bool:
+def verify_rank(folder: str, manifest: dict, files=(PARAMS, BASE, OPTIM), advice: str = AGAIN) -> bool:
     """Check a rank's ``files`` (params.bin and optim.bin) against the checksums of its manifest, and their
     values where they must be finite; False when the manifest has none (a checkpoint saved before checksums
     existed), after which nothing was checked. Reads through one buffer of at most :data:`READ_BLOCK` bytes."""
@@ -217,7 +242,7 @@ def verify_rank(folder: str, manifest: dict, files=(PARAMS, OPTIM), advice: str 
         return False
     if sums.get("algorithm") != ALGORITHM:
         raise _unknown_algorithm(folder, sums.get("algorithm"))
-    needed = {PARAMS: manifest["params_bytes"], OPTIM: manifest["optim_bytes"]}
+    needed = {PARAMS: manifest["params_bytes"], OPTIM: manifest["optim_bytes"], BASE: manifest.get("base_bytes", 0)}
     for name, insp in inspectors(folder, manifest, advice).items():
         if name in files:
             insp.check(sums.get(name) or [], needed[name])
@@ -233,7 +258,7 @@ def verify_weights(ck, advice: str) -> bool:
     checked = True
     for folder, manifest in zip(ck.folders, ck.manifests):
         try:
-            checked = verify_rank(folder, manifest, files=(PARAMS,), advice=advice) and checked
+            checked = verify_rank(folder, manifest, files=(PARAMS, BASE), advice=advice) and checked
         except CheckpointMismatchError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest changed by hand or damaged

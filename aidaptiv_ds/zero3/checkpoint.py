@@ -33,6 +33,7 @@ import torch
 from aidaptiv_ds.common import durable
 from aidaptiv_ds.swap import checkpoint_format
 from aidaptiv_ds.swap.checkpoint_format import (
+    BASE,
     FORMAT,
     MANIFEST,
     OPTIM,
@@ -240,12 +241,16 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
     # Which parameters hold numbers: a QLoRA base is bitsandbytes' packed 4-bit data stored in the model dtype,
     # whose bytes read as that dtype are arbitrary (some are NaN), so only the finite check skips it.
     packed = {name for name, p in engine.module.named_parameters() if getattr(p, "quant_state", None) is not None}
+    # A frozen base (LoRA, QLoRA) goes to base.bin, the trained parameters to params.bin (see _write_params).
+    frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
     parameters = []
     for rec in sorted(ps.records.values(), key=lambda r: r.extent.offset):
         name, shape = names[rec.ds_id]
         entry = {"name": name, "shape": shape, "partition_numel": rec.numel, "offset": rec.extent.offset}
         if name in packed:
             entry["values"] = False
+        if name in frozen:
+            entry["file"] = BASE
         parameters.append(entry)
     manifest = {
         "format": FORMAT,
@@ -259,18 +264,23 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
         "sub_groups": sub_groups,
         "hyperparameters": _hyperparameters(osw.optimizer),
     }
+    if frozen & {p["name"] for p in parameters}:
+        manifest["base_bytes"] = runtime.params_file.allocated
     # Every block is checksummed on its way out, and parameters and optimizer state must be finite: a run
     # whose weights went NaN fails here instead of publishing them as the checkpoint to resume from.
     seen = inspectors(folder, manifest)
     mover = Mover(runtime)
     try:
         # Parameters: the live part of the swap file, in its own layout (cached groups are written through).
-        pf = mover.open(os.path.join(folder, PARAMS), create=True)
-        durable.crash_point("params.bin created")
-        try:
-            mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated, seen[PARAMS].see)
-        finally:
-            close_file(runtime, pf)
+        if "base_bytes" in manifest:
+            _write_params(runtime, mover, folder, manifest, seen, save_dir)
+        else:
+            pf = mover.open(os.path.join(folder, PARAMS), create=True)
+            durable.crash_point("params.bin created")
+            try:
+                mover.copy(runtime.params_file.handle, 0, pf, 0, runtime.params_file.allocated, seen[PARAMS].see)
+            finally:
+                close_file(runtime, pf)
         durable.crash_point("params.bin written")
         # Optimizer sub-groups: the chunk images (master and state slots), from host memory when resident.
         of = mover.open(os.path.join(folder, OPTIM), create=True)
@@ -298,6 +308,66 @@ def save(engine, runtime, save_dir: str, tag: str) -> str:
         del mover
     log.info("aidaptiv: saved swapped state of rank %d to %s", runtime.rank, folder)
     return folder
+
+
+def _write_params(runtime, mover, folder: str, manifest: dict, seen: dict, save_dir: str) -> None:
+    """A run with a frozen base: params.bin holds the trained parameters' partitions and base.bin the frozen
+    ones, each at its swap-file offset (sparse files: the other file's extents are holes, said as such in the
+    checksums), so a LoRA checkpoint writes its adapters, not its base again. A frozen weight never changes, so
+    base.bin is the same file from one checkpoint of the run to the next: hard-linked from the newest checkpoint
+    in ``save_dir`` whose base has the same partitions and checksums as the one this run holds (written or
+    loaded by it), else written; the disk holds one base however many checkpoints are kept."""
+    # the manifest lists the partitions in the order of their offsets: the records sorted alike pair with them
+    entries = sorted(manifest["parameters"], key=lambda p: p["offset"])
+    records = sorted(runtime.param_swapper.records.values(), key=lambda r: r.extent.offset)
+    end = runtime.params_file.allocated
+    key = [(p["name"], p["offset"]) for p in entries if p.get("file") == BASE]
+    for name, target in ((PARAMS, None), (BASE, BASE)):
+        path = os.path.join(folder, name)
+        if target == BASE and _link_base(runtime, save_dir, path, key, seen[BASE]):
+            continue
+        f = mover.open(path, create=True)
+        try:
+            at = 0
+            for entry, rec in zip(entries, records):
+                if entry.get("file") != target:
+                    continue
+                seen[name].hole(at, rec.extent.offset - at)
+                mover.copy(runtime.params_file.handle, rec.extent.offset, f, rec.extent.offset, rec.extent.reserved,
+                           seen[name].see)  # fmt: skip
+                at = rec.extent.offset + rec.extent.reserved
+            seen[name].hole(at, end - at)
+        finally:
+            close_file(runtime, f)
+        os.truncate(path, end)  # the manifest's size; the tail is a hole
+        if target == BASE:
+            runtime.base_saved = (key, [list(b) for b in seen[BASE].blocks])
+
+
+def _link_base(runtime, save_dir: str, path: str, key, inspector) -> bool:
+    """Hard-link ``path`` to the base.bin of the newest checkpoint in ``save_dir`` that holds the base this run
+    holds (same partitions, same checksums); False when there is none (or linking is refused: write it)."""
+    held = getattr(runtime, "base_saved", None)
+    if held is None or held[0] != key:
+        return False
+    tag = resolve_tag(save_dir, None)
+    if tag is None:
+        return False
+    other = rank_dir(save_dir, tag, runtime.rank)
+    try:
+        with open(os.path.join(other, MANIFEST), encoding="utf-8") as f:
+            theirs = json.load(f)
+        blocks = (theirs.get("checksums") or {}).get(BASE)
+        if (
+            blocks != held[1]
+            or [(p["name"], p["offset"]) for p in theirs["parameters"] if p.get("file") == BASE] != key
+        ):
+            return False
+        os.link(os.path.join(other, BASE), path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    inspector.seen(blocks)
+    return True
 
 
 def _world_size() -> int:
@@ -356,6 +426,23 @@ def load(engine, runtime, load_dir: str, tag: Optional[str], load_optimizer_stat
 
 
 def _load_params(runtime, ps, mover, folder, manifest, saved_params, names) -> None:
+    if "base_bytes" in manifest:  # a frozen base in base.bin: each partition from its file
+        files = {PARAMS: mover.open(os.path.join(folder, PARAMS), create=False)}
+        try:
+            files[BASE] = mover.open(os.path.join(folder, BASE), create=False)
+            for r in ps.records.values():
+                saved = saved_params[names[r.ds_id][0]]
+                mover.copy(files[saved.get("file", PARAMS)], saved["offset"], runtime.params_file.handle,
+                           r.extent.offset, r.extent.reserved)  # fmt: skip
+        finally:
+            for f in files.values():
+                close_file(runtime, f)
+        base = [(p["name"], p["offset"]) for p in manifest["parameters"] if p.get("file") == BASE]
+        # the next save links this base.bin when the layout is the same (the swap file holds its bytes now)
+        same = all(saved_params[names[r.ds_id][0]]["offset"] == r.extent.offset for r in ps.records.values())
+        blocks = (manifest.get("checksums") or {}).get(BASE)
+        runtime.base_saved = (base, blocks) if same and blocks else None
+        return
     pf = mover.open(os.path.join(folder, PARAMS), create=False)
     try:
         if (

@@ -4,7 +4,9 @@ The loss trajectory equals PEFT on plain ZeRO-3 in memory (fp32, 1e-5 relative);
 step writes only the adapters and their optimizer state (no byte of the base goes back to NVMe); the
 export gives the trained model's logits, merged (``--merge-lora``) or as base + PEFT adapter."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -136,3 +138,39 @@ def test_lora_on_the_shipped_config_saves_and_resumes(tmp_path):
     assert rc == 0, log[-3000:]
     m = read_metrics(tmp_path / "m.json")
     assert m["first_step"] == 2 and len(m["losses"]) == 3
+
+
+def test_lora_checkpoints_hold_the_adapters_and_share_one_base(tmp_path):
+    """A LoRA checkpoint writes its adapters (params.bin, sparse) and the frozen base once (base.bin, hard-linked
+    from one checkpoint of the run to the next, and to the first save after a resume); a resume from one gives the
+    uninterrupted run's losses."""
+    from helpers import aidaptiv_config
+
+    config = aidaptiv_config(tmp_path, host_memory_budget="64MiB")
+    common = ["--config", config, "--model", "micro", "--seq-len", "64", "--lora", LORA, "--no-progress",
+              "--warmup", "0", "--lr", "1e-2", "--save-dir", str(tmp_path / "ck"), "--save-every", "1"]  # fmt: skip
+    rc, log = run_train([*common, "--steps", "4", "--metrics-out", str(tmp_path / "full.json")], cwd=tmp_path)
+    assert rc == 0, log[-3000:]
+
+    def rank0(tag, name):
+        return tmp_path / "ck" / tag / "aidaptiv" / "rank0" / name
+
+    bases = [os.stat(rank0(f"step{i}", "base.bin")) for i in range(1, 5)]
+    assert len({(b.st_dev, b.st_ino) for b in bases}) == 1 and bases[0].st_nlink == 4  # one file, four names
+    params = os.stat(rank0("step4", "params.bin"))
+    base_size = os.stat(rank0("step4", "base.bin")).st_blocks * 512
+    assert params.st_blocks * 512 < base_size / 20, (params.st_blocks * 512, base_size)  # the adapters only
+    manifest = json.loads(rank0("step4", "manifest.json").read_text())
+    frozen = [p for p in manifest["parameters"] if p.get("file") == "base.bin"]
+    assert frozen and all("lora_" not in p["name"] for p in frozen)
+    assert all("lora_" in p["name"] for p in manifest["parameters"] if "file" not in p)
+
+    shutil.rmtree(tmp_path / "ck" / "step4")
+    (tmp_path / "ck" / "latest").write_text("step3")
+    rc, log = run_train([*common, "--steps", "4", "--resume", "auto", "--metrics-out", str(tmp_path / "resumed.json")],
+                        cwd=tmp_path)  # fmt: skip
+    assert rc == 0, log[-3000:]
+    full, resumed = read_metrics(tmp_path / "full.json"), read_metrics(tmp_path / "resumed.json")
+    assert resumed["first_step"] == 3 and resumed["losses"] == pytest.approx(full["losses"], rel=1e-6, abs=0)
+    again = os.stat(rank0("step4", "base.bin"))
+    assert (again.st_dev, again.st_ino) == (bases[0].st_dev, bases[0].st_ino)  # the resumed run linked it too

@@ -238,7 +238,7 @@ def test_weights_that_a_resume_would_refuse_are_neither_exported_nor_generated_f
 
     ck = checkpoint_format.Checkpoint(tag)
     name = list(ck.parameters)[2]
-    offset = ck.parameters[name]["offsets"][1] + 12
+    offset = ck.parameters[name]["offsets"][1][1] + 12  # (file, offset) of rank 1
     params = checkpoint_format.rank_dir(str(tmp_path / "ck"), "step3", 1) + "/params.bin"
     _write_at(tag, 1, offset, torch.tensor([float("nan")]).numpy().tobytes())
     nan = f"checkpoint file {params} holds a non-finite value (nan) in parameter {name} at byte offset {offset}: "
