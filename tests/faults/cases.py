@@ -463,6 +463,7 @@ def _nan_export(folder, ref_losses, rng):
     _nan_weight(damaged, rng)
     out = os.path.join(folder, "exported")
     export = _command(["export", damaged, "--out", out], folder)
+    os.makedirs(os.path.join(folder, "generate-swap"), exist_ok=True)  # a swap folder must exist (every command)
     generate = _command(
         ["generate", "--model", damaged, "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu",
          "--nvme-path", os.path.join(folder, "generate-swap")],
