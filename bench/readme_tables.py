@@ -383,11 +383,21 @@ def faults_section():
         if r["case"] not in by_case:
             order.append(r["case"])
         by_case.setdefault(r["case"], []).append(r)
-    m = rows[-1].get("machine") or {}
+    # The cases ran in sessions on different machines: each machine with the cases it ran.
+    machines: dict = {}
+    for r in rows:
+        m = r.get("machine") or {}
+        line = f"{cpu_line(m)}, {m.get('cores', '?')} cores"
+        machines.setdefault(line, [])
+        if r["case"] not in machines[line]:
+            machines[line].append(r["case"])
+    where = "; ".join(
+        f"{line} ({'every case' if len(machines) == 1 else ', '.join(cs)})" for line, cs in machines.items()
+    )
     shas = sorted({r.get("git_sha", "?")[:10] for r in rows})
     out = [
-        f"**Fault injection** (`python bench/faults.py`, cases in `tests/faults/cases.py`): {cpu_line(m)}, "
-        f"{m.get('cores', '?')} cores; git {', '.join(shas)}. Each run is a whole `aidaptiv-ds train` job "
+        f"**Fault injection** (`python bench/faults.py`, cases in `tests/faults/cases.py`): {where}; git "
+        f"{', '.join(shas)}. Each run is a whole `aidaptiv-ds train` job "
         "(micro preset, fp32, 6 steps, a checkpoint every 2) with the fault in step 4; data lost counts runs "
         "whose last checkpoint did not resume to the uninterrupted losses (1e-6 relative), or whose bytes "
         "differed.",
