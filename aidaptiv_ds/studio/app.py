@@ -610,11 +610,19 @@ def build(root: str):
                     raise StudioError("pick a model folder (an export, or an instruct model under models/)")
                 model_path = str(ws.inside(model_choice, "model folder"))
                 cleared = False  # the message box empties once, as the turn starts (a later message typed stays)
-                for messages in chat.turn(
-                    model_path, conversation_path(name), text, int(n), budget or None, str(ws.swap)
-                ):
+                path = conversation_path(name)
+                started = time.monotonic()
+                messages = []
+                for messages in chat.turn(model_path, path, text, int(n), budget or None, str(ws.swap)):
                     yield messages, gr.update() if cleared else "", ""
                     cleared = True
+                # Said once the turn has ended, and numbered: Send takes a new message only from here on.
+                replies = sum(m.get("role") == "assistant" for m in messages)
+                yield (
+                    messages,
+                    gr.update(),
+                    f"Reply {replies} of {ws.relative(path)} in {time.monotonic() - started:.1f} s.",
+                )
             except StudioError as e:
                 yield gr.update(), gr.update(), _error(e)
 

@@ -315,6 +315,7 @@ def test_generate_refuses_nans_in_the_weights_of_a_checkpoint(saved):
     tag = copy_checkpoint(root, "nan_generate") / "step4"
     path, name, offset = nan_in_a_weight(tag)
     swap = root / "nan_generate_swap"
+    swap.mkdir()
     p = cli(
         "generate", "--model", str(tag), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu",
         "--nvme-path", str(swap), cwd=root,

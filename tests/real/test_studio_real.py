@@ -113,6 +113,10 @@ def test_the_studio_with_a_real_instruct_model(real_folder, tmp_path):
                 wait_for(answered, 300, "the reply in the conversation's file")
                 reply = json.loads(conversation.read_text())[-1]["content"]
                 expect(page.locator("#chatbot")).to_contain_text(reply[:20], timeout=60_000)
+                # The turn has ended (Send takes the next message) once the page numbers its reply.
+                expect(page.locator("#chat-msg")).to_contain_text(
+                    f"Reply {turn + 1} of chats/veltrane.json", timeout=60_000
+                )
             history = json.loads((root / "chats" / "veltrane.json").read_text())
             assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
             expect(page.locator("#chatbot")).to_contain_text(history[-1]["content"][:20], timeout=60_000)
