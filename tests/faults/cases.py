@@ -574,6 +574,93 @@ def _unwritable_output(folder, ref_losses, rng):
     return row
 
 
+def _rebinding_request(folder, ref_losses, rng):
+    """A web page whose name resolves to 127.0.0.1 (DNS rebinding), and a foreign page posting to 127.0.0.1: the
+    studio, started as a user starts it with a data set in its root, refuses both before Gradio answers (no
+    page, no config, no grant to the other origin) and still serves its own page."""
+    import http.client
+    import socket
+
+    root = os.path.join(folder, "studio")
+    os.makedirs(os.path.join(root, "data"))
+    with open(os.path.join(root, "data", "secret-set.jsonl"), "w") as f:
+        f.write(json.dumps({"instruction": "secret?", "response": "secret-answer"}) + "\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    evil = "evil.example"
+    t0 = time.time()
+    with open(os.path.join(folder, "studio.log"), "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aidaptiv_ds", "studio", "--root", root, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def ask(method, path, headers, body=None):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode("utf-8", "replace")
+        finally:
+            conn.close()
+
+    answers, hang = {}, False
+    try:
+        while True:
+            if proc.poll() is not None:
+                break
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.time() - t0 > JOB_TIMEOUT:
+                    hang = True
+                    break
+                time.sleep(0.5)
+        if proc.poll() is None and not hang:
+            own = f"127.0.0.1:{port}"
+            answers["rebinding config"] = ask("GET", "/config", {"Host": f"{evil}:{port}"})
+            answers["rebinding page"] = ask("GET", "/", {"Host": f"{evil}:{port}"})
+            answers["foreign origin"] = ask(
+                "POST",
+                "/gradio_api/call/on_load",
+                {"Host": own, "Origin": f"http://{evil}", "Content-Type": "application/json"},
+                json.dumps({"data": []}),
+            )
+            answers["own page"] = ask("GET", "/config", {"Host": own})
+    finally:
+        crashed = proc.poll() is not None
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            hang = True
+    refused = [k for k in ("rebinding config", "rebinding page", "foreign origin") if k in answers]
+    refused = [k for k in refused if answers[k][0] in (403, 421)]
+    leaked = [
+        k
+        for k, (_, headers, body) in answers.items()
+        if k != "own page" and ("secret-set" in body or "access-control-allow-origin" in headers)
+    ]
+    own_ok = "own page" in answers and answers["own page"][0] == 200 and "secret-set" in answers["own page"][2]
+    row = {
+        "rc": 0 if own_ok else 1,
+        "hang": hang,
+        "crash": crashed,
+        "seconds": round(time.time() - t0, 1),
+        "status": "; ".join(f"{k}: {v[0]} {v[2][:80]!r}" for k, v in answers.items())[-400:],
+    }
+    row["clear_error"] = len(refused) == 3
+    row["intact"] = len(refused) == 3 and not leaked and own_ok
+    if not row["intact"]:
+        with open(os.path.join(folder, "studio.log")) as f:
+            row["log"] = f.read()[-1500:]
+    return row
+
+
 CASES: Dict[str, Dict[str, Callable]] = {
     "eio-read": {
         "fault": "EIO on every read from step 4 (posix backend, seccomp)",
@@ -650,6 +737,11 @@ CASES: Dict[str, Dict[str, Callable]] = {
         "fault": "--output-dir on a read-only bind mount (EROFS; a path through a regular file where the kernel "
         "refuses mount namespaces): refused before the first step",
         "run": _unwritable_output,
+    },
+    "rebinding-request": {
+        "fault": "requests to the studio from a page whose name resolves to 127.0.0.1 (DNS rebinding) and from "
+        "another origin: refused (403/421), nothing of the root in the answer; its own page still served",
+        "run": _rebinding_request,
     },
     "budget-monotonicity": {
         "fault": "none: the same job under a 16 times larger host budget",
