@@ -626,12 +626,15 @@ def build(root: str):
             except StudioError as e:
                 yield gr.update(), gr.update(), _error(e)
 
-        chat_send.click(
-            on_chat, [chat_model, chat_name, chat_text, chat_new_tokens, chat_budget], [chatbot, chat_text, chat_msg]
-        )
-        chat_text.submit(
-            on_chat, [chat_model, chat_name, chat_text, chat_new_tokens, chat_budget], [chatbot, chat_text, chat_msg]
-        )
+        # Each Send is a message: one sent while a reply still streams waits for it (Gradio's default for a click
+        # drops it while the event before is open, and the message would be lost).
+        for trigger in (chat_send.click, chat_text.submit):
+            trigger(
+                on_chat,
+                [chat_model, chat_name, chat_text, chat_new_tokens, chat_budget],
+                [chatbot, chat_text, chat_msg],
+                trigger_mode="multiple",
+            )
 
         @_outputs(2)
         def on_chat_new(name):
