@@ -305,6 +305,30 @@ def documents_section():
     return out
 
 
+def serving_section():
+    """bench/serve_clients.py (`serve` under concurrent clients) and bench/gguf_llamacpp.py (the GGUF export read
+    by llama.cpp itself), each from its own summary."""
+    return [
+        "### Serving the fine-tuned model: the OpenAI API and GGUF",
+        "",
+        *summary_md(
+            "serve_clients/smollm2-135m",
+            "python bench/serve_clients.py --model MODEL --out bench/results/serve_clients/smollm2-135m",
+        ),
+        "",
+        *summary_md("gguf_llamacpp/smollm2-135m", "python bench/gguf_llamacpp.py --model MODEL"),
+    ]
+
+
+def step_regression_section():
+    """bench/step_regression.py: the train job's step before and after a change, from its summary."""
+    return [
+        "### The step before and after a refactor",
+        "",
+        *summary_md("step_regression/tiny", "python bench/step_regression.py --baseline REV"),
+    ]
+
+
 def gpu_section():
     """Every GPU sweep, bench/results/gpu_*/<variant>/: its device, what its cells did, and where cells ran, the report's
     Table VI-shaped throughput tables, aidaptiv's ratios and the Table VI comparison in model FLOP/s."""
@@ -615,6 +639,10 @@ def section():
         *generate_section(),
         "",
         *documents_section(),
+        "",
+        *serving_section(),
+        "",
+        *step_regression_section(),
         "",
         *gpu_section(),
         *faults_section(),
