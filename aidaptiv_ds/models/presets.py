@@ -403,7 +403,11 @@ def build_model(spec: ModelSpec, dtype, init_context=None, ds_config: dict | Non
             from transformers.integrations import HfDeepSpeedConfig
 
             hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained (transformers keeps a weakref)
-        model = _model_class(spec.config).from_pretrained(spec.hf_dir, local_files_only=True, dtype=dtype)
+        # The config object, not the folder's file again: train may have set fields of it (a mixture of experts'
+        # output_router_logits and router_aux_loss_coef).
+        model = _model_class(spec.config).from_pretrained(
+            spec.hf_dir, config=spec.config, local_files_only=True, dtype=dtype
+        )
         model._aidaptiv_hf_ds_config = hf_ds
         return model
     cls = _model_class(spec.config)
