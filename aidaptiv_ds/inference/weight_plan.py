@@ -128,7 +128,8 @@ class WeightPlan:
 
     def _routes_experts(self, experts: str) -> bool:
         """Whether routed experts are read apart: asked for, on CPU, and the weights do not fit the budget."""
-        if experts != "routed" or sum(g.nbytes for g in self.groups) <= self.host_budget:
+        budget = self.host_budget if self.device_budget is None else self.device_budget
+        if experts != "routed" or sum(g.nbytes for g in self.groups) <= budget:
             return False
         if self.device.type != "cpu":
             self.experts_note = "experts streamed with their layers: routed experts are read on CPU only for now"

@@ -82,7 +82,7 @@ def _swap(tmp_path, name="nvme"):
     return str(folder)
 
 
-def _reference(folder, prompts, new, record=None):
+def _reference(folder, prompts, new, record=None, dtype=torch.float32):
     """Greedy tokens of the in-memory model on the same left-padded batch; with ``record`` (a list), the
     distinct experts of each call of each experts module are appended to it."""
     from transformers import AutoModelForCausalLM
@@ -90,7 +90,7 @@ def _reference(folder, prompts, new, record=None):
     from aidaptiv_ds.models.tokenizer import HFTokenizer
 
     tok = HFTokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     if record is not None:
         for m in model.modules():
             if hasattr(m, "has_gate") and hasattr(m, "num_experts"):
@@ -237,6 +237,19 @@ def test_whole_experts_stream_with_their_layers_and_give_the_same_tokens(models,
     assert results[0].token_ids == _reference(folder, PROMPTS[:1], NEW)[0]
 
 
+def test_experts_converted_to_bf16_are_read_from_the_swap_file(models, tmp_path):
+    """Weights asked for in another dtype than the files': the experts are converted once into the swap file
+    (the files do not hold those bytes), and the tokens are the in-memory bf16 model's."""
+    from aidaptiv_ds.inference import Generator
+
+    folder = models["olmoe"]
+    with Generator(folder, host_budget="1.2MiB", nvme_path=_swap(tmp_path), device="cpu", dtype="bf16") as gen:
+        results = gen.generate(PROMPTS, max_new_tokens=NEW, batch_size=2)
+        ex = gen.stats()["experts"]
+    assert ex["read_from"] == "swap" and ex["weight_bytes"] == 48 * 3 * 64 * 128 * 2 and ex["reads"] > 0, ex
+    assert [r.token_ids for r in results] == _reference(folder, PROMPTS, NEW, dtype=torch.bfloat16)
+
+
 def test_experts_from_the_model_is_refused_where_the_files_do_not_allow_it(models, tmp_path):
     from aidaptiv_ds.inference import Generator
 
@@ -273,3 +286,10 @@ def test_command_reports_the_experts_and_chats_with_an_moe_model(models, tmp_pat
     r = m["results"][0]
     assert r["new_tokens"] == 6 and r["decode_bytes_per_token"] > 0 and 0 <= r["decode_expert_hit_rate"] <= 1
     assert m["stats"]["experts"]["lookups"] > 0 and m["stats"]["experts"]["mode"] == "routed"
+
+    # The studio's Chat tab: one `generate --messages` process a turn, the reply appended to the conversation.
+    from aidaptiv_ds.studio import chat
+
+    talk = tmp_path / "talk.json"
+    *_, last = chat.turn(folder, talk, "Hello there", max_new_tokens=6, host_budget="2.5MiB", nvme_path=_swap(tmp_path))
+    assert [m["role"] for m in last] == ["user", "assistant"] and last == json.loads(talk.read_text())
