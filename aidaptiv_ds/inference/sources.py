@@ -6,14 +6,10 @@ Nothing is loaded here: :class:`WeightSource` reads the safetensors headers (or 
 the table of a 70B model costs kilobytes, and :meth:`WeightSource.read_into` copies one tensor's bytes into a
 buffer the caller owns (a pinned slot), so no tensor is ever held twice. Each folder's problems are said in
 one :class:`ModelSourceError`: no weights, weights only in pickle files, a LoRA checkpoint whose adapters are
-<<<<<<< HEAD
-not merged, a header that is not safetensors', and a safetensors file the safetensors library itself would
-refuse (offsets that overlap, leave gaps or run past the end, sizes that are not dtype x shape), naming the
-file and the tensor: read as they are, such offsets would give a tensor another's bytes.
-=======
-not merged, a header that is not safetensors', a checkpoint whose weights do not verify (their checksums, or
-NaN/inf values: what a resume refuses).
->>>>>>> checkpoint-security
+not merged, a header that is not safetensors', a safetensors file the safetensors library itself would refuse
+(offsets that overlap, leave gaps or run past the end, sizes that are not dtype x shape), naming the file and
+the tensor (read as they are, such offsets would give a tensor another's bytes), and a checkpoint whose weights
+do not verify (their checksums, or NaN/inf values: what a resume refuses).
 """
 
 from __future__ import annotations
