@@ -49,13 +49,39 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)  # generate_offload beside it, also when this file is loaded by a test
 
-from generate_offload import ACCELERATE_CHILD, TIMED_GENERATE, disk_read_gbps, drop_page_cache, run_capped  # noqa: E402
+from generate_offload import ACCELERATE_CHILD, TIMED_GENERATE, disk_read_gbps, drop_page_cache  # noqa: E402
 
 from aidaptiv_ds.common.sizes import format_size, parse_size  # noqa: E402
 from aidaptiv_ds.harness.hostcap import probe_cgroup  # noqa: E402
-from aidaptiv_ds.harness.io_bench import git_sha  # noqa: E402
 from aidaptiv_ds.harness.machine import machine_info, summary  # noqa: E402
+
+THREADS = os.cpu_count()  # OpenMP threads of every side (--threads)
+
+
+def git_sha() -> str:
+    """This checkout's commit (not that of an aidaptiv_ds imported from elsewhere, as an editable install's
+    autoload may have done before this file put its checkout first)."""
+    out = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True)
+    return out.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
+
+
+def run_capped(cmd, cap_bytes, factory, name):
+    """``cmd`` in a fresh memory cgroup of ``cap_bytes`` (none when 0 or None), this checkout first on its path:
+    (returncode, stdout, stderr, peak bytes, oom kills)."""
+    cg = factory.create(f"aidaptiv-moe-bench-{os.getpid()}-{name}", cap_bytes) if factory and cap_bytes else None
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(THREADS))
+    try:
+        p = subprocess.run(cg.wrap(cmd) if cg else cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        peak = cg.peak_bytes() if cg else None
+        ooms = cg.oom_kills() if cg else 0
+    finally:
+        if cg:
+            cg.remove()
+    return p.returncode, p.stdout, p.stderr, peak, ooms
+
 
 # OLMoE-1B-7B's published config (allenai/OLMoE-1B-7B-0924, config.json), and a small one of the same family.
 # The presets (aidaptiv_ds/models/presets.py) are to replace these once they hold MoE shapes.
@@ -272,12 +298,16 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-in-memory", action="store_true", help="skip the in-memory reference (RAM for the model)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="OpenMP threads of every side")
+    ap.add_argument("--note", default="", help="a sentence the summary opens with (a validation run, say)")
     ap.add_argument("--summary-only", action="store_true", help="write OUT/summary.md from OUT/rows.jsonl")
     ap.add_argument("--work", default=os.path.join(ROOT, ".bench_work", "generate_moe"), help="model and swap folder")
     ap.add_argument("--out", default=None, help="default bench/results/generate_moe/SHAPE_DTYPE")
     args = ap.parse_args()
     args.out = args.out or os.path.join(ROOT, "bench", "results", "generate_moe", f"{args.shape}_{args.dtype}")
     args.budget_bytes = parse_size(args.budget, "--budget")
+    global THREADS
+    THREADS = args.threads
     args.sides = [x.strip() for x in args.sides.split(",") if x.strip()]
     args.routers = [x.strip() for x in args.routers.split(",") if x.strip()]
     if set(args.sides) - set(SIDES) or "aidaptiv" not in args.sides:
@@ -303,6 +333,7 @@ def main():
     common = {
         "shape": args.shape, "config": SHAPES[args.shape], "dtype": args.dtype, "weight_bytes": weight_bytes,
         "budget_bytes": args.budget_bytes, "cap_bytes": cap, "new_tokens": args.new_tokens, "zipf_s": args.zipf_s,
+        "note": args.note, "threads": args.threads,
         "machine": summary(machine_info(swap)), "git_sha": git_sha(),
         "command": " ".join(["python bench/generate_moe.py", *sys.argv[1:]]),
     }  # fmt: skip
@@ -353,13 +384,15 @@ def write_summary(out, rows):
         f"# Mixture-of-experts generation beyond host memory: routed experts vs dense streaming vs accelerate "
         f"({time.strftime('%Y-%m-%d')})",
         "",
+        *([f"**{first['note']}**", ""] if first.get("note") else []),
         f"Model: `{first['shape']}` shape (OLMoE, transformers' OlmoeConfig: {json.dumps(first['config'])}), "
         f"random weights, {first['dtype']}, {format_size(first['weight_bytes'])} of weights written as transformers "
         f"saves them (one tensor per expert); host budget for weights {format_size(first['budget_bytes'])} on "
         f"every side ({first['weight_bytes'] / first['budget_bytes']:.1f}x smaller than the weights; accelerate: "
         f"max_memory), every capped run in a memory cgroup of {format_size(first['cap_bytes'])} (page cache "
         f"charged); page cache of the weight files dropped before each run; greedy, {first['new_tokens']} new "
-        f"tokens, sides interleaved (order reversed every other repeat). Disk: {gbps:.2f} GB/s O_DIRECT read "
+        f"tokens, sides interleaved (order reversed every other repeat), {first.get('threads')} OpenMP threads a "
+        f"side. Disk: {gbps:.2f} GB/s O_DIRECT read "
         f"(io-bench, uring, 2 GiB file). Machine: {first['machine']}; git {first.get('git_sha')}.",
         "",
         "Routers: *uniform* is the random weights' own routing, about uniform over the experts: the worst case "
