@@ -1,6 +1,7 @@
 """Mixtures of experts trained through the aidaptiv block: full fine-tuning and LoRA of the micro-moe preset on one
-rank give stock ZeRO-3's losses, load-balancing loss included; two ranks whose router sends their tokens to
-disjoint experts finish (no hang, within a bound) with the losses of stock ZeRO-3 with the same leaf modules.
+rank, and full fine-tuning on two ranks, give stock ZeRO-3's losses, load-balancing loss included; two ranks
+whose router sends their tokens to disjoint experts finish (no hang, within a bound) with the losses of stock
+ZeRO-3 with the same leaf modules.
 
 micro-moe: 4.6M parameters (2.2M active: 2 of 8 experts per token), a 40 MiB host budget, so parameters and
 optimizer state move through the swap files every step.
@@ -29,9 +30,11 @@ COMMON = ["--model", "micro-moe", "--seq-len", "64", "--steps", "3", "--warmup",
 LORA = ["--lora", "r=8,alpha=16,targets=q_proj,v_proj"]
 
 
-def train(folder, config, name, *extra):
+def train(folder, config, name, *extra, procs=None):
     out = folder / f"{name}.json"
-    rc, log = run_train(["--config", config, *COMMON, "--metrics-out", str(out), *extra], cwd=folder)
+    rc, log = run_train(
+        ["--config", config, *COMMON, "--metrics-out", str(out), *extra], cwd=folder, launcher_procs=procs
+    )
     assert rc == 0, failure_excerpt(log)
     return read_metrics(out)
 
@@ -55,6 +58,17 @@ def test_micro_moe_through_the_block_matches_stock_zero3(tmp_path, mode):
     # is part of the loss, and reported on its own.
     assert m["moe"] == r["moe"] and m["moe"]["leaf_blocks"] == 2 and m["moe"]["router_aux_loss_coef"] == 0.001
     assert len(m["aux_losses"]) == 3 and all(a > 1.0 for a in m["aux_losses"])  # 1.0: a perfectly balanced router
+    assert_same_losses(m["aux_losses"], r["aux_losses"], rel=1e-5)
+    assert_same_losses(m["losses"], r["losses"], rel=1e-5)
+
+
+def test_micro_moe_on_two_ranks_matches_stock_zero3_on_two_ranks(tmp_path):
+    # The preset's own routing (random weights) under the deepspeed launcher: each rank its own batches.
+    ours, ref = tmp_path / "ours", tmp_path / "ref"
+    ours.mkdir(), ref.mkdir()
+    m = train(ours, aidaptiv_config(ours, host_memory_budget="40MiB", layer_group_size=1), "m", procs=2)
+    r = train(ref, os.path.join(CONFIGS, "zero3.json"), "r", procs=2)
+    assert m["world_size"] == r["world_size"] == 2 and m["moe"]["leaf_blocks"] == 2
     assert_same_losses(m["aux_losses"], r["aux_losses"], rel=1e-5)
     assert_same_losses(m["losses"], r["losses"], rel=1e-5)
 
