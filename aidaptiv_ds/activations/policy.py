@@ -22,6 +22,7 @@ DeepSpeed; :mod:`aidaptiv_ds.zero3.activations` decides when and with which stor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -178,6 +179,25 @@ def default_budget(device: torch.device, host_budget: Optional[int]) -> Tuple[in
     return host_budget, "this rank's host_memory_budget"
 
 
+@contextlib.contextmanager
+def _outputs_not_recorded():
+    """The measuring run of a block records none of its modules' outputs. transformers 5 collects some outputs of a
+    forward (a mixture of experts' router logits, attentions, hidden states) by forward hooks on the modules that
+    make them, into a collector the model's forward holds: the measuring run, whose result is dropped, would add
+    its own, and a mixture's load-balancing loss would then count each router twice, once with a graph whose
+    parameters ZeRO-3 has released since (its backward failed: "size mismatch ... vec (0)")."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # another version of transformers, or none: nothing collects outputs this way
+        yield
+        return
+    token = _active_collector.set(None)
+    try:
+        yield
+    finally:
+        _active_collector.reset(token)
+
+
 def _share_from_rank0(obj):
     """Every rank takes rank 0's plan: ZeRO-3 gathers parameters collectively, so all ranks must run (and
     recompute) the same blocks in the same order."""
@@ -249,7 +269,7 @@ class AutoPolicy:
         saved = SavedBytes(self.store.worth_storing)
         _sync(device)
         t0 = time.perf_counter()
-        with saved.hooks():
+        with saved.hooks(), _outputs_not_recorded():
             out = original(*args, **kwargs)
         _sync(device)
         t1 = time.perf_counter()

@@ -14,7 +14,9 @@ template as a user's turn and the reply ends at the model's end of turn. Weights
 stay in memory; the rest are laid once into the swap space under --nvme-path and streamed layer by layer
 through pinned buffers while the model computes (see aidaptiv_ds.inference.streamed). With --kv-cache, the
 keys and values of each prompt are kept on the SSD and a later prompt sharing a prefix with it reads them back
-instead of computing them (see aidaptiv_ds.inference.kv_store).
+instead of computing them (see aidaptiv_ds.inference.kv_store). A mixture-of-experts model that does not fit
+reads only the experts its routers choose, per step and layer, or finds them in an expert cache within
+--host-budget (--experts, --experts-from; see aidaptiv_ds.inference.expert_cache).
 
 Completions go to stdout (token by token when prompts run one at a time); figures (time to first token,
 tokens/s, bytes read) to stderr, and with --metrics-out as JSON.
@@ -117,6 +119,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on CPU, store the streamed layers encoded, losslessly, and decode each as it arrives: bf16 layers are "
         "read in 3/4 of their bytes, fp32 in 7/8 (default auto: bf16 and fp16 layers; on: fp32 too; CUDA reads "
         "them as they are)",
+    )
+    s.add_argument(
+        "--experts",
+        default="routed",
+        choices=("routed", "whole"),
+        help="a mixture-of-experts model that does not fit: read only the experts each step's routers choose, "
+        "keeping those used most in memory (default routed, on CPU); whole: every expert with its layer, every step",
+    )
+    s.add_argument(
+        "--experts-from",
+        default="auto",
+        choices=("auto", "model", "swap"),
+        help="where routed experts are read: the model's own safetensors files where they can be read in place, "
+        "else copied once into --nvme-path (default auto); model: only in place; swap: always copied",
     )
     flags.add(s, flags.DTYPE, auto=True, default="auto", help="weights' dtype in memory (default auto: as stored)")
     k = p.add_argument_group("prompt cache")
@@ -267,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
             gpu_budget=args.gpu_budget,
             gpu_mem_cap_gb=args.gpu_mem_cap_gb,
             encode_weights=args.encode_weights,
+            experts=args.experts,
+            experts_from=args.experts_from,
         )
     except (OSError, ValueError) as e:
         return err(str(e))
@@ -284,6 +302,14 @@ def run(args: argparse.Namespace) -> int:
                 )
             if st["by_rows_bytes"]:
                 split.append(f"{format_size(st['by_rows_bytes'])} of embedding read by rows")
+            ex = st.get("experts")
+            if ex and ex["mode"] == "routed":
+                split.append(
+                    f"{format_size(ex['weight_bytes'])} of experts ({ex['experts']} in {ex['layers']} layers, "
+                    f"{ex['top_k']} a token: {format_size(ex['active_bytes_per_token'])}) read as routed from "
+                    + ("the model's files" if ex["read_from"] == "model" else "the swap file")
+                    + f", a cache of {ex['cache_slots']} experts ({format_size(ex['cache_slots'] * ex['slot_bytes'])})"
+                )
             # The studio's compare starts its second model when it sees ", laid out in " (studio/compare.py).
             print(
                 f"aidaptiv-ds generate: {format_size(st['weight_bytes'])} of weights, {', '.join(split)} (host budget "
@@ -293,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+        if not args.quiet and st.get("experts", {}).get("note"):
+            print(f"aidaptiv-ds generate: note: {st['experts']['note']}", file=sys.stderr, flush=True)
         if (
             not args.chat
             and not args.messages
@@ -349,9 +377,12 @@ def run(args: argparse.Namespace) -> int:
     new = sum(r.new_tokens for r in results)
     for i, r in enumerate(results):
         reuse = f", {r.reused_prefix_tokens} prompt tokens read from the KV cache" if r.reused_prefix_tokens else ""
+        read = f", {format_size(r.decode_bytes_per_token)} read per token" if r.new_tokens > 1 else ""
+        if r.decode_expert_hit_rate is not None:
+            read += f", expert cache hit rate {100 * r.decode_expert_hit_rate:.0f}%"
         print(
             f"aidaptiv-ds generate: prompt {i + 1}: {r.prompt_tokens} prompt tokens, {r.new_tokens} new, first token "
-            f"after {r.time_to_first_token_s:.3f} s, {r.tokens_per_s:.2f} tokens/s{reuse}",
+            f"after {r.time_to_first_token_s:.3f} s, {r.tokens_per_s:.2f} tokens/s{read}{reuse}",
             file=sys.stderr,
         )
     if args.metrics_out:
@@ -360,7 +391,15 @@ def run(args: argparse.Namespace) -> int:
             "wall_s": time.perf_counter() - started,
             "new_tokens": new,
             "stats": st,
-            "results": [dict(dataclasses.asdict(r), tokens_per_s=r.tokens_per_s) for r in results],
+            "results": [
+                dict(
+                    dataclasses.asdict(r),
+                    tokens_per_s=r.tokens_per_s,
+                    decode_bytes_per_token=r.decode_bytes_per_token,
+                    decode_expert_hit_rate=r.decode_expert_hit_rate,
+                )
+                for r in results
+            ],
         }
         with open(args.metrics_out, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)

@@ -70,6 +70,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "bits=4: QLoRA, the base's linear layers quantised to bitsandbytes nf4 (built whole in RAM "
         "first, then swapped; --output-dir and export write the adapter only)",
     )
+    data.add_argument(
+        "--router-aux-loss-coef",
+        type=float,
+        default=None,
+        metavar="W",
+        help="mixtures of experts: the weight of the router's load-balancing loss added to the loss (the "
+        "model's own router_aux_loss_coef by default, e.g. 0.001 for Qwen3-MoE; 0: none). The loss and its "
+        "per-step auxiliary part go to the metrics (losses, aux_losses)",
+    )
     flags.add(
         data,
         flags.SEED,

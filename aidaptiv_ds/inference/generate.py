@@ -22,6 +22,14 @@ memory within ``host_budget``, then from the swap space), and generation is
 transformers' own ``generate`` on that model (greedy, or sampled with temperature / top-k / top-p), so the
 tokens are those the in-memory model gives.
 
+A mixture-of-experts model that does not fit (on CPU) streams its routed experts apart from their layers
+(``experts`` "routed", the default): per step and layer its router runs first, and only the experts it chose
+for the step's tokens (their union, for a batch) are read, or found in an expert cache that holds the experts
+used most within ``host_budget``; from the model's own safetensors files where they can be read in place (O_DIRECT
+over the pages around each expert), else from the swap space (``experts_from``). ``experts`` "whole" streams them
+with their layers, as a dense model's. :meth:`Generator.stats` counts the cache's lookups and hits and the bytes
+read; each :class:`Result` the bytes its decoding read.
+
 With ``kv_cache`` each prompt runs alone (batch 1): a prompt sharing a prefix with one seen before reads that
 prefix's keys and values from :class:`aidaptiv_ds.inference.kv_store.PrefixKVStore` and computes only the rest;
 after it, the prompt's own keys and values are stored. Without it prompts run in batches of ``batch_size``
@@ -76,11 +84,26 @@ class Result:
     time_to_first_token_s: float
     decode_s: float  # from the first new token to the last
     reused_prefix_tokens: int = 0  # read back from the KV cache instead of computed
+    # Weights read from the disk from the first new token to the last (the swap file and the model's files), and
+    # the routed experts those steps needed and found in the expert cache: shared by the prompts of one batch.
+    decode_bytes_read: int = 0
+    decode_expert_lookups: int = 0
+    decode_expert_hits: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         """Decode speed: new tokens after the first, per second of decoding (0 with fewer than two)."""
         return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+    @property
+    def decode_bytes_per_token(self) -> float:
+        """Weights' bytes read from the disk per decoding step (the steps after the first new token)."""
+        return self.decode_bytes_read / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
+
+    @property
+    def decode_expert_hit_rate(self) -> Optional[float]:
+        """The share of the routed experts decoding needed that the expert cache held (None: no routed experts)."""
+        return self.decode_expert_hits / self.decode_expert_lookups if self.decode_expert_lookups else None
 
 
 def check_messages(messages) -> List[dict]:
@@ -157,14 +180,26 @@ def default_device_budget(device) -> int:
 
 
 class _StepClock:
-    """A logits processor that only notes when each new token's logits are ready (it changes nothing)."""
+    """A logits processor that only notes when each new token's logits are ready, and the weights' read counters
+    then (it changes nothing)."""
 
-    def __init__(self):
+    _COUNTERS = ("bytes_read", "expert_lookups", "expert_hits")
+
+    def __init__(self, stats: dict):
+        self.stats = stats
         self.times: List[float] = []
+        self.counters: List[tuple] = []
 
     def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
+        self.counters.append(tuple(self.stats.get(k, 0) for k in self._COUNTERS))
         return scores
+
+    def decoded(self) -> tuple:
+        """(bytes read, expert lookups, expert hits) from the first new token to the last."""
+        if len(self.counters) < 2:
+            return (0, 0, 0)
+        return tuple(b - a for a, b in zip(self.counters[0], self.counters[-1]))
 
 
 class _TextStream:
@@ -236,6 +271,8 @@ class Generator:
         gpu_budget=None,
         gpu_mem_cap_gb: Optional[float] = None,
         encode_weights: str = "auto",
+        experts: str = "routed",
+        experts_from: str = "auto",
     ):
         from aidaptiv_ds.models.locate import model_folder
         from aidaptiv_ds.models.presets import PRESETS
@@ -291,8 +328,17 @@ class Generator:
                 if gpu_budget in (None, "auto")
                 else parse_size(gpu_budget, "`gpu_budget`")
             )
+        from aidaptiv_ds.inference.weight_plan import EXPERT_MODES, EXPERT_SOURCES
+
+        if experts not in EXPERT_MODES:
+            raise GenerationError(f"`experts` {experts}: choose one of {', '.join(EXPERT_MODES)}")
+        if experts_from not in EXPERT_SOURCES:
+            raise GenerationError(f"`experts_from` {experts_from}: choose one of {', '.join(EXPERT_SOURCES)}")
         self.model = self._build_empty()
+        from aidaptiv_ds.inference.checkpoint_names import with_model_names
         from aidaptiv_ds.inference.streamed import StreamedWeights
+
+        self.source = with_model_names(self.source, self.model)  # a checkpoint's per-expert tensors, fused
 
         self.weights = StreamedWeights(
             self.model,
@@ -304,6 +350,8 @@ class Generator:
             progress=progress,
             device_budget=device_budget,
             encode=_encoded_dtypes(self.device, encode_weights),
+            experts=experts,
+            experts_from=experts_from,
         )
         self.weights.attach()
         self.kv = None
@@ -428,7 +476,7 @@ class Generator:
         for row, i in enumerate(batch):
             input_ids[row, width - len(ids[i]) :] = torch.tensor(ids[i])
             mask[row, width - len(ids[i]) :] = 1
-        clock = _StepClock()
+        clock = _StepClock(self.weights.stats)
         streamer = None
         if stream:
             streamer = _TextStream(tok, lambda row, piece: on_text(batch[row], piece), limits, self.stop_ids)
@@ -453,6 +501,7 @@ class Generator:
         results = []
         first_token = (clock.times[0] - start) if clock.times else float("nan")
         decode = (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else 0.0
+        decoded = clock.decoded()
         for row, i in enumerate(batch):
             new = out.sequences[row, width:].tolist()[: limits[row]]
             ends = [k for k, t in enumerate(new) if t in self.stop_ids]
@@ -462,8 +511,11 @@ class Generator:
             if on_text and streamer is None:
                 on_text(i, text)
             results.append(
-                Result(prompts[i], text, new, len(ids[i]), len(new), first_token, decode, reused if row == 0 else 0)
-            )
+                Result(
+                    prompts[i], text, new, len(ids[i]), len(new), first_token, decode, reused if row == 0 else 0,
+                    *decoded,
+                )
+            )  # fmt: skip
         if self.kv is not None and reused < len(ids[batch[0]]) - 1:
             self._store_prefix(ids[batch[0]], out.past_key_values)
         return results
@@ -490,9 +542,38 @@ class Generator:
             host_budget=w.host_budget,
             device=str(self.device),
         )
+        if w.expert_sets or w.experts_note:
+            out["experts"] = self._expert_stats()
         if self.kv is not None:
             out["kv_cache"] = dict(self.kv.stats)
         return out
+
+    def _expert_stats(self) -> dict:
+        """How the routed experts are read, and what the expert cache did (hits: experts a step needed that it
+        held; the rest were read)."""
+        w = self.weights
+        sets = w.expert_sets
+        st = w.stats
+        lookups = st.get("expert_lookups", 0)
+        where = sorted({"model" if s.in_place else "swap" for s in sets})
+        return dict(
+            mode="routed" if sets else "whole",
+            note=w.experts_note,
+            layers=len(sets),
+            experts=sum(s.num_experts for s in sets),
+            top_k=max((s.top_k for s in sets), default=0),
+            read_from="+".join(where),
+            weight_bytes=w.expert_bytes,
+            active_bytes_per_token=w.active_expert_bytes,
+            cache_slots=w.expert_slots,
+            slot_bytes=w.expert_slot_bytes,
+            lookups=lookups,
+            hits=st.get("expert_hits", 0),
+            hit_rate=st.get("expert_hits", 0) / lookups if lookups else None,
+            reads=st.get("expert_reads", 0),
+            bytes_read=st.get("expert_bytes_read", 0),
+            wait_s=st.get("expert_wait_s", 0.0),
+        )
 
     def close(self) -> None:
         if self.kv is not None:

@@ -67,8 +67,14 @@ class StreamedWeights(LaidOutWeights):
     pinned host memory and copied to the GPU each pass; the rest comes from the swap file.
     ``encode`` (CPU only): the dtypes whose tensors the streamed layers store encoded, losslessly (fewer bytes
     a token to read; ``ENCODE_AUTO``, the 2-byte floats, where decoding is cheap beside the quarter it saves).
-    ``stats`` counts what moved: ``bytes_read`` and ``reads`` (from the swap file, everything), of them
-    ``rows_bytes_read`` and ``rows_reads`` (embedding rows), ``wait_s`` (time the compute waited for a read),
+    ``experts`` and ``experts_from``: how a mixture-of-experts model's routed experts are read (``routed``: as
+    its routers choose them, through the expert cache, :mod:`aidaptiv_ds.inference.expert_cache`; ``whole``:
+    with their layers), and from where (``auto``: the model's own files where they can be read in place, else
+    the swap file; ``model``; ``swap``).
+    ``stats`` counts what moved: ``bytes_read`` and ``reads`` (from the swap file and, for experts read in
+    place, the model's files: everything), of them ``rows_bytes_read`` and ``rows_reads`` (embedding rows) and
+    ``expert_bytes_read`` and ``expert_reads`` (routed experts; with ``expert_lookups`` and ``expert_hits``, the
+    experts steps needed and found in the cache), ``wait_s`` (time the compute waited for a read),
     ``decode_s`` (time spent decoding encoded layers), ``layout_s`` and ``layout_bytes``."""
 
     def __init__(
@@ -83,6 +89,8 @@ class StreamedWeights(LaidOutWeights):
         progress=None,
         device_budget: Optional[int] = None,
         encode: Tuple[torch.dtype, ...] = (),
+        experts: str = "routed",
+        experts_from: str = "auto",
     ):
         self._hooks: list = []
         self._row_fd: Optional[int] = None  # the swap file, opened by the first read of embedding rows
@@ -97,6 +105,8 @@ class StreamedWeights(LaidOutWeights):
             progress=progress,
             device_budget=device_budget,
             encode=encode,
+            experts=experts,
+            experts_from=experts_from,
         )
 
     # ------------------------------------------------------------------------------------------ embedding rows
@@ -198,6 +208,8 @@ class StreamedWeights(LaidOutWeights):
         """Register the hooks that stream the non-resident groups (nothing to do when all are resident)."""
         if self._hooks:
             return
+        if self.expert_cache is not None:
+            self.expert_cache.attach()
         for g in self.row_groups:
             self._hooks.append(g.module.register_forward_pre_hook(self._make_rows_pre_hook(g), with_kwargs=True))
             self._hooks.append(g.module.register_forward_hook(self._make_rows_post_hook(g), always_call=True))

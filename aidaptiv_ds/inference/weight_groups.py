@@ -115,10 +115,15 @@ def groups_of(model: torch.nn.Module) -> List[Group]:
 
 
 def bind_sources(
-    groups: List[Group], model: torch.nn.Module, source: WeightSource, dtype: Optional[torch.dtype]
+    groups: List[Group],
+    model: torch.nn.Module,
+    source: WeightSource,
+    dtype: Optional[torch.dtype],
+    apart: frozenset = frozenset(),
 ) -> None:
     """Match every parameter of the model to a source tensor (tied parameters once, to the first group that
-    names them), and place it in its group's bytes."""
+    names them), and place it in its group's bytes. The parameters of the modules in ``apart`` (their ids: the
+    routed experts, :mod:`.expert_units`) are checked against the source but belong to no group."""
     tensors = source.tensors
     seen = {}  # id(parameter) -> (module, attr) of its first owner
     expected = set()
@@ -131,6 +136,14 @@ def bind_sources(
         for rel, p in params:
             full = prefix + rel
             owner, attr = _owner(g.module, rel)
+            if id(owner) in apart:
+                expected.add(full)
+                if full in tensors and tuple(tensors[full].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"{source.path}: tensor {full} has shape {list(tensors[full].shape)}, the model built from "
+                        f"its config.json wants {list(p.shape)}: the weights are of another model"
+                    )
+                continue
             if id(p) in seen:
                 g.members.append(Member(owner, attr, "", tuple(p.shape), p.dtype, -1, 0, tied_to=seen[id(p)]))
                 continue

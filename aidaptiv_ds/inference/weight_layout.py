@@ -8,20 +8,26 @@ file of the swap space, each layer one contiguous, 4 KiB aligned extent, so that
 of the I/O engine; they are written through the slots in turn (one fills from the source while another is being
 written), encoded where the plan chose codes (the decode buffer stages the layer's bytes; ``_decode``, which the
 read ring calls, turns them back). A table read by rows is written through the row buffer and bound to a
-placeholder of its shape between forwards. This module owns the pinned pool, the engine, the swap file and the
-buffers in the pool (the slots and their GPU twins, the row and decode buffers); ``close`` gives them back.
+placeholder of its shape between forwards. Routed experts (:mod:`.expert_units`) read in place need nothing laid
+out: their model files are opened by the engine (O_DIRECT, read only where the file is); any other set of experts
+is written into the swap file, one extent a set, its experts one after another. This module owns the pinned pool,
+the engine, the swap file, the model files it opened and the buffers in the pool (the slots and their GPU twins,
+the row and decode buffers, the expert cache's slots); ``close`` gives them back.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from aidaptiv_ds.common.sizes import align_up, format_size
 from aidaptiv_ds.engine.disk import UnsuitableDisk, swap_folder_problem
 from aidaptiv_ds.engine.io import IOEngine, PinnedPool
+from aidaptiv_ds.inference.expert_cache import ExpertCache
+from aidaptiv_ds.inference.expert_units import ExpertSet
 from aidaptiv_ds.inference.sources import WeightSource
 from aidaptiv_ds.inference.weight_codec import decode_into, encode_into
 from aidaptiv_ds.inference.weight_groups import Group, HostBudgetTooSmall, Slot, read_member
@@ -46,6 +52,8 @@ class LaidOutWeights(WeightPlan):
         progress=None,
         device_budget: Optional[int] = None,
         encode: Tuple[torch.dtype, ...] = (),
+        experts: str = "routed",
+        experts_from: str = "auto",
     ):
         super().__init__(
             model,
@@ -57,6 +65,8 @@ class LaidOutWeights(WeightPlan):
             progress=progress,
             device_budget=device_budget,
             encode=encode,
+            experts=experts,
+            experts_from=experts_from,
         )
         self.stats = {
             "bytes_read": 0,
@@ -75,6 +85,8 @@ class LaidOutWeights(WeightPlan):
         self.space: Optional[SwapSpace] = None
         self.file = None
         self.slots: List[Slot] = []
+        self.expert_cache: Optional[ExpertCache] = None
+        self._model_files: Dict[str, object] = {}  # opened by the engine for experts read in place
         try:
             self._lay_out(nvme_path)
         except BaseException:
@@ -135,14 +147,16 @@ class LaidOutWeights(WeightPlan):
             g.bind(g.buffer)
         self.stats["layout_bytes"] = self.resident_bytes + self.in_host_bytes
         streamed = self.swap_groups
-        if (streamed or self.row_groups) and not nvme_path:
+        self._open_model_files()
+        swap_sets = [s for s in self.expert_sets if not s.in_place]
+        if (streamed or self.row_groups or swap_sets) and not nvme_path:
             raise HostBudgetTooSmall(
                 f"the weights ({format_size(self.source.nbytes)}) do not fit the host budget "
                 f"{format_size(self.host_budget)}: give `nvme_path` DIR (a folder on the NVMe SSD) to stream "
-                f"{format_size(self.streamed_bytes + self.by_rows_bytes)} of them from, or a `host_budget` above "
-                f"{format_size(sum(g.nbytes for g in self.groups))}"
+                f"{format_size(self.streamed_bytes + self.by_rows_bytes + sum(s.nbytes for s in swap_sets))} of "
+                f"them from, or a `host_budget` above {format_size(self.source.nbytes)}"
             )
-        if streamed or self.row_groups:
+        if streamed or self.row_groups or swap_sets:
             # The rule of every swap folder (it exists, on a disk that takes O_DIRECT): never made here.
             problem = swap_folder_problem(nvme_path)
             if problem:
@@ -190,12 +204,71 @@ class LaidOutWeights(WeightPlan):
                     g.bind(self.decode_buffer)
                 else:
                     g.bind(self.slots[0].device if self.slots[0].device is not None else self.slots[0].host)
+        if self.expert_sets:
+            pool = self.pool.allocate(self.expert_slots * self.expert_slot_bytes)
+            for s in swap_sets:
+                self._lay_out_experts(s, pool)
+            files: Dict[Optional[str], object] = dict(self._model_files)
+            sizes = {path: os.path.getsize(path) for path in files}
+            # The swap file, when a set is read from it: its extents are whole units, never past its end.
+            files[None], sizes[None] = (self.file.handle if self.file is not None else None), 1 << 62
+            self.expert_cache = ExpertCache(
+                pool, self.expert_slot_bytes, self.expert_sets, self.engine, files, sizes, self.stats
+            )
         for g in self.groups:  # tied parameters: the very tensor of their first owner (both groups resident)
             for m in g.members:
                 if m.tied_to is not None:
                     module, attr = m.tied_to
                     m.module._parameters[m.attr] = module._parameters[attr]
         self.stats["layout_s"] = time.perf_counter() - start
+
+    def _open_model_files(self) -> None:
+        """Open the model files the experts read in place come from; a set whose file the engine cannot open
+        (another user's, a filesystem without O_DIRECT) is read from the swap file instead."""
+        for s in self.expert_sets:
+            if not s.in_place:
+                continue
+            paths = {path for reads in s.reads_in_place for path, _, _, _ in reads}
+            try:
+                for path in sorted(paths - set(self._model_files)):
+                    # Resolved: a hub cache's snapshot holds links, which the engine does not follow.
+                    self._model_files[path] = self.engine.open(os.path.realpath(path))
+            except OSError as e:
+                if self.experts_from == "model":
+                    raise
+                self.experts_note = f"experts of {s.label} and after read from the swap file: {e}"
+                for later in self.expert_sets[s.index :]:
+                    later.use_swap()
+                return
+
+    def _lay_out_experts(self, s: ExpertSet, pool: torch.Tensor) -> None:
+        """Write set ``s``'s experts into one extent of the swap file, one unit each, through the expert cache's
+        slots (empty until the first step)."""
+        s.extent = self.file.allocate(s.num_experts * s.unit_bytes)
+        per_turn = max(1, pool.numel() // s.unit_bytes)
+        for first in range(0, s.num_experts, per_turn):
+            pending = []
+            for k, e in enumerate(range(first, min(s.num_experts, first + per_turn))):
+                unit = pool[k * s.unit_bytes : (k + 1) * s.unit_bytes]
+                unit.zero_()
+                for p in s.params:
+                    self._fill_expert_param(p, e, unit[p.offset : p.offset + p.nbytes])
+                pending.append(self.engine.write_async(unit, self.file.handle, s.extent.offset + e * s.unit_bytes))
+            for w in pending:
+                w.wait()
+        self.stats["layout_bytes"] += s.nbytes
+        self._progress(f"laid out the experts of {s.label} ({s.index + 1}/{len(self.expert_sets)})")
+
+    def _fill_expert_param(self, p, expert: int, out: torch.Tensor) -> None:
+        """Expert ``expert``'s slice of parameter ``p`` from the source into ``out``, converted where asked."""
+        entry = self.source.tensors[p.name]
+        count = p.nbytes // p.dtype.itemsize
+        if entry.dtype == p.dtype:
+            self.source.read_range_into(p.name, expert * p.nbytes, out)
+            return
+        raw = torch.empty(count * entry.dtype.itemsize, dtype=torch.uint8)
+        self.source.read_range_into(p.name, expert * raw.numel(), raw)
+        out.view(p.dtype).copy_(raw.view(entry.dtype))
 
     def _lay_out_rows(self, g: Group) -> None:
         """Write table ``g`` into its extent through the row buffer, a buffer's worth at a time."""
@@ -235,6 +308,12 @@ class LaidOutWeights(WeightPlan):
                 except OSError:
                     pass
                 s.request = None
+        if self.expert_cache is not None:
+            self.expert_cache.detach()
+            self.expert_cache = None
+        for f in self._model_files.values():
+            f.close()
+        self._model_files = {}
         if self.file is not None:
             self.file.close()
             self.file = None

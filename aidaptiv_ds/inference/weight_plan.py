@@ -18,6 +18,13 @@ bytes, fp32 layers in seven eighths. The slots then hold encoded layers, and one
 holds the decoded layer its forward runs on. Choosing the codes takes one pass over the layers' weights before
 the plan (the slot size is the largest encoded layer); the plan that reads fewer bytes a pass wins.
 
+A mixture-of-experts model whose weights do not fit (on CPU) has its routed experts taken out of their layers
+(:mod:`.expert_units`): a layer group is then its attention, norms, router and any shared expert, resident or
+streamed as any layer, and the experts are read one by one as routers choose them into the slots of the expert
+cache (:mod:`.expert_cache`), which takes what the budget leaves after everything else: layers used at every step
+are worth more resident than an expert, which only some steps use. The plan reserves at least the experts one
+token uses (``top_k`` slots).
+
 On CUDA there are two budgets: the GPU budget holds the groups every step uses, the slots' GPU twins and as many
 layers as fit (resident on the GPU); the host budget holds the pinned slots and, with what is left, layers kept
 in pinned host memory, copied to their twin each pass without a disk read; only the rest is read from the swap
@@ -31,6 +38,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from aidaptiv_ds.common.sizes import ALIGN, align_up, format_size
+from aidaptiv_ds.inference.expert_units import ExpertSet, expert_sets_of, routed_modules
 from aidaptiv_ds.inference.sources import WeightSource
 from aidaptiv_ds.inference.weight_codec import codebook_for
 from aidaptiv_ds.inference.weight_groups import (
@@ -48,6 +56,11 @@ from aidaptiv_ds.inference.weight_groups import (
 # 3% and 6% in two runs, within their spread (bench/results/generate_offload/tinyllama-1.1b_fp32), so only "on" encodes it.
 ENCODE_AUTO = (torch.bfloat16, torch.float16)
 ENCODE_ALL = (torch.bfloat16, torch.float16, torch.float32)
+# How a mixture-of-experts model's routed experts are read when the model does not fit: each expert as its router
+# chooses it, or with its layer (every expert, every step: a dense model's streaming).
+EXPERT_MODES = ("routed", "whole")
+# Where routed experts are read from: the model's own files where they allow it (auto), or the swap file.
+EXPERT_SOURCES = ("auto", "model", "swap")
 _ROW_BUFFER_MAX = 8 << 20  # the row buffer of a table read by rows: a long prompt's rows go through it in turns
 
 
@@ -62,7 +75,10 @@ class WeightPlan:
     tensors; the parameters are those of :class:`~aidaptiv_ds.inference.streamed.StreamedWeights` but
     ``nvme_path``. It sets each group's ``resident``, ``in_host``, ``by_rows`` and encoded size, and the sizes of
     what the lay-out allocates: ``slot_count`` slots of ``slot_bytes``, the row buffer (``row_buffer_bytes``), the
-    decode buffer (``decode_bytes``) and the pinned pool that holds them (``_pool_bytes``)."""
+    decode buffer (``decode_bytes``) and the pinned pool that holds them (``_pool_bytes``).
+    ``experts`` (one of EXPERT_MODES) and ``experts_from`` (one of EXPERT_SOURCES) say how a mixture-of-experts
+    model's routed experts are read; the plan then sets ``expert_sets`` and the expert cache's ``expert_slots`` of
+    ``expert_slot_bytes``, and ``experts_note`` says why experts stay in their layers when they do."""
 
     def __init__(
         self,
@@ -75,8 +91,14 @@ class WeightPlan:
         progress=None,
         device_budget: Optional[int] = None,
         encode: Tuple[torch.dtype, ...] = (),
+        experts: str = "routed",
+        experts_from: str = "auto",
     ):
         self.model, self.source, self.device = model, source, torch.device(device)
+        if experts not in EXPERT_MODES:
+            raise ValueError(f"`experts` {experts}: choose one of {', '.join(EXPERT_MODES)}")
+        if experts_from not in EXPERT_SOURCES:
+            raise ValueError(f"`experts_from` {experts_from}: choose one of {', '.join(EXPERT_SOURCES)}")
         if encode and self.device.type != "cpu":
             raise ValueError("encoded weights are decoded on the CPU: encode is for device 'cpu'")
         self.encode = tuple(encode)
@@ -86,15 +108,67 @@ class WeightPlan:
         self.groups = groups_of(model)
         self.row_buffer_bytes = 0
         self.decode_bytes = 0  # the buffer encoded layers are decoded into (0: none encoded)
+        self.expert_sets: List[ExpertSet] = []
+        self.expert_slots, self.expert_slot_bytes, self.experts_note = 0, 0, ""
+        self.experts_from = experts_from
         bind_sources(self.groups, model, source, dtype)
+        if self._routes_experts(experts):
+            modules, why = routed_modules(model)
+            if why:
+                self.experts_note = "experts streamed with their layers: " + "; ".join(why[:2])
+            elif modules:
+                # The experts leave their layers: each layer group is what every token uses.
+                self.groups = groups_of(model)
+                bind_sources(self.groups, model, source, dtype, apart=frozenset(id(m) for _, m in modules))
+                self.expert_sets = expert_sets_of(model, modules, source, dtype)
+                self._choose_expert_source(experts_from)
         self._plan(max_slots)
+        if self.expert_sets:
+            self._plan_expert_cache()
+
+    def _routes_experts(self, experts: str) -> bool:
+        """Whether routed experts are read apart: asked for, on CPU, and the weights do not fit the budget."""
+        budget = self.host_budget if self.device_budget is None else self.device_budget
+        if experts != "routed" or sum(g.nbytes for g in self.groups) <= budget:
+            return False
+        if self.device.type != "cpu":
+            self.experts_note = "experts streamed with their layers: routed experts are read on CPU only for now"
+            return False
+        return True
+
+    def _choose_expert_source(self, experts_from: str) -> None:
+        """Read each set's experts in place where it can be and ``experts_from`` allows, else from the swap file."""
+        for s in self.expert_sets:
+            if experts_from != "swap" and s.reads_in_place is not None:
+                s.use_in_place()
+            elif experts_from == "model":
+                raise ValueError(
+                    f"`experts_from` model: the experts of {s.label} cannot be read from the model's files as they "
+                    "are (another dtype asked for, a checkpoint of ours, or experts split across files or pages "
+                    "unevenly): use `experts_from` auto or swap"
+                )
+        # A slot holds one expert however it is read (the lay-out may still fall back to the swap file).
+        self.expert_slot_bytes = max(max(s.span, s.unit_bytes) for s in self.expert_sets)
+
+    @property
+    def _expert_reserve(self) -> int:
+        """The least the expert cache needs: the experts one token uses in one layer."""
+        if not self.expert_sets:
+            return 0
+        return max(s.top_k for s in self.expert_sets) * self.expert_slot_bytes
+
+    def _plan_expert_cache(self) -> None:
+        """The expert cache takes what the budget leaves (at least the reserve), up to every expert once."""
+        left = self.host_budget - self._pool_bytes()
+        most = sum(s.num_experts for s in self.expert_sets)
+        self.expert_slots = min(most, left // self.expert_slot_bytes)
 
     def _plan(self, max_slots: int) -> None:
         """Choose resident groups and the number of slots within the host budget (and, on CUDA, the GPU's)."""
         total = sum(g.nbytes for g in self.groups)
         self.slot_bytes, self.slot_count = 0, 0
-        if total <= (self.host_budget if self.device_budget is None else self.device_budget):
-            return  # everything resident, read once
+        if total + self._expert_reserve <= (self.host_budget if self.device_budget is None else self.device_budget):
+            return  # everything resident, read once (routed experts aside)
         # A tie must bind one tensor for good, so layers taking part in one are not streamed.
         tied = {id(m.tied_to[0]) for g in self.groups for m in g.members if m.tied_to is not None}
         layers = [
@@ -111,7 +185,7 @@ class WeightPlan:
             g.by_rows = g.module is token_table and self._reads_by_rows(g, tied)
             g.resident = not g.by_rows
         self.row_buffer_bytes = max((_row_buffer_bytes(g) for g in outside if g.by_rows), default=0)
-        others = sum(g.nbytes for g in outside if not g.by_rows) + self.row_buffer_bytes
+        others = sum(g.nbytes for g in outside if not g.by_rows) + self.row_buffer_bytes + self._expert_reserve
         if not layers:
             if self.device_budget is not None:
                 raise DeviceBudgetTooSmall(
@@ -257,11 +331,14 @@ class WeightPlan:
         words = ", ".join(kept) or "nothing"
         if rows:
             words += f", and a row buffer for {', '.join(rows)} (read by rows)"
+        if self.expert_sets:
+            k = max(s.top_k for s in self.expert_sets)
+            words += f", and the {k} experts a token uses ({format_size(self.expert_slot_bytes)} each)"
         return words
 
     def _pool_bytes(self) -> int:
         """Pinned host memory: the resident groups on CPU (on CUDA they live on the GPU), the in-host layers, the
-        slots and the row buffer."""
+        slots, the row buffer and the expert cache."""
         resident = self.resident_bytes if self.device.type == "cpu" else 0
         return max(
             ALIGN,
@@ -269,7 +346,8 @@ class WeightPlan:
             + self.in_host_bytes
             + self.slot_count * self.slot_bytes
             + self.decode_bytes
-            + self.row_buffer_bytes,
+            + self.row_buffer_bytes
+            + self.expert_slots * self.expert_slot_bytes,
         )
 
     @property
@@ -312,3 +390,13 @@ class WeightPlan:
     @property
     def resident_bytes(self) -> int:
         return sum(g.nbytes for g in self.groups if g.resident)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of the routed experts (read as routers choose them, not in the passes above)."""
+        return sum(s.nbytes for s in self.expert_sets)
+
+    @property
+    def active_expert_bytes(self) -> int:
+        """Bytes of the routed experts one token uses: ``top_k`` experts of every set."""
+        return sum(s.top_k * s.expert_nbytes for s in self.expert_sets)

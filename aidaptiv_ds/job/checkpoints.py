@@ -121,6 +121,7 @@ class RunCheckpoints:
             "rng": rng_state(),
             "lrs": list(getattr(self.run, "lrs", [])),
             "eval_losses": list(getattr(self.run, "eval_losses", [])),
+            "aux_losses": list(getattr(self.run, "aux_losses", [])),
             "seed": self.run.settings.seed,
             "seq_len": self.run.settings.seq_len,
             "micro_batch": self.run.micro_batch,

@@ -10,7 +10,9 @@ each forward held, is the mean over tokens.
 from __future__ import annotations
 
 
-def evaluate(engine, batches) -> float:
+def evaluate(engine, batches, forward_kwargs: dict | None = None) -> float:
+    """The mean held-out token loss; ``forward_kwargs`` go to every forward (a mixture of experts is given
+    ``output_router_logits=False`` so that its loss is the language model's alone)."""
     import torch
     import torch.distributed as dist
 
@@ -21,7 +23,7 @@ def evaluate(engine, batches) -> float:
         with torch.no_grad():
             for i in range(batches.rounds):
                 batch, weight = batches.batch(i)
-                loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+                loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}, **(forward_kwargs or {})).loss
                 total[0] += loss.detach().to(torch.float64) * weight
                 total[1] += weight
     finally:

@@ -82,13 +82,13 @@ def wandb_settings(cfg: dict, metrics_out: Optional[str]) -> Optional[dict]:
 
 def fit_problems(spec, cfg: dict, seq_len: int, world_size: int, cuda: bool, lora: bool) -> List[str]:
     """What the plan says this node's ranks cannot hold (swap space, host budget, host memory: the planner's
-    figures, aidaptiv_ds.planner.guard), before a byte is written. Presets and Llama-shaped directories only:
-    another architecture is sized once built."""
+    figures, aidaptiv_ds.planner.guard), before a byte is written. Presets, Llama-shaped directories and the
+    mixtures of experts the planner counts (planner.shapes.KNOWN) only: another architecture is sized once built."""
     from aidaptiv_ds.engine.machine import total_ram_bytes
     from aidaptiv_ds.planner.guard import launch_problems
-    from aidaptiv_ds.planner.shapes import LLAMA_LIKE, shape_of_config
+    from aidaptiv_ds.planner.shapes import KNOWN, shape_of_config
 
-    if getattr(spec.config, "model_type", None) not in LLAMA_LIKE:
+    if getattr(spec.config, "model_type", None) not in KNOWN:
         return []
     micro = int(cfg.get("train_micro_batch_size_per_gpu") or 1)
     local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)

@@ -26,6 +26,7 @@ class TrainSettings:
     model: str = DEFAULT_MODEL
     data: Optional[str] = None
     lora: Optional[str] = None
+    router_aux_loss_coef: Optional[float] = None  # MoE load-balancing loss weight; None: the model's own, 0: off
     seed: int = DEFAULT_SEED
     dtype: Optional[str] = None  # fp32 | bf16 | fp16: overrides the config's precision
     eval_fraction: float = 0.0

@@ -154,6 +154,7 @@ class Run:
         else:
             cfg = run_config.auto_activations_by_default(cfg)
         self.spec = models.resolve(a.model, log=self.log)
+        self.configure_router_loss()
         import torch
 
         self.cuda = torch.cuda.is_available()
@@ -216,6 +217,40 @@ class Run:
             lr=((cfg.get("optimizer") or {}).get("params") or {}).get("lr"),
             nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
             device="cuda" if self.cuda else "cpu",
+        )
+
+    def configure_router_loss(self) -> None:
+        """A mixture of experts trains with its router's load-balancing loss (Switch Transformer's, as transformers
+        computes it from ``output_router_logits``) weighted by ``router_aux_loss_coef`` (the setting, else the
+        model's own): published configs ship with the logits off, which would fine-tune without it and let the
+        router collapse onto a few experts. A dense model has no router: the setting is refused there."""
+        a, config = self.settings, self.spec.config
+        if not self.spec.is_moe:
+            if a.router_aux_loss_coef is not None:
+                raise TrainingFailed(
+                    f"`router_aux_loss_coef` applies to mixtures of experts, and {self.spec.name} is a dense model: "
+                    "leave it out"
+                )
+            return
+        coef = a.router_aux_loss_coef
+        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
+        config.router_aux_loss_coef = coef
+        config.output_router_logits = coef > 0
+        experts = getattr(config, "num_local_experts", None) or config.num_experts
+        self.info["moe"] = {
+            "experts": experts,
+            "experts_per_token": config.num_experts_per_tok,
+            "active_params": self.spec.active_parameters,
+            "router_aux_loss_coef": coef,
+        }
+        self.log(
+            f"mixture of experts: {config.num_experts_per_tok} of {experts} experts per token, "
+            f"{self.spec.active_parameters / 1e6:,.1f}M of {self.spec.num_parameters / 1e6:,.1f}M parameters active; "
+            + (
+                f"load-balancing loss x {coef:g} added"
+                if coef > 0
+                else "no load-balancing loss (`router_aux_loss_coef` 0)"
+            )
         )
 
     def prepare_data(self, cfg: dict) -> str:
@@ -358,6 +393,14 @@ class Run:
             self.enable_gradient_checkpointing(model)
         if self.lora is not None:
             model = self.add_adapters(model)
+        if stage3:
+            # Every ZeRO-3 backend, stock ones too, with the MoE blocks as leaf modules (aidaptiv_ds.zero3.moe), so
+            # that stock and aidaptiv runs differ only in where the state lives.
+            from aidaptiv_ds.zero3.moe import mark_moe_blocks
+
+            blocks = mark_moe_blocks(model)
+            if blocks:
+                self.info.setdefault("moe", {})["leaf_blocks"] = len(blocks)
         self.info["build_s"] = time.perf_counter() - t0
         params = [p for p in model.parameters() if p.requires_grad]
         t0 = time.perf_counter()
@@ -510,7 +553,8 @@ class Run:
         from aidaptiv_ds.job.evaluation import evaluate
 
         t0 = time.perf_counter()
-        loss = evaluate(self.engine, self.eval_batches)
+        # A mixture of experts is evaluated on its language-model loss alone (no load-balancing term).
+        loss = evaluate(self.engine, self.eval_batches, {"output_router_logits": False} if self.spec.is_moe else None)
         self.eval_losses.append([step, loss])
         self.log(
             f"step {step}: eval loss {loss:.4f} on {self.eval_batches.sequences} held-out "
@@ -535,6 +579,8 @@ class Run:
         # per step, what the run before a resume recorded (None for a checkpoint older than these fields)
         self.lrs = list(client.get("lrs") or [None] * start)
         self.eval_losses = [list(e) for e in client.get("eval_losses") or []]
+        # A mixture's load-balancing loss per step (None for a checkpoint older than the field)
+        aux_losses = self.aux_losses = list(client.get("aux_losses") or [None] * start) if self.spec.is_moe else []
         steps = self.steps
         steps_to_run = max(0, steps - start)
         warmup = min(a.warmup, max(0, steps_to_run - 1))
@@ -564,12 +610,13 @@ class Run:
             step_io = M.proc_io() if monitor.enabled else None
             self.lrs.append(self.current_lr())  # what this step's update uses
             timer.start_step()
-            micro_losses = []
+            micro_losses, micro_aux = [], []
             for _ in range(self.grad_accum):
                 batch = {k: v.to(device) for k, v in self.batches.batch(position).items()}
                 position += 1
                 t = timer.now()
-                loss = engine(**batch).loss
+                out = engine(**batch)
+                loss = out.loss
                 t1 = timer.now()
                 engine.backward(loss)
                 t2 = timer.now()
@@ -579,10 +626,16 @@ class Run:
                 timer.add("backward", t2 - t1)
                 timer.add("optimizer", t3 - t2)
                 micro_losses.append(loss.detach().float())
+                if getattr(out, "aux_loss", None) is not None:
+                    micro_aux.append(out.aux_loss.detach().float())
             step_s = timer.end_step()
             step_loss = torch.stack(micro_losses).mean().to(torch.float64)
             dist.all_reduce(step_loss)
             losses.append(step_loss.item() / self.world_size)
+            if micro_aux:  # the router's load-balancing loss (before its weight), mean over micro-steps and ranks
+                step_aux = torch.stack(micro_aux).mean().to(torch.float64)
+                dist.all_reduce(step_aux)
+                aux_losses.append(step_aux.item() / self.world_size)
             if i == 0:
                 self.print_activation_plan(engine)
             if monitor.enabled:
@@ -644,6 +697,7 @@ class Run:
                 * a.seq_len
                 / self.batches.stream.epoch_tokens,
                 "eval_losses": self.eval_losses or None,
+                "aux_losses": aux_losses if any(x is not None for x in aux_losses) else None,
                 "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
                 "nvme_bytes_steps": (steps_to_run - warmup) if meter.started else None,
                 "disk_busy": meter.busy(),

@@ -44,6 +44,9 @@ def problems(args) -> list[str]:
         out.append(f"`eval_every` {args.eval_every} must not be negative")
     if args.eval_every and not (args.eval_fraction or args.eval_data):
         out.append("`eval_every` needs held-out data: give `eval_fraction` F or `eval_data` FILE")
+    coef = getattr(args, "router_aux_loss_coef", None)
+    if coef is not None and not (math.isfinite(coef) and coef >= 0):
+        out.append(f"`router_aux_loss_coef` {coef} must be a finite number, 0 or more (0: no load-balancing loss)")
     if args.keep_last < 0:
         out.append(f"`keep_last` {args.keep_last} must not be negative")
     if args.keep_last and not args.save_dir:

@@ -1,6 +1,11 @@
-"""The presets' data: the published hyperparameters of each model family's shape, and three small shapes of our
-own (see :mod:`aidaptiv_ds.models.presets`, which builds configs and models from them). Data only, so that
-modules that need to know the preset names (``--model`` resolution) import nothing else."""
+"""The presets' data: the published hyperparameters of each model family's shape, and small shapes of our own
+(see :mod:`aidaptiv_ds.models.presets`, which builds configs and models from them). Data only, so that
+modules that need to know the preset names (``--model`` resolution) import nothing else.
+
+Keys that are not the transformers config's own: ``nominal_params`` (below), ``family`` (the config's
+``model_type``) and, for mixtures of experts, ``nominal_active_params``: the parameters a token uses as the
+publisher counts them (its model card), which for gpt-oss leaves the input embedding out
+(``active_without_embedding``); see :data:`PRESET_KEYS`."""
 
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ from __future__ import annotations
 # count each model is known by (``nominal_params``: a published model's size, rounded; within 2% of the
 # shape's count). The harness orders and sizes sweep cells by it and reports it for cells that died before
 # train counted the model; train counts from the shape (count_parameters).
+# The keys of a preset that describe it rather than configure transformers (preset_config drops them).
+PRESET_KEYS = ("nominal_params", "nominal_active_params", "active_without_embedding", "family")
+
 PRESETS: dict[str, dict] = {
     "micro": dict(
         nominal_params=4_720_896,
@@ -204,5 +212,253 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=131072,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
+    ),
+    # -- mixtures of experts (transformers 5.23 keeps each layer's experts as fused 3D tensors: presets.py).
+    # Our own, in the Qwen3-MoE family: micro-moe for the tests (4.6M parameters, 2.2M active: 8 experts of 256, 2 per token;
+    # each layer's gate_up_proj is 1M elements, 4 MiB in fp32, so it is swapped by ZeRO-Infinity at 1 and 2
+    # ranks), and a ladder between it and the smallest published MoE (OLMoE, 6.9B) for the capacity bench.
+    "micro-moe": dict(
+        nominal_params=4_593_152,
+        nominal_active_params=2_233_856,
+        family="qwen3_moe",
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        vocab_size=2048,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.001,
+    ),
+    "tiny-moe": dict(
+        nominal_params=168_000_000,
+        nominal_active_params=35_500_000,
+        family="qwen3_moe",
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=2048,
+        moe_intermediate_size=384,
+        num_experts=32,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        vocab_size=10000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.001,
+    ),
+    "small-moe": dict(
+        nominal_params=656_000_000,
+        nominal_active_params=128_000_000,
+        family="qwen3_moe",
+        hidden_size=1024,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=4096,
+        moe_intermediate_size=256,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        vocab_size=10000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.001,
+    ),
+    "medium-moe": dict(
+        nominal_params=2_716_000_000,
+        nominal_active_params=603_000_000,
+        family="qwen3_moe",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=384,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        vocab_size=32000,
+        rope_theta=1000000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.001,
+    ),
+    # allenai/OLMoE-1B-7B-0924 config.json: 16 layers, hidden 2048, 16 heads (no GQA) with q/k norms over the
+    # whole projection, 64 experts of 1024, 8 per token (top-k weights not renormalised), vocabulary 50,304,
+    # untied; 6.9B parameters, 1.3B active (the paper, arXiv 2409.02060).
+    "olmoe-1b-7b": dict(
+        nominal_params=6_900_000_000,
+        nominal_active_params=1_300_000_000,
+        family="olmoe",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=1024,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=False,
+        clip_qkv=None,
+        vocab_size=50304,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.01,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers, hidden 2048, 32 heads of 128 (4 KV heads), every layer sparse:
+    # 128 experts of 768, 8 per token; vocabulary 151,936, untied; 30.5B parameters, 3.3B active (model card).
+    "qwen3-30b-a3b": dict(
+        nominal_params=30_500_000_000,
+        nominal_active_params=3_300_000_000,
+        family="qwen3_moe",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.001,
+    ),
+    # Qwen/Qwen3-235B-A22B config.json: 94 layers, hidden 4096, 64 heads of 128 (4 KV heads), 128 experts of
+    # 1536, 8 per token; vocabulary 151,936, untied; 235B parameters, 22B active (model card).
+    "qwen3-235b-a22b": dict(
+        nominal_params=235_000_000_000,
+        nominal_active_params=22_000_000_000,
+        family="qwen3_moe",
+        hidden_size=4096,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.001,
+    ),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, hidden 4096, 32 heads (8 KV heads), 8 experts of
+    # 14,336, 2 per token; vocabulary 32,000, untied; 46.7B parameters, 12.9B active (Mistral's announcement).
+    "mixtral-8x7b": dict(
+        nominal_params=46_700_000_000,
+        nominal_active_params=12_900_000_000,
+        family="mixtral",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.02,
+    ),
+    # openai/gpt-oss-20b config.json: 24 layers, hidden 2880, 64 heads of 64 (8 KV heads) with biases and a
+    # learnt sink per head, attention alternating sliding (128 tokens) and full; 32 experts of 2880 with biases,
+    # 4 per token, a router with a bias; vocabulary 201,088, untied; YaRN RoPE (theta 150,000, factor 32 over
+    # 4,096). 20.91B parameters, 3.61B active (OpenAI's model card, which counts the unembedding but not the
+    # input embedding, 0.58B, among the active).
+    "gpt-oss-20b": dict(
+        nominal_params=20_910_000_000,
+        nominal_active_params=3_610_000_000,
+        active_without_embedding=True,
+        family="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        attention_bias=True,
+        sliding_window=128,
+        swiglu_limit=7.0,
+        vocab_size=201088,
+        rope_theta=150000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=4096,
+        ),
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.9,
+    ),
+    # openai/gpt-oss-120b config.json: gpt-oss-20b's layer with 36 layers and 128 experts (4 per token).
+    # 116.83B parameters, 5.13B active (OpenAI's model card, the input embedding not counted as active).
+    "gpt-oss-120b": dict(
+        nominal_params=116_830_000_000,
+        nominal_active_params=5_130_000_000,
+        active_without_embedding=True,
+        family="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        attention_bias=True,
+        sliding_window=128,
+        swiglu_limit=7.0,
+        vocab_size=201088,
+        rope_theta=150000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=4096,
+        ),
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.9,
     ),
 }

@@ -23,18 +23,46 @@ Our own shapes:
   with 2. (With intermediate 1024 only the embedding and head partitions are swappable at 2 ranks, and
   DeepSpeed's NVMe prefetch then queues the head twice at the forward/backward turn and asserts; see
   ds_configs/README.md.)
+
+Mixtures of experts (MoE): Qwen3-MoE (``qwen3-30b-a3b``, ``qwen3-235b-a22b``), gpt-oss (``gpt-oss-20b``,
+``gpt-oss-120b``), Mixtral (``mixtral-8x7b``) and OLMoE (``olmoe-1b-7b``) with their published shapes, and
+``micro-moe`` (tests), ``tiny-moe``, ``small-moe``, ``medium-moe`` of our own in the Qwen3-MoE family (a ladder
+for the capacity bench: 0.17B, 0.66B, 2.7B). transformers 5.23 lays every family's experts out the same way: one
+``experts`` module per MoE layer holding all its experts as two fused 3D parameters, ``gate_up_proj``
+(``[experts, 2 x moe_intermediate, hidden]``; gpt-oss stores it transposed, ``[experts, hidden, 2 x
+intermediate]``, with a bias per expert) and ``down_proj``, beside a router (``gate`` or ``router``, a
+``[experts, hidden]`` weight) in the layer's MoE block (``mlp``). There are no per-expert modules: an expert
+is a slice of a parameter. It matters three times: counting (:func:`count_parameters`,
+:func:`active_parameters`), ZeRO-3 (a parameter is gathered, partitioned and swapped whole, so a layer's
+experts move together, and the MoE block is made a ZeRO-3 leaf module: aidaptiv_ds.zero3.moe), and LoRA
+(PEFT's ``target_modules`` finds Linear modules only: the attention projections are the targets, see
+aidaptiv_ds.job.lora). Hugging Face checkpoints store experts one by one (``experts.0.w1``...);
+``from_pretrained`` fuses them as it loads.
+
+Active parameters are those one token's forward uses: everything but the routed experts it is not sent to
+(``num_experts_per_tok`` of ``num_experts`` in each MoE layer), the embedding table counted whole as the
+publishers of Qwen3, Mixtral and OLMoE count it (OpenAI's gpt-oss figures leave the input embedding out). The
+experts' and routers' parameters, which their constructors leave empty or zero (transformers draws them in its
+post-init, which presets skip), are drawn here as a Linear layer's would be (:func:`_draw_moe_parameters`):
+a router of zeros would send every token to the first experts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
+import sys
 from dataclasses import dataclass, field
 
-from aidaptiv_ds.models.preset_shapes import PRESETS  # re-exported: the presets' data
+from aidaptiv_ds.models.preset_shapes import PRESET_KEYS, PRESETS  # re-exported: the presets' data
 
 # Qwen2 puts a bias on the q, k and v projections; Llama has no biases.
 _QKV_BIAS = {"llama": False, "qwen2": True}
+LLAMA_LIKE = ("llama", "qwen2", "mistral")
+# The mixture-of-experts families whose shapes are counted from their configs (their layouts: module docstring).
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 
 
 @dataclass
@@ -54,11 +82,22 @@ class ModelSpec:
     def largest_parameter_numel(self) -> int:
         return self._counts()[1]
 
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token's forward uses (all of them for a dense model; see the module docstring)."""
+        if getattr(self.config, "model_type", None) in MOE_FAMILIES:
+            return active_parameters(self.config)
+        return self.num_parameters
+
+    @property
+    def is_moe(self) -> bool:
+        return getattr(self.config, "model_type", None) in MOE_FAMILIES
+
     def _counts(self) -> tuple[int, int]:
-        """(parameters, largest parameter): config arithmetic for the Llama/Qwen2 shapes, otherwise (a local
+        """(parameters, largest parameter): config arithmetic for the Llama/Qwen2 and MoE shapes, otherwise (a local
         directory of another architecture) a build on the meta device, which allocates nothing."""
         if "counts" not in self.info:
-            if getattr(self.config, "model_type", None) in ("llama", "qwen2", "mistral"):
+            if getattr(self.config, "model_type", None) in LLAMA_LIKE + MOE_FAMILIES:
                 self.info["counts"] = (count_parameters(self.config), largest_parameter_numel(self.config))
             else:
                 import torch
@@ -87,15 +126,18 @@ def preset_config(name: str):
             f"model preset {name!r} is unknown: choose one of {', '.join(PRESETS)} "
             "or give a local Hugging Face model directory"
         )
-    p = dict(PRESETS[name])
-    p.pop("nominal_params")
-    family = p.pop("family")
+    p = {k: v for k, v in PRESETS[name].items() if k not in PRESET_KEYS}
+    family = PRESETS[name]["family"]
     rope = {"rope_type": "default", "rope_theta": p.pop("rope_theta")}
     rope.update(p.pop("rope_scaling", None) or {})
     # The byte tokenizer's specials (tokenizer.py) are valid ids for every preset vocabulary.
     from aidaptiv_ds.models.tokenizer import ByteTokenizer
 
     specials = dict(bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS, pad_token_id=ByteTokenizer.PAD)
+    if family in MOE_FAMILIES:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(family, rope_parameters=rope, **specials, **p)
     if family == "llama":
         from transformers import LlamaConfig
 
@@ -130,7 +172,9 @@ def _shape(config) -> dict:
 
 
 def count_parameters(config) -> int:
-    """Parameters of a Llama/Qwen2-shaped causal LM, from its config alone (no tensors are made)."""
+    """Parameters of a Llama/Qwen2-shaped or MoE causal LM, from its config alone (no tensors are made)."""
+    if config.model_type in MOE_FAMILIES:
+        return _moe_counts(config)["total"]
     s = _shape(config)
     h, q_out, kv_out = s["h"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"]
     attn = h * q_out + 2 * h * kv_out + q_out * h
@@ -145,9 +189,60 @@ def count_parameters(config) -> int:
 
 
 def largest_parameter_numel(config) -> int:
-    """Elements of the largest single parameter (the embedding or an MLP matrix): what swap buffers must hold."""
+    """Elements of the largest single parameter (the embedding, an MLP matrix, a layer's fused experts):
+    what swap buffers must hold."""
+    if config.model_type in MOE_FAMILIES:
+        return _moe_counts(config)["largest"]
     s = _shape(config)
     return max(s["vocab"] * s["h"], s["h"] * s["inter"], s["h"] * s["heads"] * s["head_dim"])
+
+
+def active_parameters(config) -> int:
+    """Parameters one token's forward uses: all of a dense model's; of an MoE model, all but the routed experts the
+    token is not sent to (``num_experts_per_tok`` of ``num_experts`` per MoE layer), the embedding table whole."""
+    if config.model_type in MOE_FAMILIES:
+        return _moe_counts(config)["active"]
+    return count_parameters(config)
+
+
+def moe_layer_indices(config) -> list[int]:
+    """The decoder layers whose MLP is a mixture of experts (Qwen3-MoE can keep some dense: ``mlp_only_layers``,
+    ``decoder_sparse_step``; the other families' layers are all sparse)."""
+    layers = range(config.num_hidden_layers)
+    if config.model_type != "qwen3_moe":
+        return list(layers)
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return [i for i in layers if i not in dense and config.num_experts > 0 and (i + 1) % step == 0]
+
+
+def _moe_counts(config) -> dict:
+    """Total, active and largest-parameter elements of a :data:`MOE_FAMILIES` model, from its config (the layouts
+    of transformers 5.23, checked against meta builds by tests/unit/test_models.py)."""
+    family = config.model_type
+    h, heads = config.hidden_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q_out, kv_out = heads * head_dim, kv * head_dim
+    bias = bool(getattr(config, "attention_bias", False)) and family != "mixtral"
+    attn = 2 * h * q_out + 2 * h * kv_out + ((q_out + 2 * kv_out + h) if bias else 0)
+    attn += {"qwen3_moe": 2 * head_dim, "olmoe": q_out + kv_out, "gpt_oss": heads}.get(family, 0)  # norms, sinks
+    experts = config.num_local_experts if family in ("mixtral", "gpt_oss") else config.num_experts
+    top_k = config.num_experts_per_tok
+    f = config.intermediate_size if family != "qwen3_moe" else config.moe_intermediate_size
+    expert = 3 * h * f + ((2 * f + h) if family == "gpt_oss" else 0)  # one expert's gate, up and down (biases)
+    router = experts * h + (experts if family == "gpt_oss" else 0)
+    sparse = len(moe_layer_indices(config))
+    dense = config.num_hidden_layers - sparse
+    embed = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    common = embed + h + config.num_hidden_layers * (attn + 2 * h) + dense * 3 * h * config.intermediate_size
+    return {
+        "total": common + sparse * (router + experts * expert),
+        "active": common + sparse * (router + top_k * expert),
+        "largest": max(
+            config.vocab_size * h, experts * 2 * f * h, h * q_out, h * config.intermediate_size if dense else 0
+        ),
+    }
 
 
 def resolve(model: str, log=None) -> ModelSpec:
@@ -187,6 +282,69 @@ def _keep_rope_dtype():
         return
     with prevent_arange_dtype_change():
         yield
+
+
+def _draw_moe_parameters(module) -> None:
+    """Draw the parameters an MoE family's constructors leave empty (``torch.empty``) or zero, as torch's Linear
+    draws a weight and a bias (uniform within 1/sqrt(fan_in)): each expert's slice of the fused ``[experts, out,
+    in]`` parameters (``[experts, in, out]`` where the layout is transposed, gpt-oss) and its bias, the router's
+    weight and bias. gpt-oss's attention sinks (a logit per head) start at zero. Only the module's own
+    parameters are touched: norms keep their ones, Linear layers their own draws."""
+    import torch
+
+    own = dict(module.named_parameters(recurse=False))
+    fused = {n: p for n, p in own.items() if p.dim() == 3}
+    router = type(module).__name__.endswith("Router")
+    with torch.no_grad():
+        for name, p in fused.items():
+            fan_in = p.shape[1] if getattr(module, "is_transposed", False) else p.shape[2]
+            p.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+            bias = own.get(f"{name}_bias")
+            if bias is not None:
+                bias.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        if router and "weight" in own:
+            fan_in = own["weight"].shape[-1]
+            for n in ("weight", "bias"):
+                if n in own:
+                    own[n].uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        if "sinks" in own:
+            own["sinks"].zero_()
+
+
+@contextlib.contextmanager
+def _moe_draws(model_class):
+    """While a model of ``model_class`` is built, every module class of its modeling file draws its MoE parameters
+    (:func:`_draw_moe_parameters`) as soon as its constructor returns: under zero.Init a submodule is partitioned
+    right after its own __init__, so a draw after the whole model is built would find empty partitions. This
+    wrapper is installed before zero.Init wraps the constructors, so it runs inside them, before partitioning."""
+    import torch
+
+    module = sys.modules.get(model_class.__module__)
+    classes = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type)
+        and issubclass(c, torch.nn.Module)
+        and c.__module__ == module.__name__
+        and "__init__" in vars(c)
+    ]
+    originals = {c: c.__dict__["__init__"] for c in classes}
+
+    def drawing(original):
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            _draw_moe_parameters(self)
+
+        return __init__
+
+    for c, original in originals.items():
+        c.__init__ = drawing(original)
+    try:
+        yield
+    finally:
+        for c, original in originals.items():
+            c.__init__ = original
 
 
 @contextlib.contextmanager
@@ -245,15 +403,20 @@ def build_model(spec: ModelSpec, dtype, init_context=None, ds_config: dict | Non
             from transformers.integrations import HfDeepSpeedConfig
 
             hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained (transformers keeps a weakref)
-        model = _model_class(spec.config).from_pretrained(spec.hf_dir, local_files_only=True, dtype=dtype)
+        # The config object, not the folder's file again: train may have set fields of it (a mixture of experts'
+        # output_router_logits and router_aux_loss_coef).
+        model = _model_class(spec.config).from_pretrained(
+            spec.hf_dir, config=spec.config, local_files_only=True, dtype=dtype
+        )
         model._aidaptiv_hf_ds_config = hf_ds
         return model
     cls = _model_class(spec.config)
     tied = bool(getattr(spec.config, "tie_word_embeddings", False))
     std = float(getattr(spec.config, "initializer_range", 0.02)) if tied else None
+    draws = _moe_draws(cls) if spec.is_moe else contextlib.nullcontext()
     if init_context is None:
-        with _torch_default_init(std):
+        with _torch_default_init(std), draws:
             return cls(spec.config).to(dtype)
     # zero.Init casts to the dtype of the DeepSpeed config itself (bf16 block on -> bf16, else fp32).
-    with _torch_default_init(std), _keep_rope_dtype(), init_context:
+    with _torch_default_init(std), draws, _keep_rope_dtype(), init_context:
         return cls(spec.config)

@@ -228,9 +228,21 @@ def activation_bytes(job: Job) -> Dict[str, int]:
     logits with their fp32 copy and the loss's log-softmax. Attention scores are not counted (SDPA's flash
     and memory-efficient kernels, on CPU too, do not keep them). ``recompute`` keeps only each layer's
     input and recomputes one layer at a time; ``nvme`` keeps only the inputs read back ahead of the backward.
-    With ``loss_chunk_tokens`` the logits of one chunk exist at a time."""
+    With ``loss_chunk_tokens`` the logits of one chunk exist at a time.
+
+    A mixture-of-experts layer sends each token to ``experts_per_token`` experts: per token, that many
+    expert-sized sets of 4 (instead of the dense MLP's), plus the token's copy gathered for each expert and its
+    weighted output, and the router's logits and probabilities over every expert in fp32."""
     s, e, t = job.shape, job.elsize, job.tokens
-    per_layer = t * ((10 * s.hidden + 4 * s.intermediate) * e + 2 * s.hidden * 4)
+    dense_layer = t * ((10 * s.hidden + 4 * s.intermediate) * e + 2 * s.hidden * 4)
+    moe_layer = t * (
+        (10 * s.hidden + s.experts_per_token * (4 * s.expert_intermediate + 2 * s.hidden)) * e
+        + 2 * s.hidden * 4
+        + 2 * s.experts * 4
+    )
+    sparse = len(s.moe_layers)
+    layers = (s.layers - sparse) * dense_layer + sparse * moe_layer
+    per_layer = max([dense_layer] * (s.layers > sparse) + [moe_layer] * (sparse > 0))
     rows = min(t, job.loss_chunk_tokens) if job.loss_chunk_tokens else t
     logits = rows * s.vocab * (e + 4 + 4)
     if job.activations == "recompute":
@@ -245,7 +257,7 @@ def activation_bytes(job: Job) -> Dict[str, int]:
             "one layer recomputed": per_layer,
             "logits and loss": logits,
         }
-    return {"layers": s.layers * per_layer, "logits and loss": logits}
+    return {"layers": layers, "logits and loss": logits}
 
 
 def _state(pr: int, e: int) -> Dict[str, int]:
@@ -572,8 +584,9 @@ def plan_job(backend: str, job: Job, hw: Hardware) -> BackendPlan:
 
 
 def step_flops(job: Job) -> float:
-    """FLOPs of one rank's step: 6 x parameters x tokens (forward and backward) plus attention."""
+    """FLOPs of one rank's step: 6 x parameters x tokens (forward and backward) plus attention. A token of a
+    mixture of experts computes with its active parameters only (``ModelShape.active_parameters``)."""
     s = job.shape
     tokens = job.tokens * job.grad_accum
     attention = 12 * s.layers * job.seq_len * s.heads * s.head_dim
-    return float(tokens * (6 * s.num_parameters + attention))
+    return float(tokens * (6 * s.active_parameters + attention))

@@ -31,6 +31,15 @@ def as_dict(
     out = {
         "model": s.name,
         "parameters": s.num_parameters,
+        "active_parameters": s.active_parameters,
+        "experts": None
+        if not s.is_moe
+        else {
+            "routed_per_layer": s.experts,
+            "per_token": s.experts_per_token,
+            "moe_layers": len(s.moe_layers),
+            "expert_parameters": s.expert_parameters,
+        },
         "largest_layer_params": s.largest_layer_params,
         "job": {
             "seq_len": job.seq_len,
@@ -89,6 +98,16 @@ def as_dict(
     return out
 
 
+def moe_line(s) -> str:
+    """What a mixture of experts is planned with (every expert) and what a token computes with (the active)."""
+    return (
+        f"mixture of experts: {s.active_parameters / 1e9:.2f}B of the {s.num_parameters / 1e9:.2f}B parameters active "
+        f"per token ({s.experts_per_token} of {s.experts} experts in each of {len(s.moe_layers)} MoE layers); "
+        "memory is planned for all of them (every expert is trained: its weights, gradients and optimizer state), "
+        "compute for the active"
+    )
+
+
 def table(
     job: Job, hw: Hardware, rates: Rates, plans: List[BackendPlan], predictions: Dict[str, StepPrediction]
 ) -> str:
@@ -109,6 +128,8 @@ def table(
         "rates: "
         + ("; ".join(f"{n} {_rate(n, v['value'])} ({v['source']})" for n, v in rates.as_dict().items()) or "none"),
     ]
+    if s.is_moe:
+        lines.insert(1, moe_line(s))
     if rates.io:
         lines.append(
             f"I/O tuned for the swap disk: block_size {rates.io['block_size'] // 1024} KiB, queue_depth "

@@ -4,8 +4,9 @@ Both take what DeepSpeed's take (a config as a dict or a JSON/hjson path, read b
 :func:`aidaptiv_ds.config.ds_config.load`). Without an enabled block they are DeepSpeed's, untouched. With one,
 the config is validated (every problem reported at once, before any file is opened) and resolved, once
 per config even when both are called with it, rewritten so ZeRO-3 takes its NVMe paths, our swappers are
-installed, and the engine returned by ``initialize`` gains
-``aidaptiv_stats()`` and checkpoints that carry every byte of the swapped state.
+installed, the model's mixture-of-experts blocks become ZeRO-3 leaf modules (:mod:`aidaptiv_ds.zero3.moe`), and
+the engine returned by ``initialize`` gains ``aidaptiv_stats()`` and checkpoints that carry every byte of the
+swapped state.
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ def initialize(
         args.deepspeed_config = None  # DeepSpeed refuses a config given both ways
     ds_config = load_config(source)
     translated, settings = (ds_config, None) if ds_config is None else prepare(ds_config, model, _world_size())
+    if settings is not None and model is not None:
+        from aidaptiv_ds.zero3.moe import mark_moe_blocks
+
+        mark_moe_blocks(model)  # before DeepSpeed installs its hooks (see zero3/moe.py)
     engine, opt, loader, sched = original_initialize(deepspeed)(
         args=args,
         model=model,

@@ -62,3 +62,39 @@ def test_keep_changes_nothing_and_refusals_say_what_to_do():
         activation_policy.apply(nn.Linear(4, 4), ActivationSettings(policy="recompute"))
     with pytest.raises(ValueError, match='choose "recompute"'):
         activation_policy.apply(Net(), ActivationSettings(policy="nvme"), make_store=None)
+
+
+class _NothingStored:
+    """What the auto policy asks of its store while it measures: whether a tensor would be stored (here none)."""
+
+    def worth_storing(self, t) -> bool:
+        return False
+
+
+def test_auto_measuring_run_leaves_a_mixtures_router_logits_and_load_balancing_loss_alone():
+    # The first training forward runs each block twice (measured, then as a checkpoint); transformers records
+    # each router's logits by a hook, so the dropped run must add none: two layers, two sets of logits, and the
+    # same loss and gradients as the model without a policy.
+    from aidaptiv_ds.models.presets import build_model, resolve
+
+    spec = resolve("micro-moe")
+    spec.config.output_router_logits = True
+    torch.manual_seed(0)
+    ref = build_model(spec, torch.float32).train()
+    net = build_model(spec, torch.float32).train()
+    net.load_state_dict(ref.state_dict())
+    settings = ActivationSettings(policy="auto", budget=1 << 40, nvme_bandwidth=1e9)
+    activation_policy.apply(net, settings, make_store=_NothingStored)
+    policy = net._aidaptiv_auto_policy
+    ids = torch.randint(0, spec.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for model in (ref, net):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outs.append(out)
+    assert policy.modes == ["keep", "keep"]  # the plan was made from this forward
+    assert len(outs[1].router_logits) == len(outs[0].router_logits) == spec.config.num_hidden_layers
+    assert outs[0].aux_loss > 0 and torch.equal(outs[1].aux_loss, outs[0].aux_loss)
+    assert torch.equal(outs[1].loss, outs[0].loss)
+    for (name, a), b in zip(ref.named_parameters(), net.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name

@@ -184,6 +184,16 @@ def test_presets_cover_the_contract():
         "qwen2.5-3b",
         "qwen2.5-7b",
         "qwen2.5-72b",
+        "micro-moe",
+        "tiny-moe",
+        "small-moe",
+        "medium-moe",
+        "olmoe-1b-7b",
+        "qwen3-30b-a3b",
+        "qwen3-235b-a22b",
+        "mixtral-8x7b",
+        "gpt-oss-20b",
+        "gpt-oss-120b",
     }
 
 

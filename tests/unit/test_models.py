@@ -32,6 +32,65 @@ def test_preset_parameter_count_matches_published(name):
     assert count_parameters(preset_config(name)) == PUBLISHED[name]
 
 
+# The mixtures of experts' totals and active parameters as their publishers give them (model cards, rounded), and
+# whether that active figure leaves the input embedding out (OpenAI's does).
+PUBLISHED_MOE = {
+    "olmoe-1b-7b": (6.9e9, 1.3e9, False),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9, False),
+    "qwen3-235b-a22b": (235e9, 22e9, False),
+    "mixtral-8x7b": (46.7e9, 12.9e9, False),
+    "gpt-oss-20b": (20.91e9, 3.61e9, True),
+    "gpt-oss-120b": (116.83e9, 5.13e9, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_MOE))
+def test_moe_total_and_active_parameters_match_published(name):
+    total, active, without_embedding = PUBLISHED_MOE[name]
+    config = preset_config(name)
+    assert abs(count_parameters(config) / total - 1) < 0.02
+    counted = models.active_parameters(config) - (config.vocab_size * config.hidden_size if without_embedding else 0)
+    assert abs(counted / active - 1) < 0.02
+    assert PRESETS[name]["nominal_active_params"] == active
+    assert bool(PRESETS[name].get("active_without_embedding")) == without_embedding
+
+
+def test_moe_active_parameters_leave_out_the_experts_a_token_is_not_sent_to():
+    c = preset_config("micro-moe")
+    expert = 3 * c.hidden_size * c.moe_intermediate_size
+    unused = c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * expert
+    assert models.active_parameters(c) == count_parameters(c) - unused
+    dense = preset_config("micro")
+    assert models.active_parameters(dense) == count_parameters(dense)
+
+
+@pytest.mark.parametrize("name", ["micro-moe", "olmoe-1b-7b", "mixtral-8x7b", "gpt-oss-20b"])
+def test_moe_presets_draw_their_experts_and_routers(name):
+    """The experts' fused parameters are torch.empty and routers zeros in the constructors; transformers draws them
+    in the post-init that presets skip. A router of zeros would send every token to the same first experts."""
+    config = preset_config(name)
+    config.num_hidden_layers, config.vocab_size = 1, 512
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 64, 32, 4
+    config.num_key_value_heads, config.head_dim = 4, 16
+    if name == "micro-moe":
+        config.moe_intermediate_size = 32
+    torch.manual_seed(0)
+    model = models.build_model(models.ModelSpec(name=name, config=config), torch.float32)
+    block = model.model.layers[0].mlp
+    router = getattr(block, "gate", None) or block.router
+    for p in [router.weight, *block.experts.parameters()]:  # a Linear's draw: within 1/sqrt(fan in), 32 or 64
+        largest = float(p.detach().abs().max())
+        assert torch.isfinite(p).all() and 0 < largest <= 1 / math.sqrt(32) + 1e-6
+    ids = torch.randint(0, 512, (2, 32))
+    with torch.no_grad():
+        chosen = router(model.model.embed_tokens(ids).reshape(-1, 64))[-1]
+    assert len(torch.unique(chosen)) > config.num_experts_per_tok  # tokens go to different experts
+    torch.manual_seed(0)
+    again = models.build_model(models.ModelSpec(name=name, config=config), torch.float32)
+    for (n, a), b in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), n
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_config_arithmetic_matches_the_real_architecture(name):
     """Build each preset on the meta device (no memory) and count what transformers actually creates."""

@@ -20,14 +20,58 @@ def _meta_model(config):
         return models._model_class(config)(config)
 
 
-@pytest.mark.parametrize("name", ["micro", "tiny", "small", "llama2-70b", "llama3.1-8b", "qwen2.5-7b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "micro",
+        "tiny",
+        "small",
+        "llama2-70b",
+        "llama3.1-8b",
+        "qwen2.5-7b",
+        "micro-moe",
+        "olmoe-1b-7b",
+        "qwen3-30b-a3b",
+        "mixtral-8x7b",
+        "gpt-oss-20b",
+    ],
+)
 def test_parameters_in_order_match_transformers(name):
     """Every parameter's size, in model.parameters() order (the order sub-groups and layer groups follow)."""
     model = _meta_model(models.preset_config(name))
     shape = resolve_shape(name)
     assert shape.parameter_numels() == [p.numel() for p in model.parameters()]
     largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    if shape.is_moe:  # the MoE block is a ZeRO-3 leaf: gathered whole, its router with its experts
+        largest_module = max(largest_module, sum(p.numel() for p in model.model.layers[0].mlp.parameters()))
     assert shape.largest_layer_params == largest_module  # DeepSpeed's model_to_params
+    assert shape.active_parameters == models.active_parameters(models.preset_config(name))
+
+
+def test_qwen3_moe_dense_layers_are_counted_as_dense(tmp_path):
+    """Qwen3-MoE keeps the layers of mlp_only_layers (and those off decoder_sparse_step) dense."""
+    config = models.preset_config("micro-moe")
+    config.num_hidden_layers, config.mlp_only_layers, config.decoder_sparse_step = 4, [0], 2
+    config.save_pretrained(tmp_path)
+    shape = resolve_shape(str(tmp_path))
+    assert shape.moe_layers == (1, 3)
+    model = _meta_model(config)
+    assert shape.parameter_numels() == [p.numel() for p in model.parameters()]
+    assert shape.active_parameters == models.active_parameters(config)
+
+
+def test_moe_plan_is_sized_by_every_expert_and_computes_with_the_active():
+    from aidaptiv_ds.planner.render import moe_line
+
+    shape = resolve_shape("qwen3-30b-a3b")
+    job = M.Job(shape, 1024, 1, dtype="bf16")
+    plan = M.plan_backend("zero3", job, M.Hardware(gpus=1, gpu_mem=80 << 30, host_mem=64 << 30))
+    # every expert's weights, gradients and Adam state
+    assert plan.gpu["optimizer: Adam moments"] == 8 * shape.num_parameters
+    assert M.step_flops(job) < 6 * 1024 * shape.num_parameters / 5  # a token computes with 3.35B of 30.5B
+    assert "3.35B of the 30.53B parameters active per token (8 of 128 experts in each of 48 MoE layers)" in moe_line(
+        shape
+    )
 
 
 def test_tied_biased_and_gqa_directory_matches_transformers(tmp_path):
