@@ -12,6 +12,9 @@
 #   scripts/cluster.sh lose NODE link  NODE's link taken down: its processes run on, unreachable
 #   scripts/cluster.sh revive NODE     link up, slurmd and sshd started again, node returned to service
 #
+# Exit codes: 0 done; 1 failed (the message says where to look); 2 usage; 3 this machine cannot hold the
+# cluster (a package, root or a kernel feature is missing: the message says which), so tests skip on 3 only.
+#
 # Layout (AIDAPTIV_CLUSTER_DIR, default /var/tmp/aidaptiv-cluster; on a disk that takes O_DIRECT, not tmpfs):
 #   slurm.conf, hosts, cluster.env      the cluster's configuration (SLURM_CONF points at slurm.conf)
 #   shared/                             the shared folder: every node sees the same files (results, checkpoints)
@@ -248,7 +251,7 @@ start_node_daemons() {
 up() {
     local n=${1:-3}
     [[ $n =~ ^[0-9]+$ ]] && [ "$n" -ge 2 ] || die "up N: N is the number of compute nodes, at least 2 (got '$n')"
-    check_requirements || exit 1
+    check_requirements || exit 3
     if healthy "$n"; then
         say "already up: controller and $n nodes in $D (SLURM_CONF=$D/slurm.conf)"
         return
@@ -440,7 +443,7 @@ revive)
     revive "$1"
     ;;
 *)
-    sed -n '2,14p' "$0" >&2
+    sed -n '2,17p' "$0" >&2
     exit 2
     ;;
 esac
