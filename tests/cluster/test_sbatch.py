@@ -81,10 +81,12 @@ def test_array_tasks_rows_land_once_and_a_resubmission_runs_only_what_is_missing
     # Each cell swapped on its node's own folder (the same path on every node, each node's disk behind it).
     assert all(r["machine"]["swap_disk"]["path"] == env["SWAP_ROOT"] for r in rows)
     # A real requeue of the finished array: both tasks run again and add nothing.
-    cluster.run("scontrol", "requeue", job)
+    cluster.requeue(job)
     states = cluster.wait(job, 300)
     assert set(states.values()) == {"COMPLETED"}, (states, _outputs(folder))
     assert len(_rows(out)) == 2
+    assert "1 skipped (resume)" in _outputs(folder)[f"slurm-aidaptiv-sweep-{job}_1.out"]  # the requeued task 1
+    assert "Restarts=1" in cluster.run("scontrol", "-o", "show", "job", f"{job}_1").stdout
 
 
 def _hosts(hostfile):
