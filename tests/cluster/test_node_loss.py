@@ -1,6 +1,6 @@
 """A node lost in the middle of a two-node `--save-every` job on the real SLURM cluster (tests/cluster/
 conftest.py): every process of one node is killed (slurmd, its job step, its rank, sshd). The surviving rank
-fails at once on gloo's broken connection (naming the lost peer's address), srun --kill-on-bad-exit ends the
+fails at once on gloo's broken connection and names the rank it lost and its node, srun --kill-on-bad-exit ends the
 step and the job ends with a non-zero code within a bounded time. The job submitted again on another pair of
 nodes with `--resume auto` continues from the last complete checkpoint in the shared --save-dir (every
 rank's files, aidaptiv/rank<r> included, are written there) and gives the losses of an uninterrupted run."""
@@ -70,8 +70,8 @@ def test_node_lost_mid_run_then_resumed_on_other_nodes(cluster):
     assert ended_s < BOUND_S
     exit_code = cluster.run("scontrol", "-o", "show", "job", lossy).stdout.split("ExitCode=")[1].split()[0]
     assert exit_code != "0:0", log
-    # The survivor (rank 0 on node1) says it lost its peer, by node2's address, and srun names node2.
-    assert "aidaptiv-ds train: status=error" in log and "[10.231.0.12]" in log, log
+    # The survivor (rank 0 on node1) names the rank it lost and that rank's node.
+    assert "aidaptiv-ds train: status=error error=lost rank 1 on node2 (10.231.0.12)" in log, log
     assert "node1: task 0: Exited with exit code 1" in log, log
     assert not os.path.exists(f"{folder}/lossy.json") or read_metrics(f"{folder}/lossy.json")["status"] != "ok"
 
