@@ -112,3 +112,17 @@ def cluster():
         subprocess.run(["scancel", "--user", "root"], env=c.env, capture_output=True, timeout=30)
         if not was_up:
             subprocess.run(["bash", SCRIPT, "down"], capture_output=True, timeout=120)
+            assert leftovers(c.dir) == [], "scripts/cluster.sh down left these behind"
+
+
+def leftovers(cluster_dir):
+    """What of a cluster is still there: its namespaces, links, daemons, mounts and state folder."""
+    found = [f"namespace {ln.split()[0]}" for ln in _out("ip", "netns", "list") if ln.startswith("aidc-")]
+    found += [f"link {ln.split(': ')[1].split('@')[0]}" for ln in _out("ip", "-o", "link") if ": aidc-" in ln]
+    found += [f"process {ln.strip()}" for ln in _out("ps", "-eo", "pid,args") if cluster_dir in ln]
+    found += [f"mount {ln}" for ln in _out("findmnt", "-rn", "-o", "TARGET") if ln.startswith(cluster_dir)]
+    return found + ([f"folder {cluster_dir}"] if os.path.exists(cluster_dir) else [])
+
+
+def _out(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()
