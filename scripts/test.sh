@@ -11,6 +11,18 @@ if ! command -v chromium >/dev/null 2>&1 && [ -z "${AIDAPTIV_CHROMIUM:-}" ]; the
     echo "test: chromium could not be installed; the studio's browser test will be skipped (it says why)"
   fi
 fi
+# tests/cluster/ runs a real SLURM cluster on this machine (scripts/cluster.sh): Debian's SLURM, munge, sshd
+# and pdsh. Without them (or without root) those tests skip and say what is missing.
+missing=()
+for pair in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge sshd:openssh-server pdsh:pdsh; do
+  command -v "${pair%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${pair%%:*}" ] || missing+=("${pair#*:}")
+done
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" -eq 0 ]; then
+  echo "test: installing ${missing[*]} for the SLURM cluster tests (tests/cluster/)"
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; }; then
+    echo "test: ${missing[*]} could not be installed; the cluster tests will be skipped (they say why)"
+  fi
+fi
 venv=${AIDAPTIV_VENV:-.venv}
 # DeepSpeed builds its CPU Adam and async_io ops just in time; keep them between runs, and build them once
 # here (minutes on a fresh clone), so that a failed build is said once, up front, instead of in whichever test

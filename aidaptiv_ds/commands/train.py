@@ -20,7 +20,16 @@ import warnings
 
 from aidaptiv_ds.commands import flags
 from aidaptiv_ds.job import settings as S
-from aidaptiv_ds.job.failures import EXIT_ERROR, EXIT_OK, EXIT_OOM, DoesNotFit, TrainingFailed, is_oom, last_line
+from aidaptiv_ds.job.failures import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_OOM,
+    DoesNotFit,
+    TrainingFailed,
+    is_oom,
+    last_line,
+    name_lost_peer,
+)
 
 HELP_EPILOG = (
     "exit status: 0 ok, 1 error, 3 out of memory (GPU or host) or refused before launch because the plan\n"
@@ -330,6 +339,7 @@ def run(args) -> int:
             error = f"{type(exc).__name__}: " + str(exc).strip()
         else:
             error = str(exc) if isinstance(exc, TrainingFailed) else last_line(exc)
+            error = name_lost_peer(error, getattr(job, "peers", None))
         error = flags.as_flags(error, names)
     finally:
         job.close()

@@ -12,6 +12,13 @@ and use GPUs 0..G-1. Across nodes, a hostfile (``host slots=K`` lines) and ``--n
 per node are used, with ``--create-nvme-path`` after ``--nvme-path``: the sweep makes the cell's swap folder on
 its own node only, so each rank makes it (0700) on a node that lacks it.
 
+DeepSpeed 0.19.8's slurm launcher (``--launcher slurm``, which starts the ranks with srun) needs two things
+it does not say, both found on a real SLURM controller (tests/cluster/): it drops ``--module`` (its srun command
+is ``python -u <user_script> ...``), so the module is passed as the script ``-m`` after ``--``
+(``deepspeed ... -- -m aidaptiv_ds train ...``: srun then runs ``python -u -m aidaptiv_ds train``); and it asks
+srun for ``--gpus-per-node <num_gpus>``, which a cluster without GPUs refuses ("Invalid generic resource"), so
+on CPU the nodes and the ranks on each are named with ``--include host:0,..,K-1@...`` from the hostfile instead.
+
 The train module is ``aidaptiv_ds train`` unless AIDAPTIV_DS_TRAIN_MODULE or --train-module names another
 (``"MODULE [ARGS...]"``), which is how the tests substitute a fake.
 """
@@ -76,6 +83,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hostfile_hosts(path: str) -> list[str]:
+    """The hosts of a DeepSpeed hostfile (``host slots=K`` lines; blank lines and ``#`` comments skipped)."""
+    with open(path, encoding="utf-8") as f:
+        return [line.split()[0] for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _srun_on_cpu(spec: LaunchSpec) -> bool:
+    """DeepSpeed's slurm launcher on CPU nodes: no --num_gpus (see the module docstring)."""
+    return spec.ds_launcher == "slurm" and spec.accelerator == "cpu"
+
+
 def launcher_args(cell: Cell, spec: LaunchSpec, port: int) -> list[str]:
     """The deepspeed launcher's own flags for this cell."""
     args = [spec.deepspeed]
@@ -86,7 +104,15 @@ def launcher_args(cell: Cell, spec: LaunchSpec, port: int) -> list[str]:
                 f"cell {cell.id}: {cell.gpus} GPUs do not split evenly over {nodes} nodes of "
                 f"{spec.gpus_per_node}: choose GPU counts that are multiples of --gpus-per-node"
             )
-        args += ["--hostfile", spec.hostfile, "--num_nodes", str(nodes), "--num_gpus", str(cell.gpus // nodes)]
+        args += ["--hostfile", spec.hostfile]
+        if _srun_on_cpu(spec):
+            hosts = hostfile_hosts(spec.hostfile)
+            if len(hosts) < nodes:
+                raise ValueError(f"cell {cell.id} needs {nodes} nodes but {spec.hostfile} lists {len(hosts)}")
+            slots = ",".join(str(i) for i in range(cell.gpus // nodes))
+            args += ["--include", "@".join(f"{h}:{slots}" for h in hosts[:nodes])]
+        else:
+            args += ["--num_nodes", str(nodes), "--num_gpus", str(cell.gpus // nodes)]
         if spec.master_addr:
             args += ["--master_addr", spec.master_addr]
         if spec.ds_launcher:
@@ -118,7 +144,10 @@ def launch_command(
     """The whole command line of one cell (see the module docstring). ``config``: a config file written for
     this cell (zero_infinity_eqmem) instead of ds_configs/<backend>.json."""
     module, *lead = shlex.split(spec.train)
-    cmd = launcher_args(cell, spec, port) + ["--module", module, *lead]
+    if spec.hostfile and spec.ds_launcher == "slurm":  # DeepSpeed's slurm launcher drops --module
+        cmd = launcher_args(cell, spec, port) + ["--", "-m", module, *lead]
+    else:
+        cmd = launcher_args(cell, spec, port) + ["--module", module, *lead]
     cmd += [
         "--config",
         config or config_path(spec, cell.backend),

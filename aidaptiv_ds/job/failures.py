@@ -3,6 +3,8 @@ they map to (``aidaptiv-ds train`` returns them; the harness and the studio read
 
 from __future__ import annotations
 
+import re
+
 EXIT_OK, EXIT_ERROR, EXIT_OOM = 0, 1, 3
 
 
@@ -28,3 +30,24 @@ def last_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     text = lines[-1] if lines else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# gloo's error when a peer's connection breaks names the peer by address only: "Read error
+# [10.231.0.12]:47817: Connection reset by peer", "Connection closed by peer [10.0.0.2]:1234".
+_PEER = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused", "Timed out")
+
+
+def name_lost_peer(error: str, peers: list | None) -> str:
+    """``error`` with the rank(s) and host behind the address gloo names when a peer's connection broke:
+    ``peers`` is every rank's (rank, host, address) as gathered at start (train.Run.build). Unchanged when
+    the error is not such a failure or the address is not a known peer's."""
+    m = _PEER.search(error or "")
+    if not m or not peers or not any(s in error for s in _LOST):
+        return error
+    ranks = [(r, h) for r, h, addr in peers if addr == m.group(1)]
+    if not ranks:
+        return error
+    hosts = sorted({h for _, h in ranks})
+    who = ", ".join(f"rank {r}" for r, _ in ranks)
+    return f"lost {who} on {'/'.join(hosts)} ({m.group(1)}): its node or process went away. {error}"

@@ -366,6 +366,7 @@ class Run:
             if a.gpu_mem_cap_gb:
                 total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, a.gpu_mem_cap_gb * 2**30 / total))
+        self.peers = _gather_peers(self.world_size)
         self.info.update(deepspeed_version=deepspeed.__version__, torch_version=torch.__version__)
 
         from aidaptiv_ds.models.presets import build_model
@@ -717,3 +718,25 @@ class Run:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _gather_peers(world_size: int) -> list | None:
+    """Every rank's (rank, host, address it reaches MASTER_ADDR from), gathered once at start, so that a failure
+    on a peer's broken connection, which gloo names by address only, can name the lost rank and its node
+    (failures.name_lost_peer). None for one process."""
+    if world_size < 2:
+        return None
+    import socket
+
+    import torch.distributed as dist
+
+    addr = ""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: the route's source
+            s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))))
+            addr = s.getsockname()[0]
+    except OSError:
+        pass
+    peers = [None] * world_size
+    dist.all_gather_object(peers, (dist.get_rank(), socket.gethostname(), addr))
+    return peers

@@ -2,8 +2,10 @@
 # Submit a grid as a SLURM job array, one cell per task:
 #   bench/slurm/submit_array.sh GRID OUT [sweep args that select cells, e.g. --gpus 1 --backends aidaptiv]
 # The array is sized with `sweep --count-cells` under the same arguments the tasks will use, and each task
-# asks for the most GPUs any selected cell needs. PARALLEL (default 4) caps tasks running at once; extra
-# sbatch options go in SBATCH_ARGS (e.g. "--partition=a100 --account=proj"). Prints sbatch's answer.
+# asks for the most GPUs any selected cell needs (GPUS=N asks for N instead; GPUS=0 on CPU nodes, where a
+# cell's "GPUs" are its CPU processes and a GPU request is refused: "Invalid generic resource"). PARALLEL
+# (default 4) caps tasks running at once; extra sbatch options go in SBATCH_ARGS (e.g. "--partition=a100
+# --account=proj", or "--cpus-per-task=2" on small CPU nodes). Prints sbatch's answer.
 set -euo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: $0 GRID OUT [sweep args]" >&2
@@ -22,7 +24,7 @@ if [ "$n" -eq 0 ]; then
     exit 1
 fi
 # shellcheck disable=SC2086
-gpus=$($SWEEP --grid "$GRID" --list-cells $SWEEP_ARGS | sed -n 's/.*__g\([0-9]*\)__.*/\1/p' | sort -n | tail -1)
+gpus=${GPUS:-$($SWEEP --grid "$GRID" --list-cells $SWEEP_ARGS | sed -n 's/.*__g\([0-9]*\)__.*/\1/p' | sort -n | tail -1)}
 mkdir -p "$OUT"
 export GRID OUT SWEEP SWEEP_ARGS
 # shellcheck disable=SC2086

@@ -114,3 +114,33 @@ def test_train_module_override(monkeypatch):
     c = cmd(LaunchSpec(train="pkg.fake --quiet"))
     i = c.index("--module")
     assert c[i + 1 : i + 4] == ["pkg.fake", "--quiet", "--config"]
+
+
+def test_deepspeed_slurm_launcher_gets_the_module_as_a_script(tmp_path):
+    """DeepSpeed 0.19.8's slurm launcher drops --module (srun runs `python -u <script>`): the module goes after
+    `--` as the script `-m`, so srun runs `python -u -m aidaptiv_ds train` (run on a real cluster in
+    tests/cluster/test_cluster.py)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n\n# spare\nnode3 slots=1\n")
+    gpu = cmd(LaunchSpec(accelerator="cuda", hostfile=str(hostfile), gpus_per_node=1, ds_launcher="slurm"))
+    assert gpu[gpu.index("--no_local_rank") + 1 : gpu.index("--no_local_rank") + 6] == [
+        "--",
+        "-m",
+        "aidaptiv_ds",
+        "train",
+        "--config",
+    ]
+    assert "--module" not in gpu and gpu[gpu.index("--num_gpus") + 1] == "1"
+    # On CPU nodes no --num_gpus (srun would ask for --gpus-per-node, which a cluster without GPUs refuses):
+    # the nodes and ranks are named with --include from the hostfile.
+    cpu = cmd(LaunchSpec(hostfile=str(hostfile), gpus_per_node=1, ds_launcher="slurm"))
+    assert cpu[cpu.index("--include") + 1] == "node1:0@node2:0"
+    assert "--num_gpus" not in cpu and "--num_nodes" not in cpu
+    two_per_node = cmd(LaunchSpec(hostfile=str(hostfile), gpus_per_node=2, ds_launcher="slurm"))
+    assert two_per_node[two_per_node.index("--include") + 1] == "node1:0,1"
+    # pdsh keeps --module and --num_gpus
+    pdsh = cmd(LaunchSpec(hostfile=str(hostfile), gpus_per_node=1, ds_launcher="pdsh"))
+    assert "--module" in pdsh and "--num_gpus" in pdsh and "--include" not in pdsh
+    with pytest.raises(ValueError, match="needs 2 nodes"):
+        hostfile.write_text("node1 slots=1\n")
+        cmd(LaunchSpec(hostfile=str(hostfile), gpus_per_node=1, ds_launcher="slurm"))

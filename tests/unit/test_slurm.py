@@ -34,7 +34,17 @@ def fakes(tmp_path):
     env = dict(
         os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", TMPDIR=str(tmp_path / "tmp"), SLURM_JOB_ID="77"
     )
-    for k in ("GRID", "OUT", "SWEEP_ARGS", "SLURM_ARRAY_TASK_ID", "SWAP_ROOT", "CELL_INDEX", "REPO"):
+    for k in (
+        "GRID",
+        "OUT",
+        "SWEEP_ARGS",
+        "SLURM_ARRAY_TASK_ID",
+        "SWAP_ROOT",
+        "CELL_INDEX",
+        "REPO",
+        "GPUS",
+        "PARALLEL",
+    ):
         env.pop(k, None)
     return env, log, record
 
@@ -78,6 +88,18 @@ def test_submit_sizes_the_array_from_the_grid(fakes, tmp_path):
     assert r.returncode == 0, r.stderr
     call = log.read_text().strip()
     assert "--array=0-1%2 --gpus=1 " in call and call.endswith("SWEEP_ARGS=--gpus 1 --backends aidaptiv,zero_infinity")
+    # CPU nodes: no GPU request (GPUS=0 overrides the script's own --gpus=2, which such a cluster refuses)
+    log.unlink()
+    r = subprocess.run(
+        ["bash", os.path.join(SLURM, "submit_array.sh"), "bench/grids/cpu_ci.json", out],
+        cwd=ROOT,
+        env=dict(env, GPUS="0", SBATCH_ARGS="--cpus-per-task=1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "--array=0-7%2 --gpus=0 --cpus-per-task=1 " in log.read_text()
 
 
 def test_array_task_runs_its_cell_with_resume(fakes, tmp_path):
