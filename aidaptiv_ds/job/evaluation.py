@@ -32,3 +32,19 @@ def evaluate(engine, batches, forward_kwargs: dict | None = None) -> float:
     if dist.is_initialized():
         dist.all_reduce(total)
     return (total[0] / total[1]).item()
+
+
+def write_logits(engine, batch: dict, path: str, rank: int) -> None:
+    """The trained model's logits on ``batch`` (the first data batch), with its input ids, into ``path`` from rank
+    0 (for checking an export against them)."""
+    import os
+
+    import torch
+
+    batch = {k: v.to(engine.device) for k, v in batch.items()}
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=batch["input_ids"]).logits
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked writable before the run
+        torch.save({"input_ids": batch["input_ids"].cpu(), "logits": logits.float().cpu()}, path)

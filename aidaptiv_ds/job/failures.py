@@ -3,6 +3,7 @@ they map to (``aidaptiv-ds train`` returns them; the harness and the studio read
 
 from __future__ import annotations
 
+import os
 import re
 
 EXIT_OK, EXIT_ERROR, EXIT_OOM = 0, 1, 3
@@ -51,3 +52,25 @@ def name_lost_peer(error: str, peers: list | None) -> str:
     hosts = sorted({h for _, h in ranks})
     who = ", ".join(f"rank {r}" for r, _ in ranks)
     return f"lost {who} on {'/'.join(hosts)} ({m.group(1)}): its node or process went away. {error}"
+
+
+def gather_peers(world_size: int) -> list | None:
+    """Every rank's (rank, host, address it reaches MASTER_ADDR from), gathered once at start, so that a failure
+    on a peer's broken connection, which gloo names by address only, can name the lost rank and its node
+    (failures.name_lost_peer). None for one process."""
+    if world_size < 2:
+        return None
+    import socket
+
+    import torch.distributed as dist
+
+    addr = ""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: the route's source
+            s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))))
+            addr = s.getsockname()[0]
+    except OSError:
+        pass
+    peers = [None] * world_size
+    dist.all_gather_object(peers, (dist.get_rank(), socket.gethostname(), addr))
+    return peers

@@ -30,14 +30,15 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import sys
 import time
 from typing import Callable, Optional
 
-from aidaptiv_ds.job import run_config
+from aidaptiv_ds.job import engine_report, run_config
 from aidaptiv_ds.job.checkpoints import RunCheckpoints
-from aidaptiv_ds.job.failures import DoesNotFit, TrainingFailed
+from aidaptiv_ds.job.evaluation import write_logits
+from aidaptiv_ds.job.failures import DoesNotFit, TrainingFailed, gather_peers
+from aidaptiv_ds.job.moe import router_loss
 from aidaptiv_ds.job.rank_env import make_nvme_path
 from aidaptiv_ds.job.settings import TrainSettings
 from aidaptiv_ds.job.step_monitor import StepMonitor
@@ -72,16 +73,6 @@ class Run:
         """A line for the user, from rank 0 (the command prefixes it and says backquoted settings as flags)."""
         if self.rank == 0:
             self.say(msg)
-
-    def print_activation_plan(self, engine) -> None:
-        """The auto activation policy's plan, made during the first forward: printed once (it is also in the
-        metrics under activations.plan)."""
-        stats = engine.aidaptiv_stats() if callable(getattr(engine, "aidaptiv_stats", None)) else None
-        plan = ((stats or {}).get("activations") or {}).get("plan")
-        if plan:
-            from aidaptiv_ds.activations.plan import render
-
-            self.log(f"{render(plan)}")
 
     def prepare(self):
         """Config, model spec, data: everything that can fail cheaply, before DeepSpeed starts."""
@@ -154,7 +145,10 @@ class Run:
         else:
             cfg = run_config.auto_activations_by_default(cfg)
         self.spec = models.resolve(a.model, log=self.log)
-        self.configure_router_loss()
+        moe = router_loss(self.spec, self.settings.router_aux_loss_coef)
+        if moe:
+            self.info["moe"], line = moe
+            self.log(line)
         import torch
 
         self.cuda = torch.cuda.is_available()
@@ -217,40 +211,6 @@ class Run:
             lr=((cfg.get("optimizer") or {}).get("params") or {}).get("lr"),
             nvme_paths=sorted({b["nvme_path"] for b in ds_config.nvme_blocks(cfg)}) or None,
             device="cuda" if self.cuda else "cpu",
-        )
-
-    def configure_router_loss(self) -> None:
-        """A mixture of experts trains with its router's load-balancing loss (Switch Transformer's, as transformers
-        computes it from ``output_router_logits``) weighted by ``router_aux_loss_coef`` (the setting, else the
-        model's own): published configs ship with the logits off, which would fine-tune without it and let the
-        router collapse onto a few experts. A dense model has no router: the setting is refused there."""
-        a, config = self.settings, self.spec.config
-        if not self.spec.is_moe:
-            if a.router_aux_loss_coef is not None:
-                raise TrainingFailed(
-                    f"`router_aux_loss_coef` applies to mixtures of experts, and {self.spec.name} is a dense model: "
-                    "leave it out"
-                )
-            return
-        coef = a.router_aux_loss_coef
-        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
-        config.router_aux_loss_coef = coef
-        config.output_router_logits = coef > 0
-        experts = getattr(config, "num_local_experts", None) or config.num_experts
-        self.info["moe"] = {
-            "experts": experts,
-            "experts_per_token": config.num_experts_per_tok,
-            "active_params": self.spec.active_parameters,
-            "router_aux_loss_coef": coef,
-        }
-        self.log(
-            f"mixture of experts: {config.num_experts_per_tok} of {experts} experts per token, "
-            f"{self.spec.active_parameters / 1e6:,.1f}M of {self.spec.num_parameters / 1e6:,.1f}M parameters active; "
-            + (
-                f"load-balancing loss x {coef:g} added"
-                if coef > 0
-                else "no load-balancing loss (`router_aux_loss_coef` 0)"
-            )
         )
 
     def prepare_data(self, cfg: dict) -> str:
@@ -366,7 +326,7 @@ class Run:
             if a.gpu_mem_cap_gb:
                 total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, a.gpu_mem_cap_gb * 2**30 / total))
-        self.peers = _gather_peers(self.world_size)
+        self.peers = gather_peers(self.world_size)
         self.info.update(deepspeed_version=deepspeed.__version__, torch_version=torch.__version__)
 
         from aidaptiv_ds.models.presets import build_model
@@ -412,7 +372,10 @@ class Run:
         self.check_saveable()
         self.note_io_settings()
         self.check_partition_dtype(model)
-        self.note_loss_chunking(model)
+        self.info.update(
+            engine_report.loss_chunking(model, self.micro_batch * self.settings.seq_len, self.spec.config.vocab_size)
+            or {}
+        )
 
     def check_saveable(self) -> None:
         """A run that will save (--save-dir, --output-dir) learns before its first step whether its swapped
@@ -451,88 +414,31 @@ class Run:
         return model
 
     def note_io_settings(self) -> None:
-        """Log, and keep for the metrics, the swapper's block size and queue depth and where each came from
-        ("config", "tuned" for the disk by 'aidaptiv-ds plan --nvme-path', or "default")."""
-        if self.backend != "aidaptiv":
-            return
-        from aidaptiv_ds.config import resolve as C
-
-        settings = C.resolve(self.cfg)[1]  # the settings the swapper got (resolved once per config)
-        if settings is None:
-            return
-        self.info["aidaptiv_io"] = {
-            "block_size": settings.block_size,
-            "block_size_source": settings.block_size_source,
-            "queue_depth": settings.queue_depth,
-            "queue_depth_source": settings.queue_depth_source,
-        }
-        self.log(
-            f"aidaptiv I/O: block_size {settings.block_size // 1024} KiB ({settings.block_size_source}), "
-            f"queue_depth {settings.queue_depth} ({settings.queue_depth_source})"
-        )
+        """Log, and keep for the metrics, the swapper's I/O settings (engine_report.io_settings)."""
+        got = engine_report.io_settings(self.cfg) if self.backend == "aidaptiv" else None
+        if got:
+            self.info["aidaptiv_io"], line = got
+            self.log(line)
 
     def check_partition_dtype(self, model) -> None:
-        """Every backend trains in the dtype the config asks for, or the job stops here saying why: DeepSpeed
-        0.19.8's zero.Init drops an explicit dtype on CPUs it believes lack fp16 (the start-up hook mends that,
-        but not with AIDAPTIV_DS_AUTOLOAD=0) and would partition an fp32 model in bf16."""
-        # The parameter's own dtype is what the forward computes in (a partition swapped out to NVMe by
-        # ZeRO-Infinity is a placeholder of another dtype, so partitions are not looked at).
-        found = {str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()}
-        wanted = str(self.dtype).replace("torch.", "")
-        if found - {wanted}:
-            raise TrainingFailed(
-                f"the config asks for {wanted} but DeepSpeed partitioned parameters in {', '.join(sorted(found))} "
-                "(DeepSpeed 0.19.8's zero.Init ignores an explicit dtype on CPUs without fp16 support): keep the "
-                "aidaptiv-ds start-up hook on (unset AIDAPTIV_DS_AUTOLOAD), which mends it"
-            )
-
-    def note_loss_chunking(self, model) -> None:
-        """What the chunked loss (aidaptiv.activations.loss_chunk_tokens) saves, for the metrics."""
-        from aidaptiv_ds.activations import chunked_loss
-
-        chunk = chunked_loss.installed_chunk(model)
-        if chunk is None:
-            return
-        tokens, vocab = self.micro_batch * self.settings.seq_len, self.spec.config.vocab_size
-        self.info["loss_chunk_tokens"] = chunk
-        self.info["loss_logits_mb"] = {
-            "unchunked": chunked_loss.logits_bytes(tokens, vocab, None) / 2**20,
-            "chunked": chunked_loss.logits_bytes(tokens, vocab, chunk) / 2**20,
-        }
+        """Every backend trains in the dtype the config asks for, or the job stops here saying why."""
+        problem = engine_report.partition_dtype_problem(model, self.dtype)
+        if problem:
+            raise TrainingFailed(problem)
 
     def remove_deepspeed_swap(self) -> None:
-        """ZeRO-Infinity leaves every weight and optimizer moment in its swap files after the run. Remove this
-        rank's (they are useless once the engine is gone; checkpoints hold their own copy) unless --keep-swap,
-        and say which. Our own swapper (backend aidaptiv) cleans up after itself."""
+        """ZeRO-Infinity leaves every weight and optimizer moment in its swap files after the run: this rank's go
+        (useless once the engine is gone; checkpoints hold their own copy) unless --keep-swap, and the log says
+        which. Our own swapper (backend aidaptiv) cleans up after itself."""
         if getattr(self, "backend", None) != "zero_infinity":
             return
-        from aidaptiv_ds.zero3.compat import zero_infinity_swap_dirs
+        from aidaptiv_ds.zero3.compat import remove_zero_infinity_swap
 
-        dirs = [d for p in self.info.get("nvme_paths") or [] for d in zero_infinity_swap_dirs(p, self.rank)]
-        if not dirs:
-            return
-        if self.settings.keep_swap:
-            self.info["swap_kept"] = dirs
-            self.log(f"kept DeepSpeed swap files in {', '.join(dirs)}")
-            return
-        for d in dirs:
-            shutil.rmtree(d, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the kind folder, once every rank has emptied it
-                os.rmdir(os.path.dirname(d))
-        self.info["swap_removed"] = dirs
-        self.log(f"removed DeepSpeed swap files in {', '.join(dirs)}")
-
-    def write_logits(self, path: str) -> None:
-        """The trained model's logits on the first data batch (for checking an export against it)."""
-        import torch
-
-        batch = {k: v.to(self.engine.device) for k, v in self.batches.batch(0).items()}
-        self.engine.eval()
-        with torch.no_grad():
-            logits = self.engine(input_ids=batch["input_ids"]).logits
-        if self.rank == 0:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked writable in prepare()
-            torch.save({"input_ids": batch["input_ids"].cpu(), "logits": logits.float().cpu()}, path)
+        paths, keep = self.info.get("nvme_paths") or [], self.settings.keep_swap
+        dirs = remove_zero_infinity_swap(paths, self.rank, keep)
+        if dirs:
+            self.info["swap_kept" if keep else "swap_removed"] = dirs
+            self.log(f"{'kept' if keep else 'removed'} DeepSpeed swap files in {', '.join(dirs)}")
 
     def host_budget_bytes(self) -> int | None:
         """This rank's resolved host budget (the config's own settings object, resolved once), or None."""
@@ -638,7 +544,9 @@ class Run:
                 dist.all_reduce(step_aux)
                 aux_losses.append(step_aux.item() / self.world_size)
             if i == 0:
-                self.print_activation_plan(engine)
+                plan = engine_report.activation_plan(engine)
+                if plan:
+                    self.log(plan)
             if monitor.enabled:
                 monitor.write_step(step + 1, timer.steps[-1], losses[-1], tokens_per_step, step_io)
             if self.eval_batches is not None and eval_due(step + 1, a.eval_every, steps):
@@ -656,7 +564,7 @@ class Run:
         if a.output_dir:
             self.checkpoints.write_output(steps, position, losses)
         if a.logits_out:
-            self.write_logits(a.logits_out)
+            write_logits(self.engine, self.batches.batch(0), a.logits_out, self.rank)
 
         # Reduce what each rank measured: bytes add up, peaks take the max.
         nvme = meter.bytes()
@@ -718,25 +626,3 @@ class Run:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def _gather_peers(world_size: int) -> list | None:
-    """Every rank's (rank, host, address it reaches MASTER_ADDR from), gathered once at start, so that a failure
-    on a peer's broken connection, which gloo names by address only, can name the lost rank and its node
-    (failures.name_lost_peer). None for one process."""
-    if world_size < 2:
-        return None
-    import socket
-
-    import torch.distributed as dist
-
-    addr = ""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: the route's source
-            s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))))
-            addr = s.getsockname()[0]
-    except OSError:
-        pass
-    peers = [None] * world_size
-    dist.all_gather_object(peers, (dist.get_rank(), socket.gethostname(), addr))
-    return peers

@@ -11,7 +11,9 @@ failing somewhere in the middle of a run. The modules that use these names sit b
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 
 SUPPORTED_MIN = "0.19.0"
 SUPPORTED_BELOW = "0.20.0"
@@ -124,6 +126,19 @@ def zero_infinity_swap_dirs(nvme_path: str, rank: int) -> list[str]:
         if os.path.isdir(d) and not os.path.islink(d):
             found.append(d)
     return found
+
+
+def remove_zero_infinity_swap(nvme_paths, rank: int, keep: bool = False) -> list[str]:
+    """This rank's ZeRO-Infinity swap folders under each of ``nvme_paths``, removed (with a kind folder that is
+    then empty) unless ``keep``; returns them."""
+    dirs = [d for p in nvme_paths for d in zero_infinity_swap_dirs(p, rank)]
+    if keep:
+        return dirs
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the kind folder, once every rank has emptied it
+            os.rmdir(os.path.dirname(d))
+    return dirs
 
 
 # -- checkpoints: DeepSpeed's default tag, which rank writes a folder's shared files, its checkpoint engine
