@@ -6,6 +6,6 @@ they write (plan's JSON and config, train's CSV monitor, metrics and checkpoints
 generate's streamed text), so a run it starts is an ordinary run. workspace: the root and its path gate;
 documents: files to text and passages; data_sets: records as table rows and JSONL; qa: question/answer records
 by a local model; runs: launch, stop, resume, export, curves; supervise: the detached process per attempt;
-compare: two generate processes side by side; children: how those processes end with the studio; app: the
-page; server: who may talk to it (Host and Origin checks) and how it is served; command: the CLI.
+compare: two generate processes side by side; chat: a conversation, one generate process a turn; children:
+how those processes end with the studio; views: what the page shows from the disk; app: the page; server: who may talk to it (Host and Origin checks) and how it is served; command: the CLI.
 """
