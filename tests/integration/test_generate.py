@@ -66,14 +66,17 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far, far awa
 BUDGET = "2.5MiB"  # about 0.4 of the 6.1 MiB of weights: two layers in flight, four streamed
 
 
-def _reference(folder, prompts, new, dtype=torch.float32):
-    """Greedy tokens of the in-memory model, the same batch left-padded the same way."""
+def _reference(folder, prompts, new, dtype=torch.float32, prepare=None):
+    """Greedy tokens of the in-memory model, the same batch left-padded the same way; ``prepare`` (if given) is
+    called with the model before it generates (to hook its modules)."""
     from transformers import AutoModelForCausalLM
 
     from aidaptiv_ds.models.tokenizer import HFTokenizer
 
     tok = HFTokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    if prepare is not None:
+        prepare(model)
     ids = [tok.encode(p, add_bos=True, add_eos=False) for p in prompts]
     width = max(map(len, ids))
     x = torch.full((len(ids), width), tok.pad_token_id)

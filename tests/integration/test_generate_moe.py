@@ -83,41 +83,16 @@ def _swap(tmp_path, name="nvme"):
 
 
 def _reference(folder, prompts, new, record=None, dtype=torch.float32):
-    """Greedy tokens of the in-memory model on the same left-padded batch; with ``record`` (a list), the
-    distinct experts of each call of each experts module are appended to it."""
-    from transformers import AutoModelForCausalLM
+    """Greedy tokens of the in-memory model on the same left-padded batch (test_generate's reference); with
+    ``record`` (a list), the distinct experts of each call of each experts module are appended to it."""
+    from test_generate import _reference as reference
 
-    from aidaptiv_ds.models.tokenizer import HFTokenizer
-
-    tok = HFTokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    if record is not None:
+    def hook_experts(model):
         for m in model.modules():
             if hasattr(m, "has_gate") and hasattr(m, "num_experts"):
                 m.register_forward_pre_hook(lambda mod, args: record.append(torch.unique(args[1]).numel()))
-    ids = [tok.encode(p, add_bos=True, add_eos=False) for p in prompts]
-    width = max(map(len, ids))
-    x = torch.full((len(ids), width), tok.pad_token_id)
-    mask = torch.zeros_like(x)
-    for r, t in enumerate(ids):
-        x[r, width - len(t) :] = torch.tensor(t)
-        mask[r, width - len(t) :] = 1
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=x,
-            attention_mask=mask,
-            max_new_tokens=new,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-    rows = []
-    for r in range(len(ids)):
-        new_ids = out[r, width:].tolist()
-        if tok.eos_token_id in new_ids:
-            new_ids = new_ids[: new_ids.index(tok.eos_token_id) + 1]
-        rows.append(new_ids)
-    return rows
+
+    return reference(folder, prompts, new, dtype=dtype, prepare=hook_experts if record is not None else None)
 
 
 # (family, budget): 2.5 MiB keeps the layers' attention resident and caches about 20 of the 48 experts, so a step's
