@@ -18,7 +18,7 @@ PACKAGE = Path(REPO) / "aidaptiv_ds"
 # Where each optional package may be imported (inside a function, never at module level).
 USERS = {
     "gradio": {"studio/app.py", "studio/server.py"},  # server.py also imports fastapi and uvicorn, which gradio brings
-    "pandas": {"studio/app.py"},
+    "pandas": {"studio/views.py"},  # the plan's table
     "pypdf": {"studio/documents.py"},
     "docx": {"studio/documents.py"},
     "bitsandbytes": {"job/lora.py"},
