@@ -26,9 +26,9 @@ from aidaptiv_ds.job.failures import (
     EXIT_OOM,
     DoesNotFit,
     TrainingFailed,
+    explain_peer_failure,
     is_oom,
     last_line,
-    name_lost_peer,
 )
 
 HELP_EPILOG = (
@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("model and data")
     schedule = p.add_argument_group("schedule", "how long, how much per step, how fast the weights move")
     memory = p.add_argument_group("memory and swap")
+    ranks = p.add_argument_group("several ranks")
     checkpoints = p.add_argument_group("checkpoints")
     output = p.add_argument_group("output")
 
@@ -219,6 +220,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "bench/capacity_seq_len.py does",
     )
 
+    ranks.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=S.DEFAULT_PEER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a rank waits in a collective for the other ranks before it fails, saying so: a node lost "
+        "or a link cut ends the job after this (default %(default)g s; raise it when one rank's save or export "
+        "takes longer than that while the others wait)",
+    )
+
     checkpoints.add_argument("--save-dir", default=None, help="write DeepSpeed checkpoints here (tag stepN)")
     checkpoints.add_argument(
         "--save-every",
@@ -321,7 +332,11 @@ def run(args) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must end in one clear line and a status
         if isinstance(exc, SystemExit):
             raise
-        known = isinstance(exc, (TrainingFailed, ValueError, OSError))
+        peer_failure = explain_peer_failure(
+            last_line(exc), getattr(job, "peers", None), job.rank, settings.peer_timeout
+        )
+        # A lost or silent peer is said in one line: its traceback is DeepSpeed's wait, not the cause.
+        known = isinstance(exc, (TrainingFailed, ValueError, OSError)) or peer_failure != last_line(exc)
         try:
             oom = is_oom(exc)
         except ImportError:
@@ -338,8 +353,7 @@ def run(args) -> int:
         if isinstance(listed, list) and len(listed) > 1:
             error = f"{type(exc).__name__}: " + str(exc).strip()
         else:
-            error = str(exc) if isinstance(exc, TrainingFailed) else last_line(exc)
-            error = name_lost_peer(error, getattr(job, "peers", None))
+            error = str(exc) if isinstance(exc, TrainingFailed) else peer_failure
         error = flags.as_flags(error, names)
     finally:
         job.close()

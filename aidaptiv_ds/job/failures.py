@@ -54,6 +54,26 @@ def name_lost_peer(error: str, peers: list | None) -> str:
     return f"lost {who} on {'/'.join(hosts)} ({m.group(1)}): its node or process went away. {error}"
 
 
+# A collective that waited longer than the process group's timeout (train's `peer_timeout`): gloo's "Timed out
+# waiting 20000ms for recv operation to complete", nccl's watchdog "collective operation timeout". Neither names
+# the peer: a cut link or a frozen node is silent, so the survivor cannot tell which of the others went away.
+_SILENT = re.compile(r"Timed out waiting \d+ ?ms|collective operation timeout")
+
+
+def explain_peer_failure(error: str, peers: list | None, rank: int, timeout_s: float) -> str:
+    """``error`` explained when it is a peer's failure: a broken connection names the lost rank
+    (:func:`name_lost_peer`); a collective that timed out says how long it waited and which ranks it waited
+    for. Unchanged otherwise."""
+    named = name_lost_peer(error, peers)
+    if named != error or not error or not peers or not _SILENT.search(error):
+        return named
+    others = ", ".join(f"rank {r} on {h} ({a})" for r, h, a in peers if r != rank)
+    return (
+        f"no answer from the other ranks for {timeout_s:g} s (`peer_timeout`): one of them, its node or the link "
+        f"to it went away ({others}); check those nodes, then resume from the last checkpoint. {error}"
+    )
+
+
 def gather_peers(world_size: int) -> list | None:
     """Every rank's (rank, host, address it reaches MASTER_ADDR from), gathered once at start, so that a failure
     on a peer's broken connection, which gloo names by address only, can name the lost rank and its node

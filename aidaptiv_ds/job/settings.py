@@ -14,6 +14,10 @@ DEFAULT_MODEL = "tiny"
 DEFAULT_SEQ_LEN = 512
 DEFAULT_SEED = 1234
 DEFAULT_TIMING_WARMUP = 2
+# How long a rank waits in a collective for the others before it fails (torch's own default is 30 minutes):
+# long enough for the slowest rank's share of a step, a save or an export, short enough that a lost node or a cut
+# link ends a cluster job in minutes instead of holding its allocation for half an hour.
+DEFAULT_PEER_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -49,6 +53,8 @@ class TrainSettings:
     keep_swap: bool = False
     gpu_mem_cap_gb: Optional[float] = None
     no_fit_check: bool = False
+    # several ranks
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT_S  # seconds a rank waits in a collective for the others
     # checkpoints
     save_dir: Optional[str] = None
     save_every: int = 0

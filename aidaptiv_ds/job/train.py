@@ -27,6 +27,7 @@ from __future__ import annotations
 __all__ = ["Run"]
 
 import contextlib
+import datetime
 import logging
 import os
 import random
@@ -316,7 +317,8 @@ class Run:
             set_deepspeed_log_level(logging.WARNING)
         random.seed(a.seed)
         torch.manual_seed(a.seed)
-        deepspeed.init_distributed()
+        # gloo and nccl fail a collective that waits longer than this (a lost node, a cut link): bounded by us
+        deepspeed.init_distributed(timeout=datetime.timedelta(seconds=a.peer_timeout))
         # DeepSpeed's CPU communicator leaves a 66 MiB /dev/shm segment per rank behind (see dist_shm).
         from aidaptiv_ds.zero3 import dist_shm
 

@@ -47,6 +47,8 @@ def problems(args) -> list[str]:
     coef = getattr(args, "router_aux_loss_coef", None)
     if coef is not None and not (math.isfinite(coef) and coef >= 0):
         out.append(f"`router_aux_loss_coef` {coef} must be a finite number, 0 or more (0: no load-balancing loss)")
+    if not args.peer_timeout > 0:
+        out.append(f"`peer_timeout` {args.peer_timeout} must be a positive number of seconds")
     if args.keep_last < 0:
         out.append(f"`keep_last` {args.keep_last} must not be negative")
     if args.keep_last and not args.save_dir:

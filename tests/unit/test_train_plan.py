@@ -105,6 +105,10 @@ def test_numbers_that_failed_mid_run_or_trained_nonsense_are_refused_at_once():
     for lr in ("inf", "-inf", "-1"):
         assert said(parse(f"--lr={lr}")) == [f"--lr {float(lr)} must be a finite number, 0 or more (e.g. 1e-5)"]
     assert said(parse("--lr", "0", "--micro-batch", "1", "--grad-accum", "1", "--warmup", "0")) == []
+    for timeout in ("0", "-5", "nan"):
+        assert said(parse("--peer-timeout", timeout)) == [
+            f"--peer-timeout {float(timeout)} must be a positive number of seconds"
+        ]
 
 
 def _writes(**where):
