@@ -230,6 +230,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "takes longer than that while the others wait)",
     )
 
+    ranks.add_argument(
+        "--time-collectives",
+        action="store_true",
+        help="time how long rank 0 waits on each kind of collective (all-gather, reduce-scatter, all-reduce) per "
+        "step, in the call and on its handle: the metrics' collectives_s (median seconds and calls per timed step)",
+    )
+
     checkpoints.add_argument("--save-dir", default=None, help="write DeepSpeed checkpoints here (tag stepN)")
     checkpoints.add_argument(
         "--save-every",

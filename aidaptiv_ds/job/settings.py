@@ -55,6 +55,7 @@ class TrainSettings:
     no_fit_check: bool = False
     # several ranks
     peer_timeout: float = DEFAULT_PEER_TIMEOUT_S  # seconds a rank waits in a collective for the others
+    time_collectives: bool = False  # the metrics say each step's wait on collectives (job/collective_timer.py)
     # checkpoints
     save_dir: Optional[str] = None
     save_every: int = 0

@@ -68,6 +68,7 @@ class Run:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.info: dict = {}
         self.engine = None
+        self.collectives = None  # a CollectiveTimer with --time-collectives
         self.checkpoints = RunCheckpoints(self)
 
     def log(self, msg: str) -> None:
@@ -317,6 +318,11 @@ class Run:
             set_deepspeed_log_level(logging.WARNING)
         random.seed(a.seed)
         torch.manual_seed(a.seed)
+        if a.time_collectives:  # before the process group: DeepSpeed keeps the collectives it finds then
+            from aidaptiv_ds.job.collective_timer import CollectiveTimer
+
+            self.collectives = CollectiveTimer()
+            self.collectives.install()
         # gloo and nccl fail a collective that waits longer than this (a lost node, a cut link): bounded by us
         deepspeed.init_distributed(timeout=datetime.timedelta(seconds=a.peer_timeout))
         # DeepSpeed's CPU communicator leaves a 66 MiB /dev/shm segment per rank behind (see dist_shm).
@@ -519,6 +525,8 @@ class Run:
             step_io = M.proc_io() if monitor.enabled else None
             self.lrs.append(self.current_lr())  # what this step's update uses
             timer.start_step()
+            if self.collectives:
+                self.collectives.start_step()
             micro_losses, micro_aux = [], []
             for _ in range(self.grad_accum):
                 batch = {k: v.to(device) for k, v in self.batches.batch(position).items()}
@@ -538,6 +546,8 @@ class Run:
                 if getattr(out, "aux_loss", None) is not None:
                     micro_aux.append(out.aux_loss.detach().float())
             step_s = timer.end_step()
+            if self.collectives:
+                self.collectives.end_step()
             step_loss = torch.stack(micro_losses).mean().to(torch.float64)
             dist.all_reduce(step_loss)
             losses.append(step_loss.item() / self.world_size)
@@ -612,6 +622,7 @@ class Run:
                 "eval_loss": self.eval_losses[-1][1] if self.eval_losses else None,
                 "nvme_bytes_steps": (steps_to_run - warmup) if meter.started else None,
                 "disk_busy": meter.busy(),
+                "collectives_s": self.collectives.summary(warmup) if self.collectives else None,
             },
         )
 
@@ -619,6 +630,8 @@ class Run:
         """DeepSpeed 0.19.8 aborts at interpreter exit with 2 ranks and param offload unless the engine and the
         process group are torn down explicitly."""
         engine, self.engine = self.engine, None
+        if self.collectives:
+            self.collectives.uninstall()
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.destroy()
