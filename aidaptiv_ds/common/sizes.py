@@ -100,6 +100,11 @@ def format_size(n: float) -> str:
     return f"{n / KiB:.1f} KiB" if n >= KiB else f"{int(n)} B"
 
 
+# aidaptiv's swap files (params.swp, optim.swp, activations.swp) grow in steps of this size (posix_fallocate;
+# swap/space.py), so each holds up to one step more on disk than its extents use; the planner counts it.
+SWAP_FILE_GROW_STEP = 256 * MiB
+
+
 def align_up(n: int, a: int = ALIGN) -> int:
     """``n`` rounded up to a multiple of ``a``."""
     return (n + a - 1) // a * a

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
-from aidaptiv_ds.common.sizes import GiB, align_up, dtype_bytes
+from aidaptiv_ds.common.sizes import SWAP_FILE_GROW_STEP, GiB, align_up, dtype_bytes
 from aidaptiv_ds.config.settings import auto_chunk
 from aidaptiv_ds.planner.shapes import ModelShape
 from aidaptiv_ds.swap.budget_split import BudgetSplit, fit_prefetch_depth, shrink_layer_groups, split_budget
@@ -471,13 +471,22 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
     _device(plan, hw, {"reduce bucket": bucket_bytes(budget)})
     parts = 2 if job.dtype == "fp32" else 3
     pr = sum(partition_numels(s, hw.world))
+    weights, optimizer = sum(group_bytes), (parts + 1) * 4 * pr  # optim.swp: the images and the gradients
     plan.nvme.update(
         {
-            "weights (4 KiB-aligned partitions)": sum(group_bytes),
+            "weights (4 KiB-aligned partitions)": weights,
             "optimizer images" + (" (moments)" if parts == 2 else " (master, moments)"): parts * 4 * pr,
             "gradients (fp32)": 4 * pr,
         }
     )
+    stored = job.shape.layers * job.tokens * job.shape.hidden * job.elsize if job.activations == "nvme" else 0
+    if stored:
+        plan.nvme["activations (every layer's input, on NVMe)"] = stored
+    # Each swap file is allocated in whole growth steps; activations.swp exists with the nvme policy and with
+    # "auto", whose bandwidth probe writes into it (counted: a plan cannot tell "auto" from a policy it chose).
+    step = SWAP_FILE_GROW_STEP
+    growth = sum(align_up(b, step) - b for b in (weights, optimizer))
+    plan.nvme[f"swap files' growth ({step // 2**20} MiB steps)"] = growth + (align_up(stored, step) - stored or step)
     plan.host_pinned["pinned pool (layer-group slots, resident optimizer state, staging)"] = (
         split.pool if split.fits else split.minimum
     )

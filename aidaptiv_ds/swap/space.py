@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from aidaptiv_ds.common.sizes import (  # the swappers import these two from here too
+    SWAP_FILE_GROW_STEP,
     align_up,
 )
 from aidaptiv_ds.engine.file_size_limit import check_growth, efbig_not_sigxfsz
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # The file grows in steps of this size (or the extent, if larger), so that allocating many small
 # extents does not call posix_fallocate for each of them.
-GROW_STEP = 256 * 1024 * 1024
+GROW_STEP = SWAP_FILE_GROW_STEP
 
 
 @dataclass(frozen=True)
