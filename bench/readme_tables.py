@@ -329,6 +329,16 @@ def step_regression_section():
     ]
 
 
+def cluster_section():
+    """bench/cluster_network.py: two nodes of the real SLURM cluster against two ranks on one node, and the plan
+    of the two-node cell against what it used, from its summary."""
+    return [
+        "### More than one node: the network path and the plan per node",
+        "",
+        *summary_md("cluster_network/tiny", "python bench/cluster_network.py"),
+    ]
+
+
 def gpu_section():
     """Every GPU sweep, bench/results/gpu_*/<variant>/: its device, what its cells did, and where cells ran, the report's
     Table VI-shaped throughput tables, aidaptiv's ratios and the Table VI comparison in model FLOP/s."""
@@ -643,6 +653,8 @@ def section():
         *serving_section(),
         "",
         *step_regression_section(),
+        "",
+        *cluster_section(),
         "",
         *gpu_section(),
         *faults_section(),
