@@ -99,10 +99,17 @@ SHAPES = {
     ),
 }  # fmt: skip
 SIDES = {
-    "aidaptiv": "aidaptiv-ds generate (routed experts, read in place)",
+    "aidaptiv": "aidaptiv-ds generate (routed experts, --experts-from auto)",
     "aidaptiv_swap": "aidaptiv-ds generate --experts-from swap",
     "aidaptiv_whole": "aidaptiv-ds generate --experts whole (dense streaming)",
     "accelerate": "accelerate disk offload",
+}
+# Where `--experts-from auto` read the experts (Generator.stats()["experts"]["read_from"]), said in the summary.
+READ_FROM = {
+    "model": "the model files (in place)",
+    "swap": "the swap file",
+    "model+swap": "the model files for some layers and the swap file for the others (auto copies a layer whose "
+    "experts it cannot read in place)",
 }
 OURS = {"aidaptiv": (), "aidaptiv_swap": ("--experts-from", "swap"), "aidaptiv_whole": ("--experts", "whole")}
 DEFAULT_SIDES = ("aidaptiv", "aidaptiv_whole", "accelerate")
@@ -407,7 +414,7 @@ def write_summary(out, rows):
         ok = {s: [r for r in rs if r["side"] == s and r["rc"] == 0] for s in sides}
         lines += [
             "",
-            f"## Routers: {router}",
+            f"**Routers: {router}**",
             "",
             "| side | tokens/s (median, min-max) | time to first token s | load s | read per token | "
             "expert cache hit rate | peak cgroup memory | tokens = in-memory |",
@@ -474,7 +481,7 @@ def write_summary(out, rows):
                 + f". Time a token {step:.3f} s against the I/O bound {read / (gbps * 1e9):.3f} s ({format_size(read)} "
                 f"/ {gbps:.2f} GB/s)"
                 + (f" and the in-memory model's compute {compute:.3f} s" if compute else "")
-                + f"; the experts were read from {ex['read_from'] == 'model' and 'the model files' or 'the swap file'}."
+                + f"; the experts were read from {READ_FROM.get(ex['read_from'], ex['read_from'])}."
             )
     commands = []
     for r in rows:

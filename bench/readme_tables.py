@@ -186,6 +186,12 @@ def generate_section():
             "--out bench/results/generate_offload/tinyllama-1.1b_fp32_zero_inference",
         ),
         "",
+        *summary_md(
+            "generate_moe/olmoe-1b-7b_bfloat16",
+            "python bench/generate_moe.py --shape olmoe-1b-7b --budget 2GiB --cap-gib 4 --repeats 2 "
+            "--routers uniform,zipf",
+        ),
+        "",
         *summary_md("io_order/2core_vm", "python bench/io_order.py"),
     ]
 

@@ -45,8 +45,8 @@ def _rows():
 def test_each_router_its_table_ratios_and_bound(bench, tmp_path):
     bench.write_summary(str(tmp_path), _rows())
     text = (tmp_path / "summary.md").read_text()
-    assert "## Routers: uniform" in text and "## Routers: zipf" in text
-    assert "| aidaptiv-ds generate (routed experts, read in place) | 4.500 (4.000-5.000) | 2.00 | 0.1 | " in text
+    assert "**Routers: uniform**" in text and "**Routers: zipf**" in text
+    assert "| aidaptiv-ds generate (routed experts, --experts-from auto) | 4.500 (4.000-5.000) | 2.00 | 0.1 | " in text
     assert "| 25% | 1.00 GiB | True |" in text and "| 50% | 1.00 GiB | True |" in text
     # Dense streaming: pairs 8x and 5x; accelerate failed in every run, killed by the cap: no ratio made up.
     assert "**routed / aidaptiv-ds generate --experts whole (dense streaming) tokens/s: 6.50x** (repeat pairs " in text
