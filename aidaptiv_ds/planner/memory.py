@@ -485,8 +485,9 @@ def plan_aidaptiv(job: Job, hw: Hardware) -> BackendPlan:
     # Each swap file is allocated in whole growth steps; activations.swp exists with the nvme policy and with
     # "auto", whose bandwidth probe writes into it (counted: a plan cannot tell "auto" from a policy it chose).
     step = SWAP_FILE_GROW_STEP
-    growth = sum(align_up(b, step) - b for b in (weights, optimizer))
-    plan.nvme[f"swap files' growth ({step // 2**20} MiB steps)"] = growth + (align_up(stored, step) - stored or step)
+    activations_file = align_up(stored, step) - stored if stored else step  # auto's probe: one whole step
+    growth = sum(align_up(b, step) - b for b in (weights, optimizer)) + activations_file
+    plan.nvme[f"swap files' growth ({step // 2**20} MiB steps)"] = growth
     plan.host_pinned["pinned pool (layer-group slots, resident optimizer state, staging)"] = (
         split.pool if split.fits else split.minimum
     )
