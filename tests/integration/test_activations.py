@@ -164,6 +164,7 @@ def test_plain_deepspeed_script_under_zero_init_gets_the_policy(tmp_path):
 SLOW_DISK = 1000.0  # bytes/s given as the disk's bandwidth: storing a block never beats recomputing it
 
 
+@pytest.mark.long("the auto policy on two ranks above; its modes per block: tests/io/test_activation_auto.py")
 def test_auto_policy_mixing_every_mode_matches_keep(tmp_path):
     keep, _ = run_plain(tmp_path, "keep", policy="keep", loss_chunk_tokens=0)
     # A budget with room for everything keeps all three blocks, and reports what each one measured.
@@ -228,6 +229,9 @@ def run_hf_trainer(tmp_path, name, **activations):
     return losses, json.loads(stats[-1].split("=", 1)[1]) if stats else None
 
 
+@pytest.mark.long(
+    "the same config's policy in a plain script: above; the HF Trainer's swapper path: test_aidaptiv_swapper.py"
+)
 def test_hf_trainer_gets_the_policy_from_the_deepspeed_config(tmp_path):
     keep, _ = run_hf_trainer(tmp_path, "keep", policy="keep", loss_chunk_tokens=0)
     nvme, stats = run_hf_trainer(tmp_path, "nvme", policy="nvme", loss_chunk_tokens=CHUNK)

@@ -226,7 +226,12 @@ def test_plain_deepspeed_script_picks_up_the_block(tmp_path, autoload):
         # bf16: separate fp32 masters in the optimizer chunks, updated values converted into the parameters.
         (("--dtype", "bf16"), "zero3_cpu_offload.json", 1e-5),
         # Gradient accumulation: gradient buffers carried (and written out under pressure) across micro-steps.
-        (("--grad-accum", "3"), "zero3.json", 1e-5),
+        pytest.param(
+            ("--grad-accum", "3"),
+            "zero3.json",
+            1e-5,
+            marks=pytest.mark.long("accumulation with the deferred update: test_deferred_update.py"),
+        ),
     ],
     ids=["bf16", "grad-accum"],
 )

@@ -70,6 +70,7 @@ def test_disk_refusal_counts_the_swap_bytes_of_the_mode(bench):
 FACTORY, WHERE = probe_cgroup()
 
 
+@pytest.mark.long("bench/capacity_models.py runs the ladder; the climb and the disk refusal are tested above")
 @pytest.mark.skipif(FACTORY is None, reason=f"needs a memory cgroup to cap the cells: {WHERE}")
 def test_short_ladder_under_a_cap(tmp_path):
     out = tmp_path / "out"

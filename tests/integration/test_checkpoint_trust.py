@@ -396,6 +396,9 @@ def test_resuming_another_model_is_one_sentence(saved):
     assert "Missing key" not in log and "Unexpected key" not in log
 
 
+@pytest.mark.long(
+    "one rank's skip of a damaged tag: test_resume_auto_skips_a_damaged_latest_and_resumes_the_one_before"
+)
 def test_two_ranks_skip_a_tag_only_one_of_them_finds_damaged(tmp_path):
     """Rank 1's params.bin of the newest tag is damaged, rank 0's is not: both ranks refuse it together and
     resume the tag before it (one rank loading step 4 and the other step 2 would train on mixed state)."""

@@ -91,7 +91,11 @@ def assert_same_weights(a, b, atol=0.0):
     )
 
 
-@pytest.mark.parametrize("procs", [None, 2], ids=["1-rank", "2-ranks"])
+@pytest.mark.parametrize(
+    "procs",
+    [pytest.param(None, marks=pytest.mark.long("the two-rank case below runs the same update")), 2],
+    ids=["1-rank", "2-ranks"],
+)
 def test_deferred_update_is_exact_with_clipping_and_accumulation(tmp_path, procs):
     if procs is None:
         # The clipping acts in this setting: without it the weights come out different.

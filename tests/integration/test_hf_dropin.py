@@ -185,6 +185,7 @@ def test_peft_model_in_the_hf_trainer_trains_only_adapters_like_stock_zero3(tmp_
     assert_lora_trained_only_adapters(ours, stock)
 
 
+@pytest.mark.long("TRL and PEFT each run in the tests above")
 def test_trl_sft_trainer_with_a_peft_config_trains_only_adapters_like_stock_zero3(tmp_path):
     """TRL wraps the model with PEFT itself and patches its fused LM head into the base model. Before the fix
     our chunked loss went on the PEFT wrapper, around that head: AttributeError: 'CausalLMOutputWithPast'

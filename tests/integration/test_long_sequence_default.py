@@ -43,6 +43,7 @@ def _train(tmp_path, name, policy=None):
         cg.remove()
 
 
+@pytest.mark.long("bench/long_sequence.py runs it; the nvme policy's losses: test_activations.py")
 def test_shipped_config_trains_a_long_sequence_under_a_cap_where_keep_is_killed(tmp_path):
     rc, log, ooms = _train(tmp_path, "keep", policy="keep")
     assert rc != 0 and ooms >= 1, log[-2000:]

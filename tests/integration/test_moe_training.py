@@ -62,6 +62,7 @@ def test_micro_moe_through_the_block_matches_stock_zero3(tmp_path, mode):
     assert_same_losses(m["losses"], r["losses"], rel=1e-5)
 
 
+@pytest.mark.long("two ranks against stock ZeRO-3: the disjoint-experts test below")
 def test_micro_moe_on_two_ranks_matches_stock_zero3_on_two_ranks(tmp_path):
     # The preset's own routing (random weights) under the deepspeed launcher: each rank its own batches.
     ours, ref = tmp_path / "ours", tmp_path / "ref"

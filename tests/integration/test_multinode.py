@@ -53,6 +53,7 @@ def one_node_two_ranks(tmp_path_factory):
     return read_metrics(cwd / "m.json")
 
 
+@pytest.mark.long("tests/cluster/ runs two nodes for real (srun, pdsh, slurm)")
 def test_two_nodes_no_ssh_match_one_node(tmp_path, one_node_two_ranks):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")  # names only: --no_ssh never resolves them

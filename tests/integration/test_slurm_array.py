@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from sweep_fakes import ROOT, rows_of, write_grid
 
 
+@pytest.mark.long("tests/cluster/test_sbatch.py submits the array to a real SLURM controller")
 def test_concurrent_array_tasks_and_requeue(fake_env, tmp_path):
     grid = write_grid(tmp_path / "g.json", micro_batches=[1, 2], backends=["zero3"])
     out = str(tmp_path / "shared-results")

@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO, child_env
 
 
+@pytest.mark.long("bench/swap_step_time.py runs it")
 def test_aidaptiv_alone_is_held_to_an_estimated_bound(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, os.path.join(REPO, "bench", "swap_step_time.py"), "--model", "micro"]

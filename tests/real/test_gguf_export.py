@@ -1,7 +1,7 @@
 """`export --format gguf` of a fine-tuned real model (a LoRA run of SmolLM2-135M-Instruct, merged): transformers'
 GGUF reader gives the safetensors export's weights back, bit for bit in bf16 (equal logits) and within q8_0's
-rounding in q8_0 (logits within 5% of their largest magnitude, the same greedy answer), with the tokenizer and
-chat template (the same prompt ids)."""
+rounding in q8_0 (logits within 5% of their largest magnitude, the same greedy answer; with
+AIDAPTIV_TESTS_LONG=1), with the tokenizer and chat template (the same prompt ids)."""
 
 import os
 import subprocess
@@ -52,7 +52,10 @@ def _logits_and_reply(folder, gguf_file=None):
     return ids["input_ids"], logits, tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "q8_0"])
+@pytest.mark.parametrize(
+    "kind",
+    ["bf16", pytest.param("q8_0", marks=pytest.mark.long("bench/gguf_llamacpp.py runs q8_0 in llama.cpp itself"))],
+)
 def test_the_gguf_reads_back_as_the_safetensors_export(trained, kind):
     gguf = _export(trained, kind)
     ids, logits, reply = _logits_and_reply(str(trained / "out"))
