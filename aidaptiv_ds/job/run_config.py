@@ -1,5 +1,6 @@
 """The DeepSpeed config as one training run uses it: the activation policy the run's settings imply, where W&B
-writes, and whether the plan says the job fits this node, all decided before DeepSpeed starts."""
+writes, whether the plan says the job fits this node and whether its swap folders can be used, all decided before
+DeepSpeed starts."""
 
 from __future__ import annotations
 
@@ -106,6 +107,37 @@ def fit_problems(spec, cfg: dict, seq_len: int, world_size: int, cuda: bool, lor
 
 
 _LONG = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def swap_problems(cfg: dict, nvme_path_flag: Optional[str], create_nvme_path: bool) -> List[str]:
+    """The swap folders the run will use, by the rule every command applies
+    (aidaptiv_ds.engine.disk.swap_folder_problem): one that exists, on a disk that takes O_DIRECT, writable.
+    Made by the run instead when ``create_nvme_path`` says so (for the folder ``--nvme-path`` gave), and by
+    DeepSpeed when its own swapper (ZeRO-Infinity's offload blocks) uses it: those are checked at the parent they
+    will be made in. Problems name the flag when one gave the folder, else the config's key."""
+    from aidaptiv_ds.config import ds_config
+    from aidaptiv_ds.engine.disk import swap_folder_problem
+
+    ours = ds_config.backend(cfg) == "aidaptiv"
+    sections = [("aidaptiv", cfg.get("aidaptiv"))] if ours else []
+    if not ours:  # with the aidaptiv block, DeepSpeed's offload blocks are ours (its check keeps them equal)
+        zero = cfg.get("zero_optimization") or {}
+        sections += [(f"zero_optimization.{k}", zero.get(k)) for k in ("offload_param", "offload_optimizer")]
+    found, seen = [], set()
+    for name, block in sections:
+        if not isinstance(block, dict) or not block.get("nvme_path") or block["nvme_path"] in seen:
+            continue  # an empty nvme_path is the config check's to report
+        if name != "aidaptiv" and str(block.get("device", "none")).lower() != "nvme":
+            continue
+        path = block["nvme_path"]
+        seen.add(path)
+        made = name != "aidaptiv" or bool(
+            create_nvme_path and nvme_path_flag and path == os.path.abspath(nvme_path_flag)
+        )
+        problem = swap_folder_problem(path, made_by_job=made)
+        if problem:
+            found.append(f"`nvme_path` {problem}" if nvme_path_flag else f"{name}.nvme_path {problem}")
+    return found
 
 
 def shipped_precision(config) -> Optional[str]:

@@ -127,7 +127,7 @@ class Run:
             for block in ds_config.nvme_blocks(cfg):  # relative paths mean the working directory, as in DeepSpeed;
                 if block["nvme_path"]:  # made absolute so that logs and metrics are unambiguous
                     block["nvme_path"] = os.path.abspath(block["nvme_path"])
-            found += self.swap_problems(cfg)
+            found += run_config.swap_problems(cfg, a.nvme_path, a.create_nvme_path)
         if found:
             raise TrainingFailed("; ".join(found))
         if a.create_nvme_path:  # before the config check, which refuses a missing folder
@@ -260,36 +260,6 @@ class Run:
             chat_template=bool(getattr(self.tokenizer, "has_chat_template", False)),
         )
         return data_path
-
-    def swap_problems(self, cfg: dict) -> list[str]:
-        """The swap folders the run will use, by the rule every command applies
-        (aidaptiv_ds.engine.disk.swap_folder_problem): one that exists, on a disk that takes O_DIRECT, writable.
-        Made by the run instead when ``create_nvme_path`` says so, and by DeepSpeed when its own swapper
-        (ZeRO-Infinity's offload blocks) uses it: those are checked at the parent they will be made in."""
-        from aidaptiv_ds.config import ds_config
-        from aidaptiv_ds.engine.disk import swap_folder_problem
-
-        a = self.settings
-        ours = ds_config.backend(cfg) == "aidaptiv"
-        sections = [("aidaptiv", cfg.get("aidaptiv"))] if ours else []
-        if not ours:  # with the aidaptiv block, DeepSpeed's offload blocks are ours (its check keeps them equal)
-            zero = cfg.get("zero_optimization") or {}
-            sections += [(f"zero_optimization.{k}", zero.get(k)) for k in ("offload_param", "offload_optimizer")]
-        found, seen = [], set()
-        for name, block in sections:
-            if not isinstance(block, dict) or not block.get("nvme_path") or block["nvme_path"] in seen:
-                continue  # an empty nvme_path is the config check's to report
-            if name != "aidaptiv" and str(block.get("device", "none")).lower() != "nvme":
-                continue
-            path = block["nvme_path"]
-            seen.add(path)
-            made = name != "aidaptiv" or bool(
-                a.create_nvme_path and a.nvme_path and path == os.path.abspath(a.nvme_path)
-            )
-            problem = swap_folder_problem(path, made_by_job=made)
-            if problem:
-                found.append(f"`nvme_path` {problem}" if a.nvme_path else f"{name}.nvme_path {problem}")
-        return found
 
     def check_fits(self, cfg: dict) -> None:
         """Refuse, before a byte is written, a job the plan says this node cannot hold (every problem, in full),
