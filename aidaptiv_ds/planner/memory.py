@@ -20,7 +20,7 @@ ever touched), and, for ZeRO-Infinity, the fp32 gradient buffer of the largest o
 activations exist, so it is not counted for them).
 
 Model-state bytes of DeepSpeed's backends agree with DeepSpeed's own estimator
-(``estimate_zero3_model_states_mem_needs``, reproduced in :func:`deepspeed_estimate`; a test compares them).
+(``estimate_zero3_model_states_mem_needs``, reproduced in :func:`aidaptiv_ds.planner.deepspeed_estimate.deepspeed_estimate`; a test compares them).
 Activations are counted per token and layer, approximately (:func:`activation_bytes`); the framework's own
 host memory (torch, DeepSpeed, transformers, the process group) is measured once (:mod:`.rates`).
 All figures are bytes per rank unless a name says per node. Nothing here imports torch or DeepSpeed.
@@ -33,6 +33,7 @@ from typing import Dict, List, Optional
 
 from aidaptiv_ds.common.sizes import SWAP_FILE_GROW_STEP, GiB, align_up, dtype_bytes
 from aidaptiv_ds.config.settings import auto_chunk
+from aidaptiv_ds.planner.deepspeed_estimate import ADDITIONAL_BUFFER_FACTOR, deepspeed_estimate
 from aidaptiv_ds.planner.shapes import ModelShape
 from aidaptiv_ds.swap.budget_split import BudgetSplit, fit_prefetch_depth, shrink_layer_groups, split_budget
 
@@ -58,7 +59,6 @@ ZI_PARAM_BUFFER_COUNT = 5
 ZI_PARAM_BUFFER_SIZE = 20_000_000
 ZI_OPT_BUFFER_COUNT = 4
 ZI_SUB_GROUP_SIZE = 100_000_000
-ADDITIONAL_BUFFER_FACTOR = 1.5  # estimate_zero3_model_states_mem_needs's default
 # What a chosen host budget leaves of a node's memory for the OS, the page cache, data loading and the user:
 # a tenth of it, at least 2 GiB. Only the plan's own choice keeps it (a budget given is taken as given), and
 # never at the price of a job that would otherwise fit: then the budget is the least the run needs.
@@ -92,43 +92,6 @@ DS_STEP_TRANSIENT_PER_PARAM = 10.3
 # took after their release (the peak RSS of that run fell from 2323 to 1690 MiB with MALLOC_MMAP_THRESHOLD_
 # fixed at 128 KiB; 1 rank: 2517 to 2210): at the peak they are resident whether or not still in use.
 STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's default; the shipped configs do not set it
-
-
-def deepspeed_estimate(
-    total_params: int,
-    largest_layer_params: int,
-    num_gpus_per_node: int = 1,
-    num_nodes: int = 1,
-    cpu_offload: bool = True,
-    cpu_offload_params: bool = True,
-    zero_init: bool = True,
-    additional_buffer_factor: float = ADDITIONAL_BUFFER_FACTOR,
-):
-    """(cpu bytes per node, gpu bytes per GPU, largest layer bytes): DeepSpeed 0.19's
-    ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, the same formula."""
-    total_gpus = num_nodes * num_gpus_per_node
-    gpus_factor = 1 / num_nodes
-    largest_layer_memory = 4 * largest_layer_params
-    if cpu_offload:
-        if cpu_offload_params:
-            gpu_mem = largest_layer_memory
-            if zero_init:
-                cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
-            else:
-                cpu_mem = total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
-        else:
-            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
-            if zero_init:
-                cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
-            else:
-                cpu_mem = total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
-    else:
-        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
-        if zero_init:
-            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
-        else:
-            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
-    return int(cpu_mem), int(gpu_mem), largest_layer_memory
 
 
 @dataclass

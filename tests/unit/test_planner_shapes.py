@@ -12,6 +12,7 @@ from aidaptiv_ds.common.sizes import align_up
 from aidaptiv_ds.config import settings as config_settings
 from aidaptiv_ds.models import presets as models
 from aidaptiv_ds.planner import memory as M
+from aidaptiv_ds.planner.deepspeed_estimate import ADDITIONAL_BUFFER_FACTOR, deepspeed_estimate
 from aidaptiv_ds.planner.shapes import resolve_shape, shape_of_config
 
 
@@ -123,7 +124,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_estimator_formula_is_deepspeeds(params, largest, gpus, nodes, offload, offload_params):
     stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
     for zero_init in (True, False):
-        ours = M.deepspeed_estimate(params, largest, gpus, nodes, offload, offload_params, zero_init)
+        ours = deepspeed_estimate(params, largest, gpus, nodes, offload, offload_params, zero_init)
         theirs = stage3.estimate_zero3_model_states_mem_needs(
             params, largest, gpus, nodes, offload, offload_params, zero_init
         )
@@ -144,7 +145,7 @@ def test_model_state_bytes_agree_with_the_estimator(gpus, nodes):
     assert abs(state - z3.deepspeed_estimate["gpu_per_gpu"]) <= slack
     off = M.plan_backend("zero3_cpu_offload", job, hw)
     # cpu_mem is the state of the node's ranks times DeepSpeed's additional_buffer_factor (1.5)
-    state = sum(off.host_pinned[k] for k in state_keys) * gpus * M.ADDITIONAL_BUFFER_FACTOR
+    state = sum(off.host_pinned[k] for k in state_keys) * gpus * ADDITIONAL_BUFFER_FACTOR
     assert abs(state - off.deepspeed_estimate["cpu_per_node"]) <= slack * 1.5 * gpus
     assert off.gpu["gathered largest layer"] == off.deepspeed_estimate["gpu_per_gpu"]
 
