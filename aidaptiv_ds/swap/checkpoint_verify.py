@@ -15,7 +15,7 @@ the same way what an export or a generation reads (every rank's params.bin), eac
 to do (:data:`AGAIN`, :data:`EXPORT_AGAIN`, :data:`GENERATE_AGAIN`). CRC32 finds damage (flipped bits, torn or
 truncated writes, files swapped between tags), not a forger who rewrites the manifest and checksums.json too;
 what stands in that one's way is that every pickle of the tag is loaded as data only, on a resume before
-DeepSpeed loads anything (:func:`aidaptiv_ds.zero3.checkpoint.check_pickles_are_data`) and by DeepSpeed's own
+DeepSpeed loads anything (:func:`aidaptiv_ds.zero3.checkpoint_trust.check_pickles_are_data`) and by DeepSpeed's own
 load (:mod:`aidaptiv_ds.zero3.compat`, ``checkpoint_loads_as_data``). A checkpoint saved before checksums
 existed loads with a warning that it was not verified. The refusals it raises are the format's
 (:mod:`aidaptiv_ds.swap.checkpoint_format`). Nothing here needs DeepSpeed.

@@ -26,7 +26,7 @@ from deepspeed import comm as dist
 def attach(engine, runtime) -> None:
     from aidaptiv_ds.common import durable
     from aidaptiv_ds.swap import checkpoint_format, checkpoint_verify
-    from aidaptiv_ds.zero3 import checkpoint, compat
+    from aidaptiv_ds.zero3 import checkpoint, checkpoint_trust, compat
 
     engine.aidaptiv_runtime = runtime
     engine.aidaptiv_stats = runtime.stats_dict
@@ -67,10 +67,10 @@ def attach(engine, runtime) -> None:
                     f"last checkpoint in {save_dir} stays the one to resume from"
                 )
             # DeepSpeed's zero_to_fp32.py cannot convert this checkpoint and unpickles whatever its folder holds:
-            # the save dir gets a script that says what to run instead (see checkpoint.RECOVERY_POINTER).
+            # the save dir gets a script that says what to run instead (see checkpoint_trust.RECOVERY_POINTER).
             with (
                 compat.checkpoint_file_hooks(engine, durable.crash_point, durable.hooks_active()),
-                compat.recovery_scripts_replaced(engine, checkpoint.write_recovery_pointers),
+                compat.recovery_scripts_replaced(engine, checkpoint_trust.write_recovery_pointers),
             ):
                 ds_save(
                     save_dir,
@@ -98,7 +98,7 @@ def attach(engine, runtime) -> None:
                 try:
                     folder, manifest = checkpoint.read_manifest(load_dir, resolved, runtime.rank)
                     checkpoint_verify.verify_tag(os.path.join(load_dir, resolved), folder, manifest)
-                    checkpoint.check_pickles_are_data(os.path.join(load_dir, resolved))
+                    checkpoint_trust.check_pickles_are_data(os.path.join(load_dir, resolved))
                     checkpoint.check_fits_this_run(engine, runtime, folder, manifest)
                 except checkpoint_format.CheckpointMismatchError as e:
                     problem = e
@@ -116,7 +116,7 @@ def attach(engine, runtime) -> None:
             )
         # Every file DeepSpeed unpickles is loaded as data only, as the check above loaded every pickle of the tag:
         # a planted object is refused, not run, also when the file changed between the two.
-        with compat.checkpoint_loads_as_data(engine, checkpoint.refused_file):
+        with compat.checkpoint_loads_as_data(engine, checkpoint_trust.refused_file):
             load_path, client_state = ds_load(load_dir, tag=tag, **kwargs)
         if load_path is not None:
             checkpoint.load(
