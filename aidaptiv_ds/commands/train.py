@@ -316,7 +316,7 @@ def _setting_names() -> set:
 
 
 def run(args) -> int:
-    from aidaptiv_ds.job.rank_env import ensure_single_process_env
+    from aidaptiv_ds.job.rank_env import end_rank_process, ensure_single_process_env
 
     ensure_single_process_env()
     # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, once per step; say nothing about them.
@@ -388,4 +388,7 @@ def run(args) -> int:
             print(where, file=sys.stderr, flush=True)
     if job.rank == 0 or status != "ok":
         print(one_line(metrics) if job.rank == 0 else f"rank {job.rank}: {one_line(metrics)}", flush=True)
-    return {"ok": EXIT_OK, "oom": EXIT_OOM, "refused": EXIT_OOM}.get(status, EXIT_ERROR)
+    code = {"ok": EXIT_OK, "oom": EXIT_OOM, "refused": EXIT_OOM}.get(status, EXIT_ERROR)
+    if job.world_size > 1:
+        end_rank_process(code)  # gloo's threads must not meet the interpreter's teardown (see end_rank_process)
+    return code

@@ -142,3 +142,26 @@ def make_nvme_path(path: str) -> bool:
 
     atexit.register(remove_if_empty)
     return True
+
+
+def end_rank_process(code: int):
+    """End this rank of a multi-rank job with ``code`` once its run is over: the atexit hooks (the swapper's
+    clean-up, make_nvme_path's folder removal, logging's flush) run first, then stdout and stderr are flushed,
+    then the process ends without the interpreter's own teardown.
+
+    Why: after the run, destroy_process_group() leaves the gloo groups' threads (gloo_tcp_loop and two
+    pt_gloo_runloop per group) running, because DeepSpeed's engine, optimizer, every parameter's
+    ds_process_group and deepspeed.utils.groups still hold the groups. They were then torn down during the
+    interpreter's finalization, racing the peer that had already exited, and once in CI a rank that had finished
+    its run cleanly died there with "terminate called without an active exception" (SIGABRT, exit -6), failing
+    the job (torch's gloo has the same abort at exit: pytorch issues 190489 and 179291). Nothing of the run is
+    left to do at this point; skipping the teardown removes the race."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
