@@ -123,6 +123,15 @@ def budget_for(model: str, floor: int, seq_len: int) -> int:
     return budget
 
 
+def moe_active_parameters(name: str) -> int | None:
+    """The parameters one token uses, for a mixture-of-experts preset; None for a dense one."""
+    from aidaptiv_ds.models.presets import MOE_FAMILIES, preset_config
+    from aidaptiv_ds.models.presets import active_parameters as active
+
+    config = preset_config(name)
+    return active(config) if config.model_type in MOE_FAMILIES else None
+
+
 def climb(models: list[str], attempt) -> tuple[str | None, dict | None, list[dict]]:
     """Tries ``models`` in order while they fit. ``attempt(model)`` returns a row with ``fits``. Returns (the
     largest that fit, the row of the first that did not (None: every size fit), every row)."""
@@ -297,8 +306,10 @@ def summary_lines(results: list[tuple[str, str, str | None, dict | None, list[di
     from aidaptiv_ds.models.presets import nominal_parameters
 
     m = runner.ctx["machine"]
+    moe = {name: active for name in args.models if (active := moe_active_parameters(name))}
+    kind = "mixture-of-experts model" if len(moe) == len(args.models) else "model"
     lines = [
-        f"# Capacity by model size under {'an' if str(args.host_mem_cap_gb)[0] == '8' else 'a'} "
+        f"# Capacity by {kind} size under {'an' if str(args.host_mem_cap_gb)[0] == '8' else 'a'} "
         f"{args.host_mem_cap_gb:g} GiB host cap",
         "",
         f"The largest model each backend fine-tunes for {args.steps} steps with finite losses: one CPU process, "
@@ -329,6 +340,8 @@ def summary_lines(results: list[tuple[str, str, str | None, dict | None, list[di
             )
         peak = top and (top.get("cell_mem_peak_mb") or top.get("tree_peak_rss_mb"))
         size = f"{largest} | {nominal_parameters(largest) / 1e9:.2f} B" if largest else "none | -"
+        if largest in moe:
+            size += f" ({moe[largest] / 1e9:.2f} B active)"
         step = "-" if not top or top.get("step_s") is None else format(top["step_s"], ".1f")
         budget = top and top.get("aidaptiv_host_budget_bytes")
         if top and variant == eqmem.BACKEND:
@@ -372,6 +385,14 @@ def summary_lines(results: list[tuple[str, str, str | None, dict | None, list[di
                 "RAM; the base is only read, so its bytes read a step are set against twice the base (once for "
                 "the forward, once for the backward).",
             ]
+    if moe:
+        lines += [
+            "",
+            "Mixtures of experts: every expert is trained (its weights, gradient and optimizer state are held and "
+            "swapped like any parameter), so memory and swap bytes go with all the parameters and compute with the "
+            "active ones (a token's share of the experts). LoRA's q_proj,v_proj targets are the attention's; the "
+            "experts stay frozen there.",
+        ]
     if "lora" in args.modes and "zero_infinity" in args.variants:
         lines += ["", ZI_LORA + "."]
     if "lora" in args.modes and eqmem.BACKEND in args.variants:

@@ -9,6 +9,7 @@ Results (docs/RESULTS.md) from the committed rows under bench/results/<study>/<v
 (last row, and every row's ratios); the summary.md of swap_step_time/{tiny, small, tinyllama-1.1b, qwen2.5-3b,
 qwen2.5-3b_eighth} and heap_settings/{tiny, small} (each written from its rows); user_paths/tiny/rows.jsonl;
 cpu_small/xeon/results.jsonl; cpu_small_repeats/epyc/results.jsonl; the summary.md of capacity_models/cap_8gib
+and capacity_models/moe_cap_8gib
 (bench/capacity_models.py's), lora_memory/tinyllama-1.1b, capacity_seq_len/cap_5gib (bench/capacity_seq_len.py's,
 from its rows), long_sequence/tiny, generate_offload/{tinyllama-1.1b_fp32, tinyllama-1.1b_bf16, qwen2.5-3b_bf16,
 tinyllama-1.1b_fp32_zero_inference} and io_order/2core_vm; gpu_*/*/results.jsonl (through the sweep report's tables);
@@ -259,6 +260,12 @@ def sweep_section():
 def capacity_section():
     return [
         *summary_md("capacity_models/cap_8gib", "python bench/capacity_models.py"),
+        "",
+        *summary_md(
+            "capacity_models/moe_cap_8gib",
+            "python bench/capacity_models.py --models tiny-moe,small-moe,medium-moe,olmoe-1b-7b "
+            "--out bench/results/capacity_models/moe_cap_8gib",
+        ),
         "",
         *summary_md("capacity_seq_len/cap_5gib", "python bench/capacity_seq_len.py"),
     ]
