@@ -6,7 +6,7 @@
     python bench/readme_tables.py --print    # prints both sections instead
 
 Results (docs/RESULTS.md) from the committed rows under bench/results/<study>/<variant>/: io_engines/2core_vm/rows.jsonl
-(last row, and every row's ratios); the summary.md of swap_step_time/{tiny, small, tinyllama-1.1b, qwen2.5-3b,
+(last row, and every row's ratios); the summary.md of swap_step_time/{tiny, small, tiny-moe, tinyllama-1.1b, qwen2.5-3b,
 qwen2.5-3b_eighth} and heap_settings/{tiny, small} (each written from its rows); user_paths/tiny/rows.jsonl;
 cpu_small/xeon/results.jsonl; cpu_small_repeats/epyc/results.jsonl; the summary.md of capacity_models/cap_8gib
 and capacity_models/moe_cap_8gib
@@ -127,6 +127,12 @@ def step_time_section():
             "swap_step_time/small",
             "python bench/swap_step_time.py --model small --budget-fraction 0.4 "
             "--repeats 3 --steps 10 --out bench/results/swap_step_time/small",
+        ),
+        "",
+        *summary_md(
+            "swap_step_time/tiny-moe",
+            "python bench/swap_step_time.py --model tiny-moe --repeats 3 --steps 8 "
+            "--out bench/results/swap_step_time/tiny-moe",
         ),
         "",
         *summary_md(

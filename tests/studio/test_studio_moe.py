@@ -20,7 +20,7 @@ def test_an_moe_model_plans_trains_exports_and_compares_in_the_studio(tmp_path):
         "".join(json.dumps({"text": f"Expert {i} answers question {i} about routing."}) + "\n" for i in range(32))
     )
     s = RunSettings(
-        name="moe", model="micro-moe", data=str(data), steps=4, save_every=2, seq_len=32, nvme_path=str(ws.swap)
+        name="moe", model="micro-moe", data=str(data), steps=2, save_every=2, seq_len=32, nvme_path=str(ws.swap)
     )
     planned = tmp_path / "plan"
     plan = run_plan(s, planned)
@@ -34,7 +34,7 @@ def test_an_moe_model_plans_trains_exports_and_compares_in_the_studio(tmp_path):
         time.sleep(1)
     assert st["state"] == "finished", (st, runs.log_tail("moe"))
     metrics = runs.metrics("moe")
-    assert metrics["status"] == "ok" and len(metrics["losses"]) == 4, metrics
+    assert metrics["status"] == "ok" and len(metrics["losses"]) == 2, metrics
     written = runs.export("moe")
     model, base = (runs.folder("moe") / name for name in ("model", "base"))
     assert sorted(written) == ["runs/moe/base", "runs/moe/model"], written  # under the studio's root
