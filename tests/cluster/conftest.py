@@ -71,7 +71,7 @@ class Cluster:
         """scontrol requeue, made eligible at once: SLURM holds a requeued job back about 2 minutes. Not within
         the second its tasks ended: slurmd revokes a finished job's credential by its id, compared in whole
         seconds, and a task of the same job started in that second is killed as "Job credential revoked"
-        (slurmctld.log; it failed this test once in CI and once in six runs here)."""
+        (slurmctld.log; it failed this test once in CI and once in four runs here)."""
         time.sleep(2)
         self.run("scontrol", "requeue", job)
         self.run("scontrol", "update", f"JobId={job}", "StartTime=now")

@@ -9,7 +9,7 @@ import json
 import time
 
 from aidaptiv_ds.studio.compare import side_by_side
-from aidaptiv_ds.studio.runs import Runs, RunSettings, run_plan
+from aidaptiv_ds.studio.runs import ACTIVE, Runs, RunSettings, run_plan
 from aidaptiv_ds.studio.workspace import Workspace
 
 
@@ -29,7 +29,7 @@ def test_an_moe_model_plans_trains_exports_and_compares_in_the_studio(tmp_path):
     runs.create(s, planned)
     runs.launch("moe")
     deadline = time.monotonic() + 600
-    while (st := runs.status("moe"))["state"] in ("starting", "running", "stopping"):
+    while (st := runs.status("moe"))["state"] in ACTIVE:
         assert time.monotonic() < deadline, runs.log_tail("moe")
         time.sleep(1)
     assert st["state"] == "finished", (st, runs.log_tail("moe"))
