@@ -22,12 +22,14 @@ budget), its tokens run in turns, each turn's experts fitting the slots: a token
 own experts alone, so the turns give the same bits.
 
 Counted in ``stats`` (shared with the read ring): ``expert_lookups`` (experts a step and layer needed),
-``expert_hits``, ``expert_reads`` and ``expert_bytes_read`` (also in ``reads`` and ``bytes_read``), and
-``expert_wait_s`` (also in ``wait_s``).
+``expert_hits``, ``expert_reads`` and ``expert_bytes_read`` (also in ``reads`` and ``bytes_read``),
+``expert_wait_s`` (also in ``wait_s``) and ``expert_bytes_moved`` (experts read in place moved within their
+slots, :meth:`ExpertSet.moves`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import time
 from typing import Dict, List, Optional
@@ -66,7 +68,7 @@ class ExpertCache:
         self.rank = torch.full((self.slots,), _FREE, dtype=torch.int64)
         self.clock = 0
         self._saved: list = []
-        for key in ("expert_lookups", "expert_hits", "expert_reads", "expert_bytes_read"):
+        for key in ("expert_lookups", "expert_hits", "expert_reads", "expert_bytes_read", "expert_bytes_moved"):
             stats.setdefault(key, 0)
         stats.setdefault("expert_wait_s", 0.0)
 
@@ -160,8 +162,21 @@ class ExpertCache:
             waited = time.perf_counter() - t0
             self.stats["expert_wait_s"] += waited
             self.stats["wait_s"] += waited
+            for e, slot in zip(missing, victims):
+                self._move(s, e, slot)
         # Fewest uses first out, then least recently used: uses in the high bits, the step in the low ones.
         self.rank[slot_of[experts]] = (uses[experts] << 32) | self.clock
+
+    def _move(self, s: ExpertSet, expert: int, slot: int) -> None:
+        """Put the parameters of ``expert``, read in place, where the views see them (an expert of a shard that
+        lies otherwise against the pages than most): memmoves within its slot, in the order planned."""
+        moves = s.moves(expert)
+        if not moves:
+            return
+        base = self.pool.data_ptr() + slot * self.slot_bytes
+        for src, dst, n in moves:
+            ctypes.memmove(base + dst, base + src, n)
+            self.stats["expert_bytes_moved"] += n
 
     def _issue(self, s: ExpertSet, expert: int, slot: int) -> list:
         base = slot * self.slot_bytes

@@ -20,8 +20,9 @@ the expert cache. Its experts are read one of two ways:
   range around that expert's bytes (O_DIRECT moves whole pages), into the slot; the parameter lies in the slot
   at the range's offset past its page. Possible when the file holds the weights in the dtype generated in, each
   expert's slice of a parameter is one run of bytes of one file (a fused tensor's slice; or, for per-expert
-  tensors, gate and up adjacent, as safetensors orders names), and every expert of the set lies the same way
-  against the pages (same offsets past their pages, same lengths), so one view of the slots serves all;
+  tensors, gate and up adjacent, as safetensors orders names). One view of the slots serves every expert: where
+  an expert lies otherwise against the pages than most (its layer straddles two shards, whose headers differ in
+  length), its parameters are moved to the views' places in its slot once read;
 - **from the swap file**, where the lay-out writes the set's experts one after another, each one 4 KiB aligned
   unit of all its parameters: one read per expert, and a layer's experts in one extent.
 """
@@ -42,6 +43,7 @@ from aidaptiv_ds.inference.weight_groups import TENSOR_ALIGN
 ORDER_FREE = ("grouped_mm", "batched_mm")
 
 Read = Tuple[Optional[str], int, int, int]  # (model file, or None: the swap file; offset; bytes; place in the slot)
+Move = Tuple[int, int, int]  # (from, to, bytes) within a slot
 
 
 @dataclass(eq=False)
@@ -71,6 +73,7 @@ class ExpertSet:
     span: int = 0  # bytes of a slot one expert takes
     reads_in_place: Optional[List[List[Read]]] = None  # per expert, when it can be read in place
     offsets_in_place: Optional[Dict[str, int]] = None
+    moves_in_place: Optional[List[Optional[List[Move]]]] = None  # per expert: None, or its parameters' moves
     extent: object = None  # from the swap file: the set's experts, expert e at e * unit_bytes
 
     @property
@@ -106,7 +109,15 @@ class ExpertSet:
         self.in_place = True
         for p in self.params:
             p.offset = self.offsets_in_place[p.attr]
-        self.span = sum(n for _, _, n, _ in self.reads_in_place[0])
+        self.span = max(
+            max(sum(n for _, _, n, _ in reads) for reads in self.reads_in_place),
+            align_up(max(self.offsets_in_place[p.attr] + p.nbytes for p in self.params), ALIGN),
+        )
+
+    def moves(self, expert: int) -> Optional[List[Move]]:
+        """What to move within the slot once ``expert`` is read, for its parameters to lie where the views see
+        them (None: nothing)."""
+        return self.moves_in_place[expert] if self.in_place else None
 
     def views(self, pool: torch.Tensor, slot_bytes: int) -> Dict[str, torch.Tensor]:
         """Each parameter as a view of the whole pool of slots, [slots, *one expert's shape]: expert slot s is
@@ -172,9 +183,9 @@ def expert_sets_of(
     return sets
 
 
-def _file_range(source: WeightSource, name: str, start: int, nbytes: int) -> Optional[Tuple[str, int]]:
-    """(file, offset) of bytes ``start`` .. ``start + nbytes`` of tensor ``name`` when they are one run of one
-    file, else None."""
+def _file_runs(source: WeightSource, name: str, start: int, nbytes: int) -> List[Tuple[str, int, int, int]]:
+    """Bytes ``start`` .. ``start + nbytes`` of tensor ``name`` as runs of the files: (file, offset, bytes, place
+    in those bytes), adjacent pieces of one file joined."""
     runs: list = []
     pos = 0
     for path, offset, n in source.tensors[name].pieces:
@@ -184,47 +195,93 @@ def _file_range(source: WeightSource, name: str, start: int, nbytes: int) -> Opt
             if runs and runs[-1][0] == path and runs[-1][1] + runs[-1][2] == at:
                 runs[-1][2] += hi - lo
             else:
-                runs.append([path, at, hi - lo])
+                runs.append([path, at, hi - lo, lo - start])
         pos += n
-    return (runs[0][0], runs[0][1]) if len(runs) == 1 else None
+    return [tuple(r) for r in runs]
 
 
 def _plan_in_place(s: ExpertSet, source: WeightSource) -> None:
-    """Set ``s.reads_in_place`` when every expert of ``s`` can be read from the model's files the same way:
-    each parameter's slice one run of one file, runs that share or touch a page read as one (a checkpoint with one
-    tensor per expert keeps an expert's tensors side by side: one read an expert)."""
+    """Set ``s.reads_in_place`` when the experts of ``s`` can be read from the model's files: each expert's
+    runs of bytes (a parameter's slice is one run, or a few: gate and up of per-expert tensors, each its own
+    tensor) read as the 4 KiB aligned ranges around them, runs that share or touch a page in one read (a
+    checkpoint with one tensor per expert keeps an expert's tensors side by side: one read an expert).
+
+    One view of the slots serves every expert, so a parameter must lie at the same place in every slot. Experts
+    lie the same way against the pages within one file, but a layer whose experts straddle two shards lies one
+    way in each (the shards' headers differ in length), and an expert cut by a shard's end lies in two files:
+    the places most experts' parameters land at, whole, are the views' places, and the runs of an expert that
+    land elsewhere are moved there in its slot once read (``moves_in_place``, in an order in which no move
+    overwrites bytes another has still to move), not copied into the swap file."""
     if source.kind != "hf":
         return  # our checkpoints' params.bin: a tensor's bytes are pieces of several ranks' files
     if any(source.tensors[p.name].dtype != p.dtype for p in s.params):
         return  # converted to another dtype: only the swap file holds the converted bytes
-    reads, offsets, signature = [], {}, None
+    reads, lands = [], []  # per expert: its reads; where each run of each parameter lands in the slot
     for e in range(s.num_experts):
-        runs = []  # (file, offset, parameter)
+        runs = []  # (file, offset, bytes, parameter, place in the parameter's slice)
         for p in s.params:
-            found = _file_range(source, p.name, e * p.nbytes, p.nbytes)
-            if found is None or found[1] % p.dtype.itemsize:
-                return  # in pieces, or starting inside an element of the view
-            runs.append((found[0], found[1], p))
+            runs += [(path, o, n, p, at) for path, o, n, at in _file_runs(source, p.name, e * p.nbytes, p.nbytes)]
         runs.sort(key=lambda r: (r[0], r[1]))
-        mine, at, place = [], {}, 0
+        mine, land, place = [], {}, 0
         i = 0
         while i < len(runs):
-            path, offset, p = runs[i]
-            first, end, members = offset // ALIGN * ALIGN, offset + p.nbytes, [(offset, p)]
+            path, offset, n, p, at = runs[i]
+            first, end, members = offset // ALIGN * ALIGN, offset + n, [runs[i]]
             while i + 1 < len(runs) and runs[i + 1][0] == path and runs[i + 1][1] <= align_up(end):
                 i += 1
-                members.append((runs[i][1], runs[i][2]))
-                end = max(end, runs[i][1] + runs[i][2].nbytes)
+                members.append(runs[i])
+                end = max(end, runs[i][1] + runs[i][2])
             length = align_up(end) - first
             mine.append((path, first, length, place))
-            for o, q in members:
-                at[q.attr] = place + o - first
+            for _, o, n, q, at in members:
+                land[(q.attr, at)] = (place + o - first, n)
             place += length
             i += 1
-        key = ([n for _, _, n, _ in mine], at)
-        if signature is None:
-            signature, offsets = key, at
-        elif key != signature:
-            return  # experts lie differently against the pages: no one view of the slots serves them all
         reads.append(mine)
-    s.reads_in_place, s.offsets_in_place = reads, offsets
+        lands.append(land)
+    reference = _reference_places(s, lands)
+    if reference is None:
+        return
+    moves = []
+    for land in lands:
+        wanted = [(src, reference[attr] + at, n) for (attr, at), (src, n) in sorted(land.items())]
+        order = _move_order([m for m in wanted if m[0] != m[1]])
+        if order is None:
+            return  # the moves overwrite one another whatever their order: the swap file
+        moves.append(order or None)
+    s.reads_in_place, s.offsets_in_place, s.moves_in_place = reads, reference, moves
+
+
+def _reference_places(s: ExpertSet, lands: List[dict]) -> Optional[Dict[str, int]]:
+    """Where each parameter lies in every slot: where most experts' runs land with each parameter whole (its runs
+    one after another), the first such expert's among equals; else where the first expert's parameters begin.
+    None when those places overlap or cannot be viewed (not on an element of the parameter's dtype)."""
+    candidates = []
+    for land in lands:
+        starts = {attr: place for (attr, at), (place, _) in land.items() if at == 0}
+        if all(starts[attr] + at == place for (attr, at), (place, _) in land.items()):
+            candidates.append(tuple(sorted(starts.items())))
+    if candidates:
+        reference = dict(max(candidates, key=lambda k: (candidates.count(k), -candidates.index(k))))
+    else:
+        reference = {attr: place for (attr, at), (place, _) in lands[0].items() if at == 0}
+    spans = sorted((reference[p.attr], reference[p.attr] + p.nbytes) for p in s.params)
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        return None
+    if any(reference[p.attr] % p.dtype.itemsize for p in s.params):
+        return None
+    return reference
+
+
+def _move_order(moves: List[Move]) -> Optional[List[Move]]:
+    """``moves`` (source, destination, bytes within a slot) in an order where none writes over the source of one
+    still to come (each move itself may overlap its own source: a memmove), or None when there is none."""
+    pending, order = list(moves), []
+    while pending:
+        for k, (src, dst, n) in enumerate(pending):
+            if not any(dst < s2 + n2 and s2 < dst + n for j, (s2, _, n2) in enumerate(pending) if j != k):
+                order.append(pending.pop(k))
+                break
+        else:
+            return None
+    return order

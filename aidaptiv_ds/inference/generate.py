@@ -512,6 +512,7 @@ class Generator:
             hit_rate=st.get("expert_hits", 0) / lookups if lookups else None,
             reads=st.get("expert_reads", 0),
             bytes_read=st.get("expert_bytes_read", 0),
+            bytes_moved=st.get("expert_bytes_moved", 0),
             wait_s=st.get("expert_wait_s", 0.0),
         )
 

@@ -144,8 +144,8 @@ class WeightPlan:
             elif experts_from == "model":
                 raise ValueError(
                     f"`experts_from` model: the experts of {s.label} cannot be read from the model's files as they "
-                    "are (another dtype asked for, a checkpoint of ours, or experts split across files or pages "
-                    "unevenly): use `experts_from` auto or swap"
+                    "are (another dtype asked for, a checkpoint of ours, or an expert's slice of a parameter in pieces, "
+                    "as gate and up apart in the file): use `experts_from` auto or swap"
                 )
         # A slot holds one expert however it is read (the lay-out may still fall back to the swap file).
         self.expert_slot_bytes = max(max(s.span, s.unit_bytes) for s in self.expert_sets)
