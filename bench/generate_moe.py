@@ -98,6 +98,25 @@ SHAPES = {
         tie_word_embeddings=False,
     ),
 }  # fmt: skip
+# Or any mixture-of-experts preset (aidaptiv_ds/models/presets.py: qwen3-30b-a3b, gpt-oss-20b, ...), its config
+# from preset_config: the shapes of the larger published models.
+
+
+def moe_presets() -> list:
+    from aidaptiv_ds.models.presets import PRESETS, MOE_FAMILIES
+
+    return [n for n, p in PRESETS.items() if p["family"] in MOE_FAMILIES and n not in SHAPES]
+
+
+def shape_config(shape: str) -> dict:
+    """The config's fields this bench writes for ``shape`` (what its rows record)."""
+    if shape in SHAPES:
+        return dict(SHAPES[shape], model_type="olmoe")
+    from aidaptiv_ds.models.presets import preset_config
+
+    return preset_config(shape).to_diff_dict()
+
+
 SIDES = {
     "aidaptiv": "aidaptiv-ds generate (routed experts, --experts-from auto)",
     "aidaptiv_swap": "aidaptiv-ds generate --experts-from swap",
@@ -111,6 +130,8 @@ READ_FROM = {
     "model+swap": "the model files for some layers and the swap file for the others (auto copies a layer whose "
     "experts it cannot read in place)",
 }
+# Config fields the summary leaves out (the same for every shape, or transformers' bookkeeping).
+CONFIG_NOISE = {"model_type", "transformers_version", "dtype", "architectures", "output_router_logits"}
 OURS = {"aidaptiv": (), "aidaptiv_swap": ("--experts-from", "swap"), "aidaptiv_whole": ("--experts", "whole")}
 DEFAULT_SIDES = ("aidaptiv", "aidaptiv_whole", "accelerate")
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
@@ -155,9 +176,9 @@ sys.exit(main(sys.argv[1:]))
 
 
 def write_model(shape: str, dtype: str, folder: str) -> str:
-    """A random-weight OLMoE-family folder of ``shape``, written tensor by tensor (kept between runs)."""
+    """A random-weight folder of ``shape`` (OLMoE's, or a preset's), written tensor by tensor (kept between runs)."""
     stamp = os.path.join(folder, "bench-stamp.json")
-    want = {"shape": shape, "dtype": dtype, "config": SHAPES[shape], "writer": 1}
+    want = {"shape": shape, "dtype": dtype, "config": shape_config(shape), "writer": 1}
     if os.path.exists(stamp) and json.load(open(stamp)) == want:
         return folder
     code = f"""
@@ -165,10 +186,14 @@ import json, os, struct, sys, torch
 sys.path.insert(0, {ROOT!r})
 from transformers import OlmoeConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
+from aidaptiv_ds.models.presets import preset_config
 from aidaptiv_ds.models.tokenizer import save_byte_tokenizer
 folder, dtype = {folder!r}, getattr(torch, {dtype!r})
 os.makedirs(folder, exist_ok=True)
-config = OlmoeConfig(**{SHAPES[shape]!r}, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+if {shape in SHAPES!r}:
+    config = OlmoeConfig(**{SHAPES.get(shape)!r}, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+else:
+    config = preset_config({shape!r})
 config.dtype = dtype
 with torch.device("meta"):
     model = AutoModelForCausalLM.from_config(config)
@@ -295,7 +320,7 @@ def median(xs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES) + moe_presets())
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--budget", default="2GiB", help="host memory for weights, every side")
     ap.add_argument("--cap-gib", type=float, default=4.0, help="memory cgroup cap of every capped run")
@@ -338,7 +363,7 @@ def main():
     if factory is None:
         sys.exit(f"no usable memory cgroup ({where}): this bench needs one to give every side the same memory")
     common = {
-        "shape": args.shape, "config": SHAPES[args.shape], "dtype": args.dtype, "weight_bytes": weight_bytes,
+        "shape": args.shape, "config": shape_config(args.shape), "dtype": args.dtype, "weight_bytes": weight_bytes,
         "budget_bytes": args.budget_bytes, "cap_bytes": cap, "new_tokens": args.new_tokens, "zipf_s": args.zipf_s,
         "note": args.note, "threads": args.threads,
         "machine": summary(machine_info(swap)), "git_sha": git_sha(),
@@ -392,9 +417,10 @@ def write_summary(out, rows):
         f"({time.strftime('%Y-%m-%d')})",
         "",
         *([f"**{first['note']}**", ""] if first.get("note") else []),
-        f"Model: `{first['shape']}` shape (OLMoE, transformers' OlmoeConfig: {json.dumps(first['config'])}), "
+        f"Model: `{first['shape']}` shape ({first['config'].get('model_type', 'olmoe')}, transformers' config: "
+        f"{json.dumps({k: v for k, v in first['config'].items() if k not in CONFIG_NOISE})}), "
         f"random weights, {first['dtype']}, {format_size(first['weight_bytes'])} of weights written as transformers "
-        f"saves them (one tensor per expert); host budget for weights {format_size(first['budget_bytes'])} on "
+        f"saves them (one tensor per expert), in shards of 2 GiB cut in name order as the hub's are; host budget for weights {format_size(first['budget_bytes'])} on "
         f"every side ({first['weight_bytes'] / first['budget_bytes']:.1f}x smaller than the weights; accelerate: "
         f"max_memory), every capped run in a memory cgroup of {format_size(first['cap_bytes'])} (page cache "
         f"charged); page cache of the weight files dropped before each run; greedy, {first['new_tokens']} new "
