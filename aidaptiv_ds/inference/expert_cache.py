@@ -106,14 +106,57 @@ class ExpertCache:
             outs = []
             for rows in turns:
                 idx = index if rows is None else index[rows]
-                experts, counts = torch.unique(idx.reshape(-1).cpu(), return_counts=True)
-                self._load(s, experts, counts)
-                slots = self.slot_of[s.index].to(idx.device)[idx]
                 h, w = (hidden, weights) if rows is None else (hidden[rows], weights[rows])
-                outs.append(original(module, h, slots, w, **bound))
+                experts, counts = torch.unique(idx.reshape(-1).cpu(), return_counts=True)
+                pending = self._load(s, experts, counts, wait=not self._pipelines(s, h, idx))
+                slots = self.slot_of[s.index].to(idx.device)[idx]
+                if not pending:
+                    outs.append(original(module, h, slots, w, **bound))
+                else:
+                    outs.append(self._pipelined(s, original, h, idx, slots, w, pending, bound))
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
         return forward
+
+    def _pipelines(self, s: ExpertSet, hidden: torch.Tensor, index: torch.Tensor) -> bool:
+        """Whether a step's experts are computed while its misses are still being read (see :meth:`_pipelined`):
+        where the experts compute in the hidden states' dtype, so a pair's output taken alone is the bits the
+        module sums, on the (tokens, hidden) and (tokens, k) tensors transformers' implementations take."""
+        return hidden.dim() == 2 and index.dim() == 2 and all(p.dtype == hidden.dtype for p in s.params)
+
+    def _pipelined(self, s, original, hidden, index, slots, weights, pending, bound) -> torch.Tensor:
+        """The module's output with its experts computed as they arrive: first the experts the cache held, then
+        each missed one as soon as its reads are done (its moves made), while the reads of the others go on.
+
+        Each (token, expert) pair is computed by the module's own forward with that pair alone in its top-k and a
+        weight of one: its grouped or batched product of the same rows of the same expert, so the same bits; then
+        the pairs are weighed and summed as the module sums them (``(out * weight).view(tokens, k,
+        hidden).sum(1)``, transformers' grouped_mm and batched_mm), the same bits as one call."""
+        tokens, k = index.shape
+        flat = index.reshape(-1)
+        rows = torch.arange(tokens, device=hidden.device).repeat_interleave(k)
+        pair_slots = slots.reshape(-1, 1)
+        one = torch.ones(1, 1, dtype=weights.dtype, device=weights.device)
+        out = torch.empty(tokens * k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+
+        def compute(mask: torch.Tensor) -> None:
+            at = mask.nonzero().squeeze(1)
+            if at.numel():
+                out[at] = original(s.module, hidden[rows[at]], pair_slots[at], one.expand(at.numel(), 1), **bound)
+
+        missed = torch.tensor([e for e, _, _ in pending], dtype=flat.dtype)
+        compute(~torch.isin(flat.cpu(), missed).to(flat.device))
+        for expert, slot, requests in pending:
+            t0 = time.perf_counter()
+            for r in requests:
+                r.wait()
+            waited = time.perf_counter() - t0
+            self.stats["expert_wait_s"] += waited
+            self.stats["wait_s"] += waited
+            self._move(s, expert, slot)
+            compute(flat == expert)
+        weighted = out * weights.reshape(-1).unsqueeze(-1)
+        return weighted.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
     def _turns(self, s: ExpertSet, index: torch.Tensor) -> List[Optional[torch.Tensor]]:
         """[None] when the step's experts fit the slots; else the tokens in turns (rows of ``index``), in order,
@@ -134,8 +177,10 @@ class ExpertCache:
 
     # ------------------------------------------------------------------------------------------ reads
 
-    def _load(self, s: ExpertSet, experts: torch.Tensor, counts: torch.Tensor) -> None:
-        """Make sure ``experts`` (distinct) of set ``s`` are in slots; ``counts``: tokens routed to each."""
+    def _load(self, s: ExpertSet, experts: torch.Tensor, counts: torch.Tensor, wait: bool = True) -> list:
+        """Make sure ``experts`` (distinct) of set ``s`` are in slots; ``counts``: tokens routed to each. All the
+        misses are issued before anything waits; with ``wait`` False nothing waits, and the misses come back as
+        (expert, slot, requests) for the caller to wait on (and move, :meth:`_move`) one by one."""
         self.clock += 1
         slot_of, uses = self.slot_of[s.index], self.uses[s.index]
         uses.index_add_(0, experts, counts)
@@ -148,24 +193,30 @@ class ExpertCache:
             rank = self.rank.clone()
             rank[present] = _NEEDED  # what this step needs stays
             victims = torch.topk(rank, len(missing), largest=False).indices.tolist()
-            requests = []
+            pending = []
             for e, slot in zip(missing, victims):
                 old = self.held[slot]
                 if old is not None:
                     self.slot_of[old[0]][old[1]] = _FREE
                 self.held[slot] = (s.index, e)
                 slot_of[e] = slot
-                requests.extend(self._issue(s, e, slot))
+                pending.append((e, slot, self._issue(s, e, slot)))
+        else:
+            pending = []
+        # Fewest uses first out, then least recently used: uses in the high bits, the step in the low ones.
+        self.rank[slot_of[experts]] = (uses[experts] << 32) | self.clock
+        if pending and wait:
             t0 = time.perf_counter()
-            for r in requests:
-                r.wait()
+            for _, _, requests in pending:
+                for r in requests:
+                    r.wait()
             waited = time.perf_counter() - t0
             self.stats["expert_wait_s"] += waited
             self.stats["wait_s"] += waited
-            for e, slot in zip(missing, victims):
+            for e, slot, _ in pending:
                 self._move(s, e, slot)
-        # Fewest uses first out, then least recently used: uses in the high bits, the step in the low ones.
-        self.rank[slot_of[experts]] = (uses[experts] << 32) | self.clock
+            return []
+        return pending
 
     def _move(self, s: ExpertSet, expert: int, slot: int) -> None:
         """Put the parameters of ``expert``, read in place, where the views see them (an expert of a shard that
