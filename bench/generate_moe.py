@@ -35,15 +35,20 @@ streams each step; the active bytes (every expert a token uses, no cache) beside
     python bench/generate_moe.py --shape olmoe-1b-7b --budget 2GiB --cap-gib 4 --repeats 3 --routers uniform,zipf
     python bench/generate_moe.py --shape olmoe-mini --budget 160MiB --cap-gib 1.5 --repeats 1   # validation
 
+``--before REV`` adds the routed side as it was at commit REV (run from a worktree of it, interleaved with the
+others): a change to the routed path measured against its predecessor in the same run.
+
 Writes one JSON row per run to OUT/rows.jsonl and the medians to OUT/summary.md.
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,6 +57,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)  # generate_offload beside it, also when this file is loaded by a test
 
 from generate_offload import ACCELERATE_CHILD, TIMED_GENERATE, disk_read_gbps, drop_page_cache  # noqa: E402
+from step_regression import baseline_tree  # noqa: E402
 
 from aidaptiv_ds.common.sizes import format_size, parse_size  # noqa: E402
 from aidaptiv_ds.harness.hostcap import probe_cgroup  # noqa: E402
@@ -68,11 +74,11 @@ def git_sha() -> str:
     return out.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
 
 
-def run_capped(cmd, cap_bytes, factory, name):
+def run_capped(cmd, cap_bytes, factory, name, tree=ROOT):
     """``cmd`` in a fresh memory cgroup of ``cap_bytes`` (none when 0 or None), this checkout first on its path:
     (returncode, stdout, stderr, peak bytes, oom kills)."""
     cg = factory.create(f"aidaptiv-moe-bench-{os.getpid()}-{name}", cap_bytes) if factory and cap_bytes else None
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(THREADS))
+    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS=str(THREADS))
     try:
         p = subprocess.run(cg.wrap(cmd) if cg else cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         peak = cg.peak_bytes() if cg else None
@@ -103,7 +109,7 @@ SHAPES = {
 
 
 def moe_presets() -> list:
-    from aidaptiv_ds.models.presets import PRESETS, MOE_FAMILIES
+    from aidaptiv_ds.models.presets import MOE_FAMILIES, PRESETS
 
     return [n for n, p in PRESETS.items() if p["family"] in MOE_FAMILIES and n not in SHAPES]
 
@@ -120,6 +126,7 @@ def shape_config(shape: str) -> dict:
 SIDES = {
     "aidaptiv": "aidaptiv-ds generate (routed experts, --experts-from auto)",
     "aidaptiv_swap": "aidaptiv-ds generate --experts-from swap",
+    "aidaptiv_before": "aidaptiv-ds generate at --before (routed experts, --experts-from auto)",
     "aidaptiv_whole": "aidaptiv-ds generate --experts whole (dense streaming)",
     "accelerate": "accelerate disk offload",
 }
@@ -132,7 +139,12 @@ READ_FROM = {
 }
 # Config fields the summary leaves out (the same for every shape, or transformers' bookkeeping).
 CONFIG_NOISE = {"model_type", "transformers_version", "dtype", "architectures", "output_router_logits"}
-OURS = {"aidaptiv": (), "aidaptiv_swap": ("--experts-from", "swap"), "aidaptiv_whole": ("--experts", "whole")}
+OURS = {
+    "aidaptiv": (),
+    "aidaptiv_swap": ("--experts-from", "swap"),
+    "aidaptiv_whole": ("--experts", "whole"),
+    "aidaptiv_before": (),  # the same command from the --before commit's tree
+}
 DEFAULT_SIDES = ("aidaptiv", "aidaptiv_whole", "accelerate")
 PROMPT = "The history of the printing press begins in the fifteenth century, when"
 
@@ -254,7 +266,8 @@ def run_ours(args, side, model_dir, swap, cap, factory, zipf):
     ]  # fmt: skip
     code = f"MODEL_DIR = {model_dir!r}\nZIPF_S = {zipf!r}\n" + ZIPF_ROUTER + OURS_CHILD
     t0 = time.perf_counter()
-    rc, out, err, peak, ooms = run_capped([sys.executable, "-c", code, *argv], cap, factory, side)
+    tree = args.before_tree if side == "aidaptiv_before" else ROOT
+    rc, out, err, peak, ooms = run_capped([sys.executable, "-c", code, *argv], cap, factory, side, tree)
     wall = time.perf_counter() - t0
     if rc != 0:
         return {"rc": rc, "error": err[-1500:], "peak_bytes": peak, "oom_kills": ooms}
@@ -331,6 +344,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-in-memory", action="store_true", help="skip the in-memory reference (RAM for the model)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="OpenMP threads of every side")
+    ap.add_argument(
+        "--before",
+        default=None,
+        help="a git revision: adds the side aidaptiv_before, the routed side from that commit's tree (a worktree "
+        "with this tree's engine module; the engine's sources must be the same), to measure a change",
+    )
     ap.add_argument("--note", default="", help="a sentence the summary opens with (a validation run, say)")
     ap.add_argument("--summary-only", action="store_true", help="write OUT/summary.md from OUT/rows.jsonl")
     ap.add_argument("--work", default=os.path.join(ROOT, ".bench_work", "generate_moe"), help="model and swap folder")
@@ -344,6 +363,10 @@ def main():
     args.routers = [x.strip() for x in args.routers.split(",") if x.strip()]
     if set(args.sides) - set(SIDES) or "aidaptiv" not in args.sides:
         ap.error(f"--sides: aidaptiv and any of {', '.join(s for s in SIDES if s != 'aidaptiv')}")
+    if args.before and "aidaptiv_before" not in args.sides:
+        args.sides.insert(1, "aidaptiv_before")
+    if "aidaptiv_before" in args.sides and not args.before:
+        ap.error("--sides aidaptiv_before needs --before REV")
     if set(args.routers) - {"uniform", "zipf"} or not args.routers:
         ap.error("--routers: uniform and/or zipf")
     rows_path = os.path.join(args.out, "rows.jsonl")
@@ -367,6 +390,8 @@ def main():
         "budget_bytes": args.budget_bytes, "cap_bytes": cap, "new_tokens": args.new_tokens, "zipf_s": args.zipf_s,
         "note": args.note, "threads": args.threads,
         "machine": summary(machine_info(swap)), "git_sha": git_sha(),
+        "before": subprocess.run(["git", "-C", ROOT, "rev-parse", args.before], capture_output=True, text=True,
+                                 check=True).stdout.strip() if args.before else None,
         "command": " ".join(["python bench/generate_moe.py", *sys.argv[1:]]),
     }  # fmt: skip
     rows = []
@@ -387,6 +412,19 @@ def main():
             "read_gbps": disk_read_gbps(swap, 2048),
         }
     )  # fmt: skip
+    parent = tempfile.mkdtemp(prefix="generate-moe-before-") if args.before else None
+    args.before_tree = baseline_tree(args.before, parent) if args.before else None
+    try:
+        run_routers(args, model_dir, swap, offload, cap, factory, record)
+    finally:
+        if args.before_tree:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", args.before_tree], check=False)
+            shutil.rmtree(parent, ignore_errors=True)
+    write_summary(args.out, rows)
+
+
+def run_routers(args, model_dir, swap, offload, cap, factory, record):
+    """Every router's runs: the in-memory reference, then the sides interleaved, ``args.repeats`` times."""
     for router in args.routers:
         zipf = args.zipf_s if router == "zipf" else 0.0
         if not args.no_in_memory:
@@ -404,7 +442,13 @@ def main():
                     r = run_ours(args, side, model_dir, swap, cap, factory, zipf)
                 r["same_tokens_as_in_memory"] = r.get("token_ids") == ref.get("token_ids") if ref else None
                 record(dict(r, side=side, router=router, repeat=rep))
-    write_summary(args.out, rows)
+
+
+def label(side: str, first: dict) -> str:
+    """A side's name in the summary (the --before side with its commit)."""
+    if side == "aidaptiv_before":
+        return f"aidaptiv-ds generate at {(first.get('before') or '?')[:10]} (routed experts, the commit before)"
+    return SIDES[side]
 
 
 def write_summary(out, rows):
@@ -453,7 +497,7 @@ def write_summary(out, rows):
                 why = (fails[0].get("error") or "").strip().splitlines()[-1:] if fails else ["?"]
                 kills = sum(r.get("oom_kills") or 0 for r in fails)
                 said = f"{kills} killed by the cap" if kills else (why or [""])[0][-200:].replace("|", "/")
-                lines.append(f"| {SIDES[s]} | failed in {len(fails)} runs: {said} | | | | | | |")
+                lines.append(f"| {label(s, first)} | failed in {len(fails)} runs: {said} | | | | | | |")
                 continue
             tps = [r["tokens_per_s"] for r in got]
             load = median([r.get("load_s", r.get("layout_s")) for r in got])
@@ -461,7 +505,7 @@ def write_summary(out, rows):
             hit = median([r.get("decode_expert_hit_rate") for r in got])
             same = [r.get("same_tokens_as_in_memory") for r in got]
             lines.append(
-                f"| {SIDES[s]} | {median(tps):.3f} ({min(tps):.3f}-{max(tps):.3f}) | "
+                f"| {label(s, first)} | {median(tps):.3f} ({min(tps):.3f}-{max(tps):.3f}) | "
                 f"{median([r['ttft_s'] for r in got]):.2f} | {'' if load is None else f'{load:.1f}'} | "
                 f"{'' if read is None else format_size(read)} | {'' if hit is None else f'{100 * hit:.0f}%'} | "
                 f"{format_size(max(r['peak_bytes'] or 0 for r in got))} | "
@@ -484,7 +528,7 @@ def write_summary(out, rows):
             target = {"aidaptiv_whole": 4, "accelerate": 10}.get(other)
             if pairs:
                 lines.append(
-                    f"**routed / {SIDES[other]} tokens/s: {statistics.median(pairs):.2f}x** (repeat pairs "
+                    f"**routed / {label(other, first)} tokens/s: {statistics.median(pairs):.2f}x** (repeat pairs "
                     f"{min(pairs):.2f}-{max(pairs):.2f}x" + (f"; target >= {target}x)." if target else ").")
                 )
         ours = ok["aidaptiv"]
