@@ -196,7 +196,13 @@ def generate_section():
         *summary_md(
             "generate_moe/olmoe-1b-7b_bfloat16",
             "python bench/generate_moe.py --shape olmoe-1b-7b --budget 2GiB --cap-gib 4 --repeats 2 "
-            "--routers uniform,zipf",
+            "--sides aidaptiv,aidaptiv_whole,accelerate --before f3af159 --routers uniform,zipf",
+        ),
+        "",
+        *summary_md(
+            "generate_moe/qwen3-30b-a3b_bfloat16",
+            "python bench/generate_moe.py --shape qwen3-30b-a3b --budget 4GiB --cap-gib 6 --repeats 2 --sides "
+            "aidaptiv --routers uniform,zipf --no-in-memory --new-tokens 16 --note ...",
         ),
         "",
         *summary_md("io_order/2core_vm", "python bench/io_order.py"),

@@ -15,6 +15,11 @@ for good to views of the whole buffer, [slots, *one expert's shape] (:meth:`Expe
 ``num_experts`` to the number of slots. transformers' grouped_mm and batched_mm compute each token from its own
 experts' rows and sum a token's experts in top-k order, so the renumbering changes no bit of the result.
 
+**Computed as they arrive.** With misses to read, the experts the cache held are computed first and each missed
+one as soon as its reads are done, while the later ones are still being read: a layer costs its reads plus the
+compute of its last expert, not its reads plus all of its compute. Each (token, expert) pair goes through the
+module's own forward alone, then the pairs are weighed and summed as the module sums them (same bits).
+
 **Most-used first.** Each expert's uses (tokens routed to it) are counted over the whole run. A miss takes a free
 slot, else the slot whose expert has the fewest uses (the least recently used among equals), never one the step
 needs: the experts used most stay. When a step needs more experts than there are slots (a long prompt with a small
@@ -23,8 +28,9 @@ own experts alone, so the turns give the same bits.
 
 Counted in ``stats`` (shared with the read ring): ``expert_lookups`` (experts a step and layer needed),
 ``expert_hits``, ``expert_reads`` and ``expert_bytes_read`` (also in ``reads`` and ``bytes_read``),
-``expert_wait_s`` (also in ``wait_s``) and ``expert_bytes_moved`` (experts read in place moved within their
-slots, :meth:`ExpertSet.moves`).
+``expert_wait_s`` (also in ``wait_s``), ``expert_bytes_moved`` (experts read in place moved within their
+slots, :meth:`ExpertSet.moves`) and ``expert_steps_pipelined`` (module calls whose experts were computed as
+their reads completed, :meth:`ExpertCache._pipelined`).
 """
 
 from __future__ import annotations
@@ -68,7 +74,14 @@ class ExpertCache:
         self.rank = torch.full((self.slots,), _FREE, dtype=torch.int64)
         self.clock = 0
         self._saved: list = []
-        for key in ("expert_lookups", "expert_hits", "expert_reads", "expert_bytes_read", "expert_bytes_moved"):
+        for key in (
+            "expert_lookups",
+            "expert_hits",
+            "expert_reads",
+            "expert_bytes_read",
+            "expert_bytes_moved",
+            "expert_steps_pipelined",
+        ):
             stats.setdefault(key, 0)
         stats.setdefault("expert_wait_s", 0.0)
 
@@ -144,6 +157,7 @@ class ExpertCache:
             if at.numel():
                 out[at] = original(s.module, hidden[rows[at]], pair_slots[at], one.expand(at.numel(), 1), **bound)
 
+        self.stats["expert_steps_pipelined"] += 1
         missed = torch.tensor([e for e, _, _ in pending], dtype=flat.dtype)
         compute(~torch.isin(flat.cpu(), missed).to(flat.device))
         for expert, slot, requests in pending:

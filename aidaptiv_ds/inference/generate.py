@@ -513,6 +513,7 @@ class Generator:
             reads=st.get("expert_reads", 0),
             bytes_read=st.get("expert_bytes_read", 0),
             bytes_moved=st.get("expert_bytes_moved", 0),
+            steps_pipelined=st.get("expert_steps_pipelined", 0),
             wait_s=st.get("expert_wait_s", 0.0),
         )
 
