@@ -18,11 +18,12 @@ the expert cache. Its experts are read one of two ways:
 
 - **in place**, from the model's safetensors files: one read per parameter and expert, of the 4 KiB aligned
   range around that expert's bytes (O_DIRECT moves whole pages), into the slot; the parameter lies in the slot
-  at the range's offset past its page. Possible when the file holds the weights in the dtype generated in, each
-  expert's slice of a parameter is one run of bytes of one file (a fused tensor's slice; or, for per-expert
-  tensors, gate and up adjacent, as safetensors orders names). One view of the slots serves every expert: where
-  an expert lies otherwise against the pages than most (its layer straddles two shards, whose headers differ in
-  length), its parameters are moved to the views' places in its slot once read;
+  at the range's offset past its page. Possible when the file holds the weights in the dtype generated in; an
+  expert's slice of a parameter is at best one run of bytes (a fused tensor's slice; or, for per-expert tensors,
+  gate and up adjacent, as safetensors orders names). One view of the slots serves every expert: where an expert
+  lies otherwise against the pages than most (its layer straddles two shards, whose headers differ in length) or
+  its slice is in pieces (a shard's end cuts it), its parameters are moved to the views' places in its slot once
+  read. Not possible where those places would overlap (Mixtral's w1, w2, w3: down between gate and up);
 - **from the swap file**, where the lay-out writes the set's experts one after another, each one 4 KiB aligned
   unit of all its parameters: one read per expert, and a layer's experts in one extent.
 """
