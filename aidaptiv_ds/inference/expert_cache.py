@@ -159,16 +159,15 @@ class ExpertCache:
 
         self.stats["expert_steps_pipelined"] += 1
         missed = torch.tensor([e for e, _, _ in pending], dtype=flat.dtype)
-        compute(~torch.isin(flat.cpu(), missed).to(flat.device))
-        for expert, slot, requests in pending:
-            t0 = time.perf_counter()
-            for r in requests:
-                r.wait()
-            waited = time.perf_counter() - t0
-            self.stats["expert_wait_s"] += waited
-            self.stats["wait_s"] += waited
-            self._move(s, expert, slot)
-            compute(flat == expert)
+        try:
+            compute(~torch.isin(flat.cpu(), missed).to(flat.device))
+            for expert, slot, requests in pending:
+                self._await(requests)
+                self._move(s, expert, slot)
+                compute(flat == expert)
+        except BaseException:
+            self._forget(s, pending)
+            raise
         weighted = out * weights.reshape(-1).unsqueeze(-1)
         return weighted.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
@@ -220,17 +219,39 @@ class ExpertCache:
         # Fewest uses first out, then least recently used: uses in the high bits, the step in the low ones.
         self.rank[slot_of[experts]] = (uses[experts] << 32) | self.clock
         if pending and wait:
-            t0 = time.perf_counter()
-            for _, _, requests in pending:
-                for r in requests:
-                    r.wait()
-            waited = time.perf_counter() - t0
-            self.stats["expert_wait_s"] += waited
-            self.stats["wait_s"] += waited
+            try:
+                self._await([r for _, _, requests in pending for r in requests])
+            except BaseException:
+                self._forget(s, pending)
+                raise
             for e, slot, _ in pending:
                 self._move(s, e, slot)
             return []
         return pending
+
+    def _await(self, requests: list) -> None:
+        """Wait for ``requests`` (a failed read raises its error: file, offset, errno), the time counted."""
+        t0 = time.perf_counter()
+        for r in requests:
+            r.wait()
+        waited = time.perf_counter() - t0
+        self.stats["expert_wait_s"] += waited
+        self.stats["wait_s"] += waited
+
+    def _forget(self, s: ExpertSet, pending: list) -> None:
+        """After a read of ``pending`` failed (or the step was interrupted): let every one of their reads end, so
+        none still writes into the pool, then empty their slots, so that a later step (a server goes on after a
+        failed request) reads those experts again instead of computing on bytes that did not arrive whole."""
+        for e, slot, requests in pending:
+            for r in requests:
+                try:
+                    r.wait()
+                except Exception:  # noqa: BLE001 - the first failure is the one the caller raises
+                    pass
+            if self.held[slot] == (s.index, e):
+                self.slot_of[s.index][e] = _FREE
+                self.held[slot] = None
+                self.rank[slot] = _FREE
 
     def _move(self, s: ExpertSet, expert: int, slot: int) -> None:
         """Put the parameters of ``expert``, read in place, where the views see them (an expert of a shard that

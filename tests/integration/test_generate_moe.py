@@ -264,6 +264,44 @@ def test_the_experts_used_most_stay_in_the_cache():
     assert stats["expert_reads"] == stats["reads"] == 13 and stats["expert_bytes_read"] == 13 * 4096, stats
 
 
+def test_a_failed_expert_read_leaves_no_expert_marked_present(models, tmp_path):
+    """A read that fails raises its error, and the experts of that step are not left in the cache as if they had
+    arrived: a later generation on the same Generator (as a server goes on after a failed request) reads them
+    again and gives the in-memory model's tokens."""
+    from aidaptiv_ds.inference import Generator
+
+    folder = models["olmoe"]
+    with Generator(folder, host_budget="2.5MiB", nvme_path=_swap(tmp_path), device="cpu") as gen:
+        cache = gen.weights.expert_cache
+        engine = cache.engine
+        real = engine.read_async
+        calls = {"n": 0}
+
+        class Failed:
+            def wait(self):
+                raise OSError(5, "Input/output error (injected)")
+
+        def failing(buf, file, offset):
+            calls["n"] += 1
+            request = real(buf, file, offset)
+            if calls["n"] == 3:  # the third read of the run fails, leaving garbage where its expert was to be
+                request.wait()
+                buf.fill_(255)
+                calls["slot"] = (buf.data_ptr() - cache.pool.data_ptr()) // cache.slot_bytes
+                return Failed()
+            return request
+
+        engine.read_async = failing
+        with pytest.raises(OSError, match="injected"):
+            gen.generate(PROMPTS[1:], max_new_tokens=NEW)
+        engine.read_async = real
+        assert cache.held[calls["slot"]] is None, "the expert whose read failed is still held"
+        held = [(slot, h) for slot, h in enumerate(cache.held) if h is not None]
+        assert all(int(cache.slot_of[i][e]) == slot for slot, (i, e) in held)  # the map and the slots agree
+        again = gen.generate(PROMPTS[1:], max_new_tokens=NEW)[0]
+    assert again.token_ids == _reference(folder, PROMPTS[1:], NEW)[0]
+
+
 def test_whole_experts_stream_with_their_layers_and_give_the_same_tokens(models, tmp_path):
     """--experts whole: every expert with its layer, every step (a dense model's streaming), the same tokens;
     the per-expert tensors of the checkpoint are read as transformers fuses them."""
